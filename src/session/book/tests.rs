@@ -1,0 +1,278 @@
+//! SessionBook without a model: a byte-level fake renderer stands in for the
+//! chat template.
+
+use super::*;
+use crate::wire::{role, Edit, LogRecord, Params, PurgeMode, Record};
+
+/// Tokens are bytes; a message renders as `<role>text|`.
+struct Bytes;
+
+impl Render for Bytes {
+    fn n_vocab(&self) -> u32 {
+        256
+    }
+    fn tokenize(&self, text: &str) -> Vec<Token> {
+        text.bytes().map(u32::from).collect()
+    }
+    fn detokenize(&self, span: &[Token]) -> String {
+        span.iter().map(|&t| t as u8 as char).collect()
+    }
+    fn message_span(&self, _: &[Turn], _: &[String], new: &Turn, first: bool) -> Result<Vec<Token>, String> {
+        let pre = if first { "^" } else { "" };
+        Ok(self.tokenize(&format!("{pre}<{}>{}|", new.role, new.content)))
+    }
+    fn system_span(&self, text: Option<&str>, tools: &[String]) -> Result<Vec<Token>, String> {
+        for t in tools {
+            serde_json::from_str::<serde_json::Value>(t).map_err(|e| e.to_string())?;
+        }
+        Ok(self.tokenize(&format!("<sys>{}{}|", text.unwrap_or(""), tools.join(","))))
+    }
+}
+
+const P: Params = Params { temperature: 0.7, top_p: 0.95, min_p: 0.0, top_k: 0, seed: 1 };
+
+/// Plans and applies in one go, as the actors do after the commit.
+macro_rules! commit {
+    ($book:ident, $plan:expr) => {{
+        let p: Planned = $plan.expect("plan");
+        $book.apply(&p.record).expect("apply");
+        p.record
+    }};
+}
+
+fn create(book: &mut SessionBook) -> SessionId {
+    let id = book.reserve_id();
+    commit!(book, book.plan_create(id, None, P, 10));
+    id
+}
+
+fn say(book: &mut SessionBook, s: SessionId, text: &str) {
+    commit!(book, book.plan_message(s, role::USER, text.into(), &Bytes, 20));
+}
+
+fn texts(book: &SessionBook, s: SessionId) -> Vec<String> {
+    book.read(s, 0)
+        .unwrap()
+        .iter()
+        .map(|e| match &e.body {
+            Record::Message { text, .. } => text.clone(),
+            other => other.name().to_string(),
+        })
+        .collect()
+}
+
+fn ids(book: &SessionBook, s: SessionId) -> Vec<u64> {
+    book.read(s, 0).unwrap().iter().map(|e| e.event_id).collect()
+}
+
+#[test]
+fn create_append_read() {
+    let mut b = SessionBook::new();
+    let s = create(&mut b);
+    assert_eq!(s, 1);
+    say(&mut b, s, "a");
+    say(&mut b, s, "b");
+    assert_eq!(texts(&b, s), ["Created", "a", "b"]);
+    assert_eq!(ids(&b, s), [0, 1, 2]);
+    // First message carries the BOS marker, later ones do not.
+    let ev = b.read(s, 1).unwrap();
+    assert_eq!(ev[0].body.span()[0], b'^' as u32);
+    assert_ne!(ev[1].body.span()[0], b'^' as u32);
+    assert_eq!(b.read(s, 3).unwrap(), vec![]);
+    assert!(matches!(b.read(s, 4), Err(SessionError::CursorPastEnd { .. })));
+    assert!(matches!(b.read(9, 0), Err(SessionError::Unknown(9))));
+}
+
+#[test]
+fn fork_shares_ids_and_never_rewrites_parent() {
+    let mut b = SessionBook::new();
+    let s = create(&mut b);
+    say(&mut b, s, "a");
+    say(&mut b, s, "b");
+    let f = b.reserve_id();
+    commit!(b, b.plan_fork(f, s, 2, None, 30));
+    say(&mut b, f, "x");
+    say(&mut b, s, "c");
+    assert_eq!(texts(&b, f), ["Created", "a", "Forked", "x"]);
+    assert_eq!(ids(&b, f), [0, 1, 2, 3]);
+    assert_eq!(texts(&b, s), ["Created", "a", "b", "c"]);
+    // Fork of a fork, at its end: keeps everything.
+    let g = b.reserve_id();
+    commit!(b, b.plan_fork(g, f, b.len(f).unwrap(), None, 30));
+    assert_eq!(texts(&b, g), ["Created", "a", "Forked", "x", "Forked"]);
+    assert_eq!(b.len(g).unwrap(), 5);
+    assert_eq!(b.tree(), vec![(1, None, None), (2, Some(1), Some(2)), (3, Some(2), Some(4))]);
+    // Out of range.
+    let h = b.reserve_id();
+    assert!(b.plan_fork(h, s, 0, None, 1).is_err());
+    assert!(b.plan_fork(h, s, 5, None, 1).is_err());
+    assert!(b.plan_fork(h, s, 4, None, 1).is_ok());
+}
+
+#[test]
+fn rebase_drops_and_replaces() {
+    let mut b = SessionBook::new();
+    let s = create(&mut b);
+    for t in ["a", "b", "c", "d", "e"] {
+        say(&mut b, s, t);
+    }
+    let r = b.reserve_id();
+    let edits = vec![
+        Edit::Replace { from: 2, to: 3, role: role::USER, text: "B".into() },
+        Edit::Drop { from: 4, to: 5 },
+    ];
+    commit!(b, b.plan_rebase(r, s, edits, None, &Bytes, 40));
+    assert_eq!(texts(&b, r), ["Created", "a", "Rebased", "B", "c", "e"]);
+    assert_eq!(ids(&b, r), [0, 1, 2, 3, 4, 5]);
+    assert_eq!(texts(&b, s), ["Created", "a", "b", "c", "d", "e"]);
+    say(&mut b, r, "f");
+    assert_eq!(b.len(r).unwrap(), 7);
+    // Edit this message and drop what followed.
+    let r2 = b.reserve_id();
+    let edits = vec![Edit::Replace { from: 3, to: 6, role: role::USER, text: "C".into() }];
+    commit!(b, b.plan_rebase(r2, s, edits, None, &Bytes, 40));
+    assert_eq!(texts(&b, r2), ["Created", "a", "b", "Rebased", "C"]);
+}
+
+#[test]
+fn bad_rebase_edits_are_refused() {
+    let mut b = SessionBook::new();
+    let s = create(&mut b);
+    for t in ["a", "b", "c", "d"] {
+        say(&mut b, s, t);
+    }
+    let d = |from, to| Edit::Drop { from, to };
+    for (edits, why) in [
+        (vec![], "at least one"),
+        (vec![d(0, 2)], "event 0"),
+        (vec![d(2, 2)], "empty"),
+        (vec![d(3, 2)], "reversed"),
+        (vec![d(2, 9)], "past the end"),
+        (vec![d(3, 4), d(1, 2)], "sorted"),
+        (vec![d(1, 3), d(2, 4)], "overlap"),
+        (vec![Edit::Replace { from: 1, to: 2, role: 7, text: "x".into() }], "unknown role"),
+    ] {
+        let err = b.plan_rebase(99, s, edits, None, &Bytes, 1).unwrap_err().to_string();
+        assert!(err.contains(why), "{err} should mention {why}");
+    }
+}
+
+#[test]
+fn system_only_before_input_including_inherited() {
+    let mut b = SessionBook::new();
+    let s = create(&mut b);
+    commit!(b, b.plan_system(s, Some("be brief".into()), vec!["{\"name\":\"f\"}".into()], &Bytes, 1));
+    let err = b.plan_system(s, None, vec![], &Bytes, 1).unwrap_err();
+    assert!(err.to_string().contains("already has input"));
+    let t = create(&mut b);
+    say(&mut b, t, "hi");
+    let f = b.reserve_id();
+    commit!(b, b.plan_fork(f, t, 2, None, 1));
+    assert!(b.plan_system(f, None, vec![], &Bytes, 1).is_err(), "inherited input counts");
+    let g = b.reserve_id();
+    commit!(b, b.plan_fork(g, t, 1, None, 1));
+    assert!(b.plan_system(g, None, vec![], &Bytes, 1).is_ok(), "a fork before any input may declare");
+}
+
+#[test]
+fn meta_and_purge_guards() {
+    let mut b = SessionBook::new();
+    let s = create(&mut b);
+    assert!(matches!(b.plan_meta(s, 1, None, None, 1), Err(SessionError::Version { .. })));
+    commit!(b, b.plan_meta(s, 0, Some("t".into()), None, 1));
+    commit!(b, b.plan_meta(s, 1, None, Some(true), 1));
+    let i = b.inspect(s).unwrap();
+    assert_eq!((i.version, i.title.as_deref(), i.archived), (2, Some("t"), true));
+    assert!(b.summaries(false).is_empty());
+    assert_eq!(b.summaries(true).len(), 1);
+    let gen = b.inspect(s).unwrap().generation;
+    assert!(matches!(b.plan_purge(s, gen + 1, PurgeMode::Cascade, 1), Err(SessionError::Generation { .. })));
+}
+
+#[test]
+fn purge_cascade_and_reroot() {
+    let mut b = SessionBook::new();
+    let s = create(&mut b);
+    say(&mut b, s, "a");
+    let f = b.reserve_id();
+    commit!(b, b.plan_fork(f, s, 2, None, 1));
+    let g = b.reserve_id();
+    commit!(b, b.plan_fork(g, f, 3, None, 1));
+    // Reroot the middle one: g stays and still reads its inherited events.
+    let gen = b.inspect(f).unwrap().generation;
+    let rec = commit!(b, b.plan_purge(f, gen, PurgeMode::Reroot, 1));
+    assert!(matches!(rec, LogRecord::Purge { ref sessions, .. } if sessions == &vec![f]));
+    assert!(matches!(b.read(f, 0), Err(SessionError::Purged(_))));
+    assert_eq!(texts(&b, g), ["Created", "a", "Forked", "Forked"]);
+    assert!(b.tree().contains(&(g, None, None)));
+    // Cascade from the root takes the rest.
+    let gen = b.inspect(s).unwrap().generation;
+    let rec = commit!(b, b.plan_purge(s, gen, PurgeMode::Cascade, 1));
+    assert!(matches!(rec, LogRecord::Purge { ref sessions, .. } if sessions == &vec![s]));
+    assert_eq!(b.list(), vec![g]);
+}
+
+#[test]
+fn append_text_or_span_and_vocab_check() {
+    let mut b = SessionBook::new();
+    let s = create(&mut b);
+    commit!(b, b.plan_append(s, Some("hi".into()), vec![], &Bytes, 1));
+    commit!(b, b.plan_append(s, None, vec![104, 105], &Bytes, 1));
+    let ev = b.read(s, 1).unwrap();
+    assert_eq!(ev[0].body, Record::Appended { text: "hi".into(), span: vec![104, 105] });
+    assert_eq!(ev[1].body, ev[0].body);
+    assert!(b.plan_append(s, None, vec![256], &Bytes, 1).is_err());
+    assert!(b.plan_append(s, None, vec![], &Bytes, 1).is_err());
+    assert!(b.plan_message(s, 4, "x".into(), &Bytes, 1).is_err());
+}
+
+#[test]
+fn replay_of_committed_records_rebuilds_the_same_book() {
+    let mut b = SessionBook::new();
+    let boot = b.plan_boot(1);
+    b.apply(&boot).unwrap();
+    let mut log = vec![boot];
+    let s = b.reserve_id();
+    log.push(commit!(b, b.plan_create(s, None, P, 1)));
+    for t in ["a", "b", "c"] {
+        log.push(commit!(b, b.plan_message(s, role::USER, t.into(), &Bytes, 2)));
+    }
+    let f = b.reserve_id();
+    log.push(commit!(b, b.plan_fork(f, s, 2, Some(Params { seed: 9, ..P }), 3)));
+    let r = b.reserve_id();
+    log.push(commit!(b, b.plan_rebase(r, s, vec![Edit::Drop { from: 2, to: 3 }], None, &Bytes, 4)));
+    log.push(commit!(b, b.plan_meta(f, 0, Some("fork".into()), None, 5)));
+    let mut again = SessionBook::new();
+    for rec in &log {
+        // Through postcard, as the log stores them.
+        let bytes = crate::wire::to_postcard(rec).unwrap();
+        let back: LogRecord = crate::wire::from_postcard(&bytes).unwrap();
+        again.apply(&back).unwrap();
+    }
+    for id in b.list() {
+        assert_eq!(b.read(id, 0), again.read(id, 0));
+        assert_eq!(b.inspect(id), again.inspect(id));
+    }
+    assert_eq!(b.tree(), again.tree());
+    assert_eq!(again.epoch(), 1);
+}
+
+#[test]
+fn tool_call_bookkeeping() {
+    let mut b = SessionBook::new();
+    let s = create(&mut b);
+    // A ToolUse as the generator would commit it.
+    let call = b.len(s).unwrap();
+    b.apply(&LogRecord::Events {
+        session: s,
+        events: vec![Event { event_id: call, epoch: 0, ts_unix_ms: 1, body: Record::ToolUse { name: "f".into(), arguments: "{}".into() } }],
+    })
+    .unwrap();
+    assert_eq!(b.open_tool_calls(s).unwrap(), vec![(call, "f".into(), "{}".into())]);
+    assert!(b.plan_tool_result(s, 99, "x".into(), &Bytes, 1).is_err());
+    commit!(b, b.plan_tool_result(s, call, "42".into(), &Bytes, 1));
+    assert!(b.open_tool_calls(s).unwrap().is_empty());
+    let err = b.plan_tool_result(s, call, "x".into(), &Bytes, 1).unwrap_err();
+    assert!(err.to_string().contains("already answered"));
+    assert_eq!(b.ledger(s).unwrap()[0].status, "answered");
+}

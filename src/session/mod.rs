@@ -1,0 +1,67 @@
+//! Sessions as plain data: the book of every session, rebuilt from the log and
+//! changed only by applying committed log records. No actix, no I/O, no model:
+//! rendering text into tokens goes through the [`Render`] trait, which the
+//! daemon implements with the model's vocabulary and chat template and the
+//! tests with a fake.
+
+mod book;
+
+pub use book::{Planned, SessionBook};
+
+use crate::wire::Token;
+
+/// One message as the chat template sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Turn {
+    pub role: u8,
+    pub content: String,
+}
+
+/// Turns text into the exact tokens it puts on the model's input.
+pub trait Render: Send + Sync {
+    /// The vocabulary's size: every token id must be below it.
+    fn n_vocab(&self) -> u32;
+    /// Plain text to tokens, with no special-token parsing and no BOS.
+    fn tokenize(&self, text: &str) -> Vec<Token>;
+    /// Tokens back to text.
+    fn detokenize(&self, span: &[Token]) -> String;
+    /// The tokens `new` adds after `history`, rendered by the chat template
+    /// with the session's declared tools. `first` is true when nothing is on
+    /// the session's input yet (a BOS may be due).
+    fn message_span(
+        &self,
+        history: &[Turn],
+        tools: &[String],
+        new: &Turn,
+        first: bool,
+    ) -> Result<Vec<Token>, String>;
+    /// The opening system turn declaring `tools`.
+    fn system_span(&self, text: Option<&str>, tools: &[String]) -> Result<Vec<Token>, String>;
+}
+
+/// Why the book refused a request. Each becomes `Err { message }` at the edge.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SessionError {
+    #[error("unknown session {0}")]
+    Unknown(u64),
+    #[error("session {0} was purged")]
+    Purged(u64),
+    #[error("cursor {cursor} is past the end of session {session} ({len} events)")]
+    CursorPastEnd { session: u64, cursor: u64, len: u64 },
+    #[error("{0}")]
+    Invalid(String),
+    #[error("version mismatch on session {session}: expected_version is {expected}, the session is at version {actual}")]
+    Version {
+        session: u64,
+        expected: u64,
+        actual: u64,
+    },
+    #[error("generation mismatch on session {session}: expected_generation is {expected}, the session is at generation {actual}")]
+    Generation {
+        session: u64,
+        expected: u64,
+        actual: u64,
+    },
+    #[error("cannot render: {0}")]
+    Render(String),
+}
