@@ -8,9 +8,16 @@
 //! - [`session`]: sessions as plain data, rebuilt from the log.
 //! - [`engine`]: the only code that calls llama.cpp.
 //! - [`actors`]: the actix actors: WAL writer, registry, one per session.
-//! - [`server`]: the socket frontend and the daemon's start-up.
+//! - [`frontend`]: the unix socket (and later HTTP) in front of the registry.
+//! - [`daemon`]: start-up and shutdown of `superfluid serve`.
 //!
 //! ARCHITECTURE.md has the bird's-eye view and the invariants.
 
+pub mod actors;
+pub mod daemon;
+pub mod engine;
+pub mod frontend;
+pub mod logging;
 pub mod session;
+pub mod store;
 pub mod wire;

@@ -1,1 +1,181 @@
-fn main() {}
+//! The `superfluid` command: a thin shell over the library.
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+use superfluid::daemon::{self, ServeConfig};
+use superfluid::frontend::socket::Client;
+use superfluid::wire::{Record, Request, Response};
+
+/// A local LLM daemon whose sessions are durable, forkable event logs.
+#[derive(Parser)]
+#[command(name = "superfluid", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve a GGUF model: sessions over the unix socket.
+    Serve(Serve),
+    /// Look at sessions through a running daemon's socket.
+    #[command(subcommand)]
+    Session(SessionCommand),
+}
+
+#[derive(clap::Args)]
+struct Serve {
+    /// Path of the model's GGUF file.
+    model: PathBuf,
+    /// Directory of the session log (wal.log) [default: ~/.superfluid/sessions]
+    #[arg(long, value_name = "DIR")]
+    sessions: Option<PathBuf>,
+    /// Unix socket serving the session API [default: ~/.superfluid/superfluid.sock]
+    #[arg(long, value_name = "PATH")]
+    socket: Option<PathBuf>,
+    /// Treat the log as a cache: keep the previous log as wal.log.prev and
+    /// begin a fresh one at every start.
+    #[arg(long, conflicts_with = "park")]
+    sessions_cache: bool,
+    /// Seal finishing sessions' KV to <sessions>/park (not available yet).
+    #[arg(long)]
+    park: bool,
+}
+
+#[derive(Subcommand)]
+enum SessionCommand {
+    /// Print a session: a summary, then one line per event.
+    Inspect {
+        /// The session id.
+        session: u64,
+        /// Print JSON: the inspection, then the events.
+        #[arg(long)]
+        json: bool,
+        /// The daemon's socket [default: ~/.superfluid/superfluid.sock]
+        #[arg(long, value_name = "PATH")]
+        socket: Option<PathBuf>,
+    },
+}
+
+fn main() {
+    superfluid::logging::init();
+    if let Err(e) = run(Cli::parse()) {
+        eprintln!("superfluid: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Serve(s) => {
+            if s.park {
+                anyhow::bail!("--park is not available yet: this daemon does not seal KV to disk");
+            }
+            daemon::serve(ServeConfig {
+                model: s.model,
+                sessions: s.sessions.unwrap_or_else(daemon::default_sessions_dir),
+                socket: s.socket.unwrap_or_else(daemon::default_socket),
+                sessions_cache: s.sessions_cache,
+            })
+        }
+        Command::Session(SessionCommand::Inspect {
+            session,
+            json,
+            socket,
+        }) => inspect(session, json, socket.unwrap_or_else(daemon::default_socket)),
+    }
+}
+
+fn call(client: &mut Client, request: Request) -> anyhow::Result<Response> {
+    match client.call(&request).map_err(anyhow::Error::msg)? {
+        Response::Err { message } => anyhow::bail!("{message}"),
+        r => Ok(r),
+    }
+}
+
+fn inspect(session: u64, json: bool, socket: PathBuf) -> anyhow::Result<()> {
+    let mut client = Client::connect(&socket).map_err(|e| {
+        anyhow::anyhow!("cannot reach the daemon at {}: {e}", socket.display())
+    })?;
+    let Response::Inspection { inspection } = call(&mut client, Request::Inspect { session })?
+    else {
+        anyhow::bail!("unexpected reply to Inspect");
+    };
+    let Response::Events { events } = call(&mut client, Request::Read { session, cursor: 0 })?
+    else {
+        anyhow::bail!("unexpected reply to Read");
+    };
+    if json {
+        println!("{}", serde_json::to_string(&inspection)?);
+        for e in &events {
+            println!("{}", serde_json::to_string(e)?);
+        }
+        return Ok(());
+    }
+    let i = &inspection;
+    println!(
+        "session {}{}{}: {} events, {} tokens, generation {}, version {}{}{}",
+        i.session,
+        i.parent.map(|p| format!(" (from {p}")).unwrap_or_default(),
+        match (i.parent, i.fork_at) {
+            (Some(_), Some(at)) => format!(" at {at})"),
+            (Some(_), None) => ")".into(),
+            _ => String::new(),
+        },
+        i.events,
+        i.tokens,
+        i.generation,
+        i.version,
+        i.title.as_ref().map(|t| format!(", title {t:?}")).unwrap_or_default(),
+        if i.archived { ", archived" } else { "" },
+    );
+    for e in &events {
+        println!("{:>6}  {}", e.event_id, describe(&e.body));
+    }
+    Ok(())
+}
+
+/// One line about a record.
+fn describe(r: &Record) -> String {
+    const MAX: usize = 80;
+    let short = |s: &str| {
+        let one: String = s.replace('\n', "\\n");
+        if one.chars().count() > MAX {
+            format!("{:?}…", one.chars().take(MAX).collect::<String>())
+        } else {
+            format!("{one:?}")
+        }
+    };
+    let role = |r: u8| superfluid::wire::role::name(r).unwrap_or("?");
+    match r {
+        Record::Created { parent, .. } => match parent {
+            Some(p) => format!("Created under session {p}"),
+            None => "Created".into(),
+        },
+        Record::Forked { parent, fork_at, .. } => format!("Forked from session {parent} at {fork_at}"),
+        Record::Rebased { parent, fork_at, edits, .. } => {
+            format!("Rebased from session {parent} at {fork_at}, {} edits", edits.len())
+        }
+        Record::Message { role: r, text, span } => {
+            format!("Message {} {} ({} tokens)", role(*r), short(text), span.len())
+        }
+        Record::Generated { text, channel, finish, span } => format!(
+            "Generated ch{channel} finish {finish} {} ({} tokens)",
+            short(text),
+            span.len()
+        ),
+        Record::ToolUse { name, arguments } => format!("ToolUse {name} {}", short(arguments)),
+        Record::ToolResult { call_id, content, .. } => {
+            format!("ToolResult for {call_id} {}", short(content))
+        }
+        Record::Appended { text, span } => format!("Appended {} ({} tokens)", short(text), span.len()),
+        Record::System { text, tools, span } => format!(
+            "System {} with {} tools ({} tokens)",
+            short(text.as_deref().unwrap_or("")),
+            tools.len(),
+            span.len()
+        ),
+        other => format!("{} {}", other.name(), serde_json::to_string(other).unwrap_or_default()),
+    }
+}

@@ -1,0 +1,69 @@
+//! The actix actors. Each is a thin shell: it receives a message, calls the
+//! plain structs of `session` and `store`, and replies.
+//!
+//! - [`wal::WalActor`]: hands encoded records to the WAL writer thread and
+//!   resolves once the fsync covering them returned.
+//! - [`registry::Registry`]: the entry point of every request; answers the
+//!   ones about no session, starts session actors on demand and stops idle ones.
+//! - [`session::SessionActor`]: one per session; runs that session's requests
+//!   one at a time, in order.
+//!
+//! **No actor blocks its arbiter**: fsync runs on the WAL writer's thread,
+//! and no lock is held across an await.
+
+pub mod registry;
+pub mod session;
+pub mod wal;
+
+use std::sync::{Arc, RwLock};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use actix::Addr;
+
+use crate::session::{Render, SessionBook};
+use crate::wire::{to_postcard, LogRecord};
+
+/// What every actor shares.
+#[derive(Clone)]
+pub struct Shared {
+    /// Every session as the log says; changed only after a commit.
+    pub book: Arc<RwLock<SessionBook>>,
+    /// The model's vocabulary and chat template.
+    pub render: Arc<dyn Render>,
+    pub wal: Addr<wal::WalActor>,
+}
+
+/// Milliseconds since the Unix epoch.
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+impl Shared {
+    /// Reads the book. A poisoned lock means a panic elsewhere already
+    /// happened; the book itself is only changed by `apply`, which does not
+    /// leave it half-done, so reading on is safe.
+    pub fn read(&self) -> std::sync::RwLockReadGuard<'_, SessionBook> {
+        self.book.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn write(&self) -> std::sync::RwLockWriteGuard<'_, SessionBook> {
+        self.book.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Makes a record durable, then applies it to the book. Only after this
+    /// returns may anyone see what the record holds.
+    pub async fn commit(&self, record: LogRecord) -> Result<(), String> {
+        let bytes = to_postcard(&record).map_err(|e| e.to_string())?;
+        self.wal
+            .send(wal::Commit(bytes))
+            .await
+            .map_err(|e| format!("the log writer is gone: {e}"))?
+            .map_err(|e| e.to_string())?;
+        self.write()
+            .apply(&record)
+            .map_err(|e| format!("internal error applying a committed record: {e}"))
+    }
+}

@@ -1,0 +1,183 @@
+//! Starting and stopping the daemon: lock the sessions directory, load the
+//! model's vocabulary, replay the log into the book, start the actors and
+//! the socket, and on SIGINT/SIGTERM flush the log and remove the socket.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
+
+use actix::prelude::*;
+
+use crate::actors::registry::Registry;
+use crate::actors::wal::{Shutdown, WalActor};
+use crate::actors::{now_ms, Shared};
+use crate::engine::render::Renderer;
+use crate::engine::template::{normalize_tool, ChatMessage};
+use crate::engine::vocab::Vocab;
+use crate::session::{Render, SessionBook, Turn};
+use crate::store::{self, DirLock, OpenMode, WalWriter};
+use crate::wire::{from_postcard, LogRecord, Token};
+
+/// What `superfluid serve` was asked to do.
+#[derive(Debug, Clone)]
+pub struct ServeConfig {
+    pub model: PathBuf,
+    pub sessions: PathBuf,
+    pub socket: PathBuf,
+    pub sessions_cache: bool,
+}
+
+/// The user's home, for the default paths.
+pub fn home() -> PathBuf {
+    std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/"))
+}
+
+/// `~/.superfluid/sessions`.
+pub fn default_sessions_dir() -> PathBuf {
+    home().join(".superfluid").join("sessions")
+}
+
+/// `~/.superfluid/superfluid.sock`.
+pub fn default_socket() -> PathBuf {
+    home().join(".superfluid").join("superfluid.sock")
+}
+
+/// The model's vocabulary and chat template behind the book's `Render`.
+pub struct ModelRender {
+    vocab: Arc<Vocab>,
+    renderer: Renderer,
+}
+
+impl ModelRender {
+    pub fn load(model: &Path) -> anyhow::Result<ModelRender> {
+        let vocab = Arc::new(Vocab::load(model)?);
+        let renderer = Renderer::new(vocab.clone())?;
+        Ok(ModelRender { vocab, renderer })
+    }
+}
+
+fn messages(turns: &[Turn]) -> Vec<ChatMessage> {
+    turns
+        .iter()
+        .map(|t| ChatMessage {
+            role: t.role,
+            content: t.content.clone(),
+        })
+        .collect()
+}
+
+fn tools(tools: &[String]) -> Result<Vec<serde_json::Value>, String> {
+    tools
+        .iter()
+        .map(|t| normalize_tool(t).map_err(|e| e.to_string()))
+        .collect()
+}
+
+impl Render for ModelRender {
+    fn n_vocab(&self) -> u32 {
+        self.vocab.n_vocab()
+    }
+    fn tokenize(&self, text: &str) -> Vec<Token> {
+        self.vocab.tokenize(text, false)
+    }
+    fn detokenize(&self, span: &[Token]) -> String {
+        self.vocab.detokenize(span)
+    }
+    fn message_span(
+        &self,
+        history: &[Turn],
+        tool_list: &[String],
+        new: &Turn,
+        first: bool,
+    ) -> Result<Vec<Token>, String> {
+        let new = &messages(std::slice::from_ref(new))[0];
+        self.renderer
+            .message_span(&messages(history), &tools(tool_list)?, new, first)
+            .map_err(|e| e.to_string())
+    }
+    fn system_span(&self, text: Option<&str>, tool_list: &[String]) -> Result<Vec<Token>, String> {
+        self.renderer
+            .system_span(text, &tools(tool_list)?)
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// Replays the log into a new book.
+pub fn replay(dir: &Path, mode: OpenMode) -> anyhow::Result<(store::WalFile, SessionBook)> {
+    let mut book = SessionBook::new();
+    let started = std::time::Instant::now();
+    let (file, recovery) = store::open(dir, mode, &mut |offset, payload| {
+        let record: LogRecord = from_postcard(payload).map_err(|e| e.to_string())?;
+        book.apply(&record)
+            .map_err(|e| format!("record at byte offset {offset}: {e}"))
+    })?;
+    if recovery.prev_kept {
+        log::warn!(
+            "--sessions-cache: kept the previous log as {}.prev and began a fresh one",
+            dir.join(store::WAL_FILE).display()
+        );
+    }
+    log::info!(
+        "replayed {} records ({} bytes, {} sessions) in {:?}",
+        recovery.records,
+        recovery.valid_bytes,
+        book.list().len(),
+        started.elapsed()
+    );
+    Ok((file, book))
+}
+
+/// Runs the daemon until SIGINT or SIGTERM.
+pub fn serve(config: ServeConfig) -> anyhow::Result<()> {
+    let _lock = DirLock::acquire(&config.sessions)?;
+    let render = Arc::new(ModelRender::load(&config.model)?);
+    let mode = if config.sessions_cache {
+        OpenMode::Cache
+    } else {
+        OpenMode::Durable
+    };
+    let (file, book) = replay(&config.sessions, mode)?;
+    let writer = WalWriter::spawn(file, None);
+    let system = actix::System::new();
+    system.block_on(run(config, book, writer, render))
+}
+
+async fn run(
+    config: ServeConfig,
+    book: SessionBook,
+    writer: WalWriter,
+    render: Arc<ModelRender>,
+) -> anyhow::Result<()> {
+    let wal = WalActor::new(writer).start();
+    let shared = Shared {
+        book: Arc::new(RwLock::new(book)),
+        render,
+        wal: wal.clone(),
+    };
+    let boot = shared.read().plan_boot(now_ms());
+    shared
+        .commit(boot)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot record this start in the log: {e}"))?;
+    let registry = Registry::new(shared.clone()).start();
+    let listener = crate::frontend::socket::bind(&config.socket)?;
+    println!(
+        "superfluid: serving {} on {} (sessions in {}, epoch {})",
+        config.model.display(),
+        config.socket.display(),
+        config.sessions.display(),
+        shared.read().epoch()
+    );
+    let socket_task = actix_rt::spawn(crate::frontend::socket::serve(listener, registry));
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    log::info!("shutting down");
+    socket_task.abort();
+    let _ = std::fs::remove_file(&config.socket);
+    let _ = wal.send(Shutdown).await;
+    Ok(())
+}

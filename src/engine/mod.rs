@@ -1,0 +1,77 @@
+//! The engine: the only code in superfluid that calls llama.cpp.
+//!
+//! Every call into llama.cpp (through the `llama-cpp-2` / `llama-cpp-sys-2` crates) lives under this
+//! module, so the rules that keep the process alive (validate every token id, never hand llama.cpp a
+//! file that is not a GGUF, initialise the backend once) are enforced in one place.
+//!
+//! This part is the daemon-side vocabulary and chat template:
+//! - [`backend`]: the process-wide llama.cpp backend, with its log output routed into the `log` crate;
+//! - [`vocab`]: a vocabulary-only model load (tokenize, detokenize, special tokens, the GGUF template);
+//! - [`template`]: the model's Jinja chat template rendered with minijinja, and tool normalisation;
+//! - [`render`]: the exact token spans a chat message (or a generation prompt) adds to the input.
+
+pub mod backend;
+pub mod render;
+pub mod template;
+pub mod vocab;
+
+use std::path::PathBuf;
+
+/// A token id of the model's vocabulary (always `< n_vocab` once validated by [`vocab::Vocab`]).
+pub type Token = u32;
+
+/// Everything that can go wrong in the engine layer.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// llama.cpp's backend could not be initialised.
+    #[error("cannot initialise the llama.cpp backend: {0}")]
+    Backend(String),
+    /// The model path does not exist.
+    #[error("model file not found: {}", .0.display())]
+    ModelNotFound(PathBuf),
+    /// The model path could not be read (permissions, a directory, an I/O error).
+    #[error("cannot read model file {}: {source}", path.display())]
+    ModelUnreadable {
+        /// The path that was tried.
+        path: PathBuf,
+        /// The underlying I/O error.
+        source: std::io::Error,
+    },
+    /// The file does not start with the GGUF magic bytes.
+    #[error("not a GGUF model file (bad magic bytes): {}", .0.display())]
+    NotGguf(PathBuf),
+    /// llama.cpp refused to load the file (corrupt, unsupported architecture, non-UTF-8 path, ...).
+    #[error("llama.cpp failed to load {}: {reason}", path.display())]
+    ModelLoad {
+        /// The path that was tried.
+        path: PathBuf,
+        /// What llama-cpp-2 reported.
+        reason: String,
+    },
+    /// The model declares no `tokenizer.chat_template`.
+    #[error("the model has no chat template (GGUF key tokenizer.chat_template is missing)")]
+    NoChatTemplate,
+    /// A token id outside `0..n_vocab`.
+    #[error("invalid token id {token}: the vocabulary has {n_vocab} tokens")]
+    InvalidToken {
+        /// The offending id.
+        token: Token,
+        /// The vocabulary size.
+        n_vocab: u32,
+    },
+    /// The chat template failed to compile.
+    #[error("chat template does not compile: {0}")]
+    TemplateSyntax(String),
+    /// The chat template failed while rendering (including `raise_exception` from the template).
+    #[error("chat template failed to render: {0}")]
+    TemplateRender(String),
+    /// Rendering with more messages did not extend the shorter rendering, so no delta exists.
+    #[error("chat template rendering is not incremental: {0}")]
+    TemplateNotIncremental(String),
+    /// A role number outside 0..=3.
+    #[error("invalid chat role {0} (expected 0 system, 1 user, 2 assistant, 3 tool)")]
+    InvalidRole(u8),
+    /// A tool definition that cannot be normalised to the OpenAI function-tool form.
+    #[error("invalid tool definition: {0}")]
+    InvalidTool(String),
+}

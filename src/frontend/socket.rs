@@ -1,0 +1,135 @@
+//! The unix-socket frontend: frames of a `u32` little-endian length and a
+//! postcard `Request`; one request at a time per connection, in order.
+//!
+//! The socket is created mode 0600 in a directory created 0700. A socket
+//! file left by a dead daemon is replaced; one a live daemon answers on is
+//! refused.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+
+use actix::Addr;
+use tokio::net::{UnixListener, UnixStream};
+
+use crate::actors::registry::{Dispatch, Registry};
+use crate::wire::{
+    from_postcard, read_frame, to_postcard, write_frame, FrameError, Request, Response,
+    MAX_FRAME_BYTES,
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum SocketError {
+    #[error("another superfluid daemon is listening on {0}; stop it or pass a different --socket")]
+    InUse(PathBuf),
+    #[error("cannot listen on {path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// Binds the socket, replacing a stale one and refusing a live one.
+pub fn bind(path: &Path) -> Result<UnixListener, SocketError> {
+    let io = |source| SocketError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    if let Some(dir) = path.parent() {
+        if !dir.as_os_str().is_empty() && !dir.exists() {
+            std::fs::create_dir_all(dir).map_err(io)?;
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(io)?;
+        }
+    }
+    if path.exists() {
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            return Err(SocketError::InUse(path.to_path_buf()));
+        }
+        log::info!("replacing the stale socket {}", path.display());
+        std::fs::remove_file(path).map_err(io)?;
+    }
+    // Bind with a umask that leaves no window in which the socket is open
+    // to others, then set the mode explicitly as well.
+    let old = unsafe { libc::umask(0o177) };
+    let bound = UnixListener::bind(path);
+    unsafe { libc::umask(old) };
+    let listener = bound.map_err(io)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(io)?;
+    Ok(listener)
+}
+
+/// Accepts connections until the listener fails; each runs on its own task.
+pub async fn serve(listener: UnixListener, registry: Addr<Registry>) {
+    loop {
+        match listener.accept().await {
+            Ok((stream, _)) => {
+                let registry = registry.clone();
+                actix_rt::spawn(async move { connection(stream, registry).await });
+            }
+            Err(e) => {
+                log::error!("socket accept failed: {e}");
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+async fn send(stream: &mut UnixStream, response: &Response) -> Result<(), FrameError> {
+    let bytes = match to_postcard(response) {
+        Ok(b) => b,
+        Err(e) => to_postcard(&Response::err(e.to_string())).unwrap_or_default(),
+    };
+    write_frame(stream, &bytes).await
+}
+
+async fn connection(mut stream: UnixStream, registry: Addr<Registry>) {
+    loop {
+        let frame = match read_frame(&mut stream, MAX_FRAME_BYTES).await {
+            Ok(Some(frame)) => frame,
+            Ok(None) => return,
+            Err(FrameError::TooLarge { len, max }) => {
+                // The stream cannot be resynchronised past a bogus length.
+                let msg = format!("frame of {len} bytes exceeds the {max}-byte cap; closing the connection");
+                let _ = send(&mut stream, &Response::err(msg)).await;
+                return;
+            }
+            Err(e) => {
+                log::debug!("socket connection ended: {e}");
+                return;
+            }
+        };
+        let response = match from_postcard::<Request>(&frame) {
+            Ok(request) => registry
+                .send(Dispatch(request))
+                .await
+                .unwrap_or_else(|e| Response::err(format!("the daemon is shutting down: {e}"))),
+            Err(e) => Response::err(e.to_string()),
+        };
+        if send(&mut stream, &response).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// A blocking client for the socket, for the CLI and tests.
+pub struct Client {
+    stream: std::os::unix::net::UnixStream,
+}
+
+impl Client {
+    pub fn connect(path: &Path) -> std::io::Result<Client> {
+        Ok(Client {
+            stream: std::os::unix::net::UnixStream::connect(path)?,
+        })
+    }
+
+    /// Sends one request and reads its reply.
+    pub fn call(&mut self, request: &Request) -> Result<Response, String> {
+        let bytes = to_postcard(request).map_err(|e| e.to_string())?;
+        crate::wire::write_frame_blocking(&mut self.stream, &bytes).map_err(|e| e.to_string())?;
+        match crate::wire::read_frame_blocking(&mut self.stream, MAX_FRAME_BYTES) {
+            Ok(Some(frame)) => from_postcard(&frame).map_err(|e| e.to_string()),
+            Ok(None) => Err("the daemon closed the connection".into()),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+}
