@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Set up a fresh machine for superfluid: the system packages llama.cpp's build
+# needs, and the default model. Idempotent; prints the model's path last.
+set -euo pipefail
+need=()
+for cmd in cmake clang ccache; do command -v "$cmd" >/dev/null 2>&1 || need+=("$cmd"); done
+# bindgen needs libclang itself, not just the clang driver.
+ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 || need+=(libclang-dev)
+if [ ${#need[@]} -gt 0 ]; then
+  sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  echo "setup: installing cmake clang libclang-dev ccache" >&2
+  $sudo apt-get update -qq >&2
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq cmake clang libclang-dev ccache >&2
+fi
+"$(dirname "$0")/fetch-model.sh"

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Command 2 of the README: run every test, on the real default model.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. scripts/env.sh
+model=$(scripts/setup.sh | tail -n 1)
+export SUPERFLUID_TEST_MODEL="$model"
+cargo fmt --check
+cargo clippy --all-targets -- -D warnings
+cargo test --all-targets
