@@ -22,6 +22,29 @@ enum Command {
     /// Look at sessions through a running daemon's socket.
     #[command(subcommand)]
     Session(SessionCommand),
+    /// The inference worker the daemon spawns, one per model: it owns
+    /// llama.cpp and speaks length-prefixed postcard frames on stdin/stdout.
+    #[command(hide = true)]
+    Worker(Worker),
+}
+
+#[derive(clap::Args)]
+struct Worker {
+    /// Path of the model's GGUF file.
+    #[arg(long)]
+    model: PathBuf,
+    /// KV cells shared by all sequences.
+    #[arg(long)]
+    ctx_size: u32,
+    /// Sequences.
+    #[arg(long)]
+    parallel: u32,
+    /// Largest batch of one decode call.
+    #[arg(long)]
+    batch: u32,
+    /// CPU threads.
+    #[arg(long)]
+    threads: u32,
 }
 
 #[derive(clap::Args)]
@@ -79,6 +102,15 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 sessions_cache: s.sessions_cache,
             })
         }
+        Command::Worker(w) => superfluid::engine::worker::run(
+            &w.model,
+            superfluid::wire::worker::WorkerConfig {
+                n_ctx: w.ctx_size,
+                n_seq: w.parallel,
+                n_batch: w.batch,
+                threads: w.threads,
+            },
+        ),
         Command::Session(SessionCommand::Inspect {
             session,
             json,
@@ -95,9 +127,8 @@ fn call(client: &mut Client, request: Request) -> anyhow::Result<Response> {
 }
 
 fn inspect(session: u64, json: bool, socket: PathBuf) -> anyhow::Result<()> {
-    let mut client = Client::connect(&socket).map_err(|e| {
-        anyhow::anyhow!("cannot reach the daemon at {}: {e}", socket.display())
-    })?;
+    let mut client = Client::connect(&socket)
+        .map_err(|e| anyhow::anyhow!("cannot reach the daemon at {}: {e}", socket.display()))?;
     let Response::Inspection { inspection } = call(&mut client, Request::Inspect { session })?
     else {
         anyhow::bail!("unexpected reply to Inspect");
@@ -127,7 +158,10 @@ fn inspect(session: u64, json: bool, socket: PathBuf) -> anyhow::Result<()> {
         i.tokens,
         i.generation,
         i.version,
-        i.title.as_ref().map(|t| format!(", title {t:?}")).unwrap_or_default(),
+        i.title
+            .as_ref()
+            .map(|t| format!(", title {t:?}"))
+            .unwrap_or_default(),
         if i.archived { ", archived" } else { "" },
     );
     for e in &events {
@@ -153,29 +187,61 @@ fn describe(r: &Record) -> String {
             Some(p) => format!("Created under session {p}"),
             None => "Created".into(),
         },
-        Record::Forked { parent, fork_at, .. } => format!("Forked from session {parent} at {fork_at}"),
-        Record::Rebased { parent, fork_at, edits, .. } => {
-            format!("Rebased from session {parent} at {fork_at}, {} edits", edits.len())
+        Record::Forked {
+            parent, fork_at, ..
+        } => format!("Forked from session {parent} at {fork_at}"),
+        Record::Rebased {
+            parent,
+            fork_at,
+            edits,
+            ..
+        } => {
+            format!(
+                "Rebased from session {parent} at {fork_at}, {} edits",
+                edits.len()
+            )
         }
-        Record::Message { role: r, text, span } => {
-            format!("Message {} {} ({} tokens)", role(*r), short(text), span.len())
+        Record::Message {
+            role: r,
+            text,
+            span,
+        } => {
+            format!(
+                "Message {} {} ({} tokens)",
+                role(*r),
+                short(text),
+                span.len()
+            )
         }
-        Record::Generated { text, channel, finish, span } => format!(
+        Record::Generated {
+            text,
+            channel,
+            finish,
+            span,
+        } => format!(
             "Generated ch{channel} finish {finish} {} ({} tokens)",
             short(text),
             span.len()
         ),
         Record::ToolUse { name, arguments } => format!("ToolUse {name} {}", short(arguments)),
-        Record::ToolResult { call_id, content, .. } => {
+        Record::ToolResult {
+            call_id, content, ..
+        } => {
             format!("ToolResult for {call_id} {}", short(content))
         }
-        Record::Appended { text, span } => format!("Appended {} ({} tokens)", short(text), span.len()),
+        Record::Appended { text, span } => {
+            format!("Appended {} ({} tokens)", short(text), span.len())
+        }
         Record::System { text, tools, span } => format!(
             "System {} with {} tools ({} tokens)",
             short(text.as_deref().unwrap_or("")),
             tools.len(),
             span.len()
         ),
-        other => format!("{} {}", other.name(), serde_json::to_string(other).unwrap_or_default()),
+        other => format!(
+            "{} {}",
+            other.name(),
+            serde_json::to_string(other).unwrap_or_default()
+        ),
     }
 }

@@ -14,6 +14,7 @@ pub mod backend;
 pub mod render;
 pub mod template;
 pub mod vocab;
+pub mod worker;
 
 use std::path::PathBuf;
 

@@ -12,6 +12,7 @@
 
 pub mod frame;
 mod types;
+pub mod worker;
 
 pub use frame::{
     read_frame, read_frame_blocking, write_frame, write_frame_blocking, FrameError, MAX_FRAME_BYTES,

@@ -1,0 +1,97 @@
+//! The worker pipe: what the lane (in the daemon) and `superfluid worker`
+//! (the process that owns llama.cpp) say to each other, in the same
+//! length-prefixed postcard frames as the socket.
+//!
+//! The worker is stateless apart from its KV cache and per-sequence grammar
+//! state: the daemon's scheduler decides every batch. A worker crash loses
+//! only the KV, which the daemon rebuilds from the session logs by prefill.
+//!
+//! Variant order is the format: append only.
+
+use serde::{Deserialize, Serialize};
+
+use super::{Params, Token};
+
+/// How the daemon starts a worker (passed as command-line flags, echoed in
+/// `Ready`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkerConfig {
+    /// KV cells shared by all sequences (`--ctx-size`).
+    pub n_ctx: u32,
+    /// Sequences (`--parallel`), numbered 0..n_seq.
+    pub n_seq: u32,
+    /// Largest batch one decode call takes; prefill is chunked by it.
+    pub n_batch: u32,
+    /// CPU threads for decode and for prefill.
+    pub threads: u32,
+}
+
+/// A draw from the logits of an item's last token.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Sample {
+    pub params: Params,
+    /// The stream position the drawn token will occupy. The draw depends only
+    /// on `(params.seed, draw_pos)` and the logits, so a cut generation,
+    /// continued, draws what the uncut one would have.
+    pub draw_pos: u64,
+    /// A GBNF grammar (root rule `root`) the token must satisfy, if any. The
+    /// worker keeps the grammar's state per sequence while the same grammar
+    /// is asked for, and accepts each drawn token into it.
+    pub grammar: Option<String>,
+}
+
+/// Tokens of one sequence at consecutive positions from `pos`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DecodeItem {
+    pub seq: u32,
+    pub pos: u32,
+    pub tokens: Vec<Token>,
+    /// Draw the next token from the logits of the last of `tokens`.
+    pub sample: Option<Sample>,
+}
+
+/// One drawn token.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Drawn {
+    pub seq: u32,
+    pub token: Token,
+    /// True when the token ends the turn (end of generation for the model).
+    pub eog: bool,
+}
+
+/// Daemon → worker.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum WorkerRequest {
+    /// Decode every item (one llama.cpp batch where they fit, chunked by
+    /// n_batch where not) and draw a token for each item that asks.
+    Decode { items: Vec<DecodeItem> },
+    /// Forget positions `from..` of a sequence.
+    KvTrim { seq: u32, from: u32 },
+    /// Make `dst` hold positions `0..len` of `src` (shared cells), dropping
+    /// whatever `dst` held.
+    KvCopy { src: u32, dst: u32, len: u32 },
+    /// Forget a whole sequence.
+    KvClear { seq: u32 },
+    /// Exit cleanly.
+    Shutdown,
+}
+
+/// Worker → daemon. Each request gets exactly one reply, in order; `Ready`
+/// is sent once, unasked, when the model is loaded.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum WorkerResponse {
+    Ready {
+        config: WorkerConfig,
+        n_vocab: u32,
+    },
+    Decoded {
+        drawn: Vec<Drawn>,
+        /// Tokens decoded, and time spent in llama.cpp's decode.
+        tokens: u32,
+        decode_us: u64,
+    },
+    Done,
+    Err {
+        message: String,
+    },
+}
