@@ -18,6 +18,7 @@ pub mod daemon;
 pub mod engine;
 pub mod frontend;
 pub mod logging;
+pub mod scheduler;
 pub mod session;
 pub mod store;
 pub mod wire;

@@ -1,0 +1,448 @@
+//! `SchedulerState`: which generations run in a lane's next decode step, on
+//! which of its sequences, and what each sequence's KV holds. Plain data, no
+//! actix, no model: the scheduler actor drives it, the tests step it by hand.
+//!
+//! - Admission orders by QoS class (0 first, 3 last), then arrival.
+//! - Every active generation of the lane advances in one decode call per
+//!   step (continuous batching); a `batch_invariant` one runs alone, so its
+//!   batch shape never depends on what else runs.
+//! - Class 3 (background) advances only every `background_divisor`-th step.
+//! - A session's tokens stay resident in its sequence after its turn, so the
+//!   next turn prefills only what is new; a new generation whose prompt
+//!   shares a prefix with another sequence (a fork and its parent) starts
+//!   from a copy of that sequence's cells instead of a prefill.
+//! - The KV budget is `n_ctx` cells; idle sequences are evicted, least
+//!   recently used first, to make room.
+
+#[cfg(test)]
+mod tests;
+
+use std::collections::BTreeMap;
+
+use crate::wire::worker::{DecodeItem, Drawn, Sample, WorkerRequest};
+use crate::wire::{finish, Params, SessionId, Token};
+
+/// Identifies one generation within a lane.
+pub type GenId = u64;
+
+/// The most QoS classes: 0 (first) to 3 (background).
+pub const QOS_CLASSES: u8 = 4;
+/// The class slowed by the background divisor.
+pub const BACKGROUND_CLASS: u8 = 3;
+
+/// A generation asking to run.
+#[derive(Debug, Clone)]
+pub struct Admit {
+    pub session: SessionId,
+    /// Every token on the session's input, in order.
+    pub prompt: Vec<Token>,
+    pub params: Params,
+    pub max_tokens: u32,
+    pub class: u8,
+    pub batch_invariant: bool,
+    pub grammar: Option<String>,
+}
+
+/// What the scheduler tells the generation's owner.
+#[derive(Debug, Clone, PartialEq)]
+pub enum GenEvent {
+    /// It got a sequence; `warm_prefix` prompt tokens came from the KV.
+    Started { gen: GenId, warm_prefix: u64 },
+    Token { gen: GenId, token: Token },
+    /// It ended; `finish` is a `wire::finish` code (never OPEN).
+    Finished { gen: GenId, finish: u8 },
+    /// The lane failed under it (a worker crash, a decode error).
+    Failed { gen: GenId, message: String },
+}
+
+#[derive(Debug, Clone, Default)]
+struct Seq {
+    /// Tokens in this sequence's KV, at positions 0..len.
+    resident: Vec<Token>,
+    /// The session whose tokens these are.
+    owner: Option<SessionId>,
+    /// The generation running on it.
+    active: Option<GenId>,
+    /// The step it was last used in (for LRU eviction).
+    last_used: u64,
+}
+
+#[derive(Debug, Clone)]
+struct Gen {
+    admit: Admit,
+    seq: Option<u32>,
+    /// Prompt and drawn tokens: what the sequence must hold.
+    tokens: Vec<Token>,
+    produced: u32,
+    cancelled: bool,
+    arrival: u64,
+}
+
+/// One step's work: the KV operations to run first, then one decode.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Step {
+    pub ops: Vec<WorkerRequest>,
+    pub decode: Vec<DecodeItem>,
+    /// For each decode item: the generation it advances.
+    pub gens: Vec<GenId>,
+}
+
+/// The scheduler of one lane.
+#[derive(Debug)]
+pub struct SchedulerState {
+    n_ctx: u32,
+    n_batch: u32,
+    seqs: Vec<Seq>,
+    gens: BTreeMap<GenId, Gen>,
+    next_gen: GenId,
+    step: u64,
+    background_divisor: u32,
+    /// Alternates batch-invariant generations with the shared batch.
+    invariant_turn: bool,
+}
+
+fn lcp(a: &[Token], b: &[Token]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+impl SchedulerState {
+    pub fn new(n_ctx: u32, n_seq: u32, n_batch: u32) -> SchedulerState {
+        SchedulerState {
+            n_ctx,
+            n_batch: n_batch.max(1),
+            seqs: vec![Seq::default(); n_seq as usize],
+            gens: BTreeMap::new(),
+            next_gen: 1,
+            step: 0,
+            background_divisor: 1,
+            invariant_turn: false,
+        }
+    }
+
+    pub fn n_ctx(&self) -> u32 {
+        self.n_ctx
+    }
+
+    /// `SetBackgroundRate`: class 3 advances every `divisor`-th step.
+    pub fn set_background_divisor(&mut self, divisor: u32) {
+        self.background_divisor = divisor.max(1);
+    }
+
+    /// Generations admitted and not finished.
+    pub fn running(&self) -> usize {
+        self.gens.len()
+    }
+
+    /// Queues a generation. Err when it can never fit.
+    pub fn admit(&mut self, admit: Admit) -> Result<GenId, String> {
+        if admit.prompt.is_empty() {
+            return Err("nothing to generate from: the session's input is empty".into());
+        }
+        if admit.prompt.len() as u64 + 1 > self.n_ctx as u64 {
+            return Err(format!(
+                "the session's input ({} tokens) does not fit the context ({} cells, --ctx-size)",
+                admit.prompt.len(),
+                self.n_ctx
+            ));
+        }
+        if admit.class >= QOS_CLASSES {
+            return Err(format!("QoS class {} is out of range", admit.class));
+        }
+        let gen = self.next_gen;
+        self.next_gen += 1;
+        let tokens = admit.prompt.clone();
+        self.gens.insert(
+            gen,
+            Gen {
+                admit,
+                seq: None,
+                tokens,
+                produced: 0,
+                cancelled: false,
+                arrival: gen,
+            },
+        );
+        Ok(gen)
+    }
+
+    /// Asks a generation to stop; it finishes with `cancelled` at the end of
+    /// the step in flight (or at once if it has not started).
+    pub fn cancel(&mut self, gen: GenId) -> Vec<GenEvent> {
+        let Some(g) = self.gens.get_mut(&gen) else {
+            return vec![];
+        };
+        g.cancelled = true;
+        if g.seq.is_none() {
+            self.gens.remove(&gen);
+            return vec![GenEvent::Finished {
+                gen,
+                finish: finish::CANCELLED,
+            }];
+        }
+        vec![]
+    }
+
+    fn resident_total(&self, except: usize) -> u64 {
+        self.seqs
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != except)
+            .map(|(_, s)| s.resident.len() as u64)
+            .sum()
+    }
+
+    /// Gives queued generations a sequence, in class then arrival order.
+    fn assign(&mut self, ops: &mut Vec<WorkerRequest>, events: &mut Vec<GenEvent>) {
+        let mut waiting: Vec<(u8, u64, GenId)> = self
+            .gens
+            .iter()
+            .filter(|(_, g)| g.seq.is_none())
+            .map(|(id, g)| (g.admit.class, g.arrival, *id))
+            .collect();
+        waiting.sort();
+        for (_, _, gen) in waiting {
+            let session = self.gens[&gen].admit.session;
+            let prompt = self.gens[&gen].tokens.clone();
+            let idle = |s: &Seq| s.active.is_none();
+            // The sequence to run on: the session's own, else a free one,
+            // else the least recently used idle one.
+            let own = self
+                .seqs
+                .iter()
+                .position(|s| idle(s) && s.owner == Some(session));
+            let dst = own.or_else(|| {
+                self.seqs
+                    .iter()
+                    .position(|s| idle(s) && s.owner.is_none())
+                    .or_else(|| {
+                        self.seqs
+                            .iter()
+                            .enumerate()
+                            .filter(|(_, s)| idle(s))
+                            .min_by_key(|(_, s)| s.last_used)
+                            .map(|(i, _)| i)
+                    })
+            });
+            let Some(dst) = dst else { break };
+            // The best source of cells: the longest common prefix.
+            let (src, common) = self
+                .seqs
+                .iter()
+                .enumerate()
+                .map(|(i, s)| (i, lcp(&s.resident, &prompt)))
+                .max_by_key(|&(i, n)| (n, i == dst))
+                .unwrap_or((dst, 0));
+            // The last prompt token is decoded again for its logits.
+            let keep = common.min(prompt.len() - 1);
+            if src != dst && keep > lcp(&self.seqs[dst].resident, &prompt).min(prompt.len() - 1) {
+                ops.push(WorkerRequest::KvCopy {
+                    src: src as u32,
+                    dst: dst as u32,
+                    len: keep as u32,
+                });
+                self.seqs[dst].resident = self.seqs[src].resident[..keep].to_vec();
+            } else {
+                let own_keep = lcp(&self.seqs[dst].resident, &prompt).min(prompt.len() - 1);
+                if self.seqs[dst].resident.len() > own_keep {
+                    ops.push(WorkerRequest::KvTrim {
+                        seq: dst as u32,
+                        from: own_keep as u32,
+                    });
+                    self.seqs[dst].resident.truncate(own_keep);
+                }
+            }
+            let warm = self.seqs[dst].resident.len() as u64;
+            // Make room: evict idle sequences, least recently used first.
+            let need = prompt.len() as u64 + 1 - warm;
+            while self.resident_total(usize::MAX) + need > self.n_ctx as u64 {
+                let victim = self
+                    .seqs
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, s)| *i != dst && idle(s) && !s.resident.is_empty())
+                    .min_by_key(|(_, s)| s.last_used)
+                    .map(|(i, _)| i);
+                let Some(v) = victim else { break };
+                ops.push(WorkerRequest::KvClear { seq: v as u32 });
+                self.seqs[v] = Seq::default();
+            }
+            let seq = &mut self.seqs[dst];
+            seq.owner = Some(session);
+            seq.active = Some(gen);
+            seq.last_used = self.step;
+            self.gens.get_mut(&gen).expect("waiting gen").seq = Some(dst as u32);
+            events.push(GenEvent::Started {
+                gen,
+                warm_prefix: warm,
+            });
+        }
+    }
+
+    /// Plans the next step; None when there is nothing to do. Also returns
+    /// events that happen without a decode (admissions).
+    pub fn plan(&mut self) -> (Option<Step>, Vec<GenEvent>) {
+        let mut ops = Vec::new();
+        let mut events = Vec::new();
+        self.assign(&mut ops, &mut events);
+        self.step += 1;
+        let mut running: Vec<(u8, u64, GenId)> = self
+            .gens
+            .iter()
+            .filter(|(_, g)| g.seq.is_some())
+            .filter(|(_, g)| {
+                g.admit.class != BACKGROUND_CLASS
+                    || self.step % self.background_divisor as u64 == 0
+            })
+            .map(|(id, g)| (g.admit.class, g.arrival, *id))
+            .collect();
+        running.sort();
+        // Batch-invariant generations run alone, taking turns with the rest.
+        let invariant: Vec<GenId> = running
+            .iter()
+            .filter(|(_, _, id)| self.gens[id].admit.batch_invariant)
+            .map(|x| x.2)
+            .collect();
+        let shared: Vec<GenId> = running
+            .iter()
+            .filter(|(_, _, id)| !self.gens[id].admit.batch_invariant)
+            .map(|x| x.2)
+            .collect();
+        self.invariant_turn = !self.invariant_turn;
+        let chosen: Vec<GenId> = if !invariant.is_empty() && (self.invariant_turn || shared.is_empty())
+        {
+            let k = (self.step as usize) % invariant.len();
+            vec![invariant[k]]
+        } else {
+            shared
+        };
+        let mut budget = self.n_batch as usize;
+        let mut decode = Vec::new();
+        let mut gens = Vec::new();
+        for gen in chosen {
+            let g = &self.gens[&gen];
+            let seq = g.seq.expect("running") as usize;
+            let have = self.seqs[seq].resident.len();
+            let todo = &g.tokens[have..];
+            if todo.is_empty() {
+                continue;
+            }
+            // Every running generation gets at least its one decode token;
+            // prefill takes what is left of the batch budget.
+            let take = todo.len().min(budget.max(1));
+            budget = budget.saturating_sub(take);
+            let last = take == todo.len();
+            decode.push(DecodeItem {
+                seq: seq as u32,
+                pos: have as u32,
+                tokens: todo[..take].to_vec(),
+                sample: last.then(|| Sample {
+                    params: g.admit.params,
+                    draw_pos: g.tokens.len() as u64,
+                    grammar: g.admit.grammar.clone(),
+                }),
+            });
+            gens.push(gen);
+            self.seqs[seq].last_used = self.step;
+        }
+        if decode.is_empty() && ops.is_empty() {
+            return (None, events);
+        }
+        (Some(Step { ops, decode, gens }), events)
+    }
+
+    /// Takes a step's result.
+    pub fn complete(&mut self, step: &Step, result: Result<Vec<Drawn>, String>) -> Vec<GenEvent> {
+        let drawn = match result {
+            Ok(d) => d,
+            Err(message) => return self.fail_all(&message),
+        };
+        let mut events = Vec::new();
+        for (item, gen) in step.decode.iter().zip(&step.gens) {
+            let seq = item.seq as usize;
+            self.seqs[seq].resident.extend_from_slice(&item.tokens);
+            if item.sample.is_none() {
+                continue;
+            }
+            let Some(d) = drawn.iter().find(|d| d.seq == item.seq) else {
+                events.extend(self.finish_gen(*gen, None, "the worker drew no token"));
+                continue;
+            };
+            let g = self.gens.get_mut(gen).expect("stepped gen");
+            g.tokens.push(d.token);
+            g.produced += 1;
+            events.push(GenEvent::Token {
+                gen: *gen,
+                token: d.token,
+            });
+            let total = g.tokens.len() as u64;
+            let finish = if d.eog {
+                Some(finish::END_OF_TURN)
+            } else if g.produced >= g.admit.max_tokens {
+                Some(finish::MAX_TOKENS)
+            } else if g.cancelled {
+                Some(finish::CANCELLED)
+            } else if total + 1 > self.n_ctx as u64 {
+                Some(finish::ERROR)
+            } else {
+                None
+            };
+            if let Some(f) = finish {
+                events.extend(self.finish_gen(*gen, Some(f), "the context is full"));
+            }
+        }
+        // Cancelled generations still prefilling stop too.
+        let cancelled: Vec<GenId> = self
+            .gens
+            .iter()
+            .filter(|(_, g)| g.cancelled && g.seq.is_some())
+            .map(|(id, _)| *id)
+            .collect();
+        for gen in cancelled {
+            events.extend(self.finish_gen(gen, Some(finish::CANCELLED), ""));
+        }
+        events
+    }
+
+    fn finish_gen(&mut self, gen: GenId, finish: Option<u8>, why: &str) -> Vec<GenEvent> {
+        let Some(g) = self.gens.remove(&gen) else {
+            return vec![];
+        };
+        if let Some(seq) = g.seq {
+            self.seqs[seq as usize].active = None;
+        }
+        match finish {
+            Some(finish) => {
+                if finish == finish::ERROR {
+                    log::warn!("generation {gen} ended: {why}");
+                }
+                vec![GenEvent::Finished { gen, finish }]
+            }
+            None => vec![GenEvent::Failed {
+                gen,
+                message: why.to_string(),
+            }],
+        }
+    }
+
+    /// The lane failed (a decode error or a worker crash): every generation
+    /// fails and no sequence's contents can be trusted.
+    pub fn fail_all(&mut self, message: &str) -> Vec<GenEvent> {
+        let gens: Vec<GenId> = self.gens.keys().copied().collect();
+        for s in &mut self.seqs {
+            *s = Seq::default();
+        }
+        gens.into_iter()
+            .filter_map(|gen| {
+                self.gens.remove(&gen).map(|_| GenEvent::Failed {
+                    gen,
+                    message: message.to_string(),
+                })
+            })
+            .collect()
+    }
+
+    /// What a sequence holds (for tests and metrics).
+    pub fn resident(&self, seq: u32) -> &[Token] {
+        &self.seqs[seq as usize].resident
+    }
+}
