@@ -45,10 +45,12 @@ impl Registry {
 
     fn actor(&mut self, id: SessionId) -> Addr<SessionActor> {
         let shared = &self.shared;
-        let entry = self
-            .running
-            .entry(id)
-            .or_insert_with(|| (SessionActor::new(id, shared.clone()).start(), Instant::now()));
+        let entry = self.running.entry(id).or_insert_with(|| {
+            (
+                SessionActor::new(id, shared.clone()).start(),
+                Instant::now(),
+            )
+        });
         if !entry.0.connected() {
             entry.0 = SessionActor::new(id, shared.clone()).start();
         }
@@ -59,10 +61,12 @@ impl Registry {
     fn metrics(&self) -> String {
         let book = self.shared.read();
         let ids = book.list();
-        let (events, tokens) = ids.iter().fold((0, 0), |(e, t), id| match book.inspect(*id) {
-            Ok(i) => (e + i.events, t + i.tokens),
-            Err(_) => (e, t),
-        });
+        let (events, tokens) = ids
+            .iter()
+            .fold((0, 0), |(e, t), id| match book.inspect(*id) {
+                Ok(i) => (e + i.events, t + i.tokens),
+                Err(_) => (e, t),
+            });
         format!(
             "# HELP superfluid_sessions Sessions not purged.\n# TYPE superfluid_sessions gauge\nsuperfluid_sessions {}\n\
              # HELP superfluid_session_events Events across live sessions, shared ones counted per session.\n# TYPE superfluid_session_events gauge\nsuperfluid_session_events {}\n\

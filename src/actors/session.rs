@@ -71,7 +71,11 @@ async fn commit_event(shared: &Shared, planned: Result<Planned, SessionError>) -
 }
 
 /// Commits a planned new session (fork, rebase, trim) and replies `Created`.
-async fn commit_branch(shared: &Shared, id: SessionId, planned: Result<Planned, SessionError>) -> Response {
+async fn commit_branch(
+    shared: &Shared,
+    id: SessionId,
+    planned: Result<Planned, SessionError>,
+) -> Response {
     match planned {
         Ok(p) => match shared.commit(p.record).await {
             Ok(()) => Response::Created { session: id },
@@ -87,20 +91,39 @@ async fn handle(shared: &Shared, req: Request) -> Response {
     let now = now_ms();
     let render = shared.render.as_ref();
     match req {
-        Request::Append { session, text, span } => {
+        Request::Append {
+            session,
+            text,
+            span,
+        } => {
             let p = shared.read().plan_append(session, text, span, render, now);
             commit_event(shared, p).await
         }
-        Request::AppendMessage { session, role, text } => {
+        Request::AppendMessage {
+            session,
+            role,
+            text,
+        } => {
             let p = shared.read().plan_message(session, role, text, render, now);
             commit_event(shared, p).await
         }
-        Request::AppendSystem { session, text, tools } => {
+        Request::AppendSystem {
+            session,
+            text,
+            tools,
+        } => {
             let p = shared.read().plan_system(session, text, tools, render, now);
             commit_event(shared, p).await
         }
-        Request::AppendBlock { session, role, kind, payload } => {
-            let p = shared.read().plan_block(session, role, kind, payload, render, now);
+        Request::AppendBlock {
+            session,
+            role,
+            kind,
+            payload,
+        } => {
+            let p = shared
+                .read()
+                .plan_block(session, role, kind, payload, render, now);
             commit_event(shared, p).await
         }
         Request::AppendImage { .. } => err("AppendImage: this model has no vision projector"),
@@ -112,8 +135,15 @@ async fn handle(shared: &Shared, req: Request) -> Response {
             Ok(inspection) => Response::Inspection { inspection },
             Err(e) => err(e),
         },
-        Request::SetMeta { session, expected_version, title, archived } => {
-            let p = shared.read().plan_meta(session, expected_version, title, archived, now);
+        Request::SetMeta {
+            session,
+            expected_version,
+            title,
+            archived,
+        } => {
+            let p = shared
+                .read()
+                .plan_meta(session, expected_version, title, archived, now);
             match p {
                 Ok(p) => {
                     let version = match &p.record {
@@ -128,8 +158,14 @@ async fn handle(shared: &Shared, req: Request) -> Response {
                 Err(e) => err(e),
             }
         }
-        Request::Purge { session, expected_generation, mode } => {
-            let p = shared.read().plan_purge(session, expected_generation, mode, now);
+        Request::Purge {
+            session,
+            expected_generation,
+            mode,
+        } => {
+            let p = shared
+                .read()
+                .plan_purge(session, expected_generation, mode, now);
             match p {
                 Ok(p) => {
                     let sessions = match &p.record {
@@ -144,7 +180,11 @@ async fn handle(shared: &Shared, req: Request) -> Response {
                 Err(e) => err(e),
             }
         }
-        Request::Fork { session, at_event, params } => {
+        Request::Fork {
+            session,
+            at_event,
+            params,
+        } => {
             let (id, p) = {
                 let mut book = shared.write();
                 let id = book.reserve_id();
@@ -160,20 +200,40 @@ async fn handle(shared: &Shared, req: Request) -> Response {
             };
             commit_branch(shared, id, p).await
         }
-        Request::Rebase { session, edits, params } => {
+        Request::Rebase {
+            session,
+            edits,
+            params,
+        } => {
             let (id, p) = {
                 let mut book = shared.write();
                 let id = book.reserve_id();
-                (id, book.plan_rebase(id, session, edits, params, render, now))
+                (
+                    id,
+                    book.plan_rebase(id, session, edits, params, render, now),
+                )
             };
             commit_branch(shared, id, p).await
         }
-        Request::AppendToolResult { session, call_id, content } => {
-            let p = shared.read().plan_tool_result(session, call_id, content, render, now);
+        Request::AppendToolResult {
+            session,
+            call_id,
+            content,
+        } => {
+            let p = shared
+                .read()
+                .plan_tool_result(session, call_id, content, render, now);
             commit_event(shared, p).await
         }
-        Request::AppendToolOutcome { session, call_id, outcome, note } => {
-            let p = shared.read().plan_tool_outcome(session, call_id, outcome, note, now);
+        Request::AppendToolOutcome {
+            session,
+            call_id,
+            outcome,
+            note,
+        } => {
+            let p = shared
+                .read()
+                .plan_tool_outcome(session, call_id, outcome, note, now);
             commit_event(shared, p).await
         }
         Request::RequestToolCancel { session, call_id } => {
@@ -188,23 +248,46 @@ async fn handle(shared: &Shared, req: Request) -> Response {
             Ok(entries) => Response::Ledger { entries },
             Err(e) => err(e),
         },
-        Request::RequestPermission { session, call_id, text } => {
-            let p = shared.read().plan_permission_request(session, call_id, text, now);
+        Request::RequestPermission {
+            session,
+            call_id,
+            text,
+        } => {
+            let p = shared
+                .read()
+                .plan_permission_request(session, call_id, text, now);
             commit_event(shared, p).await
         }
-        Request::RespondPermission { session, request_id, granted } => {
-            let p = shared.read().plan_permission_response(session, request_id, granted, now);
+        Request::RespondPermission {
+            session,
+            request_id,
+            granted,
+        } => {
+            let p = shared
+                .read()
+                .plan_permission_response(session, request_id, granted, now);
             commit_event(shared, p).await
         }
-        Request::SetQos { session, class, batch_invariant } => {
+        Request::SetQos {
+            session,
+            class,
+            batch_invariant,
+        } => {
             let p = shared.read().plan_qos(session, class, batch_invariant, now);
             commit_event(shared, p).await
         }
         Request::Generate { .. } => err(format!("Generate {NEEDS_LANE}")),
-        Request::Cancel { session } => err(format!("session {session} has no generation in flight")),
+        Request::Cancel { session } => {
+            err(format!("session {session} has no generation in flight"))
+        }
         Request::Subscribe { .. } => err("Subscribe is not served by this daemon yet"),
-        Request::Pin { .. } => err("Pin holds a prefix in the prefix cache, which this daemon does not have yet"),
-        other => err(format!("internal error: {} is not a session request", name(&other))),
+        Request::Pin { .. } => {
+            err("Pin holds a prefix in the prefix cache, which this daemon does not have yet")
+        }
+        other => err(format!(
+            "internal error: {} is not a session request",
+            name(&other)
+        )),
     }
 }
 

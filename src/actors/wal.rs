@@ -38,7 +38,9 @@ impl Handler<Commit> for WalActor {
 
     fn handle(&mut self, msg: Commit, _: &mut Context<Self>) -> Self::Result {
         let Some(writer) = self.writer.clone() else {
-            return Box::pin(async { Err(StoreError::WriterFailed("the log is shut down".into())) });
+            return Box::pin(async {
+                Err(StoreError::WriterFailed("the log is shut down".into()))
+            });
         };
         let rx = writer.append(msg.0);
         Box::pin(async move {

@@ -88,7 +88,9 @@ async fn connection(mut stream: UnixStream, registry: Addr<Registry>) {
             Ok(None) => return,
             Err(FrameError::TooLarge { len, max }) => {
                 // The stream cannot be resynchronised past a bogus length.
-                let msg = format!("frame of {len} bytes exceeds the {max}-byte cap; closing the connection");
+                let msg = format!(
+                    "frame of {len} bytes exceeds the {max}-byte cap; closing the connection"
+                );
                 let _ = send(&mut stream, &Response::err(msg)).await;
                 return;
             }

@@ -540,7 +540,9 @@ impl SessionBook {
     fn check_edits(&self, parent: SessionId, edits: &[Edit]) -> Result<(), SessionError> {
         let len = self.get(parent)?.len;
         if edits.is_empty() {
-            return Err(SessionError::Invalid("Rebase needs at least one edit".into()));
+            return Err(SessionError::Invalid(
+                "Rebase needs at least one edit".into(),
+            ));
         }
         let mut prev_to = 0;
         for (i, e) in edits.iter().enumerate() {
@@ -639,7 +641,10 @@ impl SessionBook {
             }
         }
         Ok(Planned {
-            record: LogRecord::Events { session: id, events },
+            record: LogRecord::Events {
+                session: id,
+                events,
+            },
         })
     }
 
@@ -756,7 +761,9 @@ impl SessionBook {
                     granted,
                 } => {
                     let call = events.iter().find_map(|r| match &r.body {
-                        Record::PermissionRequested { call_id, .. } if r.event_id == *request_id => {
+                        Record::PermissionRequested { call_id, .. }
+                            if r.event_id == *request_id =>
+                        {
                             Some(*call_id)
                         }
                         _ => None,

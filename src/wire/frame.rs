@@ -168,7 +168,10 @@ mod tests {
         assert_eq!(read_frame(&mut r, 10).await.unwrap().unwrap(), b"abc");
         assert!(matches!(
             read_frame(&mut r, 10).await,
-            Err(FrameError::Truncated { expected: 4, got: 2 })
+            Err(FrameError::Truncated {
+                expected: 4,
+                got: 2
+            })
         ));
     }
 }

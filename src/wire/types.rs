@@ -137,7 +137,9 @@ pub enum Record {
         span: Vec<Token>,
     },
     /// The assistant header a generated turn opened with.
-    GenerationPrompt { span: Vec<Token> },
+    GenerationPrompt {
+        span: Vec<Token>,
+    },
     Generated {
         span: Vec<Token>,
         text: String,
@@ -145,15 +147,24 @@ pub enum Record {
         finish: u8,
     },
     /// A tool call parsed from the model's output; its event id is the call id.
-    ToolUse { name: String, arguments: String },
+    ToolUse {
+        name: String,
+        arguments: String,
+    },
     ToolResult {
         call_id: EventId,
         content: String,
         span: Vec<Token>,
     },
-    Appended { text: String, span: Vec<Token> },
+    Appended {
+        text: String,
+        span: Vec<Token>,
+    },
     /// Output that looked like a tool call but did not parse.
-    ToolParseFailure { text: String, error: String },
+    ToolParseFailure {
+        text: String,
+        error: String,
+    },
     /// The session's KV was rebuilt in a new epoch (after a restart or a
     /// worker crash) before generation went on.
     EpochBump,
@@ -163,10 +174,21 @@ pub enum Record {
         outcome: u8,
         note: String,
     },
-    ToolCancelRequested { call_id: EventId },
-    PermissionRequested { call_id: EventId, text: String },
-    PermissionResponded { request_id: EventId, granted: bool },
-    Qos { class: u8, batch_invariant: bool },
+    ToolCancelRequested {
+        call_id: EventId,
+    },
+    PermissionRequested {
+        call_id: EventId,
+        text: String,
+    },
+    PermissionResponded {
+        request_id: EventId,
+        granted: bool,
+    },
+    Qos {
+        class: u8,
+        batch_invariant: bool,
+    },
     /// The opening system turn declaring tools (`AppendSystem`); `tools` are
     /// the JSON strings as given.
     System {
@@ -436,8 +458,16 @@ impl Request {
             | RespondPermission { session, .. }
             | SetQos { session, .. }
             | Pin { session, .. } => Some(*session),
-            Create { .. } | List | Sessions { .. } | Tree | Unsubscribe { .. } | Complete { .. }
-            | SetBackgroundRate { .. } | PutMedia { .. } | GcMedia | SetLogLevel { .. }
+            Create { .. }
+            | List
+            | Sessions { .. }
+            | Tree
+            | Unsubscribe { .. }
+            | Complete { .. }
+            | SetBackgroundRate { .. }
+            | PutMedia { .. }
+            | GcMedia
+            | SetLogLevel { .. }
             | Metrics => None,
         }
     }

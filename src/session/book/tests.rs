@@ -17,7 +17,13 @@ impl Render for Bytes {
     fn detokenize(&self, span: &[Token]) -> String {
         span.iter().map(|&t| t as u8 as char).collect()
     }
-    fn message_span(&self, _: &[Turn], _: &[String], new: &Turn, first: bool) -> Result<Vec<Token>, String> {
+    fn message_span(
+        &self,
+        _: &[Turn],
+        _: &[String],
+        new: &Turn,
+        first: bool,
+    ) -> Result<Vec<Token>, String> {
         let pre = if first { "^" } else { "" };
         Ok(self.tokenize(&format!("{pre}<{}>{}|", new.role, new.content)))
     }
@@ -29,7 +35,13 @@ impl Render for Bytes {
     }
 }
 
-const P: Params = Params { temperature: 0.7, top_p: 0.95, min_p: 0.0, top_k: 0, seed: 1 };
+const P: Params = Params {
+    temperature: 0.7,
+    top_p: 0.95,
+    min_p: 0.0,
+    top_k: 0,
+    seed: 1,
+};
 
 /// Plans and applies in one go, as the actors do after the commit.
 macro_rules! commit {
@@ -47,7 +59,10 @@ fn create(book: &mut SessionBook) -> SessionId {
 }
 
 fn say(book: &mut SessionBook, s: SessionId, text: &str) {
-    commit!(book, book.plan_message(s, role::USER, text.into(), &Bytes, 20));
+    commit!(
+        book,
+        book.plan_message(s, role::USER, text.into(), &Bytes, 20)
+    );
 }
 
 fn texts(book: &SessionBook, s: SessionId) -> Vec<String> {
@@ -62,7 +77,11 @@ fn texts(book: &SessionBook, s: SessionId) -> Vec<String> {
 }
 
 fn ids(book: &SessionBook, s: SessionId) -> Vec<u64> {
-    book.read(s, 0).unwrap().iter().map(|e| e.event_id).collect()
+    book.read(s, 0)
+        .unwrap()
+        .iter()
+        .map(|e| e.event_id)
+        .collect()
 }
 
 #[test]
@@ -79,7 +98,10 @@ fn create_append_read() {
     assert_eq!(ev[0].body.span()[0], b'^' as u32);
     assert_ne!(ev[1].body.span()[0], b'^' as u32);
     assert_eq!(b.read(s, 3).unwrap(), vec![]);
-    assert!(matches!(b.read(s, 4), Err(SessionError::CursorPastEnd { .. })));
+    assert!(matches!(
+        b.read(s, 4),
+        Err(SessionError::CursorPastEnd { .. })
+    ));
     assert!(matches!(b.read(9, 0), Err(SessionError::Unknown(9))));
 }
 
@@ -101,7 +123,14 @@ fn fork_shares_ids_and_never_rewrites_parent() {
     commit!(b, b.plan_fork(g, f, b.len(f).unwrap(), None, 30));
     assert_eq!(texts(&b, g), ["Created", "a", "Forked", "x", "Forked"]);
     assert_eq!(b.len(g).unwrap(), 5);
-    assert_eq!(b.tree(), vec![(1, None, None), (2, Some(1), Some(2)), (3, Some(2), Some(4))]);
+    assert_eq!(
+        b.tree(),
+        vec![
+            (1, None, None),
+            (2, Some(1), Some(2)),
+            (3, Some(2), Some(4))
+        ]
+    );
     // Out of range.
     let h = b.reserve_id();
     assert!(b.plan_fork(h, s, 0, None, 1).is_err());
@@ -118,7 +147,12 @@ fn rebase_drops_and_replaces() {
     }
     let r = b.reserve_id();
     let edits = vec![
-        Edit::Replace { from: 2, to: 3, role: role::USER, text: "B".into() },
+        Edit::Replace {
+            from: 2,
+            to: 3,
+            role: role::USER,
+            text: "B".into(),
+        },
         Edit::Drop { from: 4, to: 5 },
     ];
     commit!(b, b.plan_rebase(r, s, edits, None, &Bytes, 40));
@@ -129,7 +163,12 @@ fn rebase_drops_and_replaces() {
     assert_eq!(b.len(r).unwrap(), 7);
     // Edit this message and drop what followed.
     let r2 = b.reserve_id();
-    let edits = vec![Edit::Replace { from: 3, to: 6, role: role::USER, text: "C".into() }];
+    let edits = vec![Edit::Replace {
+        from: 3,
+        to: 6,
+        role: role::USER,
+        text: "C".into(),
+    }];
     commit!(b, b.plan_rebase(r2, s, edits, None, &Bytes, 40));
     assert_eq!(texts(&b, r2), ["Created", "a", "b", "Rebased", "C"]);
 }
@@ -150,9 +189,20 @@ fn bad_rebase_edits_are_refused() {
         (vec![d(2, 9)], "past the end"),
         (vec![d(3, 4), d(1, 2)], "sorted"),
         (vec![d(1, 3), d(2, 4)], "overlap"),
-        (vec![Edit::Replace { from: 1, to: 2, role: 7, text: "x".into() }], "unknown role"),
+        (
+            vec![Edit::Replace {
+                from: 1,
+                to: 2,
+                role: 7,
+                text: "x".into(),
+            }],
+            "unknown role",
+        ),
     ] {
-        let err = b.plan_rebase(99, s, edits, None, &Bytes, 1).unwrap_err().to_string();
+        let err = b
+            .plan_rebase(99, s, edits, None, &Bytes, 1)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains(why), "{err} should mention {why}");
     }
 }
@@ -161,32 +211,56 @@ fn bad_rebase_edits_are_refused() {
 fn system_only_before_input_including_inherited() {
     let mut b = SessionBook::new();
     let s = create(&mut b);
-    commit!(b, b.plan_system(s, Some("be brief".into()), vec!["{\"name\":\"f\"}".into()], &Bytes, 1));
+    commit!(
+        b,
+        b.plan_system(
+            s,
+            Some("be brief".into()),
+            vec!["{\"name\":\"f\"}".into()],
+            &Bytes,
+            1
+        )
+    );
     let err = b.plan_system(s, None, vec![], &Bytes, 1).unwrap_err();
     assert!(err.to_string().contains("already has input"));
     let t = create(&mut b);
     say(&mut b, t, "hi");
     let f = b.reserve_id();
     commit!(b, b.plan_fork(f, t, 2, None, 1));
-    assert!(b.plan_system(f, None, vec![], &Bytes, 1).is_err(), "inherited input counts");
+    assert!(
+        b.plan_system(f, None, vec![], &Bytes, 1).is_err(),
+        "inherited input counts"
+    );
     let g = b.reserve_id();
     commit!(b, b.plan_fork(g, t, 1, None, 1));
-    assert!(b.plan_system(g, None, vec![], &Bytes, 1).is_ok(), "a fork before any input may declare");
+    assert!(
+        b.plan_system(g, None, vec![], &Bytes, 1).is_ok(),
+        "a fork before any input may declare"
+    );
 }
 
 #[test]
 fn meta_and_purge_guards() {
     let mut b = SessionBook::new();
     let s = create(&mut b);
-    assert!(matches!(b.plan_meta(s, 1, None, None, 1), Err(SessionError::Version { .. })));
+    assert!(matches!(
+        b.plan_meta(s, 1, None, None, 1),
+        Err(SessionError::Version { .. })
+    ));
     commit!(b, b.plan_meta(s, 0, Some("t".into()), None, 1));
     commit!(b, b.plan_meta(s, 1, None, Some(true), 1));
     let i = b.inspect(s).unwrap();
-    assert_eq!((i.version, i.title.as_deref(), i.archived), (2, Some("t"), true));
+    assert_eq!(
+        (i.version, i.title.as_deref(), i.archived),
+        (2, Some("t"), true)
+    );
     assert!(b.summaries(false).is_empty());
     assert_eq!(b.summaries(true).len(), 1);
     let gen = b.inspect(s).unwrap().generation;
-    assert!(matches!(b.plan_purge(s, gen + 1, PurgeMode::Cascade, 1), Err(SessionError::Generation { .. })));
+    assert!(matches!(
+        b.plan_purge(s, gen + 1, PurgeMode::Cascade, 1),
+        Err(SessionError::Generation { .. })
+    ));
 }
 
 #[test]
@@ -219,7 +293,13 @@ fn append_text_or_span_and_vocab_check() {
     commit!(b, b.plan_append(s, Some("hi".into()), vec![], &Bytes, 1));
     commit!(b, b.plan_append(s, None, vec![104, 105], &Bytes, 1));
     let ev = b.read(s, 1).unwrap();
-    assert_eq!(ev[0].body, Record::Appended { text: "hi".into(), span: vec![104, 105] });
+    assert_eq!(
+        ev[0].body,
+        Record::Appended {
+            text: "hi".into(),
+            span: vec![104, 105]
+        }
+    );
     assert_eq!(ev[1].body, ev[0].body);
     assert!(b.plan_append(s, None, vec![256], &Bytes, 1).is_err());
     assert!(b.plan_append(s, None, vec![], &Bytes, 1).is_err());
@@ -235,12 +315,21 @@ fn replay_of_committed_records_rebuilds_the_same_book() {
     let s = b.reserve_id();
     log.push(commit!(b, b.plan_create(s, None, P, 1)));
     for t in ["a", "b", "c"] {
-        log.push(commit!(b, b.plan_message(s, role::USER, t.into(), &Bytes, 2)));
+        log.push(commit!(
+            b,
+            b.plan_message(s, role::USER, t.into(), &Bytes, 2)
+        ));
     }
     let f = b.reserve_id();
-    log.push(commit!(b, b.plan_fork(f, s, 2, Some(Params { seed: 9, ..P }), 3)));
+    log.push(commit!(
+        b,
+        b.plan_fork(f, s, 2, Some(Params { seed: 9, ..P }), 3)
+    ));
     let r = b.reserve_id();
-    log.push(commit!(b, b.plan_rebase(r, s, vec![Edit::Drop { from: 2, to: 3 }], None, &Bytes, 4)));
+    log.push(commit!(
+        b,
+        b.plan_rebase(r, s, vec![Edit::Drop { from: 2, to: 3 }], None, &Bytes, 4)
+    ));
     log.push(commit!(b, b.plan_meta(f, 0, Some("fork".into()), None, 5)));
     let mut again = SessionBook::new();
     for rec in &log {
@@ -265,14 +354,27 @@ fn tool_call_bookkeeping() {
     let call = b.len(s).unwrap();
     b.apply(&LogRecord::Events {
         session: s,
-        events: vec![Event { event_id: call, epoch: 0, ts_unix_ms: 1, body: Record::ToolUse { name: "f".into(), arguments: "{}".into() } }],
+        events: vec![Event {
+            event_id: call,
+            epoch: 0,
+            ts_unix_ms: 1,
+            body: Record::ToolUse {
+                name: "f".into(),
+                arguments: "{}".into(),
+            },
+        }],
     })
     .unwrap();
-    assert_eq!(b.open_tool_calls(s).unwrap(), vec![(call, "f".into(), "{}".into())]);
+    assert_eq!(
+        b.open_tool_calls(s).unwrap(),
+        vec![(call, "f".into(), "{}".into())]
+    );
     assert!(b.plan_tool_result(s, 99, "x".into(), &Bytes, 1).is_err());
     commit!(b, b.plan_tool_result(s, call, "42".into(), &Bytes, 1));
     assert!(b.open_tool_calls(s).unwrap().is_empty());
-    let err = b.plan_tool_result(s, call, "x".into(), &Bytes, 1).unwrap_err();
+    let err = b
+        .plan_tool_result(s, call, "x".into(), &Bytes, 1)
+        .unwrap_err();
     assert!(err.to_string().contains("already answered"));
     assert_eq!(b.ledger(s).unwrap()[0].status, "answered");
 }
