@@ -14,7 +14,11 @@ use crate::engine::render::Renderer;
 use crate::engine::template::{normalize_tool, ChatMessage};
 use crate::engine::vocab::Vocab;
 use crate::session::{Render, SessionBook, Turn};
+use crate::actors::lane::{LaneActor, LaneConfig, SetListener};
+use crate::actors::scheduler::SchedulerActor;
+use crate::scheduler::SchedulerState;
 use crate::store::{self, DirLock, OpenMode, WalWriter};
+use crate::wire::worker::WorkerConfig;
 use crate::wire::{from_postcard, LogRecord, Token};
 
 /// What `superfluid serve` was asked to do.
@@ -24,6 +28,20 @@ pub struct ServeConfig {
     pub sessions: PathBuf,
     pub socket: PathBuf,
     pub sessions_cache: bool,
+    /// The model lane's worker: KV cells, sequences, batch, threads.
+    pub worker: WorkerConfig,
+}
+
+/// `--ctx-size` default: KV cells shared by a lane's sequences.
+pub const DEFAULT_CTX_SIZE: u32 = 8192;
+/// `--parallel` default: sequences decoded together.
+pub const DEFAULT_PARALLEL: u32 = 4;
+/// `--batch` default: the most tokens one decode call takes.
+pub const DEFAULT_BATCH: u32 = 512;
+
+/// `--threads` default: every core the machine has.
+pub fn default_threads() -> u32 {
+    std::thread::available_parallelism().map_or(2, |n| n.get() as u32)
 }
 
 /// The user's home, for the default paths.
@@ -131,6 +149,7 @@ pub fn replay(dir: &Path, mode: OpenMode) -> anyhow::Result<(store::WalFile, Ses
 /// Runs the daemon until SIGINT or SIGTERM.
 pub fn serve(config: ServeConfig) -> anyhow::Result<()> {
     let _lock = DirLock::acquire(&config.sessions)?;
+    let listener = crate::frontend::socket::bind(&config.socket)?;
     let render = Arc::new(ModelRender::load(&config.model)?);
     let mode = if config.sessions_cache {
         OpenMode::Cache
@@ -140,20 +159,36 @@ pub fn serve(config: ServeConfig) -> anyhow::Result<()> {
     let (file, book) = replay(&config.sessions, mode)?;
     let writer = WalWriter::spawn(file, None);
     let system = actix::System::new();
-    system.block_on(run(config, book, writer, render))
+    let result = system.block_on(run(config.clone(), listener, book, writer, render));
+    let _ = std::fs::remove_file(&config.socket);
+    result
 }
 
 async fn run(
     config: ServeConfig,
+    listener: std::os::unix::net::UnixListener,
     book: SessionBook,
     writer: WalWriter,
     render: Arc<ModelRender>,
 ) -> anyhow::Result<()> {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
     let wal = WalActor::new(writer).start();
+    let lane = LaneActor::new(LaneConfig {
+        model: config.model.clone(),
+        worker: config.worker.clone(),
+        exe: std::env::current_exe()?,
+    })
+    .start();
+    let w = &config.worker;
+    let scheduler =
+        SchedulerActor::new(SchedulerState::new(w.n_ctx, w.n_seq, w.n_batch), lane.clone()).start();
+    lane.do_send(SetListener(scheduler.clone().recipient()));
     let shared = Shared {
         book: Arc::new(RwLock::new(book)),
         render,
         wal: wal.clone(),
+        scheduler,
     };
     let boot = shared.read().plan_boot(now_ms());
     shared
@@ -161,7 +196,6 @@ async fn run(
         .await
         .map_err(|e| anyhow::anyhow!("cannot record this start in the log: {e}"))?;
     let registry = Registry::new(shared.clone()).start();
-    let listener = crate::frontend::socket::bind(&config.socket)?;
     println!(
         "superfluid: serving {} on {} (sessions in {}, epoch {})",
         config.model.display(),
@@ -170,14 +204,14 @@ async fn run(
         shared.read().epoch()
     );
     let socket_task = actix_rt::spawn(crate::frontend::socket::serve(listener, registry));
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
+        _ = int.recv() => {}
         _ = term.recv() => {}
     }
     log::info!("shutting down");
     socket_task.abort();
     let _ = std::fs::remove_file(&config.socket);
     let _ = wal.send(Shutdown).await;
+    System::current().stop();
     Ok(())
 }

@@ -64,6 +64,18 @@ struct Serve {
     /// Seal finishing sessions' KV to <sessions>/park (not available yet).
     #[arg(long)]
     park: bool,
+    /// KV cells shared by the lane's sequences.
+    #[arg(long, default_value_t = daemon::DEFAULT_CTX_SIZE)]
+    ctx_size: u32,
+    /// Sequences decoded together (continuous batching).
+    #[arg(long, default_value_t = daemon::DEFAULT_PARALLEL)]
+    parallel: u32,
+    /// The most tokens one decode call takes; prefill is chunked by it.
+    #[arg(long, default_value_t = daemon::DEFAULT_BATCH)]
+    batch: u32,
+    /// CPU threads for decode [default: every core]
+    #[arg(long)]
+    threads: Option<u32>,
 }
 
 #[derive(Subcommand)]
@@ -100,6 +112,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 sessions: s.sessions.unwrap_or_else(daemon::default_sessions_dir),
                 socket: s.socket.unwrap_or_else(daemon::default_socket),
                 sessions_cache: s.sessions_cache,
+                worker: superfluid::wire::worker::WorkerConfig {
+                    n_ctx: s.ctx_size,
+                    n_seq: s.parallel,
+                    n_batch: s.batch.min(s.ctx_size),
+                    threads: s.threads.unwrap_or_else(daemon::default_threads),
+                },
             })
         }
         Command::Worker(w) => superfluid::engine::worker::run(

@@ -11,7 +11,9 @@
 //! **No actor blocks its arbiter**: fsync runs on the WAL writer's thread,
 //! and no lock is held across an await.
 
+pub mod lane;
 pub mod registry;
+pub mod scheduler;
 pub mod session;
 pub mod wal;
 
@@ -31,6 +33,8 @@ pub struct Shared {
     /// The model's vocabulary and chat template.
     pub render: Arc<dyn Render>,
     pub wal: Addr<wal::WalActor>,
+    /// The model lane's scheduler.
+    pub scheduler: Addr<scheduler::SchedulerActor>,
 }
 
 /// Milliseconds since the Unix epoch.

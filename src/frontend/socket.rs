@@ -28,8 +28,10 @@ pub enum SocketError {
     },
 }
 
-/// Binds the socket, replacing a stale one and refusing a live one.
-pub fn bind(path: &Path) -> Result<UnixListener, SocketError> {
+/// Binds the socket, replacing a stale one and refusing a live one. Called
+/// before the runtime starts (and before the log is touched), so a daemon
+/// refused here changes nothing.
+pub fn bind(path: &Path) -> Result<std::os::unix::net::UnixListener, SocketError> {
     let io = |source| SocketError::Io {
         path: path.to_path_buf(),
         source,
@@ -49,16 +51,26 @@ pub fn bind(path: &Path) -> Result<UnixListener, SocketError> {
     }
     // Bind with a umask that leaves no window in which the socket is open
     // to others, then set the mode explicitly as well.
+    // SAFETY: umask only swaps the process's file mode mask.
     let old = unsafe { libc::umask(0o177) };
-    let bound = UnixListener::bind(path);
+    let bound = std::os::unix::net::UnixListener::bind(path);
+    // SAFETY: as above, restoring the previous mask.
     unsafe { libc::umask(old) };
     let listener = bound.map_err(io)?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(io)?;
+    listener.set_nonblocking(true).map_err(io)?;
     Ok(listener)
 }
 
 /// Accepts connections until the listener fails; each runs on its own task.
-pub async fn serve(listener: UnixListener, registry: Addr<Registry>) {
+pub async fn serve(listener: std::os::unix::net::UnixListener, registry: Addr<Registry>) {
+    let listener = match UnixListener::from_std(listener) {
+        Ok(l) => l,
+        Err(e) => {
+            log::error!("cannot serve the socket: {e}");
+            return;
+        }
+    };
     loop {
         match listener.accept().await {
             Ok((stream, _)) => {

@@ -99,6 +99,9 @@ pub struct SchedulerState {
     background_divisor: u32,
     /// Alternates batch-invariant generations with the shared batch.
     invariant_turn: bool,
+    /// The worker's KV may hold what this state no longer knows of (after a
+    /// failed step): clear every sequence before the next step.
+    dirty: bool,
 }
 
 fn lcp(a: &[Token], b: &[Token]) -> usize {
@@ -116,6 +119,7 @@ impl SchedulerState {
             step: 0,
             background_divisor: 1,
             invariant_turn: false,
+            dirty: false,
         }
     }
 
@@ -282,6 +286,9 @@ impl SchedulerState {
     /// events that happen without a decode (admissions).
     pub fn plan(&mut self) -> (Option<Step>, Vec<GenEvent>) {
         let mut ops = Vec::new();
+        if std::mem::take(&mut self.dirty) {
+            ops.extend((0..self.seqs.len() as u32).map(|seq| WorkerRequest::KvClear { seq }));
+        }
         let mut events = Vec::new();
         self.assign(&mut ops, &mut events);
         self.step += 1;
@@ -431,6 +438,7 @@ impl SchedulerState {
         for s in &mut self.seqs {
             *s = Seq::default();
         }
+        self.dirty = true;
         gens.into_iter()
             .filter_map(|gen| {
                 self.gens.remove(&gen).map(|_| GenEvent::Failed {

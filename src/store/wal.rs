@@ -340,7 +340,11 @@ fn scan(
         let payload = &s.buf[s.lo + RECORD_HEADER_LEN..s.lo + total as usize];
         let actual = crc32c::crc32c(payload);
         if actual != crc {
-            if zero_from(file, pos, file_len).map_err(io_err(path))? {
+            // The final record's header landed but its payload did not (the
+            // file grew, the data blocks stayed zero): a torn tail too.
+            let is_final = pos + total == file_len;
+            let payload_start = pos + RECORD_HEADER_LEN as u64;
+            if is_final && zero_from(file, payload_start, file_len).map_err(io_err(path))? {
                 return Ok((ScanEnd::Torn, records, pos));
             }
             return corrupt(
@@ -808,6 +812,34 @@ mod tests {
         assert_eq!(r.dropped_bytes, 100);
         assert_eq!(f.end(), end);
         assert_eq!(fs::metadata(d.path().join(WAL_FILE)).unwrap().len(), end);
+    }
+
+    #[test]
+    fn final_record_with_zeroed_payload_is_torn() {
+        let d = tempfile::tempdir().unwrap();
+        let durables = write_all(d.path(), &payloads(3));
+        let mut bytes = wal_bytes(d.path());
+        let last = durables[2];
+        for b in &mut bytes[(last.offset as usize + RECORD_HEADER_LEN)..] {
+            *b = 0;
+        }
+        fs::write(d.path().join(WAL_FILE), &bytes).unwrap();
+        let (f, r, got) = open_collect(d.path(), OpenMode::Durable).unwrap();
+        assert_eq!(got.len(), 2);
+        assert_eq!(r.truncated_at, Some(last.offset));
+        assert_eq!(f.end(), last.offset);
+        // The same zeroed payload in a non-final record is corruption.
+        let durables = write_all(d.path(), &payloads(2));
+        let mut bytes = wal_bytes(d.path());
+        let mid = durables[0];
+        for b in &mut bytes[(mid.offset as usize + RECORD_HEADER_LEN)..mid.end as usize] {
+            *b = 0;
+        }
+        fs::write(d.path().join(WAL_FILE), &bytes).unwrap();
+        assert!(matches!(
+            open_collect(d.path(), OpenMode::Durable),
+            Err(StoreError::Corrupt { .. })
+        ));
     }
 
     #[test]

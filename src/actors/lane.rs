@@ -1,0 +1,314 @@
+//! `LaneActor`: one model lane, that is one `superfluid worker` process that
+//! owns llama.cpp for one model. It spawns the worker, writes requests to its
+//! stdin and reads replies from its stdout (length-prefixed postcard frames,
+//! one reply per request, in order), and routes the worker's stderr into the
+//! daemon's log. The pipes are served by three small threads, so the actor
+//! never blocks its arbiter.
+//!
+//! When the worker dies (a crash, SIGKILL, a llama.cpp abort) every request
+//! in flight fails with an Err, the listener (the scheduler) is told so it
+//! forgets the KV, and the worker is spawned again after a short delay.
+
+use std::collections::VecDeque;
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use actix::prelude::*;
+use tokio::sync::oneshot;
+
+use crate::wire::worker::{WorkerConfig, WorkerRequest, WorkerResponse};
+use crate::wire::{from_postcard, read_frame_blocking, to_postcard, write_frame_blocking};
+
+/// The first respawn waits this long; each further one in a row doubles it.
+const RESPAWN_DELAY_MS: u64 = 100;
+/// The longest wait between respawns.
+const RESPAWN_DELAY_MAX_MS: u64 = 5_000;
+/// The largest reply frame accepted from the worker.
+const MAX_WORKER_FRAME_BYTES: usize = 16 << 20;
+
+/// Run one request on the worker.
+#[derive(Message)]
+#[rtype(result = "Result<WorkerResponse, String>")]
+pub struct Exec(pub WorkerRequest);
+
+/// Who hears that the worker restarted (its KV is gone).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct SetListener(pub Recipient<LaneReset>);
+
+/// The worker died; everything it held is gone.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct LaneReset(pub String);
+
+/// A reply frame read from the worker's stdout.
+#[derive(Message)]
+#[rtype(result = "()")]
+struct FromWorker {
+    incarnation: u64,
+    response: WorkerResponse,
+}
+
+/// The worker's stdout ended.
+#[derive(Message)]
+#[rtype(result = "()")]
+struct WorkerGone {
+    incarnation: u64,
+    reason: String,
+}
+
+/// How to start the worker.
+#[derive(Debug, Clone)]
+pub struct LaneConfig {
+    pub model: PathBuf,
+    pub worker: WorkerConfig,
+    /// The `superfluid` executable (normally the running one).
+    pub exe: PathBuf,
+}
+
+type Reply = oneshot::Sender<Result<WorkerResponse, String>>;
+
+pub struct LaneActor {
+    config: LaneConfig,
+    child: Option<Child>,
+    to_worker: Option<std::sync::mpsc::Sender<Vec<u8>>>,
+    /// Replies awaited from the worker, oldest first.
+    in_flight: VecDeque<Reply>,
+    /// Requests held until the worker says Ready.
+    held: VecDeque<(WorkerRequest, Reply)>,
+    ready: bool,
+    incarnation: u64,
+    failures_in_a_row: u32,
+    listener: Option<Recipient<LaneReset>>,
+}
+
+impl LaneActor {
+    pub fn new(config: LaneConfig) -> LaneActor {
+        LaneActor {
+            config,
+            child: None,
+            to_worker: None,
+            in_flight: VecDeque::new(),
+            held: VecDeque::new(),
+            ready: false,
+            incarnation: 0,
+            failures_in_a_row: 0,
+            listener: None,
+        }
+    }
+
+    fn spawn_worker(&mut self, ctx: &mut Context<Self>) {
+        self.incarnation += 1;
+        self.ready = false;
+        let incarnation = self.incarnation;
+        let w = &self.config.worker;
+        let mut child = match Command::new(&self.config.exe)
+            .arg("worker")
+            .arg("--model")
+            .arg(&self.config.model)
+            .args(["--ctx-size", &w.n_ctx.to_string()])
+            .args(["--parallel", &w.n_seq.to_string()])
+            .args(["--batch", &w.n_batch.to_string()])
+            .args(["--threads", &w.threads.to_string()])
+            .env("OMP_WAIT_POLICY", "passive")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+        {
+            Ok(c) => c,
+            Err(e) => {
+                log::error!("cannot start the worker: {e}");
+                self.schedule_respawn(ctx);
+                return;
+            }
+        };
+        log::info!("worker {} started (pid {})", incarnation, child.id());
+        let (stdin, stdout, stderr) = (
+            child.stdin.take().expect("piped"),
+            child.stdout.take().expect("piped"),
+            child.stderr.take().expect("piped"),
+        );
+        let me = ctx.address();
+        std::thread::Builder::new()
+            .name("worker-stdout".into())
+            .spawn(move || {
+                let mut stdout = BufReader::new(stdout);
+                let reason = loop {
+                    match read_frame_blocking(&mut stdout, MAX_WORKER_FRAME_BYTES) {
+                        Ok(Some(frame)) => match from_postcard::<WorkerResponse>(&frame) {
+                            Ok(response) => me.do_send(FromWorker {
+                                incarnation,
+                                response,
+                            }),
+                            Err(e) => break format!("unreadable reply: {e}"),
+                        },
+                        Ok(None) => break "its output closed".to_string(),
+                        Err(e) => break e.to_string(),
+                    }
+                };
+                me.do_send(WorkerGone {
+                    incarnation,
+                    reason,
+                });
+            })
+            .expect("spawn worker-stdout thread");
+        std::thread::Builder::new()
+            .name("worker-stderr".into())
+            .spawn(move || {
+                for line in BufReader::new(stderr).lines() {
+                    match line {
+                        Ok(l) => log::info!(target: "superfluid::worker", "{l}"),
+                        Err(_) => break,
+                    }
+                }
+            })
+            .expect("spawn worker-stderr thread");
+        let (tx, rx) = std::sync::mpsc::channel::<Vec<u8>>();
+        std::thread::Builder::new()
+            .name("worker-stdin".into())
+            .spawn(move || {
+                let mut stdin = stdin;
+                for frame in rx {
+                    if write_frame_blocking(&mut stdin, &frame).is_err() {
+                        break;
+                    }
+                }
+            })
+            .expect("spawn worker-stdin thread");
+        self.to_worker = Some(tx);
+        self.child = Some(child);
+    }
+
+    fn schedule_respawn(&mut self, ctx: &mut Context<Self>) {
+        let shift = self.failures_in_a_row.min(6);
+        let delay = (RESPAWN_DELAY_MS << shift).min(RESPAWN_DELAY_MAX_MS);
+        self.failures_in_a_row += 1;
+        ctx.run_later(Duration::from_millis(delay), |this, ctx| this.spawn_worker(ctx));
+    }
+
+    fn send_now(&mut self, request: WorkerRequest, reply: Reply) {
+        let frame = match to_postcard(&request) {
+            Ok(f) => f,
+            Err(e) => {
+                let _ = reply.send(Err(e.to_string()));
+                return;
+            }
+        };
+        match &self.to_worker {
+            Some(tx) if tx.send(frame).is_ok() => self.in_flight.push_back(reply),
+            _ => {
+                let _ = reply.send(Err("the worker is not running".into()));
+            }
+        }
+    }
+}
+
+impl Actor for LaneActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        self.spawn_worker(ctx);
+    }
+
+    fn stopped(&mut self, _: &mut Context<Self>) {
+        if let Some(tx) = self.to_worker.take() {
+            if let Ok(frame) = to_postcard(&WorkerRequest::Shutdown) {
+                let _ = tx.send(frame);
+            }
+        }
+        if let Some(mut child) = self.child.take() {
+            // Give it a moment to exit cleanly, then make sure.
+            for _ in 0..20 {
+                if let Ok(Some(_)) = child.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Handler<Exec> for LaneActor {
+    type Result = ResponseFuture<Result<WorkerResponse, String>>;
+
+    fn handle(&mut self, msg: Exec, _: &mut Context<Self>) -> Self::Result {
+        let (tx, rx) = oneshot::channel();
+        if self.ready {
+            self.send_now(msg.0, tx);
+        } else {
+            self.held.push_back((msg.0, tx));
+        }
+        Box::pin(async move {
+            rx.await
+                .unwrap_or_else(|_| Err("the model lane stopped".into()))
+        })
+    }
+}
+
+impl Handler<SetListener> for LaneActor {
+    type Result = ();
+    fn handle(&mut self, msg: SetListener, _: &mut Context<Self>) {
+        self.listener = Some(msg.0);
+    }
+}
+
+impl Handler<FromWorker> for LaneActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: FromWorker, _: &mut Context<Self>) {
+        if msg.incarnation != self.incarnation {
+            return;
+        }
+        if let WorkerResponse::Ready { config, n_vocab } = &msg.response {
+            log::info!(
+                "worker ready: {n_vocab} tokens, {} KV cells, {} sequences",
+                config.n_ctx,
+                config.n_seq
+            );
+            self.ready = true;
+            self.failures_in_a_row = 0;
+            while let Some((request, reply)) = self.held.pop_front() {
+                self.send_now(request, reply);
+            }
+            return;
+        }
+        match self.in_flight.pop_front() {
+            Some(reply) => {
+                let _ = reply.send(Ok(msg.response));
+            }
+            None => log::warn!("unexpected reply from the worker: {:?}", msg.response),
+        }
+    }
+}
+
+impl Handler<WorkerGone> for LaneActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: WorkerGone, ctx: &mut Context<Self>) {
+        if msg.incarnation != self.incarnation {
+            return;
+        }
+        let status = self
+            .child
+            .take()
+            .and_then(|mut c| c.wait().ok())
+            .map(|s| s.to_string())
+            .unwrap_or_else(|| "unknown status".into());
+        let message = format!("the worker died ({}: {status})", msg.reason);
+        log::error!("{message}; starting a new one");
+        self.to_worker = None;
+        self.ready = false;
+        for reply in self.in_flight.drain(..) {
+            let _ = reply.send(Err(message.clone()));
+        }
+        if let Some(l) = &self.listener {
+            l.do_send(LaneReset(message));
+        }
+        self.schedule_respawn(ctx);
+    }
+}
