@@ -12,4 +12,10 @@ if [ ${#need[@]} -gt 0 ]; then
   $sudo apt-get update -qq >&2
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq cmake clang libclang-dev ccache >&2
 fi
-"$(dirname "$0")/fetch-model.sh"
+model=$("$(dirname "$0")/fetch-model.sh")
+# Test models derived from the default one by rewriting GGUF metadata (tools + thinking template,
+# FIM token ids): see make-test-models.py. Their paths go to stderr; the last line stays the model's.
+python3 -c "import gguf" 2>/dev/null ||
+  python3 -m pip install --quiet --disable-pip-version-check gguf >&2
+python3 "$(dirname "$0")/make-test-models.py" "$model" >&2
+echo "$model"

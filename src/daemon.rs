@@ -7,16 +7,16 @@ use std::sync::{Arc, RwLock};
 
 use actix::prelude::*;
 
+use crate::actors::lane::{LaneActor, LaneConfig, SetListener};
 use crate::actors::registry::Registry;
+use crate::actors::scheduler::SchedulerActor;
 use crate::actors::wal::{Shutdown, WalActor};
 use crate::actors::{now_ms, Shared};
 use crate::engine::render::Renderer;
 use crate::engine::template::{normalize_tool, ChatMessage};
 use crate::engine::vocab::Vocab;
-use crate::session::{Render, SessionBook, Turn};
-use crate::actors::lane::{LaneActor, LaneConfig, SetListener};
-use crate::actors::scheduler::SchedulerActor;
 use crate::scheduler::SchedulerState;
+use crate::session::{Render, SessionBook, Turn};
 use crate::store::{self, DirLock, OpenMode, WalWriter};
 use crate::wire::worker::WorkerConfig;
 use crate::wire::{from_postcard, LogRecord, Token};
@@ -119,6 +119,24 @@ impl Render for ModelRender {
             .system_span(text, &tools(tool_list)?)
             .map_err(|e| e.to_string())
     }
+    fn generation_prompt_span(
+        &self,
+        history: &[Turn],
+        tool_list: &[String],
+    ) -> Result<Vec<Token>, String> {
+        self.renderer
+            .generation_prompt_span(&messages(history), &tools(tool_list)?)
+            .map_err(|e| e.to_string())
+    }
+    fn piece(&self, token: Token) -> Vec<u8> {
+        self.vocab.piece(token)
+    }
+    fn is_eog(&self, token: Token) -> bool {
+        self.vocab.is_eog(token)
+    }
+    fn template_source(&self) -> String {
+        self.vocab.chat_template().unwrap_or_default()
+    }
 }
 
 /// Replays the log into a new book.
@@ -181,14 +199,18 @@ async fn run(
     })
     .start();
     let w = &config.worker;
-    let scheduler =
-        SchedulerActor::new(SchedulerState::new(w.n_ctx, w.n_seq, w.n_batch), lane.clone()).start();
+    let scheduler = SchedulerActor::new(
+        SchedulerState::new(w.n_ctx, w.n_seq, w.n_batch),
+        lane.clone(),
+    )
+    .start();
     lane.do_send(SetListener(scheduler.clone().recipient()));
     let shared = Shared {
         book: Arc::new(RwLock::new(book)),
         render,
         wal: wal.clone(),
         scheduler,
+        n_ctx: w.n_ctx,
     };
     let boot = shared.read().plan_boot(now_ms());
     shared

@@ -186,7 +186,9 @@ impl LaneActor {
         let shift = self.failures_in_a_row.min(6);
         let delay = (RESPAWN_DELAY_MS << shift).min(RESPAWN_DELAY_MAX_MS);
         self.failures_in_a_row += 1;
-        ctx.run_later(Duration::from_millis(delay), |this, ctx| this.spawn_worker(ctx));
+        ctx.run_later(Duration::from_millis(delay), |this, ctx| {
+            this.spawn_worker(ctx)
+        });
     }
 
     fn send_now(&mut self, request: WorkerRequest, reply: Reply) {

@@ -35,6 +35,8 @@ pub struct Shared {
     pub wal: Addr<wal::WalActor>,
     /// The model lane's scheduler.
     pub scheduler: Addr<scheduler::SchedulerActor>,
+    /// The lane's context size: the most a generation may ask for.
+    pub n_ctx: u32,
 }
 
 /// Milliseconds since the Unix epoch.

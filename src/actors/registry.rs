@@ -5,11 +5,13 @@
 //! so the next request starts a fresh one.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 
-use super::session::{name, SessionActor, SessionRequest};
+use super::session::{name, SessionActor, SessionRequest, SessionStream};
 use super::{now_ms, Shared};
 use crate::wire::{Request, Response, SessionId};
 
@@ -23,14 +25,30 @@ const IDLE_SWEEP_INTERVAL_SECS: u64 = 10;
 #[rtype(result = "Response")]
 pub struct Dispatch(pub Request);
 
+/// One streaming request (Generate) from a frontend; its replies go to
+/// `reply`, which closes after the last one.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct DispatchStream {
+    pub request: Request,
+    pub reply: tokio::sync::mpsc::Sender<Response>,
+}
+
 /// How many session actors are running (for tests and metrics).
 #[derive(Message)]
 #[rtype(result = "usize")]
 pub struct RunningSessions;
 
+struct Running {
+    addr: Addr<SessionActor>,
+    last_used: Instant,
+    /// Set by the actor while it generates: never stopped then.
+    busy: Arc<AtomicBool>,
+}
+
 pub struct Registry {
     shared: Shared,
-    running: HashMap<SessionId, (Addr<SessionActor>, Instant)>,
+    running: HashMap<SessionId, Running>,
     started_unix_ms: u64,
 }
 
@@ -45,20 +63,24 @@ impl Registry {
 
     fn actor(&mut self, id: SessionId) -> Addr<SessionActor> {
         let shared = &self.shared;
-        let entry = self.running.entry(id).or_insert_with(|| {
-            (
-                SessionActor::new(id, shared.clone()).start(),
-                Instant::now(),
-            )
-        });
-        if !entry.0.connected() {
-            entry.0 = SessionActor::new(id, shared.clone()).start();
+        let start = || {
+            let busy = Arc::new(AtomicBool::new(false));
+            Running {
+                addr: SessionActor::new(id, shared.clone(), busy.clone()).start(),
+                last_used: Instant::now(),
+                busy,
+            }
+        };
+        let entry = self.running.entry(id).or_insert_with(start);
+        if !entry.addr.connected() {
+            *entry = start();
         }
-        entry.1 = Instant::now();
-        entry.0.clone()
+        entry.last_used = Instant::now();
+        entry.addr.clone()
     }
 
-    fn metrics(&self) -> String {
+    /// The registry's own gauges, in the Prometheus exposition format.
+    fn gauges(&self) -> String {
         let book = self.shared.read();
         let ids = book.list();
         let (events, tokens) = ids
@@ -67,21 +89,98 @@ impl Registry {
                 Ok(i) => (e + i.events, t + i.tokens),
                 Err(_) => (e, t),
             });
-        format!(
-            "# HELP superfluid_sessions Sessions not purged.\n# TYPE superfluid_sessions gauge\nsuperfluid_sessions {}\n\
-             # HELP superfluid_session_events Events across live sessions, shared ones counted per session.\n# TYPE superfluid_session_events gauge\nsuperfluid_session_events {}\n\
-             # HELP superfluid_session_tokens Tokens on the input of live sessions.\n# TYPE superfluid_session_tokens gauge\nsuperfluid_session_tokens {}\n\
-             # HELP superfluid_session_actors Session actors running.\n# TYPE superfluid_session_actors gauge\nsuperfluid_session_actors {}\n\
-             # HELP superfluid_epoch Daemon starts recorded in the log.\n# TYPE superfluid_epoch gauge\nsuperfluid_epoch {}\n\
-             # HELP superfluid_start_time_seconds When this daemon started.\n# TYPE superfluid_start_time_seconds gauge\nsuperfluid_start_time_seconds {}\n",
-            ids.len(),
+        let mut out = String::new();
+        metric(
+            &mut out,
+            "superfluid_sessions",
+            "gauge",
+            "Sessions not purged.",
+            ids.len() as u64,
+        );
+        metric(
+            &mut out,
+            "superfluid_session_events",
+            "gauge",
+            "Events across live sessions, shared ones counted per session.",
             events,
+        );
+        metric(
+            &mut out,
+            "superfluid_session_tokens",
+            "gauge",
+            "Tokens on the input of live sessions.",
             tokens,
-            self.running.len(),
+        );
+        metric(
+            &mut out,
+            "superfluid_session_actors",
+            "gauge",
+            "Session actors running.",
+            self.running.len() as u64,
+        );
+        metric(
+            &mut out,
+            "superfluid_epoch",
+            "gauge",
+            "Daemon starts recorded in the log.",
             book.epoch(),
-            self.started_unix_ms / 1000
-        )
+        );
+        metric(
+            &mut out,
+            "superfluid_start_time_seconds",
+            "gauge",
+            "When this daemon started.",
+            self.started_unix_ms / 1000,
+        );
+        out
     }
+}
+
+/// The scheduler's counters, in the Prometheus exposition format.
+fn counters(stats: crate::scheduler::Stats) -> String {
+    let mut out = String::new();
+    metric(
+        &mut out,
+        "superfluid_decode_steps_total",
+        "counter",
+        "Decode calls made.",
+        stats.steps,
+    );
+    metric(
+        &mut out,
+        "superfluid_decode_sequence_steps_total",
+        "counter",
+        "Sequences advanced, summed over decode calls.",
+        stats.seq_steps,
+    );
+    metric(
+        &mut out,
+        "superfluid_decode_max_sequences_per_step",
+        "gauge",
+        "The most sequences one decode call advanced.",
+        stats.max_seqs_per_step,
+    );
+    metric(
+        &mut out,
+        "superfluid_generated_tokens_total",
+        "counter",
+        "Tokens drawn.",
+        stats.drawn,
+    );
+    metric(
+        &mut out,
+        "superfluid_warm_prefix_tokens_total",
+        "counter",
+        "Prompt tokens taken from the KV cache instead of a prefill.",
+        stats.warm_tokens,
+    );
+    out
+}
+
+fn metric(out: &mut String, name: &str, kind: &str, help: &str, value: u64) {
+    out.push_str(&format!(
+        "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}\n"
+    ));
 }
 
 impl Actor for Registry {
@@ -91,7 +190,8 @@ impl Actor for Registry {
         ctx.run_interval(Duration::from_secs(IDLE_SWEEP_INTERVAL_SECS), |this, _| {
             let idle = Duration::from_secs(SESSION_IDLE_STOP_SECS);
             // Dropping the last address stops the actor once its mailbox is empty.
-            this.running.retain(|_, (_, last)| last.elapsed() < idle);
+            this.running
+                .retain(|_, r| r.busy.load(Ordering::SeqCst) || r.last_used.elapsed() < idle);
         });
     }
 }
@@ -100,6 +200,28 @@ impl Handler<RunningSessions> for Registry {
     type Result = usize;
     fn handle(&mut self, _: RunningSessions, _: &mut Context<Self>) -> usize {
         self.running.len()
+    }
+}
+
+impl Handler<DispatchStream> for Registry {
+    type Result = ();
+
+    fn handle(&mut self, msg: DispatchStream, _: &mut Context<Self>) {
+        let Some(id) = msg.request.session() else {
+            let _ = msg.reply.try_send(Response::err(format!(
+                "{} does not stream",
+                name(&msg.request)
+            )));
+            return;
+        };
+        if let Err(e) = self.shared.read().len(id) {
+            let _ = msg.reply.try_send(Response::err(e.to_string()));
+            return;
+        }
+        self.actor(id).do_send(SessionStream {
+            request: msg.request,
+            reply: msg.reply,
+        });
     }
 }
 
@@ -147,10 +269,29 @@ impl Handler<Dispatch> for Registry {
             Request::Tree => reply(Response::Tree {
                 nodes: shared.read().tree(),
             }),
-            Request::Metrics => reply(Response::Text {
-                text: self.metrics(),
-            }),
+            Request::Metrics => {
+                let gauges = self.gauges();
+                Box::pin(async move {
+                    let stats = shared
+                        .scheduler
+                        .send(super::scheduler::GetStats)
+                        .await
+                        .unwrap_or_default();
+                    Response::Text {
+                        text: format!("{gauges}{}", counters(stats)),
+                    }
+                })
+            }
             Request::SetLogLevel { directive } => reply(set_log_level(&directive)),
+            Request::SetBackgroundRate { divisor } => {
+                if divisor == 0 {
+                    return reply(Response::err("divisor must be at least 1"));
+                }
+                shared
+                    .scheduler
+                    .do_send(super::scheduler::SetBackgroundRate(divisor));
+                reply(Response::Ack)
+            }
             other => reply(Response::err(format!(
                 "{} is not served by this daemon yet",
                 name(&other)

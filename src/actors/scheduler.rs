@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use actix::prelude::*;
 
 use super::lane::{Exec, LaneActor, LaneReset};
-use crate::scheduler::{Admit, GenEvent, GenId, SchedulerState, Step};
+use crate::scheduler::{Admit, GenEvent, GenId, SchedulerState, Stats, Step};
 use crate::wire::worker::{WorkerRequest, WorkerResponse};
 
 /// Start a generation; its events go to `owner`.
@@ -29,6 +29,11 @@ pub struct CancelGen(pub GenId);
 #[derive(Message)]
 #[rtype(result = "()")]
 pub struct SetBackgroundRate(pub u32);
+
+/// The scheduler's counters.
+#[derive(Message)]
+#[rtype(result = "Stats")]
+pub struct GetStats;
 
 /// What happened to a generation, for its owner. One per event: at most
 /// one token per step per generation, so an owner's mailbox holds at most
@@ -91,7 +96,10 @@ impl SchedulerActor {
 }
 
 /// Sends a step's KV operations, then its decode, to the lane.
-async fn run_step(lane: Addr<LaneActor>, step: Step) -> Result<Vec<crate::wire::worker::Drawn>, String> {
+async fn run_step(
+    lane: Addr<LaneActor>,
+    step: Step,
+) -> Result<Vec<crate::wire::worker::Drawn>, String> {
     for op in step.ops {
         match lane.send(Exec(op)).await.map_err(|e| e.to_string())?? {
             WorkerResponse::Done => {}
@@ -125,6 +133,14 @@ impl Handler<AdmitGen> for SchedulerActor {
         self.owners.insert(gen, msg.owner);
         self.kick(ctx);
         Ok(gen)
+    }
+}
+
+impl Handler<GetStats> for SchedulerActor {
+    type Result = MessageResult<GetStats>;
+
+    fn handle(&mut self, _: GetStats, _: &mut Context<Self>) -> Self::Result {
+        MessageResult(self.state.stats())
     }
 }
 

@@ -3,26 +3,276 @@
 //! order, so that an event id is planned, committed and applied before the
 //! next request of the session is looked at. Forks, rebases and trims of this
 //! session run here too: their parent cannot change under them.
+//!
+//! A generation runs as the actor's state, not as a held request: the actor
+//! keeps answering Read, Inspect, Fork and Cancel while tokens arrive from
+//! the scheduler; it refuses anything that would append to the session
+//! (SessionBusy). Drawn tokens become records in `TurnOutput`; they are
+//! committed one after another, and each `Delta` leaves only after its
+//! record is durable.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use actix::prelude::*;
+use tokio::sync::mpsc;
 
+use super::scheduler::{AdmitGen, CancelGen, GenUpdate};
 use super::{now_ms, Shared};
-use crate::session::{Planned, SessionError};
-use crate::wire::{LogRecord, Request, Response, SessionId};
+use crate::scheduler::{Admit, GenEvent, GenId};
+use crate::session::output::Markers;
+use crate::session::turn::TurnOutput;
+use crate::session::{Planned, SessionError, TurnState};
+use crate::wire::{finish, LogRecord, Record, Request, Response, SessionId};
 
 /// A request about this actor's session.
 #[derive(Message)]
 #[rtype(result = "Response")]
 pub struct SessionRequest(pub Request);
 
+/// A streaming request (Generate): its replies go to `reply`, which closes
+/// after the last one.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct SessionStream {
+    pub request: Request,
+    pub reply: mpsc::Sender<Response>,
+}
+
+/// Replies a generation may queue for its client before it is judged gone:
+/// more than any generation produces (one per committed chunk or event).
+pub const STREAM_REPLY_CAPACITY: usize = 4096;
+
+/// The state of a generation in flight.
+struct Running {
+    gen: Option<GenId>,
+    reply: mpsc::Sender<Response>,
+    output: TurnOutput,
+    /// Records ready to commit, in order.
+    queue: VecDeque<Record>,
+    committing: bool,
+    events: u64,
+    warm_prefix: u64,
+    finish: Option<u8>,
+    failed: Option<String>,
+    cancel_requested: bool,
+}
+
 pub struct SessionActor {
     id: SessionId,
     shared: Shared,
+    running: Option<Running>,
+    /// Shared with the registry: a busy actor is never stopped as idle.
+    busy: Arc<AtomicBool>,
 }
 
 impl SessionActor {
-    pub fn new(id: SessionId, shared: Shared) -> SessionActor {
-        SessionActor { id, shared }
+    pub fn new(id: SessionId, shared: Shared, busy: Arc<AtomicBool>) -> SessionActor {
+        SessionActor {
+            id,
+            shared,
+            running: None,
+            busy,
+        }
+    }
+
+    fn set_running(&mut self, running: Option<Running>) {
+        self.busy.store(running.is_some(), Ordering::SeqCst);
+        self.running = running;
+    }
+
+    fn cancel(&mut self) -> bool {
+        let Some(r) = &mut self.running else {
+            return false;
+        };
+        r.cancel_requested = true;
+        if let Some(gen) = r.gen {
+            self.shared.scheduler.do_send(CancelGen(gen));
+        }
+        true
+    }
+
+    /// Sends a reply to the generating client; a client that is gone (or
+    /// hopelessly behind) cancels the generation.
+    fn tell(&mut self, response: Response) {
+        let gone = match &self.running {
+            Some(r) => r.reply.try_send(response).is_err(),
+            None => false,
+        };
+        if gone {
+            self.cancel();
+        }
+    }
+
+    /// Commits queued records one at a time; ends the generation when all
+    /// is committed and the scheduler is done with it.
+    fn pump(&mut self, ctx: &mut Context<Self>) {
+        let Some(r) = &mut self.running else { return };
+        if r.committing {
+            return;
+        }
+        if r.failed.is_some() {
+            r.queue.clear();
+        }
+        if let Some(body) = r.queue.pop_front() {
+            r.committing = true;
+            let planned = self.shared.read().plan_output(self.id, body, now_ms());
+            let shared = self.shared.clone();
+            let fut = async move { commit_record(&shared, planned).await };
+            ctx.spawn(fut.into_actor(self).map(|result, this, ctx| {
+                if let Some(r) = &mut this.running {
+                    r.committing = false;
+                }
+                match result {
+                    Ok(event) => {
+                        if let Some(r) = &mut this.running {
+                            r.events += 1;
+                        }
+                        this.tell(Response::Delta { event });
+                    }
+                    Err(e) => {
+                        if let Some(r) = &mut this.running {
+                            r.failed.get_or_insert(e);
+                        }
+                        this.cancel();
+                    }
+                }
+                this.pump(ctx);
+            }));
+            return;
+        }
+        if r.failed.is_none() && r.finish.is_none() {
+            return;
+        }
+        // Done: the summary (or the error) is the last reply.
+        let r = self.running.take().expect("running");
+        self.busy.store(false, Ordering::SeqCst);
+        let last = match r.failed {
+            Some(message) => Response::Err { message },
+            None => Response::Generated {
+                events: r.events,
+                tokens_generated: r.output.tokens_generated(),
+                finish: r.finish.unwrap_or(finish::ERROR),
+                warm_prefix: r.warm_prefix,
+            },
+        };
+        let _ = r.reply.try_send(last);
+    }
+
+    fn start_generation(
+        &mut self,
+        max_tokens: u32,
+        reply: mpsc::Sender<Response>,
+        ctx: &mut Context<Self>,
+    ) {
+        let n_ctx = self.shared.n_ctx;
+        if max_tokens == 0 || max_tokens > n_ctx {
+            let _ = reply.try_send(Response::err(format!(
+                "max_tokens must be between 1 and the context size ({n_ctx})"
+            )));
+            return;
+        }
+        if let Err(e) = self.shared.read().len(self.id).and_then(|_| {
+            if self.shared.read().is_live(self.id) {
+                Ok(())
+            } else {
+                Err(SessionError::Purged(self.id))
+            }
+        }) {
+            let _ = reply.try_send(Response::err(e.to_string()));
+            return;
+        }
+        let markers = Markers::from_template(&self.shared.render.template_source());
+        self.set_running(Some(Running {
+            gen: None,
+            reply,
+            output: TurnOutput::new(markers.clone(), false),
+            queue: VecDeque::new(),
+            committing: false,
+            events: 0,
+            warm_prefix: 0,
+            finish: None,
+            failed: None,
+            cancel_requested: false,
+        }));
+        let shared = self.shared.clone();
+        let id = self.id;
+        let owner = ctx.address().recipient::<GenUpdate>();
+        let think_close = markers.think.as_ref().map(|m| m.1.clone());
+        let think_open = markers.think.as_ref().map(|m| m.0.clone());
+        let fut = async move {
+            let state = shared
+                .read()
+                .turn_state(id, think_close.as_deref())
+                .map_err(|e| e.to_string())?;
+            let (prompt_event, in_reasoning) = match state {
+                TurnState::Open { in_reasoning } => (None, in_reasoning),
+                TurnState::Closed => {
+                    let planned =
+                        shared
+                            .read()
+                            .plan_generation_prompt(id, shared.render.as_ref(), now_ms());
+                    let event = commit_record(&shared, planned).await?;
+                    // A template that opens the turn inside a thinking block.
+                    let header = match &event.body {
+                        Record::GenerationPrompt { span } => shared.render.detokenize(span),
+                        _ => String::new(),
+                    };
+                    let in_reasoning = think_open.is_some_and(|m| header.trim_end().ends_with(&m));
+                    (Some(event), in_reasoning)
+                }
+            };
+            let (prompt, qos) = {
+                let book = shared.read();
+                (
+                    book.input(id).map_err(|e| e.to_string())?,
+                    book.qos(id).map_err(|e| e.to_string())?,
+                )
+            };
+            let params = shared.read().params(id).map_err(|e| e.to_string())?;
+            let admit = Admit {
+                session: id,
+                prompt,
+                params,
+                max_tokens,
+                class: qos.0,
+                batch_invariant: qos.1,
+                grammar: None,
+            };
+            let gen = shared
+                .scheduler
+                .send(AdmitGen { admit, owner })
+                .await
+                .map_err(|e| format!("the scheduler is gone: {e}"))??;
+            Ok::<_, String>((prompt_event, in_reasoning, gen))
+        };
+        ctx.wait(
+            fut.into_actor(self)
+                .map(move |result, this, ctx| match result {
+                    Ok((prompt_event, in_reasoning, gen)) => {
+                        if let Some(r) = &mut this.running {
+                            r.gen = Some(gen);
+                            r.output = TurnOutput::new(markers, in_reasoning);
+                            if prompt_event.is_some() {
+                                r.events += 1;
+                            }
+                        }
+                        if let Some(event) = prompt_event {
+                            this.tell(Response::Delta { event });
+                        }
+                        if this.running.as_ref().is_some_and(|r| r.cancel_requested) {
+                            this.cancel();
+                        }
+                    }
+                    Err(message) => {
+                        if let Some(r) = &mut this.running {
+                            r.failed = Some(message);
+                        }
+                        this.pump(ctx);
+                    }
+                }),
+        );
     }
 }
 
@@ -38,15 +288,125 @@ impl Actor for SessionActor {
     }
 }
 
+/// Requests that append to the session, refused while it generates.
+fn appends(req: &Request) -> bool {
+    matches!(
+        req,
+        Request::Append { .. }
+            | Request::AppendMessage { .. }
+            | Request::AppendSystem { .. }
+            | Request::AppendBlock { .. }
+            | Request::AppendImage { .. }
+            | Request::AppendToolResult { .. }
+            | Request::AppendToolOutcome { .. }
+            | Request::RequestToolCancel { .. }
+            | Request::RequestPermission { .. }
+            | Request::RespondPermission { .. }
+            | Request::SetQos { .. }
+            | Request::Purge { .. }
+            | Request::Generate { .. }
+    )
+}
+
 impl Handler<SessionRequest> for SessionActor {
     type Result = AtomicResponse<Self, Response>;
 
     fn handle(&mut self, msg: SessionRequest, _: &mut Context<Self>) -> Self::Result {
+        let ready = |r: Response| AtomicResponse::new(Box::pin(fut::ready(r)));
+        if self.running.is_some() && appends(&msg.0) {
+            return ready(Response::err(format!(
+                "SessionBusy: session {} has a generation in flight",
+                self.id
+            )));
+        }
+        if let Request::Cancel { session } = msg.0 {
+            return ready(if self.cancel() {
+                Response::Cancelling
+            } else {
+                Response::err(format!("session {session} has no generation in flight"))
+            });
+        }
+        let generating = self.running.is_some();
         let shared = self.shared.clone();
         AtomicResponse::new(Box::pin(
-            async move { handle(&shared, msg.0).await }.into_actor(self),
+            async move {
+                let mut r = handle(&shared, msg.0).await;
+                if let Response::Inspection { inspection } = &mut r {
+                    inspection.generating = generating;
+                }
+                r
+            }
+            .into_actor(self),
         ))
     }
+}
+
+impl Handler<SessionStream> for SessionActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: SessionStream, ctx: &mut Context<Self>) {
+        match msg.request {
+            Request::Generate {
+                session,
+                max_tokens,
+            } => {
+                if self.running.is_some() {
+                    let _ = msg.reply.try_send(Response::err(format!(
+                        "SessionBusy: session {session} has a generation in flight"
+                    )));
+                    return;
+                }
+                self.start_generation(max_tokens, msg.reply, ctx);
+            }
+            other => {
+                let _ = msg
+                    .reply
+                    .try_send(Response::err(format!("{} does not stream", name(&other))));
+            }
+        }
+    }
+}
+
+impl Handler<GenUpdate> for SessionActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: GenUpdate, ctx: &mut Context<Self>) {
+        let render = self.shared.render.clone();
+        let Some(r) = &mut self.running else { return };
+        match msg.0 {
+            GenEvent::Started { warm_prefix, .. } => r.warm_prefix = warm_prefix,
+            GenEvent::Token { token, .. } => {
+                let eog = render.is_eog(token);
+                let piece = if eog { Vec::new() } else { render.piece(token) };
+                let records = r.output.push(token, &piece, eog, now_ms());
+                r.queue.extend(records);
+            }
+            GenEvent::Finished { finish, .. } => {
+                let records = r.output.finish(finish, now_ms());
+                r.queue.extend(records);
+                r.finish = Some(finish);
+            }
+            GenEvent::Failed { message, .. } => {
+                r.failed = Some(message);
+            }
+        }
+        self.pump(ctx);
+    }
+}
+
+/// Commits one planned single-event record and returns its event.
+async fn commit_record(
+    shared: &Shared,
+    planned: Result<Planned, SessionError>,
+) -> Result<crate::wire::Event, String> {
+    let record = planned.map_err(|e| e.to_string())?.record;
+    let event = match &record {
+        LogRecord::Events { events, .. } => events.last().cloned(),
+        _ => None,
+    }
+    .ok_or("internal error: a record without an event")?;
+    shared.commit(record).await?;
+    Ok(event)
 }
 
 fn err(e: impl ToString) -> Response {
@@ -84,8 +444,6 @@ async fn commit_branch(
         Err(e) => err(e),
     }
 }
-
-const NEEDS_LANE: &str = "needs a model lane to generate, which this daemon does not run yet";
 
 async fn handle(shared: &Shared, req: Request) -> Response {
     let now = now_ms();
@@ -276,7 +634,9 @@ async fn handle(shared: &Shared, req: Request) -> Response {
             let p = shared.read().plan_qos(session, class, batch_invariant, now);
             commit_event(shared, p).await
         }
-        Request::Generate { .. } => err(format!("Generate {NEEDS_LANE}")),
+        Request::Generate { .. } => {
+            err("Generate streams its replies: send it on the socket or /web/ws")
+        }
         Request::Cancel { session } => {
             err(format!("session {session} has no generation in flight"))
         }

@@ -9,9 +9,16 @@
 //! - [`vocab`]: a vocabulary-only model load (tokenize, detokenize, special tokens, the GGUF template);
 //! - [`template`]: the model's Jinja chat template rendered with minijinja, and tool normalisation;
 //! - [`render`]: the exact token spans a chat message (or a generation prompt) adds to the input.
+//!
+//! And the worker side:
+//! - [`sample`]: position-indexed sampling, a pure function of logits, params, seed and position;
+//! - [`raw`]: the model and its one context ([`raw::RawEngine`]), executing worker requests;
+//! - [`worker`]: `superfluid worker`, frames on stdin/stdout around a [`raw::RawEngine`].
 
 pub mod backend;
+pub mod raw;
 pub mod render;
+pub mod sample;
 pub mod template;
 pub mod vocab;
 pub mod worker;

@@ -1,10 +1,108 @@
-//! `superfluid worker`: the process that owns llama.cpp (written next).
+//! `superfluid worker`: the process that owns llama.cpp, one per model.
+//!
+//! The daemon's lane spawns it with piped stdin/stdout and talks [`crate::wire::worker`] over
+//! them in length-prefixed postcard frames ([`crate::wire::frame`]):
+//!
+//! 1. The worker loads the model and creates its context ([`RawEngine::new`]), then writes
+//!    `Ready { config, n_vocab }` as its first frame (`config` as llama.cpp applied it: `n_ctx`
+//!    padded to a multiple of 256, `n_batch` capped at `n_ctx`). If loading fails it writes one
+//!    `Err { message }` frame instead and exits with status 1.
+//! 2. Then, for each request frame on stdin, exactly one reply frame, in order, flushed at once.
+//!    A frame whose body does not decode as a `WorkerRequest` is answered `Err` (the framing is
+//!    intact, so the worker carries on); a broken frame (over [`MAX_FRAME_BYTES`], or cut short)
+//!    ends the worker with an error.
+//! 3. A clean EOF on stdin (between frames) exits with status 0; so does `Shutdown`, after
+//!    answering `Done`.
+//!
+//! **stdout carries only frames.** At start the worker moves the pipe to a private descriptor
+//! and points descriptor 1 at stderr, so a stray `print!` (ours or llama.cpp's) lands in the
+//! log, never in the frame stream. Logs go through `log` to stderr.
+//!
+//! **How the lane sees a crash.** If the worker dies (llama.cpp abort, OOM kill, SIGKILL), the
+//! kernel closes its end of the pipe: the lane's next read returns EOF, `Ok(None)` from
+//! `read_frame` if it died between frames, `FrameError::Truncated` if it died mid-frame; a write
+//! to its stdin fails with `BrokenPipe`. Either way the lane reaps the child (`wait` gives the
+//! signal), marks the KV lost and respawns; the sessions are rebuilt by prefill from their logs.
 
+use std::io::{BufWriter, Read, Write};
 use std::path::Path;
 
-use crate::wire::worker::WorkerConfig;
+use anyhow::Context as _;
 
-/// Runs the worker loop on stdin/stdout until Shutdown or EOF.
-pub fn run(_model: &Path, _config: WorkerConfig) -> anyhow::Result<()> {
-    anyhow::bail!("the worker is not written yet")
+use super::raw::RawEngine;
+use crate::wire::worker::{WorkerConfig, WorkerRequest, WorkerResponse};
+use crate::wire::{
+    from_postcard, read_frame_blocking, to_postcard, write_frame_blocking, MAX_FRAME_BYTES,
+};
+
+/// Runs the worker on stdin/stdout until `Shutdown` or EOF.
+pub fn run(model: &Path, config: WorkerConfig) -> anyhow::Result<()> {
+    let frames = take_stdout().context("cannot set up stdout for frames")?;
+    let mut out = BufWriter::new(frames);
+    let mut engine = match RawEngine::new(model, &config) {
+        Ok(engine) => engine,
+        Err(e) => {
+            let message = format!("{e:#}");
+            let _ = send(&mut out, &WorkerResponse::Err { message });
+            return Err(e);
+        }
+    };
+    send(&mut out, &engine.ready())?;
+    let stdin = std::io::stdin();
+    serve(&mut engine, stdin.lock(), &mut out)
+}
+
+/// The request loop: one reply frame per request frame, until `Shutdown` or a clean EOF.
+pub fn serve<R: Read, W: Write>(
+    engine: &mut RawEngine,
+    mut input: R,
+    mut output: W,
+) -> anyhow::Result<()> {
+    loop {
+        let Some(body) =
+            read_frame_blocking(&mut input, MAX_FRAME_BYTES).context("reading a request")?
+        else {
+            log::info!("worker: stdin closed, exiting");
+            return Ok(());
+        };
+        let reply = match from_postcard::<WorkerRequest>(&body) {
+            Ok(WorkerRequest::Shutdown) => {
+                send(&mut output, &WorkerResponse::Done)?;
+                log::info!("worker: shutdown");
+                return Ok(());
+            }
+            Ok(request) => engine.handle(&request),
+            Err(e) => WorkerResponse::Err {
+                message: e.to_string(),
+            },
+        };
+        send(&mut output, &reply)?;
+    }
+}
+
+/// Write one reply frame and flush it.
+fn send<W: Write>(out: &mut W, reply: &WorkerResponse) -> anyhow::Result<()> {
+    let body = to_postcard(reply)?;
+    write_frame_blocking(out, &body).context("writing a reply")?;
+    Ok(())
+}
+
+/// Move stdout's pipe to a new close-on-exec descriptor for the frames, and point descriptor 1
+/// at stderr, so nothing else can ever write into the frame stream.
+fn take_stdout() -> std::io::Result<std::fs::File> {
+    use std::os::fd::FromRawFd;
+    std::io::stdout().flush()?;
+    // SAFETY: plain descriptor calls; the new descriptor is owned by the File below alone.
+    unsafe {
+        let fd = libc::fcntl(1, libc::F_DUPFD_CLOEXEC, 3);
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        if libc::dup2(2, 1) < 0 {
+            let err = std::io::Error::last_os_error();
+            libc::close(fd);
+            return Err(err);
+        }
+        Ok(std::fs::File::from_raw_fd(fd))
+    }
 }

@@ -11,7 +11,8 @@ use std::path::{Path, PathBuf};
 use actix::Addr;
 use tokio::net::{UnixListener, UnixStream};
 
-use crate::actors::registry::{Dispatch, Registry};
+use crate::actors::registry::{Dispatch, DispatchStream, Registry};
+use crate::actors::session::STREAM_REPLY_CAPACITY;
 use crate::wire::{
     from_postcard, read_frame, to_postcard, write_frame, FrameError, Request, Response,
     MAX_FRAME_BYTES,
@@ -111,13 +112,34 @@ async fn connection(mut stream: UnixStream, registry: Addr<Registry>) {
                 return;
             }
         };
-        let response = match from_postcard::<Request>(&frame) {
-            Ok(request) => registry
-                .send(Dispatch(request))
-                .await
-                .unwrap_or_else(|e| Response::err(format!("the daemon is shutting down: {e}"))),
-            Err(e) => Response::err(e.to_string()),
+        let request = match from_postcard::<Request>(&frame) {
+            Ok(request) => request,
+            Err(e) => {
+                if send(&mut stream, &Response::err(e.to_string()))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+                continue;
+            }
         };
+        if matches!(request, Request::Generate { .. }) {
+            // Stream the replies until the last; if the client goes away,
+            // dropping the receiver cancels the generation.
+            let (tx, mut rx) = tokio::sync::mpsc::channel(STREAM_REPLY_CAPACITY);
+            registry.do_send(DispatchStream { request, reply: tx });
+            while let Some(response) = rx.recv().await {
+                if send(&mut stream, &response).await.is_err() {
+                    return;
+                }
+            }
+            continue;
+        }
+        let response = registry
+            .send(Dispatch(request))
+            .await
+            .unwrap_or_else(|e| Response::err(format!("the daemon is shutting down: {e}")));
         if send(&mut stream, &response).await.is_err() {
             return;
         }
@@ -134,6 +156,31 @@ impl Client {
         Ok(Client {
             stream: std::os::unix::net::UnixStream::connect(path)?,
         })
+    }
+
+    /// Sends a Generate and reads its replies: every `Delta`, then the
+    /// last (`Generated` or `Err`).
+    pub fn generate(&mut self, request: &Request) -> Result<Vec<Response>, String> {
+        let bytes = to_postcard(request).map_err(|e| e.to_string())?;
+        crate::wire::write_frame_blocking(&mut self.stream, &bytes).map_err(|e| e.to_string())?;
+        let mut out = Vec::new();
+        loop {
+            let r = self.read()?;
+            let last = !matches!(r, Response::Delta { .. });
+            out.push(r);
+            if last {
+                return Ok(out);
+            }
+        }
+    }
+
+    /// Reads one reply.
+    pub fn read(&mut self) -> Result<Response, String> {
+        match crate::wire::read_frame_blocking(&mut self.stream, MAX_FRAME_BYTES) {
+            Ok(Some(frame)) => from_postcard(&frame).map_err(|e| e.to_string()),
+            Ok(None) => Err("the daemon closed the connection".into()),
+            Err(e) => Err(e.to_string()),
+        }
     }
 
     /// Sends one request and reads its reply.

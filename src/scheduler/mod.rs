@@ -47,12 +47,24 @@ pub struct Admit {
 #[derive(Debug, Clone, PartialEq)]
 pub enum GenEvent {
     /// It got a sequence; `warm_prefix` prompt tokens came from the KV.
-    Started { gen: GenId, warm_prefix: u64 },
-    Token { gen: GenId, token: Token },
+    Started {
+        gen: GenId,
+        warm_prefix: u64,
+    },
+    Token {
+        gen: GenId,
+        token: Token,
+    },
     /// It ended; `finish` is a `wire::finish` code (never OPEN).
-    Finished { gen: GenId, finish: u8 },
+    Finished {
+        gen: GenId,
+        finish: u8,
+    },
     /// The lane failed under it (a worker crash, a decode error).
-    Failed { gen: GenId, message: String },
+    Failed {
+        gen: GenId,
+        message: String,
+    },
 }
 
 #[derive(Debug, Clone, Default)]
@@ -76,6 +88,21 @@ struct Gen {
     produced: u32,
     cancelled: bool,
     arrival: u64,
+}
+
+/// Counters for metrics and tests.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Stats {
+    /// Decode calls made.
+    pub steps: u64,
+    /// Sequences advanced, summed over steps.
+    pub seq_steps: u64,
+    /// The most sequences one step advanced.
+    pub max_seqs_per_step: u64,
+    /// Tokens drawn.
+    pub drawn: u64,
+    /// Prompt tokens taken from the KV instead of a prefill.
+    pub warm_tokens: u64,
 }
 
 /// One step's work: the KV operations to run first, then one decode.
@@ -102,6 +129,7 @@ pub struct SchedulerState {
     /// The worker's KV may hold what this state no longer knows of (after a
     /// failed step): clear every sequence before the next step.
     dirty: bool,
+    stats: Stats,
 }
 
 fn lcp(a: &[Token], b: &[Token]) -> usize {
@@ -120,6 +148,7 @@ impl SchedulerState {
             background_divisor: 1,
             invariant_turn: false,
             dirty: false,
+            stats: Stats::default(),
         }
     }
 
@@ -275,6 +304,7 @@ impl SchedulerState {
             seq.active = Some(gen);
             seq.last_used = self.step;
             self.gens.get_mut(&gen).expect("waiting gen").seq = Some(dst as u32);
+            self.stats.warm_tokens += warm;
             events.push(GenEvent::Started {
                 gen,
                 warm_prefix: warm,
@@ -297,8 +327,7 @@ impl SchedulerState {
             .iter()
             .filter(|(_, g)| g.seq.is_some())
             .filter(|(_, g)| {
-                g.admit.class != BACKGROUND_CLASS
-                    || self.step % self.background_divisor as u64 == 0
+                g.admit.class != BACKGROUND_CLASS || self.step % self.background_divisor as u64 == 0
             })
             .map(|(id, g)| (g.admit.class, g.arrival, *id))
             .collect();
@@ -315,13 +344,13 @@ impl SchedulerState {
             .map(|x| x.2)
             .collect();
         self.invariant_turn = !self.invariant_turn;
-        let chosen: Vec<GenId> = if !invariant.is_empty() && (self.invariant_turn || shared.is_empty())
-        {
-            let k = (self.step as usize) % invariant.len();
-            vec![invariant[k]]
-        } else {
-            shared
-        };
+        let chosen: Vec<GenId> =
+            if !invariant.is_empty() && (self.invariant_turn || shared.is_empty()) {
+                let k = (self.step as usize) % invariant.len();
+                vec![invariant[k]]
+            } else {
+                shared
+            };
         let mut budget = self.n_batch as usize;
         let mut decode = Vec::new();
         let mut gens = Vec::new();
@@ -354,6 +383,11 @@ impl SchedulerState {
         if decode.is_empty() && ops.is_empty() {
             return (None, events);
         }
+        if !decode.is_empty() {
+            self.stats.steps += 1;
+            self.stats.seq_steps += decode.len() as u64;
+            self.stats.max_seqs_per_step = self.stats.max_seqs_per_step.max(decode.len() as u64);
+        }
         (Some(Step { ops, decode, gens }), events)
     }
 
@@ -377,6 +411,7 @@ impl SchedulerState {
             let g = self.gens.get_mut(gen).expect("stepped gen");
             g.tokens.push(d.token);
             g.produced += 1;
+            self.stats.drawn += 1;
             events.push(GenEvent::Token {
                 gen: *gen,
                 token: d.token,
@@ -447,6 +482,10 @@ impl SchedulerState {
                 })
             })
             .collect()
+    }
+
+    pub fn stats(&self) -> Stats {
+        self.stats
     }
 
     /// What a sequence holds (for tests and metrics).

@@ -3,7 +3,13 @@
 use super::*;
 use crate::wire::worker::Drawn;
 
-const P: Params = Params { temperature: 0.0, top_p: 1.0, min_p: 0.0, top_k: 0, seed: 1 };
+const P: Params = Params {
+    temperature: 0.0,
+    top_p: 1.0,
+    min_p: 0.0,
+    top_k: 0,
+    seed: 1,
+};
 const EOG: Token = 2;
 
 fn admit(session: SessionId, prompt: &[Token], max_tokens: u32) -> Admit {
@@ -28,7 +34,11 @@ fn step_with(s: &mut SchedulerState, draw: impl Fn(u32) -> Token) -> (Option<Ste
             .filter(|i| i.sample.is_some())
             .map(|i| {
                 let token = draw(i.seq);
-                Drawn { seq: i.seq, token, eog: token == EOG }
+                Drawn {
+                    seq: i.seq,
+                    token,
+                    eog: token == EOG,
+                }
             })
             .collect();
         events.extend(s.complete(step, Ok(drawn)));
@@ -53,14 +63,25 @@ fn second_turn_prefills_only_new_tokens() {
     let mut s = SchedulerState::new(4096, 2, 512);
     let g = s.admit(admit(1, &[1, 2, 3, 4], 3)).unwrap();
     let events = run_to_end(&mut s);
-    assert!(events.contains(&GenEvent::Started { gen: g, warm_prefix: 0 }));
-    assert!(events.contains(&GenEvent::Finished { gen: g, finish: finish::MAX_TOKENS }));
+    assert!(events.contains(&GenEvent::Started {
+        gen: g,
+        warm_prefix: 0
+    }));
+    assert!(events.contains(&GenEvent::Finished {
+        gen: g,
+        finish: finish::MAX_TOKENS
+    }));
     // The KV holds the prompt and the first two drawn tokens (the third was never fed).
     assert_eq!(s.resident(0), &[1, 2, 3, 4, 100, 100]);
     // Turn 2: history + the last drawn token + a new message.
-    let g2 = s.admit(admit(1, &[1, 2, 3, 4, 100, 100, 100, 7, 8], 1)).unwrap();
+    let g2 = s
+        .admit(admit(1, &[1, 2, 3, 4, 100, 100, 100, 7, 8], 1))
+        .unwrap();
     let (step, events) = step_with(&mut s, |_| 9);
-    assert!(events.contains(&GenEvent::Started { gen: g2, warm_prefix: 6 }));
+    assert!(events.contains(&GenEvent::Started {
+        gen: g2,
+        warm_prefix: 6
+    }));
     let step = step.unwrap();
     assert_eq!(step.decode[0].pos, 6);
     assert_eq!(step.decode[0].tokens, vec![100, 7, 8]);
@@ -75,7 +96,10 @@ fn same_prompt_again_redecodes_only_the_last_token() {
     let (step, _) = step_with(&mut s, |_| 5);
     let step = step.unwrap();
     assert_eq!(step.ops, vec![WorkerRequest::KvTrim { seq: 0, from: 2 }]);
-    assert_eq!((step.decode[0].pos, step.decode[0].tokens.clone()), (2, vec![3]));
+    assert_eq!(
+        (step.decode[0].pos, step.decode[0].tokens.clone()),
+        (2, vec![3])
+    );
 }
 
 #[test]
@@ -86,8 +110,18 @@ fn fork_starts_from_a_copy_of_its_parents_cells() {
     let g = s.admit(admit(2, &[1, 2, 3, 4, 5, 6], 1)).unwrap();
     let (step, events) = step_with(&mut s, |_| 9);
     let step = step.unwrap();
-    assert_eq!(step.ops, vec![WorkerRequest::KvCopy { src: 0, dst: 1, len: 5 }]);
-    assert!(events.contains(&GenEvent::Started { gen: g, warm_prefix: 5 }));
+    assert_eq!(
+        step.ops,
+        vec![WorkerRequest::KvCopy {
+            src: 0,
+            dst: 1,
+            len: 5
+        }]
+    );
+    assert!(events.contains(&GenEvent::Started {
+        gen: g,
+        warm_prefix: 5
+    }));
     assert_eq!(step.decode[0].tokens, vec![6]);
     // The parent's sequence is untouched.
     assert_eq!(s.resident(0), &[1, 2, 3, 4, 5]);
@@ -97,7 +131,8 @@ fn fork_starts_from_a_copy_of_its_parents_cells() {
 fn all_running_generations_share_each_step() {
     let mut s = SchedulerState::new(4096, 4, 512);
     for session in 1..=4 {
-        s.admit(admit(session, &[1, 2, session as Token + 10], 5)).unwrap();
+        s.admit(admit(session, &[1, 2, session as Token + 10], 5))
+            .unwrap();
     }
     let (step, _) = step_with(&mut s, |seq| 50 + seq);
     assert_eq!(step.unwrap().decode.len(), 4);
@@ -118,7 +153,10 @@ fn eog_ends_the_turn_and_draw_pos_is_the_stream_position() {
     assert_eq!(step.unwrap().decode[0].sample.as_ref().unwrap().draw_pos, 3);
     let (step, events) = step_with(&mut s, |_| EOG);
     assert_eq!(step.unwrap().decode[0].sample.as_ref().unwrap().draw_pos, 4);
-    assert!(events.contains(&GenEvent::Finished { gen: g, finish: finish::END_OF_TURN }));
+    assert!(events.contains(&GenEvent::Finished {
+        gen: g,
+        finish: finish::END_OF_TURN
+    }));
 }
 
 #[test]
@@ -128,10 +166,19 @@ fn cancel_before_and_during() {
     let b = s.admit(admit(2, &[1, 3], 100)).unwrap();
     step_with(&mut s, |_| 5);
     // b waits for the only sequence: cancelling it finishes it at once.
-    assert_eq!(s.cancel(b), vec![GenEvent::Finished { gen: b, finish: finish::CANCELLED }]);
+    assert_eq!(
+        s.cancel(b),
+        vec![GenEvent::Finished {
+            gen: b,
+            finish: finish::CANCELLED
+        }]
+    );
     assert!(s.cancel(a).is_empty());
     let (_, events) = step_with(&mut s, |_| 5);
-    assert!(events.contains(&GenEvent::Finished { gen: a, finish: finish::CANCELLED }));
+    assert!(events.contains(&GenEvent::Finished {
+        gen: a,
+        finish: finish::CANCELLED
+    }));
     assert_eq!(s.running(), 0);
 }
 
@@ -153,8 +200,14 @@ fn idle_sequences_are_evicted_for_room() {
     run_to_end(&mut s);
     s.admit(admit(2, &[3; 10], 1)).unwrap();
     let (step, _) = step_with(&mut s, |_| 5);
-    assert!(step.unwrap().ops.contains(&WorkerRequest::KvClear { seq: 0 }));
-    assert!(s.admit(admit(3, &[1; 16], 1)).is_err(), "larger than the context");
+    assert!(step
+        .unwrap()
+        .ops
+        .contains(&WorkerRequest::KvClear { seq: 0 }));
+    assert!(
+        s.admit(admit(3, &[1; 16], 1)).is_err(),
+        "larger than the context"
+    );
 }
 
 #[test]
@@ -163,22 +216,50 @@ fn failure_fails_everything_and_forgets_the_kv() {
     let a = s.admit(admit(1, &[1, 2], 5)).unwrap();
     let (step, _) = s.plan();
     let events = s.complete(&step.unwrap(), Err("worker crashed".into()));
-    assert_eq!(events, vec![GenEvent::Failed { gen: a, message: "worker crashed".into() }]);
+    assert_eq!(
+        events,
+        vec![GenEvent::Failed {
+            gen: a,
+            message: "worker crashed".into()
+        }]
+    );
     assert!(s.resident(0).is_empty());
 }
 
 #[test]
 fn qos_and_background_rate_and_batch_invariance() {
     let mut s = SchedulerState::new(4096, 1, 512);
-    let low = s.admit(Admit { class: 2, ..admit(1, &[1], 1) }).unwrap();
-    let high = s.admit(Admit { class: 0, ..admit(2, &[2], 1) }).unwrap();
+    let low = s
+        .admit(Admit {
+            class: 2,
+            ..admit(1, &[1], 1)
+        })
+        .unwrap();
+    let high = s
+        .admit(Admit {
+            class: 0,
+            ..admit(2, &[2], 1)
+        })
+        .unwrap();
     let (_, events) = step_with(&mut s, |_| 5);
-    assert!(events.contains(&GenEvent::Started { gen: high, warm_prefix: 0 }), "class 0 admitted first");
-    assert!(!events.iter().any(|e| matches!(e, GenEvent::Started { gen, .. } if *gen == low)));
+    assert!(
+        events.contains(&GenEvent::Started {
+            gen: high,
+            warm_prefix: 0
+        }),
+        "class 0 admitted first"
+    );
+    assert!(!events
+        .iter()
+        .any(|e| matches!(e, GenEvent::Started { gen, .. } if *gen == low)));
 
     let mut s = SchedulerState::new(4096, 2, 512);
     s.set_background_divisor(4);
-    s.admit(Admit { class: BACKGROUND_CLASS, ..admit(1, &[1], 100) }).unwrap();
+    s.admit(Admit {
+        class: BACKGROUND_CLASS,
+        ..admit(1, &[1], 100)
+    })
+    .unwrap();
     s.admit(admit(2, &[2], 100)).unwrap();
     let mut bg_steps = 0;
     for _ in 0..16 {
@@ -191,13 +272,20 @@ fn qos_and_background_rate_and_batch_invariance() {
     assert_eq!(bg_steps, 4, "background advances every 4th step");
 
     let mut s = SchedulerState::new(4096, 3, 512);
-    s.admit(Admit { batch_invariant: true, ..admit(1, &[1], 100) }).unwrap();
+    s.admit(Admit {
+        batch_invariant: true,
+        ..admit(1, &[1], 100)
+    })
+    .unwrap();
     s.admit(admit(2, &[2], 100)).unwrap();
     s.admit(admit(3, &[3], 100)).unwrap();
     for _ in 0..10 {
         let (step, _) = step_with(&mut s, |_| 5);
         let step = step.unwrap();
         let has_inv = step.decode.iter().any(|i| i.seq == 0);
-        assert!(!has_inv || step.decode.len() == 1, "the invariant one always runs alone");
+        assert!(
+            !has_inv || step.decode.len() == 1,
+            "the invariant one always runs alone"
+        );
     }
 }

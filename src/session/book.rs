@@ -68,6 +68,16 @@ struct Session {
     updated_unix_ms: u64,
 }
 
+/// Where a session's last assistant turn stands, for `Generate`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TurnState {
+    /// No open turn: generating opens one with the template's assistant header.
+    Closed,
+    /// The last turn was cut (max_tokens, a cancel, a crash) and generating
+    /// continues it; `in_reasoning` when it stopped inside a thinking block.
+    Open { in_reasoning: bool },
+}
+
 /// What a plan commits; the actor replies from it once it is applied.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Planned {
@@ -334,6 +344,106 @@ impl SessionBook {
                 events: vec![self.event(s, now, sess.len, body)],
             },
         })
+    }
+
+    /// Every token on the session's input, in order.
+    pub fn input(&self, s: SessionId) -> Result<Vec<Token>, SessionError> {
+        let events = self.read(s, 0)?;
+        Ok(events
+            .iter()
+            .flat_map(|e| e.body.span().iter().copied())
+            .collect())
+    }
+
+    /// The session's QoS: the last `Qos` record's class and batch
+    /// invariance, or class 0.
+    pub fn qos(&self, s: SessionId) -> Result<(u8, bool), SessionError> {
+        let events = self.read(s, 0)?;
+        Ok(events
+            .iter()
+            .rev()
+            .find_map(|e| match e.body {
+                Record::Qos {
+                    class,
+                    batch_invariant,
+                } => Some((class, batch_invariant)),
+                _ => None,
+            })
+            .unwrap_or((0, false)))
+    }
+
+    /// Where the session's last turn stands. `think_close` is the template's
+    /// closing thinking marker, if it has one.
+    pub fn turn_state(
+        &self,
+        s: SessionId,
+        think_close: Option<&str>,
+    ) -> Result<TurnState, SessionError> {
+        let events = self.read(s, 0)?;
+        for e in events.iter().rev() {
+            match &e.body {
+                Record::ToolUse { .. }
+                | Record::ToolParseFailure { .. }
+                | Record::EpochBump
+                | Record::Qos { .. } => continue,
+                Record::GenerationPrompt { .. } => {
+                    return Ok(TurnState::Open {
+                        in_reasoning: false,
+                    })
+                }
+                Record::Generated {
+                    finish,
+                    channel,
+                    text,
+                    ..
+                } => {
+                    if *finish == crate::wire::finish::END_OF_TURN {
+                        return Ok(TurnState::Closed);
+                    }
+                    let closed = think_close.is_some_and(|m| text.trim_end().ends_with(m));
+                    return Ok(TurnState::Open {
+                        in_reasoning: *channel == crate::wire::channel::REASONING && !closed,
+                    });
+                }
+                _ => return Ok(TurnState::Closed),
+            }
+        }
+        Ok(TurnState::Closed)
+    }
+
+    /// The `GenerationPrompt` that opens an assistant turn.
+    pub fn plan_generation_prompt(
+        &self,
+        s: SessionId,
+        render: &dyn Render,
+        now: u64,
+    ) -> Result<Planned, SessionError> {
+        self.live(s)?;
+        let events = self.all_events(s);
+        let span = render
+            .generation_prompt_span(&turns(&events), &declared_tools(&events))
+            .map_err(SessionError::Render)?;
+        self.one_event(s, now, Record::GenerationPrompt { span })
+    }
+
+    /// A record the generation produced (Generated, ToolUse,
+    /// ToolParseFailure, EpochBump) as the session's next event.
+    pub fn plan_output(
+        &self,
+        s: SessionId,
+        body: Record,
+        now: u64,
+    ) -> Result<Planned, SessionError> {
+        match body {
+            Record::Generated { .. }
+            | Record::ToolUse { .. }
+            | Record::ToolParseFailure { .. }
+            | Record::EpochBump => self.one_event(s, now, body),
+            other => Err(SessionError::Invalid(format!(
+                "{} is not generation output",
+                other.name()
+            ))),
+        }
     }
 
     // ---- plans -----------------------------------------------------------

@@ -5,8 +5,10 @@
 //! tests with a fake.
 
 mod book;
+pub mod output;
+pub mod turn;
 
-pub use book::{Planned, SessionBook};
+pub use book::{Planned, SessionBook, TurnState};
 
 use crate::wire::Token;
 
@@ -37,6 +39,18 @@ pub trait Render: Send + Sync {
     ) -> Result<Vec<Token>, String>;
     /// The opening system turn declaring `tools`.
     fn system_span(&self, text: Option<&str>, tools: &[String]) -> Result<Vec<Token>, String>;
+    /// The assistant header that opens a generated turn after `history`.
+    fn generation_prompt_span(
+        &self,
+        history: &[Turn],
+        tools: &[String],
+    ) -> Result<Vec<Token>, String>;
+    /// A token's raw bytes (possibly part of a UTF-8 character).
+    fn piece(&self, token: Token) -> Vec<u8>;
+    /// True when the token ends the model's turn.
+    fn is_eog(&self, token: Token) -> bool;
+    /// The chat template's source (to find its thinking and tool markers).
+    fn template_source(&self) -> String;
 }
 
 /// Why the book refused a request. Each becomes `Err { message }` at the edge.

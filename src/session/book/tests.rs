@@ -33,6 +33,18 @@ impl Render for Bytes {
         }
         Ok(self.tokenize(&format!("<sys>{}{}|", text.unwrap_or(""), tools.join(","))))
     }
+    fn generation_prompt_span(&self, _: &[Turn], _: &[String]) -> Result<Vec<Token>, String> {
+        Ok(self.tokenize("<2>"))
+    }
+    fn piece(&self, token: Token) -> Vec<u8> {
+        vec![token as u8]
+    }
+    fn is_eog(&self, token: Token) -> bool {
+        token == 0
+    }
+    fn template_source(&self) -> String {
+        String::new()
+    }
 }
 
 const P: Params = Params {
@@ -377,4 +389,53 @@ fn tool_call_bookkeeping() {
         .unwrap_err();
     assert!(err.to_string().contains("already answered"));
     assert_eq!(b.ledger(s).unwrap()[0].status, "answered");
+}
+
+#[test]
+fn turn_state_follows_the_last_generated_event() {
+    let mut b = SessionBook::new();
+    let s = create(&mut b);
+    say(&mut b, s, "q");
+    assert_eq!(b.turn_state(s, None).unwrap(), TurnState::Closed);
+    commit!(b, b.plan_generation_prompt(s, &Bytes, 1));
+    assert_eq!(
+        b.turn_state(s, None).unwrap(),
+        TurnState::Open {
+            in_reasoning: false
+        }
+    );
+    let gen = |text: &str, channel, finish| Record::Generated {
+        span: vec![1],
+        text: text.into(),
+        channel,
+        finish,
+    };
+    commit!(b, b.plan_output(s, gen("hmm", 1, 0), 1));
+    assert_eq!(
+        b.turn_state(s, Some("</think>")).unwrap(),
+        TurnState::Open { in_reasoning: true }
+    );
+    commit!(b, b.plan_output(s, gen("ok</think>", 1, 2), 1));
+    assert_eq!(
+        b.turn_state(s, Some("</think>")).unwrap(),
+        TurnState::Open {
+            in_reasoning: false
+        }
+    );
+    commit!(b, b.plan_output(s, gen("done", 0, 1), 1));
+    assert_eq!(b.turn_state(s, None).unwrap(), TurnState::Closed);
+    assert_eq!(
+        b.input(s).unwrap().len() as u64,
+        b.inspect(s).unwrap().tokens
+    );
+    assert!(b
+        .plan_output(
+            s,
+            Record::Appended {
+                text: "x".into(),
+                span: vec![]
+            },
+            1
+        )
+        .is_err());
 }

@@ -1,0 +1,640 @@
+//! The model and its one llama.cpp context, executing [`WorkerRequest`]s in process.
+//!
+//! [`RawEngine`] is everything `superfluid worker` does except the frames: the worker is a loop of
+//! `read frame -> RawEngine::handle -> write frame` around it (see [`super::worker`]), and the
+//! benchmarks call it directly to measure what the pipe costs.
+//!
+//! # What keeps llama.cpp from aborting the process
+//!
+//! Every request is validated in Rust before llama.cpp sees any of it: sequence ids (`< n_seq`),
+//! token ids (`< n_vocab`), positions (each item must start exactly where its sequence's KV ends,
+//! as tracked here), sizes (a batch never exceeds the context's `n_batch`/`n_ubatch`; a request
+//! never carries more than `n_ctx` tokens, nor takes a sequence past `n_ctx` positions), and a
+//! grammar is parsed before anything is decoded. Bad input is an `Err` reply; nothing is touched.
+//!
+//! # Decode semantics
+//!
+//! Items are laid out in order, token by token, and cut into llama.cpp batches of at most
+//! `n_batch` tokens across items (an item longer than the room left is split over consecutive
+//! decode calls). Logits are requested only for the last token of an item that has a `sample`;
+//! the token is drawn (with [`sample::draw`]) right after the decode call that contains it.
+//!
+//! A Decode is all or nothing: if llama.cpp fails (KV cache full, ...) or a grammar dead-ends after
+//! some batches went in, every sequence the request touched is trimmed back to its length before
+//! the request, its grammar state is dropped, and the reply is `Err`. The tracked lengths are then
+//! re-read from the KV cache (`kv_cache_seq_pos_max`).
+//!
+//! # Grammars
+//!
+//! A sequence keeps one grammar sampler (`LlamaSampler::grammar(model, gbnf, "root")`) while the
+//! same GBNF text is asked for; each drawn token is accepted into it (end-of-generation tokens are
+//! not: llama.cpp aborts on accepting EOG where the grammar is not complete, and there is nothing
+//! left to accept). It is rebuilt from its start when a different grammar is asked for, and dropped
+//! when the sequence is trimmed, cleared, copied into, or asked to sample without a grammar.
+
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::Context as _;
+use llama_cpp_2::context::params::LlamaContextParams;
+use llama_cpp_2::context::LlamaContext;
+use llama_cpp_2::llama_batch::LlamaBatch;
+use llama_cpp_2::model::params::LlamaModelParams;
+use llama_cpp_2::model::LlamaModel;
+use llama_cpp_2::sampling::LlamaSampler;
+use llama_cpp_2::token::data::LlamaTokenData;
+use llama_cpp_2::token::data_array::LlamaTokenDataArray;
+use llama_cpp_2::token::LlamaToken;
+use llama_cpp_2::DecodeError;
+
+use super::{backend, sample, EngineError};
+use crate::wire::worker::{DecodeItem, Drawn, WorkerConfig, WorkerRequest, WorkerResponse};
+
+/// llama.cpp's `LLAMA_MAX_SEQ`: more sequences make context creation fail.
+pub const MAX_SEQ: u32 = 256;
+
+/// The grammar state of one sequence.
+struct SeqGrammar {
+    gbnf: String,
+    sampler: LlamaSampler,
+}
+
+/// A loaded model with one context (unified KV, `n_seq` sequences), executing worker requests.
+///
+/// Not `Sync`: llama.cpp's context belongs to one thread at a time. `Send`.
+pub struct RawEngine {
+    // Field order is drop order: everything that points into the model (grammar samplers hold
+    // its vocabulary, the context its weights) is declared before `model`.
+    grammars: Vec<Option<SeqGrammar>>,
+    batch: LlamaBatch<'static>,
+    /// Borrows `*model`; the `'static` is a lie kept inside this struct (see [`RawEngine::new`]).
+    ctx: LlamaContext<'static>,
+    model: Box<LlamaModel>,
+    /// The configuration as llama.cpp applied it (`n_ctx` padded, `n_batch` capped).
+    config: WorkerConfig,
+    n_vocab: u32,
+    /// Per sequence, the number of positions its KV holds (`0..len`).
+    lens: Vec<u32>,
+    /// The logits row being sampled (a copy, so the context is free again).
+    row: Vec<f32>,
+    /// The grammar's verdict on each token id, for the row being sampled.
+    mask: Vec<bool>,
+}
+
+impl std::fmt::Debug for RawEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RawEngine")
+            .field("config", &self.config)
+            .field("n_vocab", &self.n_vocab)
+            .field("lens", &self.lens)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RawEngine {
+    /// Load the model at `path` (all layers on the CPU) and create its context: `n_ctx` cells of
+    /// unified KV shared by `n_seq` sequences, batches of `n_batch` tokens (`n_ubatch` the same),
+    /// `threads` threads for decode and prefill.
+    pub fn new(path: &Path, config: &WorkerConfig) -> anyhow::Result<RawEngine> {
+        let WorkerConfig {
+            n_ctx,
+            n_seq,
+            n_batch,
+            threads,
+        } = *config;
+        anyhow::ensure!(
+            (1..=i32::MAX as u32 / 2).contains(&n_ctx),
+            "invalid context size {n_ctx}"
+        );
+        anyhow::ensure!(
+            (1..=MAX_SEQ).contains(&n_seq),
+            "invalid number of sequences {n_seq} (1..={MAX_SEQ})"
+        );
+        anyhow::ensure!(n_batch >= 1, "invalid batch size {n_batch}");
+        anyhow::ensure!(
+            (1..=1024).contains(&threads),
+            "invalid thread count {threads}"
+        );
+        check_gguf(path)?;
+        let backend = backend::backend()?;
+        let params = LlamaModelParams::default().with_n_gpu_layers(0);
+        let model = LlamaModel::load_from_file(backend, path, &params).map_err(|e| {
+            EngineError::ModelLoad {
+                path: path.to_path_buf(),
+                reason: e.to_string(),
+            }
+        })?;
+        let model = Box::new(model);
+        let n_vocab = u32::try_from(model.vocab().n_tokens()).unwrap_or(0);
+        anyhow::ensure!(n_vocab > 0, "the model has an empty vocabulary");
+
+        let cparams = LlamaContextParams::default()
+            .with_n_ctx(std::num::NonZeroU32::new(n_ctx))
+            .with_n_seq_max(n_seq)
+            .with_n_batch(n_batch)
+            .with_n_ubatch(n_batch)
+            .with_n_threads(threads as i32)
+            .with_n_threads_batch(threads as i32)
+            .with_kv_unified(true);
+        // SAFETY: the model lives in a Box owned by the engine, so its address is stable, and it
+        // is dropped after the context (field order). The context never leaves the engine.
+        let model_ref: &'static LlamaModel =
+            unsafe { &*std::ptr::from_ref::<LlamaModel>(model.as_ref()) };
+        let ctx = model_ref.new_context(backend, cparams).with_context(|| {
+            format!("cannot create a context (n_ctx {n_ctx}, n_seq {n_seq}, n_batch {n_batch})")
+        })?;
+        let step = ctx.n_batch().min(ctx.n_ubatch()).max(1);
+        let effective = WorkerConfig {
+            n_ctx: ctx.n_ctx(),
+            n_seq,
+            n_batch: step,
+            threads,
+        };
+        log::info!(
+            "engine ready: {} ({} tokens), n_ctx {} n_seq {} n_batch {} threads {}",
+            path.display(),
+            n_vocab,
+            effective.n_ctx,
+            n_seq,
+            step,
+            threads
+        );
+        Ok(RawEngine {
+            grammars: (0..n_seq).map(|_| None).collect(),
+            batch: LlamaBatch::new(step as usize, 1),
+            ctx,
+            model,
+            config: effective,
+            n_vocab,
+            lens: vec![0; n_seq as usize],
+            row: Vec::with_capacity(n_vocab as usize),
+            mask: Vec::new(),
+        })
+    }
+
+    /// The configuration as applied: `n_ctx` as llama.cpp padded it (a multiple of 256) and
+    /// `n_batch` as capped (never above `n_ctx`). This is what `Ready` reports.
+    pub fn config(&self) -> &WorkerConfig {
+        &self.config
+    }
+
+    /// The vocabulary size: valid token ids are `0..n_vocab`.
+    pub fn n_vocab(&self) -> u32 {
+        self.n_vocab
+    }
+
+    /// The `Ready` message for this engine.
+    pub fn ready(&self) -> WorkerResponse {
+        WorkerResponse::Ready {
+            config: self.config.clone(),
+            n_vocab: self.n_vocab,
+        }
+    }
+
+    /// The positions sequence `seq` holds (`0..len`), or None for a sequence out of range.
+    pub fn seq_len(&self, seq: u32) -> Option<u32> {
+        self.lens.get(seq as usize).copied()
+    }
+
+    /// Whether `token` ends generation. False for an invalid id.
+    pub fn is_eog(&self, token: u32) -> bool {
+        token < self.n_vocab && self.model.vocab().is_eog(LlamaToken(token as i32))
+    }
+
+    /// Execute one request and return its one reply. `Shutdown` answers `Done` (the caller
+    /// stops). Never panics on bad input: it answers `Err`.
+    pub fn handle(&mut self, request: &WorkerRequest) -> WorkerResponse {
+        let result = match request {
+            WorkerRequest::Decode { items } => self.decode(items),
+            WorkerRequest::KvTrim { seq, from } => self.kv_trim(*seq, *from),
+            WorkerRequest::KvCopy { src, dst, len } => self.kv_copy(*src, *dst, *len),
+            WorkerRequest::KvClear { seq } => self.kv_clear(*seq),
+            WorkerRequest::Shutdown => Ok(WorkerResponse::Done),
+        };
+        result.unwrap_or_else(|message| {
+            log::debug!("request failed: {message}");
+            WorkerResponse::Err { message }
+        })
+    }
+
+    fn check_seq(&self, seq: u32) -> Result<usize, String> {
+        if seq < self.config.n_seq {
+            Ok(seq as usize)
+        } else {
+            Err(format!(
+                "sequence {seq} out of range: the worker has {} sequences",
+                self.config.n_seq
+            ))
+        }
+    }
+
+    /// Re-read the length of `seq` from the KV cache.
+    fn resync(&mut self, seq: usize) {
+        let max = self.ctx.kv_cache_seq_pos_max(seq as i32);
+        self.lens[seq] = u32::try_from(max.saturating_add(1)).unwrap_or(0);
+    }
+
+    fn resync_all(&mut self) {
+        for seq in 0..self.lens.len() {
+            self.resync(seq);
+        }
+    }
+
+    fn kv_trim(&mut self, seq: u32, from: u32) -> Result<WorkerResponse, String> {
+        let s = self.check_seq(seq)?;
+        if from < self.lens[s] {
+            let res = self.ctx.kv_cache_seq_rm(seq as i32, Some(from), None);
+            self.grammars[s] = None;
+            self.resync(s);
+            res.map_err(|e| format!("cannot trim sequence {seq} from {from}: {e}"))?;
+        }
+        Ok(WorkerResponse::Done)
+    }
+
+    fn kv_copy(&mut self, src: u32, dst: u32, len: u32) -> Result<WorkerResponse, String> {
+        let s = self.check_seq(src)?;
+        let d = self.check_seq(dst)?;
+        if len > self.lens[s] {
+            return Err(format!(
+                "cannot copy {len} positions of sequence {src}: it holds {}",
+                self.lens[s]
+            ));
+        }
+        if s == d {
+            return self.kv_trim(src, len);
+        }
+        let rm = self.ctx.kv_cache_seq_rm(dst as i32, None, None);
+        self.grammars[d] = None;
+        let cp = if len > 0 && rm.is_ok() {
+            self.ctx
+                .kv_cache_seq_cp(src as i32, dst as i32, Some(0), Some(len))
+        } else {
+            Ok(())
+        };
+        self.resync(d);
+        rm.map_err(|e| format!("cannot clear sequence {dst}: {e}"))?;
+        cp.map_err(|e| format!("cannot copy sequence {src} to {dst}: {e}"))?;
+        Ok(WorkerResponse::Done)
+    }
+
+    fn kv_clear(&mut self, seq: u32) -> Result<WorkerResponse, String> {
+        let s = self.check_seq(seq)?;
+        let res = self.ctx.kv_cache_seq_rm(seq as i32, None, None);
+        self.grammars[s] = None;
+        self.resync(s);
+        res.map_err(|e| format!("cannot clear sequence {seq}: {e}"))?;
+        Ok(WorkerResponse::Done)
+    }
+
+    /// Check a Decode completely, without touching llama.cpp.
+    fn validate(&self, items: &[DecodeItem]) -> Result<(), String> {
+        let n_ctx = u64::from(self.config.n_ctx);
+        let mut ends: Vec<u64> = self.lens.iter().map(|&l| u64::from(l)).collect();
+        let mut total = 0u64;
+        for (k, item) in items.iter().enumerate() {
+            let s = self
+                .check_seq(item.seq)
+                .map_err(|e| format!("item {k}: {e}"))?;
+            if item.tokens.is_empty() {
+                return Err(format!("item {k}: no tokens"));
+            }
+            if let Some(&bad) = item.tokens.iter().find(|&&t| t >= self.n_vocab) {
+                return Err(format!(
+                    "item {k}: invalid token id {bad}: the vocabulary has {} tokens",
+                    self.n_vocab
+                ));
+            }
+            if u64::from(item.pos) != ends[s] {
+                return Err(format!(
+                    "item {k}: sequence {} holds positions 0..{}, so the next token is at {}, not {}",
+                    item.seq, ends[s], ends[s], item.pos
+                ));
+            }
+            let n = item.tokens.len() as u64;
+            ends[s] += n;
+            total += n;
+            if ends[s] > n_ctx {
+                return Err(format!(
+                    "item {k}: sequence {} would reach {} positions, more than n_ctx={} cells",
+                    item.seq, ends[s], n_ctx
+                ));
+            }
+        }
+        if total > n_ctx {
+            return Err(format!(
+                "the request carries {total} tokens, more than n_ctx={n_ctx} cells"
+            ));
+        }
+        Ok(())
+    }
+
+    /// Build (or keep) the grammar state every sampling item asks for; a grammar that does not
+    /// parse fails the request before anything is decoded.
+    fn prepare_grammars(&mut self, items: &[DecodeItem]) -> Result<(), String> {
+        let mut wanted: Vec<(usize, Option<&str>)> = Vec::new();
+        for item in items {
+            if let Some(sample) = &item.sample {
+                let s = item.seq as usize;
+                wanted.retain(|w| w.0 != s);
+                wanted.push((s, sample.grammar.as_deref()));
+            }
+        }
+        let mut built: Vec<(usize, Option<SeqGrammar>)> = Vec::new();
+        for (s, gbnf) in wanted {
+            match gbnf {
+                None => built.push((s, None)),
+                Some(g) => {
+                    if self.grammars[s].as_ref().is_some_and(|cur| cur.gbnf == g) {
+                        continue;
+                    }
+                    let sampler = LlamaSampler::grammar(&self.model, g, "root")
+                        .map_err(|e| format!("grammar for sequence {s} does not parse: {e}"))?;
+                    built.push((
+                        s,
+                        Some(SeqGrammar {
+                            gbnf: g.to_owned(),
+                            sampler,
+                        }),
+                    ));
+                }
+            }
+        }
+        for (s, g) in built {
+            self.grammars[s] = g;
+        }
+        Ok(())
+    }
+
+    fn decode(&mut self, items: &[DecodeItem]) -> Result<WorkerResponse, String> {
+        self.validate(items)?;
+        self.prepare_grammars(items)?;
+        let before = self.lens.clone();
+        match self.decode_items(items) {
+            Ok(reply) => {
+                for item in items {
+                    self.lens[item.seq as usize] = item.pos + item.tokens.len() as u32;
+                }
+                Ok(reply)
+            }
+            Err(message) => {
+                // All or nothing: put every touched sequence back where it was.
+                for item in items {
+                    let s = item.seq as usize;
+                    let _ = self.ctx.kv_cache_seq_rm(s as i32, Some(before[s]), None);
+                    self.grammars[s] = None;
+                }
+                self.resync_all();
+                Err(message)
+            }
+        }
+    }
+
+    fn decode_items(&mut self, items: &[DecodeItem]) -> Result<WorkerResponse, String> {
+        let step = self.config.n_batch as usize;
+        let mut drawn = Vec::new();
+        let mut tokens = 0u32;
+        let mut decode_us = 0u64;
+        // (item index, batch index) of the logits the current batch will produce.
+        let mut pending: Vec<(usize, i32)> = Vec::new();
+        self.batch.clear();
+        for (k, item) in items.iter().enumerate() {
+            let last = item.tokens.len() - 1;
+            for (j, &token) in item.tokens.iter().enumerate() {
+                let logits = j == last && item.sample.is_some();
+                let pos = (item.pos as usize + j) as i32;
+                self.batch
+                    .add(LlamaToken(token as i32), pos, &[item.seq as i32], logits)
+                    .map_err(|e| format!("batch: {e}"))?;
+                if logits {
+                    pending.push((k, self.batch.n_tokens() - 1));
+                }
+                if self.batch.n_tokens() as usize == step {
+                    self.run_batch(items, &mut pending, &mut drawn, &mut tokens, &mut decode_us)?;
+                }
+            }
+        }
+        if self.batch.n_tokens() > 0 {
+            self.run_batch(items, &mut pending, &mut drawn, &mut tokens, &mut decode_us)?;
+        }
+        Ok(WorkerResponse::Decoded {
+            drawn,
+            tokens,
+            decode_us,
+        })
+    }
+
+    /// Decode the batch built so far, draw the tokens it was built for, and clear it.
+    fn run_batch(
+        &mut self,
+        items: &[DecodeItem],
+        pending: &mut Vec<(usize, i32)>,
+        drawn: &mut Vec<Drawn>,
+        tokens: &mut u32,
+        decode_us: &mut u64,
+    ) -> Result<(), String> {
+        let n = self.batch.n_tokens();
+        let start = Instant::now();
+        let res = self.ctx.decode(&mut self.batch);
+        *decode_us += start.elapsed().as_micros() as u64;
+        self.batch.clear();
+        res.map_err(|e| match e {
+            DecodeError::NoKvCacheSlot => format!(
+                "KV cache full: n_ctx={} cells cannot hold {n} more tokens",
+                self.config.n_ctx
+            ),
+            DecodeError::NTokensZero => {
+                format!("llama.cpp rejected the batch of {n} tokens as invalid")
+            }
+            other => format!("llama_decode failed: {other}"),
+        })?;
+        *tokens += n as u32;
+        for (k, i) in pending.drain(..) {
+            drawn.push(self.draw(&items[k], i)?);
+        }
+        Ok(())
+    }
+
+    /// Draw the token for `item` from the logits at batch index `i`.
+    fn draw(&mut self, item: &DecodeItem, i: i32) -> Result<Drawn, String> {
+        let Some(sample) = &item.sample else {
+            return Err("internal error: no sample asked".into());
+        };
+        self.row.clear();
+        self.row.extend_from_slice(self.ctx.get_logits_ith(i));
+        let s = item.seq as usize;
+        let token = match self.grammars[s].as_mut() {
+            Some(g) if sample.grammar.is_some() => {
+                let mut arr = LlamaTokenDataArray::new(
+                    self.row
+                        .iter()
+                        .enumerate()
+                        .map(|(id, &l)| LlamaTokenData::new(LlamaToken(id as i32), l, 0.0))
+                        .collect(),
+                    false,
+                );
+                g.sampler.apply(&mut arr);
+                self.mask.clear();
+                self.mask.resize(self.row.len(), false);
+                let mut any = false;
+                for d in &arr.data {
+                    if let Ok(id) = usize::try_from(d.id().0) {
+                        if id < self.mask.len() && d.logit() > f32::NEG_INFINITY {
+                            self.mask[id] = true;
+                            any = true;
+                        }
+                    }
+                }
+                if !any {
+                    return Err(format!(
+                        "the grammar of sequence {} allows no token at position {}",
+                        item.seq, sample.draw_pos
+                    ));
+                }
+                let mask = &self.mask;
+                let allowed = |t: u32| mask.get(t as usize).copied().unwrap_or(false);
+                let token =
+                    sample::draw(&self.row, &sample.params, sample.draw_pos, Some(&allowed));
+                if !self.model.vocab().is_eog(LlamaToken(token as i32)) {
+                    g.sampler
+                        .try_accept(LlamaToken(token as i32))
+                        .map_err(|e| format!("grammar rejected token {token}: {e}"))?;
+                }
+                token
+            }
+            _ => sample::draw(&self.row, &sample.params, sample.draw_pos, None),
+        };
+        Ok(Drawn {
+            seq: item.seq,
+            token,
+            eog: self.is_eog(token),
+        })
+    }
+}
+
+/// Check that `path` exists and starts with the GGUF magic bytes, before llama.cpp sees it.
+///
+/// The same check as the vocabulary load's (`vocab::check_gguf`, private there).
+fn check_gguf(path: &Path) -> Result<(), EngineError> {
+    use std::io::Read;
+    let unreadable = |source| EngineError::ModelUnreadable {
+        path: path.to_path_buf(),
+        source,
+    };
+    let meta = std::fs::metadata(path).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::NotFound {
+            EngineError::ModelNotFound(path.to_path_buf())
+        } else {
+            unreadable(e)
+        }
+    })?;
+    if !meta.is_file() {
+        return Err(unreadable(std::io::Error::other("not a regular file")));
+    }
+    let mut magic = [0u8; 4];
+    let mut file = std::fs::File::open(path).map_err(unreadable)?;
+    match file.read_exact(&mut magic) {
+        Ok(()) if &magic == b"GGUF" => Ok(()),
+        Ok(()) => Err(EngineError::NotGguf(path.to_path_buf())),
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+            Err(EngineError::NotGguf(path.to_path_buf()))
+        }
+        Err(e) => Err(unreadable(e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::worker::Sample;
+    use crate::wire::Params;
+
+    fn model() -> std::path::PathBuf {
+        std::env::var_os("SUPERFLUID_TEST_MODEL")
+            .map(Into::into)
+            .unwrap_or_else(|| crate::engine::vocab::tests::MODEL.into())
+    }
+
+    fn greedy(draw_pos: u64) -> Option<Sample> {
+        Some(Sample {
+            params: Params {
+                temperature: 0.0,
+                top_p: 1.0,
+                min_p: 0.0,
+                top_k: 0,
+                seed: 0,
+            },
+            draw_pos,
+            grammar: None,
+        })
+    }
+
+    #[test]
+    fn not_a_model_is_an_error() {
+        let config = WorkerConfig {
+            n_ctx: 256,
+            n_seq: 1,
+            n_batch: 32,
+            threads: 1,
+        };
+        let err = RawEngine::new(Path::new("/nonexistent.gguf"), &config).unwrap_err();
+        assert!(err.to_string().contains("not found"), "{err}");
+        let bad = WorkerConfig {
+            n_seq: MAX_SEQ + 1,
+            ..config
+        };
+        assert!(RawEngine::new(&model(), &bad).is_err());
+    }
+
+    /// KV full in the middle of a multi-batch request: Err, and the request leaves no trace.
+    #[test]
+    fn kv_full_rolls_the_request_back() {
+        let config = WorkerConfig {
+            n_ctx: 256,
+            n_seq: 2,
+            n_batch: 32,
+            threads: 2,
+        };
+        let mut e = RawEngine::new(&model(), &config).expect("engine");
+        assert_eq!(e.config().n_ctx, 256);
+        assert_eq!(e.config().n_batch, 32);
+        let tokens = |n: usize| {
+            (0..n)
+                .map(|i| 100 + (i as u32 * 7) % 1000)
+                .collect::<Vec<_>>()
+        };
+        let item = |seq, pos, n, sample| DecodeItem {
+            seq,
+            pos,
+            tokens: tokens(n),
+            sample,
+        };
+        let r = e.handle(&WorkerRequest::Decode {
+            items: vec![item(0, 0, 200, None)],
+        });
+        assert!(
+            matches!(r, WorkerResponse::Decoded { tokens: 200, .. }),
+            "{r:?}"
+        );
+        // 200 + 100 > 256: the first 32-token batch of seq 1 fits, the second does not.
+        let r = e.handle(&WorkerRequest::Decode {
+            items: vec![item(1, 0, 100, greedy(100))],
+        });
+        match r {
+            WorkerResponse::Err { message } => {
+                assert!(message.contains("KV cache full"), "{message}")
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(e.seq_len(0), Some(200));
+        assert_eq!(e.seq_len(1), Some(0));
+        // All 56 free cells are usable again.
+        let r = e.handle(&WorkerRequest::Decode {
+            items: vec![item(1, 0, 56, greedy(56))],
+        });
+        assert!(
+            matches!(&r, WorkerResponse::Decoded { drawn, tokens: 56, .. } if drawn.len() == 1),
+            "{r:?}"
+        );
+        assert_eq!(e.seq_len(1), Some(56));
+    }
+}

@@ -1,0 +1,479 @@
+//! Position-indexed sampling: the next token from one row of logits, with no llama.cpp and no state.
+//!
+//! [`draw`] is a pure function of `(logits, params, draw_pos, allowed)`. The only randomness is one
+//! uniform `u` in `[0, 1)` derived from `(params.seed, draw_pos)` alone (see [`uniform`]), so a
+//! generation that is cut and continued later (in another process, after a crash, on another
+//! batch layout) draws exactly what the uncut generation would have, given the same logits.
+//!
+//! The pipeline, in llama.cpp's usual order:
+//!
+//! 1. `allowed` (a grammar's verdict) and non-finite logits: excluded tokens are gone for good
+//!    (NaN and `-inf` are excluded; `+inf` is clamped to `f32::MAX`).
+//! 2. `temperature <= 0` (or NaN): greedy, the argmax; ties go to the lowest id. Nothing else
+//!    applies.
+//! 3. `top_k` (0 disables): keep the `k` largest logits (ties at the boundary: lowest ids win),
+//!    with `select_nth_unstable_by` under a total order, so the kept set is exact and deterministic.
+//! 4. temperature, then softmax. Tokens whose probability is below `1e-9` of the most likely
+//!    token's are dropped before `exp` is even taken: over a 49,152-token vocabulary they hold
+//!    at most ~5e-5 of the mass, which moves no probability by more than that fraction.
+//! 5. `top_p` (< 1 enables; <= 0 keeps only the most likely token): the smallest set of most
+//!    likely tokens whose mass reaches `top_p` of the softmax of step 4. Nothing is sorted
+//!    whole: weights are bucketed by scaled logit (1/50 nat per bucket), the bucket where the
+//!    cumulative mass crosses `top_p` is found, and only that bucket is sorted for the exact cut.
+//! 6. `min_p` (> 0 enables): drop tokens whose probability is below `min_p` times the largest.
+//! 7. Renormalise over what is left and pick by the cumulative distribution at `u`, walking the
+//!    survivors in a fixed order (ascending id, then the sorted edge bucket of step 5). The same inputs always walk the same floats in the same order: same token.
+
+use crate::wire::Params;
+
+/// The golden-ratio increment of splitmix64.
+const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
+/// Drawn positions are mixed with this constant first, so `draw_pos` and `seed` do not simply XOR.
+const POS_KEY: u64 = 0xD1B5_4A32_D192_ED03;
+/// `ln(1e-9)`: scaled logits below this (relative to the max) are dropped (step 4).
+const LN_DROP: f32 = -20.723_267;
+/// Top-p buckets: scaled logits `0 ..= LN_DROP` in steps of 1/50 nat.
+const N_BUCKETS: usize = 1037;
+const BUCKETS_PER_NAT: f32 = 50.0;
+
+/// The splitmix64 finaliser: a bijective 64-bit mix with full avalanche.
+#[inline]
+pub fn splitmix64(mut z: u64) -> u64 {
+    z = z.wrapping_add(GOLDEN);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The uniform of the draw at `draw_pos` under `seed`, in `[0, 1)` with 53 random bits:
+/// `splitmix64(seed ^ splitmix64(draw_pos ^ POS_KEY)) >> 11`, times `2^-53`.
+///
+/// It depends on nothing else: no sampler state, no thread, no batch. Nearby positions and nearby
+/// seeds give unrelated values (each of the two mixes avalanches fully).
+#[inline]
+pub fn uniform(seed: u64, draw_pos: u64) -> f64 {
+    let bits = splitmix64(seed ^ splitmix64(draw_pos ^ POS_KEY));
+    (bits >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+}
+
+/// Whether `params` asks for the greedy argmax (temperature 0, negative or NaN).
+#[inline]
+pub fn is_greedy(params: &Params) -> bool {
+    params.temperature.is_nan() || params.temperature <= 0.0
+}
+
+/// Draw the next token from `logits` (one row, indexed by token id).
+///
+/// `allowed`, when given, must return true for the ids that may be drawn (a grammar's verdict);
+/// the others are never drawn. If no token survives (every logit excluded, NaN or `-inf`), the
+/// result is the argmax of the raw logits ignoring `allowed`, or 0 for an empty row: callers
+/// that pass `allowed` must check beforehand that it allows something.
+pub fn draw(
+    logits: &[f32],
+    params: &Params,
+    draw_pos: u64,
+    allowed: Option<&dyn Fn(u32) -> bool>,
+) -> u32 {
+    match allowed {
+        None => draw_with(logits, params, draw_pos, |_| true),
+        Some(f) => draw_with(logits, params, draw_pos, f),
+    }
+}
+
+/// [`draw`], monomorphised over the filter so the unfiltered case costs no call per token.
+fn draw_with(logits: &[f32], params: &Params, draw_pos: u64, allowed: impl Fn(u32) -> bool) -> u32 {
+    // Step 1: NaN and -inf never pass (`l > -inf` is false for both).
+    let ok = |id: u32, l: f32| l > f32::NEG_INFINITY && allowed(id);
+    // Step 2 (and the max for step 4): the argmax, lowest id on ties.
+    let Some(best) = argmax(logits, ok) else {
+        return fallback(logits);
+    };
+    if is_greedy(params) {
+        return best;
+    }
+    let max = logits[best as usize].min(f32::MAX);
+    let t = params.temperature;
+
+    // Steps 3 and 4: weights relative to the max (the max's weight is 1), ascending id order.
+    let k = params.top_k as usize;
+    let mut w: Vec<Cand> = Vec::new();
+    let push = |w: &mut Vec<Cand>, id: u32, l: f32| {
+        let s = (l.min(f32::MAX) - max) / t;
+        if s >= LN_DROP {
+            w.push(Cand {
+                id,
+                w: s.exp(),
+                bucket: ((-s) * BUCKETS_PER_NAT) as u16,
+            });
+        }
+    };
+    if k > 0 && k < logits.len() {
+        let mut cands: Vec<(u32, f32)> = Vec::with_capacity(logits.len());
+        for (id, &l) in logits.iter().enumerate() {
+            if ok(id as u32, l) {
+                cands.push((id as u32, l.min(f32::MAX)));
+            }
+        }
+        if k < cands.len() {
+            cands.select_nth_unstable_by(k - 1, by_value_desc);
+            cands.truncate(k);
+            cands.sort_unstable_by_key(|c| c.0);
+        }
+        w.reserve(cands.len());
+        for (id, l) in cands {
+            push(&mut w, id, l);
+        }
+    } else {
+        for (id, &l) in logits.iter().enumerate() {
+            if ok(id as u32, l) {
+                push(&mut w, id as u32, l);
+            }
+        }
+    }
+    // The max itself always survives (s == 0).
+    if w.is_empty() {
+        return best;
+    }
+
+    // Step 5: top-p. Weights are bucketed by their scaled logit (buckets are monotone in weight);
+    // buckets above the one where the mass crosses `top_p` are kept whole, and only that one
+    // bucket is sorted to find the exact cut.
+    let top_p = params.top_p;
+    if top_p < 1.0 {
+        let total: f64 = w.iter().map(|c| f64::from(c.w)).sum();
+        let target = f64::from(top_p.max(0.0)) * total;
+        let mut mass = vec![0.0f64; N_BUCKETS];
+        for c in &w {
+            mass[usize::from(c.bucket).min(N_BUCKETS - 1)] += f64::from(c.w);
+        }
+        let mut cum = 0.0f64;
+        let mut cut = None;
+        for (b, &m) in mass.iter().enumerate() {
+            if m > 0.0 && cum + m >= target {
+                cut = Some(b);
+                break;
+            }
+            cum += m;
+        }
+        if let Some(cut) = cut {
+            let bucket = |c: &Cand| usize::from(c.bucket).min(N_BUCKETS - 1);
+            let mut edge: Vec<Cand> = w.iter().filter(|c| bucket(c) == cut).copied().collect();
+            let order = |a: &Cand, b: &Cand| by_value_desc(&(a.id, a.w), &(b.id, b.w));
+            // Ties are common in a flat edge (ids ascend already): skip the sort then.
+            if !edge.is_sorted_by(|a, b| order(a, b).is_le()) {
+                edge.sort_unstable_by(order);
+            }
+            let mut n = edge.len();
+            for (i, c) in edge.iter().enumerate() {
+                cum += f64::from(c.w);
+                if cum >= target {
+                    n = i + 1;
+                    break;
+                }
+            }
+            edge.truncate(n);
+            w.retain(|c| bucket(c) < cut);
+            w.extend(edge);
+        }
+    }
+
+    // Step 6: min-p relative to the max weight (1.0). Both filters keep a prefix of the
+    // descending order, so applying min-p after top-p's cut is the intersection.
+    let min_p = params.min_p;
+    if min_p > 0.0 {
+        w.retain(|c| c.w >= min_p);
+        if w.is_empty() {
+            // min_p > 1 would drop even the max: keep the most likely token, as llama.cpp does.
+            return best;
+        }
+    }
+
+    // Step 7: renormalise and pick by CDF, in the fixed order of `w`.
+    let sum: f64 = w.iter().map(|c| f64::from(c.w)).sum();
+    let target = uniform(params.seed, draw_pos) * sum;
+    let mut cum = 0.0f64;
+    for c in &w {
+        cum += f64::from(c.w);
+        if cum > target {
+            return c.id;
+        }
+    }
+    w[w.len() - 1].id
+}
+
+/// A candidate with its weight relative to the max, and its top-p bucket.
+#[derive(Clone, Copy)]
+struct Cand {
+    id: u32,
+    w: f32,
+    bucket: u16,
+}
+
+/// The argmax over the tokens `ok` accepts; ties go to the lowest id.
+fn argmax(logits: &[f32], ok: impl Fn(u32, f32) -> bool) -> Option<u32> {
+    let mut best: Option<(u32, f32)> = None;
+    for (id, &l) in logits.iter().enumerate() {
+        let id = id as u32;
+        if ok(id, l) && best.is_none_or(|(_, b)| l > b) {
+            best = Some((id, l));
+        }
+    }
+    best.map(|b| b.0)
+}
+
+/// What [`draw`] returns when nothing survives: the raw argmax (NaN ignored), or 0.
+fn fallback(logits: &[f32]) -> u32 {
+    argmax(logits, |_, l| !l.is_nan()).unwrap_or(0)
+}
+
+/// Value (logit or weight) descending, then id ascending: a total order.
+fn by_value_desc(a: &(u32, f32), b: &(u32, f32)) -> std::cmp::Ordering {
+    b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(temperature: f32, top_p: f32, min_p: f32, top_k: u32, seed: u64) -> Params {
+        Params {
+            temperature,
+            top_p,
+            min_p,
+            top_k,
+            seed,
+        }
+    }
+
+    /// A reproducible pseudo-random row of logits, roughly like a model's (a few high, most low).
+    fn random_logits(n: usize, seed: u64) -> Vec<f32> {
+        (0..n)
+            .map(|i| {
+                let u = uniform(seed, i as u64) as f32;
+                let v = uniform(seed ^ 1, i as u64) as f32;
+                // Heavy upper tail: mostly around -5..5, a few up to ~15.
+                10.0 * (u - 0.5) + if v > 0.999 { 10.0 } else { 0.0 }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn uniform_is_in_range_and_varies() {
+        let mut seen = std::collections::HashSet::new();
+        for pos in 0..1000 {
+            let u = uniform(42, pos);
+            assert!((0.0..1.0).contains(&u), "{u}");
+            seen.insert(u.to_bits());
+        }
+        assert_eq!(seen.len(), 1000);
+        assert_ne!(uniform(1, 0), uniform(2, 0));
+        assert_eq!(uniform(7, 9), uniform(7, 9));
+        let mean: f64 = (0..10_000).map(|p| uniform(3, p)).sum::<f64>() / 10_000.0;
+        assert!((mean - 0.5).abs() < 0.02, "{mean}");
+    }
+
+    #[test]
+    fn greedy_is_argmax_lowest_id_on_ties() {
+        let logits = [1.0, 5.0, 3.0, 5.0, f32::NAN, -2.0];
+        let p = params(0.0, 0.9, 0.05, 40, 1);
+        for pos in 0..20 {
+            assert_eq!(draw(&logits, &p, pos, None), 1);
+        }
+        let only_odd = |t: u32| t % 2 == 1;
+        assert_eq!(draw(&logits, &p, 0, Some(&only_odd)), 1);
+        let not_one = |t: u32| t != 1;
+        assert_eq!(draw(&logits, &p, 0, Some(&not_one)), 3);
+        // Negative and NaN temperatures are greedy too.
+        assert_eq!(draw(&logits, &params(-1.0, 1.0, 0.0, 0, 1), 0, None), 1);
+        assert_eq!(draw(&logits, &params(f32::NAN, 1.0, 0.0, 0, 1), 0, None), 1);
+    }
+
+    #[test]
+    fn nothing_allowed_falls_back_to_the_raw_argmax() {
+        let logits = [1.0, 5.0, 3.0];
+        let none = |_: u32| false;
+        assert_eq!(
+            draw(&logits, &params(0.0, 1.0, 0.0, 0, 1), 0, Some(&none)),
+            1
+        );
+        assert_eq!(
+            draw(&logits, &params(1.0, 1.0, 0.0, 0, 1), 0, Some(&none)),
+            1
+        );
+        assert_eq!(draw(&[], &params(1.0, 1.0, 0.0, 0, 1), 0, None), 0);
+        let all_bad = [f32::NEG_INFINITY, f32::NAN];
+        assert_eq!(draw(&all_bad, &params(1.0, 1.0, 0.0, 0, 1), 0, None), 0);
+    }
+
+    #[test]
+    fn deterministic_for_the_same_inputs() {
+        let logits = random_logits(49_152, 5);
+        let p = params(0.8, 0.95, 0.02, 0, 1234);
+        for pos in 0..50 {
+            let a = draw(&logits, &p, pos, None);
+            let b = draw(&logits, &p, pos, None);
+            assert_eq!(a, b);
+        }
+    }
+
+    #[test]
+    fn different_positions_and_seeds_draw_differently() {
+        let logits = vec![0.0f32; 1000]; // uniform over 1000 tokens
+        let p = params(1.0, 1.0, 0.0, 0, 99);
+        let by_pos: std::collections::HashSet<u32> =
+            (0..100).map(|pos| draw(&logits, &p, pos, None)).collect();
+        assert!(by_pos.len() > 80, "{}", by_pos.len());
+        let by_seed: std::collections::HashSet<u32> = (0..100)
+            .map(|seed| draw(&logits, &params(1.0, 1.0, 0.0, 0, seed), 7, None))
+            .collect();
+        assert!(by_seed.len() > 80, "{}", by_seed.len());
+    }
+
+    #[test]
+    fn top_k_one_is_greedy() {
+        for seed in 0..20 {
+            let logits = random_logits(5000, seed);
+            let greedy = draw(&logits, &params(0.0, 1.0, 0.0, 0, 0), 0, None);
+            for pos in 0..10 {
+                let p = params(1.5, 1.0, 0.0, 1, seed);
+                assert_eq!(draw(&logits, &p, pos, None), greedy);
+            }
+        }
+    }
+
+    #[test]
+    fn top_k_keeps_only_the_k_best() {
+        let logits: Vec<f32> = (0..100).map(|i| i as f32 * 0.01).collect(); // 99 is best
+        let p = params(5.0, 1.0, 0.0, 3, 11);
+        let mut seen = std::collections::HashSet::new();
+        for pos in 0..500 {
+            let t = draw(&logits, &p, pos, None);
+            assert!(t >= 97, "{t}");
+            seen.insert(t);
+        }
+        assert_eq!(seen.len(), 3);
+        // Ties at the boundary: lowest ids win.
+        let flat = vec![1.0f32; 10];
+        for pos in 0..200 {
+            assert!(draw(&flat, &params(1.0, 1.0, 0.0, 2, 3), pos, None) < 2);
+        }
+    }
+
+    #[test]
+    fn min_p_excludes_low_tokens() {
+        // probabilities ∝ exp(logit): token 0 weight 1, token 1 weight e^-1 ≈ 0.37,
+        // token 2 weight e^-3 ≈ 0.05, the rest e^-6 ≈ 0.0025.
+        let mut logits = vec![-6.0f32; 50];
+        logits[0] = 0.0;
+        logits[1] = -1.0;
+        logits[2] = -3.0;
+        let p = params(1.0, 1.0, 0.1, 0, 5);
+        let mut counts = [0u32; 3];
+        for pos in 0..4000 {
+            let t = draw(&logits, &p, pos, None);
+            assert!(t < 2, "min_p 0.1 let through token {t}");
+            counts[t as usize] += 1;
+        }
+        // Renormalised over {0, 1}: 1 / (1 + e^-1) ≈ 0.731.
+        let frac = counts[0] as f64 / 4000.0;
+        assert!((frac - 0.731).abs() < 0.03, "{frac}");
+        // Without min_p the tail is drawn now and then.
+        let free = params(1.0, 1.0, 0.0, 0, 5);
+        assert!((0..4000).any(|pos| draw(&logits, &free, pos, None) >= 2));
+    }
+
+    #[test]
+    fn top_p_excludes_low_tokens() {
+        // Probabilities 0.5, 0.3, 0.15, 0.05: top_p 0.75 keeps {0, 1} (0.5 + 0.3 >= 0.75).
+        let probs = [0.5f32, 0.3, 0.15, 0.05];
+        let logits: Vec<f32> = probs.iter().map(|p| p.ln()).collect();
+        let p = params(1.0, 0.75, 0.0, 0, 8);
+        let mut counts = [0u32; 4];
+        for pos in 0..4000 {
+            counts[draw(&logits, &p, pos, None) as usize] += 1;
+        }
+        assert_eq!(counts[2] + counts[3], 0, "{counts:?}");
+        let frac = counts[0] as f64 / 4000.0;
+        assert!((frac - 0.625).abs() < 0.03, "{frac}");
+        // top_p 0 keeps only the most likely token.
+        let p0 = params(1.0, 0.0, 0.0, 0, 8);
+        assert!((0..200).all(|pos| draw(&logits, &p0, pos, None) == 0));
+    }
+
+    #[test]
+    fn top_p_needing_the_tail_is_exact() {
+        // One strong token and a huge flat tail below the 1e-6 sort head: top_p 0.999 must reach
+        // into the tail, which is sorted only then.
+        let mut logits = vec![-15.0f32; 49_152];
+        logits[123] = 0.0;
+        let p = params(1.0, 0.999, 0.0, 0, 17);
+        let tail = (0..2000)
+            .filter(|&pos| draw(&logits, &p, pos, None) != 123)
+            .count();
+        // Mass of the tail: 49151 * e^-15 / (1 + 49151 * e^-15) ≈ 0.0149; top_p 0.999 keeps
+        // nearly all of it (the cut happens deep in the tail).
+        let frac = tail as f64 / 2000.0;
+        assert!(frac > 0.005 && frac < 0.03, "{frac}");
+    }
+
+    #[test]
+    fn distribution_matches_softmax() {
+        let logits = [0.0f32, 0.5, 1.0, -1.0, 2.0, 0.2];
+        let temp = 0.7f32;
+        let weights: Vec<f64> = logits.iter().map(|&l| ((l / temp) as f64).exp()).collect();
+        let z: f64 = weights.iter().sum();
+        let n = 20_000u64;
+        let p = params(temp, 1.0, 0.0, 0, 2024);
+        let mut counts = [0u64; 6];
+        for pos in 0..n {
+            counts[draw(&logits, &p, pos, None) as usize] += 1;
+        }
+        let chi2: f64 = counts
+            .iter()
+            .zip(&weights)
+            .map(|(&c, &w)| {
+                let e = n as f64 * w / z;
+                (c as f64 - e).powi(2) / e
+            })
+            .sum();
+        // 5 degrees of freedom: p = 0.001 at 20.5.
+        assert!(chi2 < 20.5, "chi2 {chi2}, counts {counts:?}");
+    }
+
+    #[test]
+    fn allowed_restricts_sampling() {
+        let logits = random_logits(1000, 3);
+        let even = |t: u32| t % 2 == 0;
+        let p = params(1.0, 0.95, 0.0, 40, 1);
+        for pos in 0..300 {
+            assert_eq!(draw(&logits, &p, pos, Some(&even)) % 2, 0);
+        }
+    }
+
+    #[test]
+    fn a_full_vocabulary_samples_fast() {
+        let logits = random_logits(49_152, 77);
+        let flat = vec![0.0f32; 49_152]; // the worst case: every token survives every filter
+        let cases = [
+            (&logits, params(0.8, 0.95, 0.05, 40, 1)),
+            (&logits, params(1.0, 0.9, 0.0, 0, 1)),
+            (&logits, params(1.0, 1.0, 0.0, 0, 1)),
+            (&flat, params(1.0, 0.9, 0.0, 0, 1)),
+            (&flat, params(1.0, 1.0, 0.0, 0, 1)),
+            (&logits, params(0.0, 1.0, 0.0, 0, 1)),
+        ];
+        for (row, p) in cases {
+            let rounds = 20u32;
+            let start = std::time::Instant::now();
+            for pos in 0..u64::from(rounds) {
+                std::hint::black_box(draw(row, &p, pos, None));
+            }
+            let per = start.elapsed() / rounds;
+            eprintln!("{p:?}: {per:?} per draw");
+            assert!(
+                per < std::time::Duration::from_millis(2),
+                "{p:?}: {per:?} per draw"
+            );
+        }
+    }
+}

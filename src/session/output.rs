@@ -1,0 +1,1039 @@
+//! A sans-IO streaming decoder of a model's generated output: token pieces in, channel-tagged
+//! text, parsed tool calls and tool-call parse failures out. No model, no I/O, no actix.
+//!
+//! Channels: [`TEXT`] (0) the answer, [`REASONING`] (1) the inside of the template's thinking
+//! block (`<think>`...`</think>`), [`TOOL_CALL`] (2) the inside of a tool-call block
+//! (`<tool_call>`...`</tool_call>`).
+//!
+//! Rules:
+//! - **Marker text is channel text.** The opening marker goes on the channel it opens, the closing
+//!   marker on the channel it closes (`<think>` and `</think>` on 1, `<tool_call>` and
+//!   `</tool_call>` on 2). So concatenating the text of every [`Segment::Text`], all channels, in
+//!   order, gives back exactly the generated text (for invalid UTF-8: its lossy decoding, each
+//!   invalid sequence a U+FFFD).
+//! - Text after a closing marker is on channel 0, whitespace included (`</think>\n\nHi`: `\n\nHi`
+//!   is channel-0 text).
+//! - Markers are recognised only where they mean something: `<think>` and `<tool_call>` on
+//!   channel 0, `</think>` on channel 1, `</tool_call>` on channel 2. A `<tool_call>` inside a
+//!   reasoning block is reasoning text.
+//! - Text that could be the start of a marker (a proper prefix of a marker recognised on the
+//!   current channel, at the end of what has been decoded) is held back until a later piece
+//!   settles it; [`OutputDecoder::finish`] flushes it as text. A UTF-8 character split across
+//!   pieces is held back until complete; `finish` flushes an incomplete tail lossily (U+FFFD).
+//! - **Tokens.** Every pushed token appears in the `tokens` of exactly one `Text` segment, in push
+//!   order: the segment holding its last byte (a token ending inside a UTF-8 character ends where
+//!   the character ends). So a token is attributed to the channel where it ends, and a marker's
+//!   tokens go with the marker's text: the opening marker's on the new channel, the closing one's
+//!   on the channel it closes. A `Text` segment can therefore have text and no tokens (e.g. the
+//!   token `"so</think>\n\nHi"` puts `so</think>` on channel 1 with no tokens and `\n\nHi` on
+//!   channel 0 with the token). A token with an empty piece, pushed while nothing is held back,
+//!   comes out as a `Text` segment with empty text on the current channel.
+//! - A closed tool-call block is followed, right after the `Text` segment holding its closing
+//!   marker, by a [`Segment::ToolCall`] or a [`Segment::ParseFailure`]. A tool-call block still
+//!   open at `finish` becomes a `ParseFailure`.
+
+use std::collections::VecDeque;
+
+use serde_json::Value as Json;
+
+/// Channel of the answer text.
+pub const TEXT: u8 = 0;
+/// Channel of the reasoning (inside the thinking block).
+pub const REASONING: u8 = 1;
+/// Channel of a tool call (inside the tool-call block).
+pub const TOOL_CALL: u8 = 2;
+
+/// The opening and closing marker of a thinking block in templates that have one.
+pub const THINK: (&str, &str) = ("<think>", "</think>");
+/// The opening and closing marker of a tool call (Hermes/Qwen style).
+pub const TOOL_CALL_MARKERS: (&str, &str) = ("<tool_call>", "</tool_call>");
+
+/// The markers the decoder recognises; `None` turns a kind of block off.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Markers {
+    /// Opening and closing marker of the thinking block (channel 1).
+    pub think: Option<(String, String)>,
+    /// Opening and closing marker of a tool call (channel 2).
+    pub tool_call: Option<(String, String)>,
+}
+
+impl Markers {
+    /// No markers: everything is channel-0 text.
+    pub fn none() -> Markers {
+        Markers::default()
+    }
+
+    /// Both `<think>`...`</think>` and `<tool_call>`...`</tool_call>` (Qwen3 style).
+    pub fn qwen() -> Markers {
+        Markers {
+            think: Some(owned(THINK)),
+            tool_call: Some(owned(TOOL_CALL_MARKERS)),
+        }
+    }
+
+    /// The markers a chat template implies: the thinking block if the template mentions
+    /// `<think>`; tool calls if it mentions `<tool_call>`, and also whenever it declares tools
+    /// (mentions `tools`), since the Hermes-style `<tool_call>` block is what we parse then.
+    pub fn from_template(template_source: &str) -> Markers {
+        let think = template_source.contains(THINK.0).then(|| owned(THINK));
+        let tool_call = (template_source.contains(TOOL_CALL_MARKERS.0)
+            || template_source.contains("tools"))
+        .then(|| owned(TOOL_CALL_MARKERS));
+        Markers { think, tool_call }
+    }
+}
+
+fn owned((open, close): (&str, &str)) -> (String, String) {
+    (open.to_owned(), close.to_owned())
+}
+
+/// One piece of decoded output.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Segment {
+    /// Text on a channel with the tokens attributed to it (see the module doc: every pushed token
+    /// is in exactly one `Text` segment; `tokens` may be empty, and `text` is empty only for a
+    /// segment carrying an empty-piece token). Marker text is included.
+    Text {
+        channel: u8,
+        text: String,
+        tokens: Vec<u32>,
+    },
+    /// A complete tool call `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
+    /// `arguments` is compact JSON (`{}` when absent or null); `"parameters"` is accepted for
+    /// `"arguments"`, and arguments given as a JSON string holding JSON are unwrapped.
+    ToolCall { name: String, arguments: String },
+    /// A tool-call block that did not parse: `text` is the whole block, markers included (as far
+    /// as it got, for a block cut off by the end of generation); `error` says why.
+    ParseFailure { text: String, error: String },
+}
+
+/// What a marker does when found.
+#[derive(Debug, Clone, Copy)]
+enum Action {
+    Open(u8),
+    Close,
+}
+
+/// Output of one scan, before tokens are attributed.
+enum Piece {
+    /// Text on a channel; `end` is the absolute offset (in the decoded text) just past it.
+    Text {
+        channel: u8,
+        text: String,
+        end: usize,
+        tokens: Vec<u32>,
+    },
+    Event(Segment),
+}
+
+/// Streaming decoder of generated output into [`Segment`]s. See the module doc for the rules.
+#[derive(Debug, Clone)]
+pub struct OutputDecoder {
+    markers: Markers,
+    channel: u8,
+    /// Bytes of an incomplete UTF-8 character at the end of the input.
+    raw: Vec<u8>,
+    /// Decoded text not yet emitted (a possible marker prefix).
+    buf: String,
+    /// Absolute offset of `buf`'s start in the decoded text (= length of all text emitted).
+    base: usize,
+    /// Length of all decoded text (= `base + buf.len()`).
+    decoded: usize,
+    /// Tokens not yet attributed, with the absolute offset where they end (`None` while their
+    /// last byte is part of an incomplete UTF-8 character).
+    pending: VecDeque<(u32, Option<usize>)>,
+    /// The current tool-call block's text so far, opening marker included.
+    tool_block: String,
+}
+
+impl OutputDecoder {
+    /// A decoder for one generation. With `start_in_reasoning`, output starts on channel 1 (the
+    /// generation prompt opened a thinking block, or a turn cut inside one is continued).
+    pub fn new(markers: Markers, start_in_reasoning: bool) -> Self {
+        OutputDecoder {
+            markers,
+            channel: if start_in_reasoning { REASONING } else { TEXT },
+            raw: Vec::new(),
+            buf: String::new(),
+            base: 0,
+            decoded: 0,
+            pending: VecDeque::new(),
+            tool_block: String::new(),
+        }
+    }
+
+    /// The channel the next text would go to (0 text, 1 reasoning, 2 tool call). Text held back
+    /// as a possible marker prefix is not accounted for: it goes here unless it completes a
+    /// marker.
+    pub fn channel(&self) -> u8 {
+        self.channel
+    }
+
+    /// The markers in use.
+    pub fn markers(&self) -> &Markers {
+        &self.markers
+    }
+
+    /// Feed one token's raw bytes (possibly part of a UTF-8 character or of a marker); returns the
+    /// segments that became certain.
+    pub fn push(&mut self, token: u32, piece: &[u8]) -> Vec<Segment> {
+        self.decode(piece);
+        let end = self.raw.is_empty().then_some(self.decoded);
+        self.pending.push_back((token, end));
+        self.run(false)
+    }
+
+    /// End of generation: flush everything held back (a marker prefix as text, an incomplete
+    /// UTF-8 character lossily) and turn an unclosed tool-call block into a `ParseFailure`. An
+    /// unclosed thinking block is simply ended; [`OutputDecoder::channel`] still says 1 after it.
+    pub fn finish(&mut self) -> Vec<Segment> {
+        if !self.raw.is_empty() {
+            let text = String::from_utf8_lossy(&self.raw).into_owned();
+            self.raw.clear();
+            self.buf.push_str(&text);
+            self.decoded += text.len();
+            for (_, e) in self.pending.iter_mut().filter(|(_, e)| e.is_none()) {
+                *e = Some(self.decoded);
+            }
+        }
+        let mut out = self.run(true);
+        if self.channel == TOOL_CALL {
+            out.push(Segment::ParseFailure {
+                text: std::mem::take(&mut self.tool_block),
+                error: "the tool call was not closed before the end of generation".to_owned(),
+            });
+        }
+        out
+    }
+
+    /// Decode `piece` (after any held incomplete character) into `buf`, resolving the end of
+    /// tokens that were waiting for their character to complete.
+    fn decode(&mut self, piece: &[u8]) {
+        let had_pending = !self.raw.is_empty();
+        self.raw.extend_from_slice(piece);
+        let mut text = String::new();
+        let mut at = 0;
+        loop {
+            match std::str::from_utf8(&self.raw[at..]) {
+                Ok(s) => {
+                    text.push_str(s);
+                    at = self.raw.len();
+                    break;
+                }
+                Err(e) => {
+                    let valid = e.valid_up_to();
+                    text.push_str(&String::from_utf8_lossy(&self.raw[at..at + valid]));
+                    match e.error_len() {
+                        Some(n) => {
+                            text.push(char::REPLACEMENT_CHARACTER);
+                            at += valid + n;
+                        }
+                        None => {
+                            at += valid;
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        self.raw.drain(..at);
+        if had_pending {
+            if let Some(c) = text.chars().next() {
+                // The held bytes completed (or were replaced) as the first character decoded:
+                // the tokens waiting on it end there.
+                let end = self.decoded + c.len_utf8();
+                for (_, e) in self.pending.iter_mut().filter(|(_, e)| e.is_none()) {
+                    *e = Some(end);
+                }
+            }
+        }
+        self.buf.push_str(&text);
+        self.decoded += text.len();
+    }
+
+    /// The markers recognised on the current channel.
+    fn active(&self) -> Vec<(&str, Action)> {
+        let mut v = Vec::new();
+        match self.channel {
+            TEXT => {
+                if let Some((open, _)) = &self.markers.think {
+                    v.push((open.as_str(), Action::Open(REASONING)));
+                }
+                if let Some((open, _)) = &self.markers.tool_call {
+                    v.push((open.as_str(), Action::Open(TOOL_CALL)));
+                }
+            }
+            REASONING => {
+                if let Some((_, close)) = &self.markers.think {
+                    v.push((close.as_str(), Action::Close));
+                }
+            }
+            _ => {
+                if let Some((_, close)) = &self.markers.tool_call {
+                    v.push((close.as_str(), Action::Close));
+                }
+            }
+        }
+        v.retain(|(m, _)| !m.is_empty());
+        v
+    }
+
+    /// Scan `buf` for markers, emit what is certain, attribute tokens.
+    fn run(&mut self, finishing: bool) -> Vec<Segment> {
+        let start = self.base;
+        let mut pieces: Vec<Piece> = Vec::new();
+        loop {
+            let found = {
+                let active = self.active();
+                let mut best: Option<(usize, usize, Action)> = None;
+                for (m, action) in &active {
+                    if let Some(pos) = self.buf.find(m) {
+                        let better = match best {
+                            None => true,
+                            Some((p, len, _)) => pos < p || (pos == p && m.len() > len),
+                        };
+                        if better {
+                            best = Some((pos, m.len(), *action));
+                        }
+                    }
+                }
+                match best {
+                    Some(b) => Ok(b),
+                    None if finishing => Err(0),
+                    None => Err(held_len(&self.buf, active.iter().map(|(m, _)| *m))),
+                }
+            };
+            match found {
+                Ok((pos, len, action)) => {
+                    let before = self.buf[..pos].to_owned();
+                    let marker = self.buf[pos..pos + len].to_owned();
+                    self.buf.drain(..pos + len);
+                    self.emit(&mut pieces, self.channel, &before);
+                    match action {
+                        Action::Open(ch) => {
+                            self.channel = ch;
+                            if ch == TOOL_CALL {
+                                self.tool_block.clear();
+                            }
+                            self.emit(&mut pieces, ch, &marker);
+                        }
+                        Action::Close => {
+                            let ch = self.channel;
+                            self.emit(&mut pieces, ch, &marker);
+                            if ch == TOOL_CALL {
+                                let block = std::mem::take(&mut self.tool_block);
+                                pieces.push(Piece::Event(self.parse_block(block)));
+                            }
+                            self.channel = TEXT;
+                        }
+                    }
+                }
+                Err(hold) => {
+                    let cut = self.buf.len() - hold;
+                    let text: String = self.buf.drain(..cut).collect();
+                    self.emit(&mut pieces, self.channel, &text);
+                    break;
+                }
+            }
+        }
+        self.attribute(&mut pieces, start);
+        pieces
+            .into_iter()
+            .filter_map(|p| match p {
+                Piece::Text {
+                    channel,
+                    text,
+                    tokens,
+                    ..
+                } if !(text.is_empty() && tokens.is_empty()) => Some(Segment::Text {
+                    channel,
+                    text,
+                    tokens,
+                }),
+                Piece::Text { .. } => None,
+                Piece::Event(s) => Some(s),
+            })
+            .collect()
+    }
+
+    /// Append `text` on `channel` to `pieces` (merging with a preceding text piece on the same
+    /// channel) and advance `base`.
+    fn emit(&mut self, pieces: &mut Vec<Piece>, channel: u8, text: &str) {
+        if text.is_empty() {
+            return;
+        }
+        self.base += text.len();
+        if channel == TOOL_CALL {
+            self.tool_block.push_str(text);
+        }
+        if let Some(Piece::Text {
+            channel: c,
+            text: t,
+            end,
+            ..
+        }) = pieces.last_mut()
+        {
+            if *c == channel {
+                t.push_str(text);
+                *end = self.base;
+                return;
+            }
+        }
+        pieces.push(Piece::Text {
+            channel,
+            text: text.to_owned(),
+            end: self.base,
+            tokens: Vec::new(),
+        });
+    }
+
+    /// Give each pending token whose last byte has been emitted to the text piece holding that
+    /// byte. `start` is where this call's text began.
+    fn attribute(&mut self, pieces: &mut Vec<Piece>, start: usize) {
+        while let Some(&(token, Some(end))) = self.pending.front() {
+            if end > self.base {
+                break;
+            }
+            self.pending.pop_front();
+            let holder = if end > start {
+                pieces.iter_mut().find_map(|p| match p {
+                    Piece::Text {
+                        text,
+                        end: e,
+                        tokens,
+                        ..
+                    } if *e - text.len() < end && end <= *e => Some(tokens),
+                    _ => None,
+                })
+            } else {
+                None
+            };
+            match holder {
+                Some(tokens) => tokens.push(token),
+                None => {
+                    // An empty piece with nothing held back: its own empty segment (or the one
+                    // made for the previous such token).
+                    match pieces.last_mut() {
+                        Some(Piece::Text {
+                            channel,
+                            text,
+                            tokens,
+                            ..
+                        }) if text.is_empty() && *channel == self.channel => tokens.push(token),
+                        _ => pieces.push(Piece::Text {
+                            channel: self.channel,
+                            text: String::new(),
+                            end: self.base,
+                            tokens: vec![token],
+                        }),
+                    }
+                }
+            }
+        }
+    }
+
+    /// Parse a closed tool-call block (markers included).
+    fn parse_block(&self, block: String) -> Segment {
+        let (open, close) = self
+            .markers
+            .tool_call
+            .as_ref()
+            .map(|(o, c)| (o.len(), c.len()))
+            .unwrap_or((0, 0));
+        let body = &block[open.min(block.len())..block.len().saturating_sub(close).max(open)];
+        match parse_tool_call(body) {
+            Ok((name, arguments)) => Segment::ToolCall { name, arguments },
+            Err(error) => Segment::ParseFailure { text: block, error },
+        }
+    }
+}
+
+/// The length of the longest suffix of `buf` that is a proper prefix of one of `markers`.
+fn held_len<'a>(buf: &str, markers: impl Iterator<Item = &'a str>) -> usize {
+    let b = buf.as_bytes();
+    let mut best = 0;
+    for m in markers {
+        let m = m.as_bytes();
+        let max = (m.len().saturating_sub(1)).min(b.len());
+        for n in (best + 1..=max).rev() {
+            // A marker's prefix starts at a character boundary, so the cut is one too.
+            if b.ends_with(&m[..n]) {
+                best = n;
+                break;
+            }
+        }
+    }
+    best
+}
+
+/// Parse a tool-call body `{"name": ..., "arguments": ...}` into the name and compact JSON
+/// arguments.
+pub fn parse_tool_call(body: &str) -> Result<(String, String), String> {
+    let value: Json =
+        serde_json::from_str(body.trim()).map_err(|e| format!("not valid JSON: {e}"))?;
+    let obj = value
+        .as_object()
+        .ok_or_else(|| "the tool call is not a JSON object".to_owned())?;
+    let name = match obj.get("name") {
+        Some(Json::String(n)) if !n.is_empty() => n.clone(),
+        Some(Json::String(_)) => return Err("the tool call's \"name\" is empty".to_owned()),
+        Some(_) => return Err("the tool call's \"name\" is not a string".to_owned()),
+        None => return Err("the tool call has no \"name\"".to_owned()),
+    };
+    let args = obj.get("arguments").or_else(|| obj.get("parameters"));
+    let args = match args {
+        None | Some(Json::Null) => Json::Object(Default::default()),
+        Some(Json::String(s)) => serde_json::from_str(s)
+            .map_err(|e| format!("the tool call's arguments are a string that is not JSON: {e}"))?,
+        Some(v) => v.clone(),
+    };
+    let arguments = serde_json::to_string(&args).map_err(|e| e.to_string())?;
+    Ok((name, arguments))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Push `pieces` as tokens 0, 1, 2, ... then finish; all segments.
+    fn run_with(markers: Markers, reasoning: bool, pieces: &[&[u8]]) -> Vec<Segment> {
+        let mut d = OutputDecoder::new(markers, reasoning);
+        let mut out = Vec::new();
+        for (i, p) in pieces.iter().enumerate() {
+            out.extend(d.push(i as u32, p));
+        }
+        out.extend(d.finish());
+        out
+    }
+
+    fn run(pieces: &[&str]) -> Vec<Segment> {
+        let pieces: Vec<&[u8]> = pieces.iter().map(|p| p.as_bytes()).collect();
+        run_with(Markers::qwen(), false, &pieces)
+    }
+
+    /// The text of each channel, concatenated.
+    fn channels(segs: &[Segment]) -> [String; 3] {
+        let mut out: [String; 3] = Default::default();
+        for s in segs {
+            if let Segment::Text { channel, text, .. } = s {
+                out[*channel as usize].push_str(text);
+            }
+        }
+        out
+    }
+
+    fn all_text(segs: &[Segment]) -> String {
+        segs.iter()
+            .filter_map(|s| match s {
+                Segment::Text { text, .. } => Some(text.as_str()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn all_tokens(segs: &[Segment]) -> Vec<u32> {
+        segs.iter()
+            .flat_map(|s| match s {
+                Segment::Text { tokens, .. } => tokens.clone(),
+                _ => Vec::new(),
+            })
+            .collect()
+    }
+
+    /// (channel, token) for every token.
+    fn token_channels(segs: &[Segment]) -> Vec<(u8, u32)> {
+        segs.iter()
+            .flat_map(|s| match s {
+                Segment::Text {
+                    channel, tokens, ..
+                } => tokens.iter().map(|&t| (*channel, t)).collect(),
+                _ => Vec::new(),
+            })
+            .collect()
+    }
+
+    fn events(segs: &[Segment]) -> Vec<Segment> {
+        segs.iter()
+            .filter(|s| !matches!(s, Segment::Text { .. }))
+            .cloned()
+            .collect()
+    }
+
+    /// The channel of every byte of the output.
+    fn byte_channels(segs: &[Segment]) -> Vec<u8> {
+        segs.iter()
+            .flat_map(|s| match s {
+                Segment::Text { channel, text, .. } => vec![*channel; text.len()],
+                _ => Vec::new(),
+            })
+            .collect()
+    }
+
+    /// Check the invariants: text reproduced, tokens 0..n each once in order.
+    fn check(segs: &[Segment], text: &str, n: usize) {
+        assert_eq!(all_text(segs), text);
+        assert_eq!(all_tokens(segs), (0..n as u32).collect::<Vec<_>>());
+    }
+
+    fn call(name: &str, arguments: &str) -> Segment {
+        Segment::ToolCall {
+            name: name.into(),
+            arguments: arguments.into(),
+        }
+    }
+
+    #[test]
+    fn plain_text() {
+        let segs = run(&["Hello", ",", " world", "!"]);
+        check(&segs, "Hello, world!", 4);
+        assert!(segs
+            .iter()
+            .all(|s| matches!(s, Segment::Text { channel: 0, .. })));
+        // No marker prefix: every push comes out at once.
+        let mut d = OutputDecoder::new(Markers::qwen(), false);
+        assert_eq!(
+            d.push(7, b"Hi"),
+            vec![Segment::Text {
+                channel: 0,
+                text: "Hi".into(),
+                tokens: vec![7]
+            }]
+        );
+        assert!(d.finish().is_empty());
+    }
+
+    #[test]
+    fn no_markers_everything_is_text() {
+        let text = "<think>a</think><tool_call>{}</tool_call>";
+        let segs = run_with(Markers::none(), false, &[text.as_bytes()]);
+        check(&segs, text, 1);
+        assert_eq!(channels(&segs)[0], text);
+    }
+
+    #[test]
+    fn think_then_answer() {
+        let segs = run(&[
+            "<think>", "\n", "Let me", " think.", "\n", "</think>", "\n\n", "Paris", ".",
+        ]);
+        check(&segs, "<think>\nLet me think.\n</think>\n\nParis.", 9);
+        let [t, r, c] = channels(&segs);
+        assert_eq!(r, "<think>\nLet me think.\n</think>");
+        assert_eq!(t, "\n\nParis.");
+        assert_eq!(c, "");
+        let tc = token_channels(&segs);
+        assert_eq!(
+            tc[0],
+            (1, 0),
+            "the opening marker's token is on the reasoning channel"
+        );
+        assert_eq!(
+            tc[5],
+            (1, 5),
+            "the closing marker's token is on the channel it closes"
+        );
+        assert_eq!(tc[6], (0, 6), "whitespace after </think> is on channel 0");
+    }
+
+    #[test]
+    fn one_token_across_a_marker() {
+        // "so</think>\n\nHi" in one token: the token ends on channel 0.
+        let segs = run(&["<think>", "so</think>\n\nHi"]);
+        check(&segs, "<think>so</think>\n\nHi", 2);
+        assert_eq!(
+            segs,
+            vec![
+                Segment::Text {
+                    channel: 1,
+                    text: "<think>".into(),
+                    tokens: vec![0]
+                },
+                Segment::Text {
+                    channel: 1,
+                    text: "so</think>".into(),
+                    tokens: vec![]
+                },
+                Segment::Text {
+                    channel: 0,
+                    text: "\n\nHi".into(),
+                    tokens: vec![1]
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn channel_reports_where_text_goes() {
+        let mut d = OutputDecoder::new(Markers::qwen(), false);
+        assert_eq!(d.channel(), 0);
+        d.push(0, b"<think>");
+        assert_eq!(d.channel(), 1);
+        d.push(1, b"hm</think>");
+        assert_eq!(d.channel(), 0);
+        d.push(2, b"<tool_call>");
+        assert_eq!(d.channel(), 2);
+        d.push(3, br#"{"name":"f"}</tool_call>"#);
+        assert_eq!(d.channel(), 0);
+    }
+
+    #[test]
+    fn tool_call_parsed() {
+        let text = "I'll check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"days\": 2}}\n</tool_call>";
+        let segs = run(&[
+            "I'll check.\n",
+            "<tool_call>",
+            "\n{\"name\": \"get_weather\", ",
+            "\"arguments\": {\"city\": \"Paris\", \"days\": 2}}\n",
+            "</tool_call>",
+        ]);
+        check(&segs, text, 5);
+        assert_eq!(
+            events(&segs),
+            vec![call("get_weather", r#"{"city":"Paris","days":2}"#)]
+        );
+        let [t, _, c] = channels(&segs);
+        assert_eq!(t, "I'll check.\n");
+        assert!(c.starts_with("<tool_call>") && c.ends_with("</tool_call>"));
+        // The ToolCall comes right after the text holding the closing marker.
+        let pos = segs
+            .iter()
+            .position(|s| matches!(s, Segment::ToolCall { .. }))
+            .unwrap();
+        assert!(
+            matches!(&segs[pos - 1], Segment::Text { channel: 2, text, .. } if text.ends_with("</tool_call>"))
+        );
+    }
+
+    #[test]
+    fn tool_call_argument_order_and_text_after() {
+        let text = r#"<tool_call>{"name":"f","arguments":{"z":1,"a":[1, 2]}}</tool_call>
+<tool_call>{"name":"g","arguments":{}}</tool_call> done"#;
+        let segs = run(&[text]);
+        check(&segs, text, 1);
+        assert_eq!(
+            events(&segs),
+            vec![call("f", r#"{"z":1,"a":[1,2]}"#), call("g", "{}")]
+        );
+        assert_eq!(channels(&segs)[0], "\n done");
+    }
+
+    #[test]
+    fn tool_call_with_parameters() {
+        let segs =
+            run(&[r#"<tool_call>{"name": "search", "parameters": {"q": "rust"}}</tool_call>"#]);
+        assert_eq!(events(&segs), vec![call("search", r#"{"q":"rust"}"#)]);
+    }
+
+    #[test]
+    fn tool_call_arguments_as_string_or_missing() {
+        let segs = run(&[r#"<tool_call>{"name": "f", "arguments": "{\"x\": 1}"}</tool_call>"#]);
+        assert_eq!(events(&segs), vec![call("f", r#"{"x":1}"#)]);
+        let segs = run(&[r#"<tool_call>{"name": "now"}</tool_call>"#]);
+        assert_eq!(events(&segs), vec![call("now", "{}")]);
+    }
+
+    #[test]
+    fn malformed_tool_calls_are_parse_failures() {
+        for body in [
+            r#"{"name": "f", "arguments": {"x": }"#,
+            r#"not json"#,
+            r#"{"arguments": {}}"#,
+            r#"{"name": 3}"#,
+            r#"["f"]"#,
+            r#"{"name": "f", "arguments": "not json"}"#,
+        ] {
+            let block = format!("<tool_call>{body}</tool_call>");
+            let text = format!("{block}after");
+            let segs = run(&[&text]);
+            check(&segs, &text, 1);
+            match &events(&segs)[..] {
+                [Segment::ParseFailure { text: t, error }] => {
+                    assert_eq!(t, &block);
+                    assert!(!error.is_empty());
+                }
+                other => panic!("{body}: {other:?}"),
+            }
+            assert_eq!(channels(&segs)[0], "after");
+        }
+    }
+
+    /// A text using every marker, with multibyte characters around them.
+    const FULL: &str = "<think>\nhmm é </think>\n\nOK 日本 <tool_call>\n{\"name\": \"f\", \"arguments\": {\"s\": \"😀\"}}\n</tool_call> bye";
+
+    fn expected_full() -> (Vec<u8>, Vec<Segment>) {
+        let segs = run(&[FULL]);
+        (byte_channels(&segs), events(&segs))
+    }
+
+    #[test]
+    fn full_text_in_one_piece() {
+        let segs = run(&[FULL]);
+        check(&segs, FULL, 1);
+        let [t, r, c] = channels(&segs);
+        assert_eq!(r, "<think>\nhmm é </think>");
+        assert_eq!(t, "\n\nOK 日本  bye");
+        assert_eq!(
+            c,
+            "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"s\": \"😀\"}}\n</tool_call>"
+        );
+        assert_eq!(events(&segs), vec![call("f", r#"{"s":"😀"}"#)]);
+    }
+
+    #[test]
+    fn every_marker_split_at_every_byte() {
+        let (want_channels, want_events) = expected_full();
+        for marker in ["<think>", "</think>", "<tool_call>", "</tool_call>"] {
+            let at = FULL.find(marker).unwrap();
+            for k in 1..marker.len() {
+                // Three tokens: up to the middle of the marker, the rest of it, the tail.
+                let cut = at + k;
+                let end = at + marker.len();
+                let pieces = [
+                    &FULL.as_bytes()[..cut],
+                    &FULL.as_bytes()[cut..end],
+                    &FULL.as_bytes()[end..],
+                ];
+                let segs = run_with(Markers::qwen(), false, &pieces);
+                check(&segs, FULL, 3);
+                assert_eq!(byte_channels(&segs), want_channels, "{marker} split at {k}");
+                assert_eq!(events(&segs), want_events, "{marker} split at {k}");
+                // The marker's token is on the marker's channel.
+                let want = if marker.contains("think") {
+                    REASONING
+                } else {
+                    TOOL_CALL
+                };
+                assert_eq!(token_channels(&segs)[1], (want, 1), "{marker} split at {k}");
+            }
+            // Also one byte per token through the whole marker.
+            let mut pieces: Vec<&[u8]> = vec![&FULL.as_bytes()[..at]];
+            pieces.extend((at..at + marker.len()).map(|i| &FULL.as_bytes()[i..i + 1]));
+            pieces.push(&FULL.as_bytes()[at + marker.len()..]);
+            let segs = run_with(Markers::qwen(), false, &pieces);
+            check(&segs, FULL, pieces.len());
+            assert_eq!(byte_channels(&segs), want_channels, "{marker} byte by byte");
+        }
+    }
+
+    #[test]
+    fn marker_prefix_is_held_back_until_settled() {
+        let mut d = OutputDecoder::new(Markers::qwen(), false);
+        assert_eq!(
+            d.push(0, b"a <thi"),
+            vec![Segment::Text {
+                channel: 0,
+                text: "a ".into(),
+                tokens: vec![]
+            }]
+        );
+        assert_eq!(
+            d.push(1, b"nk>b"),
+            vec![Segment::Text {
+                channel: 1,
+                text: "<think>b".into(),
+                tokens: vec![0, 1]
+            }]
+        );
+        // A settled non-marker comes out as text.
+        assert!(d
+            .push(2, b" </thi")
+            .iter()
+            .all(|s| !matches!(s, Segment::Text { text, .. } if text.contains('<'))));
+        assert_eq!(
+            d.push(3, b"s"),
+            vec![Segment::Text {
+                channel: 1,
+                text: "</this".into(),
+                tokens: vec![2, 3]
+            }]
+        );
+    }
+
+    #[test]
+    fn marker_like_text_stays_text() {
+        let segs = run(&[
+            "<thin",
+            "g>",
+            " and <tool",
+            "box> and </think> and <",
+            "/tool_call>",
+        ]);
+        let text = "<thing> and <toolbox> and </think> and </tool_call>";
+        check(&segs, text, 5);
+        assert_eq!(channels(&segs)[0], text);
+        assert!(events(&segs).is_empty());
+        // A prefix held at the end is flushed as text.
+        let segs = run(&["x <tool_ca"]);
+        check(&segs, "x <tool_ca", 1);
+        assert_eq!(channels(&segs)[0], "x <tool_ca");
+    }
+
+    #[test]
+    fn tool_call_inside_reasoning_is_reasoning() {
+        let text = "<think>maybe <tool_call>{\"name\":\"f\"}</tool_call>?</think>no";
+        let segs = run(&[text]);
+        check(&segs, text, 1);
+        assert!(events(&segs).is_empty());
+        assert_eq!(channels(&segs)[0], "no");
+    }
+
+    #[test]
+    fn utf8_split_at_every_byte() {
+        for s in ["é", "日本", "😀", "a😀b", "👩‍💻"] {
+            let text = format!("<think>{s}</think>{s}");
+            let bytes = text.as_bytes();
+            for cut in 1..bytes.len() {
+                let segs = run_with(Markers::qwen(), false, &[&bytes[..cut], &bytes[cut..]]);
+                check(&segs, &text, 2);
+                let [t, r, _] = channels(&segs);
+                assert_eq!(r, format!("<think>{s}</think>"), "{s} cut at {cut}");
+                assert_eq!(t, *s, "{s} cut at {cut}");
+            }
+            // One byte per token.
+            let pieces: Vec<&[u8]> = (0..bytes.len()).map(|i| &bytes[i..i + 1]).collect();
+            let segs = run_with(Markers::qwen(), false, &pieces);
+            check(&segs, &text, pieces.len());
+        }
+    }
+
+    #[test]
+    fn incomplete_char_is_held_then_attributed_where_it_ends() {
+        let mut d = OutputDecoder::new(Markers::qwen(), false);
+        assert!(d.push(0, &"日".as_bytes()[..1]).is_empty());
+        assert!(d.push(1, &"日".as_bytes()[1..2]).is_empty());
+        // The third byte completes the character, and a marker follows in the same token.
+        let mut piece = "日".as_bytes()[2..].to_vec();
+        piece.extend_from_slice(b"<think>x");
+        let segs = d.push(2, &piece);
+        assert_eq!(
+            segs,
+            vec![
+                Segment::Text {
+                    channel: 0,
+                    text: "日".into(),
+                    tokens: vec![0, 1]
+                },
+                Segment::Text {
+                    channel: 1,
+                    text: "<think>x".into(),
+                    tokens: vec![2]
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn invalid_utf8_is_flushed_lossily() {
+        // An incomplete character at the end.
+        let segs = run_with(Markers::qwen(), false, &[b"ok", &"😀".as_bytes()[..2]]);
+        check(&segs, "ok\u{FFFD}", 2);
+        // An invalid byte in the middle.
+        let segs = run_with(Markers::qwen(), false, &[b"a\xFFb", b"c"]);
+        check(&segs, "a\u{FFFD}bc", 2);
+        // A broken character followed by text in the next piece.
+        let segs = run_with(Markers::qwen(), false, &[b"\xE6", b"A"]);
+        check(&segs, "\u{FFFD}A", 2);
+    }
+
+    #[test]
+    fn empty_pieces_still_get_a_segment() {
+        let segs = run(&["a", "", "b", ""]);
+        check(&segs, "ab", 4);
+        // Empty piece while a prefix is held: attributed with the held text.
+        let segs = run(&["<thi", "", "nk>x"]);
+        check(&segs, "<think>x", 3);
+        assert_eq!(token_channels(&segs), vec![(1, 0), (1, 1), (1, 2)]);
+    }
+
+    #[test]
+    fn start_in_reasoning() {
+        let segs = run_with(
+            Markers::qwen(),
+            true,
+            &[b"still thinking", b"</think>", b"\nAnswer"],
+        );
+        check(&segs, "still thinking</think>\nAnswer", 3);
+        let [t, r, _] = channels(&segs);
+        assert_eq!(r, "still thinking</think>");
+        assert_eq!(t, "\nAnswer");
+    }
+
+    #[test]
+    fn finish_with_unclosed_think() {
+        let mut d = OutputDecoder::new(Markers::qwen(), false);
+        let mut segs = d.push(0, b"<think>cut here </thi");
+        segs.extend(d.finish());
+        check(&segs, "<think>cut here </thi", 1);
+        assert_eq!(channels(&segs)[1], "<think>cut here </thi");
+        assert!(events(&segs).is_empty());
+        assert_eq!(d.channel(), 1, "a continuation starts in reasoning");
+    }
+
+    #[test]
+    fn finish_with_unclosed_tool_call() {
+        let text = "sure <tool_call>{\"name\": \"f\", \"argu";
+        let segs = run(&["sure ", "<tool_call>", "{\"name\": \"f\", \"argu"]);
+        check(&segs, text, 3);
+        match &events(&segs)[..] {
+            [Segment::ParseFailure { text, error }] => {
+                assert_eq!(text, "<tool_call>{\"name\": \"f\", \"argu");
+                assert!(error.contains("not closed"));
+            }
+            other => panic!("{other:?}"),
+        }
+        // Even a complete body is a failure without its closing marker.
+        let segs = run(&["<tool_call>{\"name\": \"f\"}</tool_"]);
+        assert!(matches!(&events(&segs)[..], [Segment::ParseFailure { .. }]));
+    }
+
+    #[test]
+    fn markers_from_template() {
+        assert_eq!(Markers::from_template("{{ messages }}"), Markers::none());
+        let m = Markers::from_template("{{ '<think>\\n' }}");
+        assert_eq!(m.think, Some(("<think>".into(), "</think>".into())));
+        assert_eq!(m.tool_call, None);
+        let m = Markers::from_template("{% if tools %}{% endif %}");
+        assert_eq!(m.think, None);
+        assert_eq!(
+            m.tool_call,
+            Some(("<tool_call>".into(), "</tool_call>".into()))
+        );
+        assert_eq!(
+            Markers::from_template("<tool_call><think>"),
+            Markers::qwen()
+        );
+    }
+
+    #[test]
+    fn parse_tool_call_direct() {
+        assert_eq!(
+            parse_tool_call(" {\"name\": \"a\", \"arguments\": {\"k\": [1, {\"x\": null}]}} "),
+            Ok(("a".into(), r#"{"k":[1,{"x":null}]}"#.into()))
+        );
+        assert!(parse_tool_call("{\"name\": \"\"}").is_err());
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(200))]
+        #[test]
+        fn prop_random_splits(cuts in proptest::collection::btree_set(1usize..FULL.len(), 0..30), reasoning in proptest::prelude::any::<bool>()) {
+            let bytes = FULL.as_bytes();
+            let mut bounds = vec![0];
+            bounds.extend(cuts.iter().copied());
+            bounds.push(bytes.len());
+            let pieces: Vec<&[u8]> = bounds.windows(2).map(|w| &bytes[w[0]..w[1]]).collect();
+            let whole = run_with(Markers::qwen(), reasoning, &[bytes]);
+            let segs = run_with(Markers::qwen(), reasoning, &pieces);
+            proptest::prop_assert_eq!(all_text(&segs), FULL);
+            proptest::prop_assert_eq!(all_tokens(&segs), (0..pieces.len() as u32).collect::<Vec<_>>());
+            proptest::prop_assert_eq!(byte_channels(&segs), byte_channels(&whole));
+            proptest::prop_assert_eq!(events(&segs), events(&whole));
+            // Each token is on the channel of its last byte.
+            let chans = byte_channels(&whole);
+            let want: Vec<(u8, u32)> = bounds[1..].iter().enumerate().map(|(i, &end)| (chans[end - 1], i as u32)).collect();
+            let got = token_channels(&segs);
+            // A token ending inside a multibyte character ends where the character ends, on the
+            // same channel as its last byte, so the channels agree.
+            proptest::prop_assert_eq!(got, want);
+        }
+    }
+}

@@ -1,0 +1,227 @@
+//! `TurnOutput`: turns the tokens a generation draws into the records the
+//! session commits: `Generated` chunks (one channel each), `ToolUse` and
+//! `ToolParseFailure`. Plain data; the session actor commits what it returns,
+//! in order.
+//!
+//! A chunk is cut when it holds `COMMIT_EVERY_TOKENS` tokens, when
+//! `COMMIT_INTERVAL_MS` passed since its first token, when the channel
+//! changes, before a tool call's event, and at the end (the last chunk
+//! carries the finish code). Tokens not yet cut are the provisional text.
+
+use super::output::{Markers, OutputDecoder, Segment};
+use crate::wire::{finish, Record, Token};
+
+/// A chunk is committed once it holds this many tokens...
+pub const COMMIT_EVERY_TOKENS: usize = 16;
+/// ...or once its first token is this old.
+pub const COMMIT_INTERVAL_MS: u64 = 100;
+
+#[derive(Debug, Default)]
+struct Chunk {
+    channel: u8,
+    text: String,
+    span: Vec<Token>,
+    first_ms: u64,
+}
+
+/// The output side of one generation.
+#[derive(Debug)]
+pub struct TurnOutput {
+    decoder: OutputDecoder,
+    chunk: Option<Chunk>,
+    tokens: u64,
+}
+
+impl TurnOutput {
+    pub fn new(markers: Markers, in_reasoning: bool) -> TurnOutput {
+        TurnOutput {
+            decoder: OutputDecoder::new(markers, in_reasoning),
+            chunk: None,
+            tokens: 0,
+        }
+    }
+
+    /// Tokens taken so far.
+    pub fn tokens_generated(&self) -> u64 {
+        self.tokens
+    }
+
+    /// The text drawn but not yet cut into a record: `(channel, text)`.
+    pub fn provisional(&self) -> Option<(u8, &str)> {
+        self.chunk.as_ref().map(|c| (c.channel, c.text.as_str()))
+    }
+
+    fn cut(&mut self, out: &mut Vec<Record>, finish: u8) {
+        if let Some(c) = self.chunk.take() {
+            out.push(Record::Generated {
+                span: c.span,
+                text: c.text,
+                channel: c.channel,
+                finish,
+            });
+        }
+    }
+
+    fn take_segments(&mut self, segments: Vec<Segment>, now_ms: u64, out: &mut Vec<Record>) {
+        for seg in segments {
+            match seg {
+                Segment::Text {
+                    channel,
+                    text,
+                    tokens,
+                } => {
+                    if self.chunk.as_ref().is_some_and(|c| c.channel != channel) {
+                        self.cut(out, finish::OPEN);
+                    }
+                    let c = self.chunk.get_or_insert_with(|| Chunk {
+                        channel,
+                        first_ms: now_ms,
+                        ..Chunk::default()
+                    });
+                    c.text.push_str(&text);
+                    c.span.extend_from_slice(&tokens);
+                }
+                Segment::ToolCall { name, arguments } => {
+                    self.cut(out, finish::OPEN);
+                    out.push(Record::ToolUse { name, arguments });
+                }
+                Segment::ParseFailure { text, error } => {
+                    self.cut(out, finish::OPEN);
+                    out.push(Record::ToolParseFailure { text, error });
+                }
+            }
+        }
+    }
+
+    /// Takes one drawn token; returns the records now ready to commit.
+    pub fn push(&mut self, token: Token, piece: &[u8], eog: bool, now_ms: u64) -> Vec<Record> {
+        self.tokens += 1;
+        let mut out = Vec::new();
+        if eog {
+            // The end-of-turn token goes on the input, not into the text.
+            let channel = self.decoder.channel();
+            let c = self.chunk.get_or_insert_with(|| Chunk {
+                channel,
+                first_ms: now_ms,
+                ..Chunk::default()
+            });
+            c.span.push(token);
+            return out;
+        }
+        let segments = self.decoder.push(token, piece);
+        self.take_segments(segments, now_ms, &mut out);
+        if let Some(c) = &self.chunk {
+            if c.span.len() >= COMMIT_EVERY_TOKENS
+                || now_ms.saturating_sub(c.first_ms) >= COMMIT_INTERVAL_MS
+            {
+                self.cut(&mut out, finish::OPEN);
+            }
+        }
+        out
+    }
+
+    /// The generation ended: everything held back, the last chunk carrying
+    /// `finish` (an empty chunk if nothing was left, so the log records how
+    /// the turn ended).
+    pub fn finish(&mut self, finish_code: u8, now_ms: u64) -> Vec<Record> {
+        let mut out = Vec::new();
+        let segments = self.decoder.finish();
+        self.take_segments(segments, now_ms, &mut out);
+        if self.chunk.is_none() {
+            self.chunk = Some(Chunk {
+                channel: self.decoder.channel(),
+                first_ms: now_ms,
+                ..Chunk::default()
+            });
+        }
+        self.cut(&mut out, finish_code);
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn texts(records: &[Record]) -> String {
+        records
+            .iter()
+            .map(|r| match r {
+                Record::Generated { text, .. } => text.clone(),
+                _ => String::new(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn chunks_by_size_and_keeps_every_token() {
+        let mut t = TurnOutput::new(Markers::none(), false);
+        let mut records = Vec::new();
+        for i in 0..40u32 {
+            records.extend(t.push(i, b"x", false, 0));
+        }
+        assert_eq!(records.len(), 2, "16 + 16 cut, 8 held back");
+        assert_eq!(t.provisional(), Some((0, "xxxxxxxx")));
+        records.extend(t.push(99, b"", true, 0));
+        records.extend(t.finish(finish::END_OF_TURN, 0));
+        let spans: Vec<Token> = records.iter().flat_map(|r| r.span().to_vec()).collect();
+        assert_eq!(spans.len(), 41);
+        assert_eq!(
+            *spans.last().unwrap(),
+            99,
+            "the end-of-turn token is on the input"
+        );
+        assert_eq!(texts(&records), "x".repeat(40));
+        assert!(matches!(
+            records.last(),
+            Some(Record::Generated { finish: 1, .. })
+        ));
+        assert_eq!(t.tokens_generated(), 41);
+    }
+
+    #[test]
+    fn chunks_by_time() {
+        let mut t = TurnOutput::new(Markers::none(), false);
+        assert!(t.push(1, b"a", false, 0).is_empty());
+        assert_eq!(t.push(2, b"b", false, COMMIT_INTERVAL_MS).len(), 1);
+    }
+
+    #[test]
+    fn channels_and_tool_calls_cut_chunks() {
+        let mut t = TurnOutput::new(Markers::qwen(), false);
+        let mut records = Vec::new();
+        let text = "<think>hm</think>ok<tool_call>{\"name\": \"f\", \"arguments\": {\"a\": 1}}</tool_call>";
+        for (i, ch) in text.chars().enumerate() {
+            records.extend(t.push(i as u32, ch.to_string().as_bytes(), false, 0));
+        }
+        records.extend(t.finish(finish::END_OF_TURN, 0));
+        let channels: Vec<u8> = records
+            .iter()
+            .filter_map(|r| match r {
+                Record::Generated { channel, .. } => Some(*channel),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(&channels[..3], &[1, 0, 2]);
+        assert!(records.contains(&Record::ToolUse {
+            name: "f".into(),
+            arguments: "{\"a\":1}".into()
+        }));
+        assert_eq!(texts(&records), text);
+    }
+
+    #[test]
+    fn finish_without_pending_text_still_records_the_finish() {
+        let mut t = TurnOutput::new(Markers::none(), false);
+        let r = t.finish(finish::CANCELLED, 0);
+        assert_eq!(
+            r,
+            vec![Record::Generated {
+                span: vec![],
+                text: String::new(),
+                channel: 0,
+                finish: 4
+            }]
+        );
+    }
+}

@@ -1,0 +1,376 @@
+//! Bad requests, one test each: each gets a clear `Err`, leaves wal.log's
+//! bytes as they were, and the daemon keeps serving, on the same connection
+//! where the protocol allows and on a new one.
+
+use superfluid::frontend::socket::Client;
+use superfluid::wire::{role, to_postcard, Edit, PurgeMode, Request, Response, SessionId};
+
+use crate::util::{commit, expect_err, Raw, TestDaemon};
+
+/// A daemon with one session of 3 events: Created, a user and an assistant message.
+fn fixture() -> (TestDaemon, Client, SessionId) {
+    let d = TestDaemon::start();
+    let mut c = d.client();
+    let s = d.create(&mut c);
+    for (r, t) in [(role::USER, "hello"), (role::ASSISTANT, "hi")] {
+        commit(
+            &mut c,
+            Request::AppendMessage {
+                session: s,
+                role: r,
+                text: t.into(),
+            },
+        );
+    }
+    (d, c, s)
+}
+
+fn assert_serves(d: &TestDaemon, c: Option<&mut Client>, s: SessionId) {
+    if let Some(c) = c {
+        assert!(matches!(
+            c.call(&Request::List).unwrap(),
+            Response::Sessions { .. }
+        ));
+    }
+    match d.call(&Request::List) {
+        Response::Sessions { ids } => assert!(ids.contains(&s)),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// Sends each request, expects an Err containing `keyword`, and checks the
+/// daemon serves on and wrote nothing.
+fn refused(reqs: &[Request], keyword: &str) {
+    let (d, mut c, s) = fixture();
+    let wal = d.wal_bytes();
+    for req in reqs {
+        let message = expect_err(&mut c, req);
+        assert!(
+            message.contains(keyword),
+            "{req:?}: {message:?} does not mention {keyword:?}"
+        );
+        assert_serves(&d, Some(&mut c), s);
+    }
+    assert_eq!(d.wal_bytes(), wal, "a refused request changed wal.log");
+    assert_eq!(d.read_all(s).len(), 3);
+}
+
+#[test]
+fn unknown_session() {
+    refused(
+        &[
+            Request::Read {
+                session: 99,
+                cursor: 0,
+            },
+            Request::AppendMessage {
+                session: 99,
+                role: role::USER,
+                text: "x".into(),
+            },
+            Request::Fork {
+                session: 99,
+                at_event: 1,
+                params: None,
+            },
+        ],
+        "unknown session 99",
+    );
+}
+
+#[test]
+fn cursor_past_the_end() {
+    refused(
+        &[Request::Read {
+            session: 1,
+            cursor: 4,
+        }],
+        "past the end",
+    );
+    // The end itself is a valid cursor.
+    let (d, _c, s) = fixture();
+    assert_eq!(
+        d.call(&Request::Read {
+            session: s,
+            cursor: 3
+        }),
+        Response::Events { events: vec![] }
+    );
+}
+
+#[test]
+fn fork_at_event_out_of_range() {
+    refused(
+        &[
+            Request::Fork {
+                session: 1,
+                at_event: 0,
+                params: None,
+            },
+            Request::Fork {
+                session: 1,
+                at_event: 4,
+                params: None,
+            },
+            Request::Trim {
+                session: 1,
+                to_event: 0,
+            },
+            Request::Trim {
+                session: 1,
+                to_event: 4,
+            },
+        ],
+        "out of range",
+    );
+}
+
+fn rebase(edits: Vec<Edit>) -> Request {
+    Request::Rebase {
+        session: 1,
+        edits,
+        params: None,
+    }
+}
+
+#[test]
+fn rebase_edits_overlapping() {
+    refused(
+        &[rebase(vec![
+            Edit::Drop { from: 1, to: 3 },
+            Edit::Drop { from: 2, to: 3 },
+        ])],
+        "overlap",
+    );
+}
+
+#[test]
+fn rebase_edits_unsorted() {
+    refused(
+        &[rebase(vec![
+            Edit::Drop { from: 2, to: 3 },
+            Edit::Drop { from: 1, to: 2 },
+        ])],
+        "sorted",
+    );
+}
+
+#[test]
+fn rebase_edit_including_event_0() {
+    refused(&[rebase(vec![Edit::Drop { from: 0, to: 1 }])], "event 0");
+}
+
+#[test]
+fn rebase_edit_empty_range() {
+    refused(
+        &[
+            rebase(vec![Edit::Drop { from: 2, to: 2 }]),
+            rebase(vec![Edit::Replace {
+                from: 2,
+                to: 1,
+                role: role::USER,
+                text: "x".into(),
+            }]),
+        ],
+        "empty",
+    );
+}
+
+#[test]
+fn rebase_edit_past_end() {
+    refused(
+        &[rebase(vec![Edit::Drop { from: 2, to: 4 }])],
+        "past the end",
+    );
+}
+
+#[test]
+fn rebase_without_edits() {
+    refused(&[rebase(vec![])], "at least one edit");
+}
+
+#[test]
+fn wrong_expected_version() {
+    refused(
+        &[Request::SetMeta {
+            session: 1,
+            expected_version: 5,
+            title: Some("t".into()),
+            archived: None,
+        }],
+        "version mismatch",
+    );
+}
+
+#[test]
+fn wrong_expected_generation() {
+    refused(
+        &[
+            Request::Purge {
+                session: 1,
+                expected_generation: 99,
+                mode: PurgeMode::Cascade,
+            },
+            Request::Purge {
+                session: 1,
+                expected_generation: 0,
+                mode: PurgeMode::Reroot,
+            },
+        ],
+        "generation mismatch",
+    );
+}
+
+#[test]
+fn append_system_after_input() {
+    refused(
+        &[Request::AppendSystem {
+            session: 1,
+            text: Some("late".into()),
+            tools: vec![],
+        }],
+        "already has input",
+    );
+    // A fork inherits its parent's input, so it is refused there too.
+    let (d, mut c, s) = fixture();
+    let f = crate::util::created(
+        &mut c,
+        Request::Fork {
+            session: s,
+            at_event: 2,
+            params: None,
+        },
+    );
+    let wal = d.wal_bytes();
+    let m = expect_err(
+        &mut c,
+        &Request::AppendSystem {
+            session: f,
+            text: None,
+            tools: vec![],
+        },
+    );
+    assert!(m.contains("already has input"), "{m}");
+    assert_eq!(d.wal_bytes(), wal);
+}
+
+#[test]
+fn append_message_unknown_role() {
+    refused(
+        &[Request::AppendMessage {
+            session: 1,
+            role: 7,
+            text: "who?".into(),
+        }],
+        "unknown role 7",
+    );
+}
+
+#[test]
+fn generate_has_no_model_lane_yet() {
+    refused(
+        &[Request::Generate {
+            session: 1,
+            max_tokens: 8,
+        }],
+        "Generate",
+    );
+}
+
+#[test]
+fn oversized_frame_closes_the_connection() {
+    let (d, _c, s) = fixture();
+    let wal = d.wal_bytes();
+    let mut raw = Raw::connect(&d.socket);
+    raw.send_bytes(&((64u32 << 20) + 1).to_le_bytes());
+    match raw.recv() {
+        Some(Response::Err { message }) => assert!(message.contains("cap"), "{message}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        raw.closed(),
+        "the connection stays open after a bogus length"
+    );
+    assert_serves(&d, None, s);
+    assert_eq!(d.wal_bytes(), wal);
+}
+
+#[test]
+fn garbage_frame_body() {
+    let (d, _c, s) = fixture();
+    let wal = d.wal_bytes();
+    let mut raw = Raw::connect(&d.socket);
+    // Deterministic noise (an LCG), led by a variant index past every Request.
+    let mut x: u32 = 0x1234_5678;
+    let mut body = vec![0xC8, 0x01];
+    body.extend((0..200).map(|_| {
+        x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+        (x >> 24) as u8
+    }));
+    raw.send_frame(&body);
+    assert!(matches!(raw.recv(), Some(Response::Err { .. })));
+    // Pure noise too (whatever it decodes as, it is answered, not fatal).
+    let noise: Vec<u8> = body[2..].to_vec();
+    raw.send_frame(&noise);
+    assert!(raw.recv().is_some());
+    raw.send_request(&Request::List);
+    assert!(
+        matches!(raw.recv(), Some(Response::Sessions { .. })),
+        "the connection broke"
+    );
+    assert_serves(&d, None, s);
+    assert_eq!(d.wal_bytes(), wal);
+}
+
+#[test]
+fn invalid_utf8_text() {
+    let (d, _c, s) = fixture();
+    let wal = d.wal_bytes();
+    let mut bytes = to_postcard(&Request::AppendMessage {
+        session: s,
+        role: role::USER,
+        text: "zz".into(),
+    })
+    .unwrap();
+    // The text is the last field: its two bytes end the encoding.
+    let n = bytes.len();
+    assert_eq!(&bytes[n - 3..], &[2, b'z', b'z']);
+    bytes[n - 2] = 0xFF;
+    bytes[n - 1] = 0xFE;
+    let mut raw = Raw::connect(&d.socket);
+    raw.send_frame(&bytes);
+    match raw.recv() {
+        Some(Response::Err { message }) => assert!(message.contains("decode"), "{message}"),
+        other => panic!("{other:?}"),
+    }
+    raw.send_request(&Request::List);
+    assert!(matches!(raw.recv(), Some(Response::Sessions { .. })));
+    assert_serves(&d, None, s);
+    assert_eq!(d.wal_bytes(), wal);
+    assert_eq!(d.read_all(s).len(), 3);
+}
+
+#[test]
+fn frame_cut_off_mid_body() {
+    let (d, _c, s) = fixture();
+    let wal = d.wal_bytes();
+    let full = to_postcard(&Request::AppendMessage {
+        session: s,
+        role: role::USER,
+        text: "never sent whole".into(),
+    })
+    .unwrap();
+    {
+        let mut raw = Raw::connect(&d.socket);
+        raw.send_bytes(&(full.len() as u32).to_le_bytes());
+        raw.send_bytes(&full[..full.len() / 2]);
+        // Dropping closes the connection mid-frame.
+    }
+    {
+        let mut raw = Raw::connect(&d.socket);
+        raw.send_bytes(&[5, 0]); // inside the length prefix
+    }
+    assert_serves(&d, None, s);
+    assert_eq!(d.wal_bytes(), wal);
+    assert_eq!(d.read_all(s).len(), 3);
+}

@@ -1,0 +1,699 @@
+//! The daemon as a process: durability across clean stops and SIGKILL, torn
+//! tails, corruption, one daemon per directory and socket, the socket's
+//! mode, and the `session inspect` CLI.
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::PermissionsExt;
+use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use superfluid::wire::{
+    from_postcard, role, Edit, Event, LogRecord, PurgeMode, Record, Request, Response, SessionId,
+};
+
+use crate::util::{bin, commit, created, params, wal_records, TestDaemon};
+
+const WEATHER_TOOL: &str = r#"{"type":"function","function":{"name":"get_weather","description":"Current weather","parameters":{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}}}"#;
+
+/// Everything a client can read back: Read(0) and Inspect of every session
+/// id handed out (purged ones answer Err, which is compared too), Tree, List
+/// and Sessions{include_archived: true}.
+fn snapshot(d: &TestDaemon, max_id: SessionId) -> Vec<(Request, Response)> {
+    let mut c = d.client();
+    let mut reqs = vec![
+        Request::Tree,
+        Request::List,
+        Request::Sessions {
+            include_archived: true,
+        },
+        Request::Sessions {
+            include_archived: false,
+        },
+    ];
+    for s in 1..=max_id + 1 {
+        reqs.push(Request::Read {
+            session: s,
+            cursor: 0,
+        });
+        reqs.push(Request::Inspect { session: s });
+    }
+    reqs.into_iter()
+        .map(|r| {
+            let resp = c.call(&r).unwrap();
+            (r, resp)
+        })
+        .collect()
+}
+
+fn assert_same(before: &[(Request, Response)], after: &[(Request, Response)], when: &str) {
+    assert_eq!(before.len(), after.len());
+    for ((req, a), (_, b)) in before.iter().zip(after) {
+        assert_eq!(a, b, "{req:?} differs {when}");
+    }
+}
+
+fn len_of(d: &TestDaemon, s: SessionId) -> u64 {
+    d.read_all(s).len() as u64
+}
+
+fn generation(d: &TestDaemon, s: SessionId) -> u64 {
+    match d.call(&Request::Inspect { session: s }) {
+        Response::Inspection { inspection } => inspection.generation,
+        other => panic!("Inspect {s}: {other:?}"),
+    }
+}
+
+fn msg(s: SessionId, r: u8, text: &str) -> Request {
+    Request::AppendMessage {
+        session: s,
+        role: r,
+        text: text.into(),
+    }
+}
+
+fn assert_ids_count_up(events: &[Event], s: SessionId) {
+    for (i, e) in events.iter().enumerate() {
+        assert_eq!(
+            e.event_id, i as u64,
+            "session {s}: event {i} has id {}",
+            e.event_id
+        );
+    }
+}
+
+/// Builds a tree touching every kind of record the daemon writes today.
+/// Returns the largest session id handed out.
+fn build_tree(d: &TestDaemon) -> SessionId {
+    let mut c = d.client();
+    let s1 = d.create(&mut c);
+    commit(
+        &mut c,
+        Request::AppendSystem {
+            session: s1,
+            text: Some("You answer with tools.".into()),
+            tools: vec![WEATHER_TOOL.into()],
+        },
+    );
+    commit(&mut c, msg(s1, role::USER, "Is it raining in Paris?"));
+    commit(&mut c, msg(s1, role::ASSISTANT, "Let me check."));
+    commit(&mut c, msg(s1, role::USER, "And in Lyon?"));
+    commit(
+        &mut c,
+        Request::Append {
+            session: s1,
+            text: Some("raw text\n".into()),
+            span: vec![],
+        },
+    );
+    let raw = commit(
+        &mut c,
+        Request::Append {
+            session: s1,
+            text: None,
+            span: vec![1, 2, 3, 500],
+        },
+    );
+    assert_eq!(raw.body.span(), &[1, 2, 3, 500]);
+    commit(
+        &mut c,
+        Request::SetQos {
+            session: s1,
+            class: 2,
+            batch_invariant: true,
+        },
+    );
+    let n1 = len_of(d, s1);
+    assert_eq!(n1, 8);
+
+    // Fork at the end: keeps everything.
+    let f_end = created(
+        &mut c,
+        Request::Fork {
+            session: s1,
+            at_event: n1,
+            params: None,
+        },
+    );
+    commit(&mut c, msg(f_end, role::USER, "forked at the end"));
+    // Fork in the middle, with its own params.
+    let f_mid = created(
+        &mut c,
+        Request::Fork {
+            session: s1,
+            at_event: 3,
+            params: Some(params(7)),
+        },
+    );
+    commit(&mut c, msg(f_mid, role::ASSISTANT, "a different answer"));
+    // Rebase: drop event 2, replace event 4 with a new user message.
+    let rb = created(
+        &mut c,
+        Request::Rebase {
+            session: s1,
+            edits: vec![
+                Edit::Drop { from: 2, to: 3 },
+                Edit::Replace {
+                    from: 4,
+                    to: 5,
+                    role: role::USER,
+                    text: "And in Nice?".into(),
+                },
+            ],
+            params: None,
+        },
+    );
+    commit(&mut c, msg(rb, role::ASSISTANT, "Sunny."));
+    let tr = created(
+        &mut c,
+        Request::Trim {
+            session: s1,
+            to_event: 5,
+        },
+    );
+    // A session created under s1 (tree only).
+    let under = created(
+        &mut c,
+        Request::Create {
+            parent: Some(s1),
+            params: params(3),
+        },
+    );
+    commit(&mut c, msg(under, role::USER, "child"));
+    // Meta.
+    match c
+        .call(&Request::SetMeta {
+            session: s1,
+            expected_version: 0,
+            title: Some("weather".into()),
+            archived: None,
+        })
+        .unwrap()
+    {
+        Response::Meta { version } => assert_eq!(version, 1),
+        other => panic!("{other:?}"),
+    }
+    match c
+        .call(&Request::SetMeta {
+            session: f_end,
+            expected_version: 0,
+            title: None,
+            archived: Some(true),
+        })
+        .unwrap()
+    {
+        Response::Meta { version } => assert_eq!(version, 1),
+        other => panic!("{other:?}"),
+    }
+    // Purge with Cascade: s2 and its fork chain go.
+    let s2 = d.create(&mut c);
+    commit(&mut c, msg(s2, role::USER, "to be purged"));
+    let s2a = created(
+        &mut c,
+        Request::Fork {
+            session: s2,
+            at_event: 2,
+            params: None,
+        },
+    );
+    let s2b = created(
+        &mut c,
+        Request::Fork {
+            session: s2a,
+            at_event: 3,
+            params: None,
+        },
+    );
+    match c
+        .call(&Request::Purge {
+            session: s2,
+            expected_generation: generation(d, s2),
+            mode: PurgeMode::Cascade,
+        })
+        .unwrap()
+    {
+        Response::Purged { mut sessions } => {
+            sessions.sort();
+            assert_eq!(sessions, vec![s2, s2a, s2b]);
+        }
+        other => panic!("{other:?}"),
+    }
+    // Purge with Reroot: s3 goes, its fork stays and reads back whole.
+    let s3 = d.create(&mut c);
+    commit(&mut c, msg(s3, role::USER, "parent of a survivor"));
+    let s3a = created(
+        &mut c,
+        Request::Fork {
+            session: s3,
+            at_event: 2,
+            params: None,
+        },
+    );
+    commit(&mut c, msg(s3a, role::ASSISTANT, "I survive"));
+    let s3_events = d.read_all(s3);
+    match c
+        .call(&Request::Purge {
+            session: s3,
+            expected_generation: generation(d, s3),
+            mode: PurgeMode::Reroot,
+        })
+        .unwrap()
+    {
+        Response::Purged { sessions } => assert_eq!(sessions, vec![s3]),
+        other => panic!("{other:?}"),
+    }
+    let s3a_events = d.read_all(s3a);
+    assert_eq!(s3a_events.len(), 4); // 0, 1, Forked (2), the reply (3)
+    assert_eq!(
+        s3a_events[..2],
+        s3_events[..2],
+        "a rerooted fork keeps its purged parent's events"
+    );
+
+    // Ids count up from 0, and forks share their parent's ids and events.
+    let e1 = d.read_all(s1);
+    for s in [s1, f_end, f_mid, rb, tr, under, s3a] {
+        assert_ids_count_up(&d.read_all(s), s);
+    }
+    let fe = d.read_all(f_end);
+    assert_eq!(
+        fe[..e1.len()],
+        e1[..],
+        "a fork at the end holds all its parent's events"
+    );
+    assert!(matches!(
+        fe[e1.len()].body,
+        Record::Forked { fork_at: 8, .. }
+    ));
+    let fm = d.read_all(f_mid);
+    assert_eq!(fm[..3], e1[..3]);
+    assert_eq!(
+        fm[3].event_id, 3,
+        "Fork{{at_event: 3}}'s Forked header gets id 3"
+    );
+    assert!(matches!(fm[3].body, Record::Forked { fork_at: 3, .. }));
+    let r = d.read_all(rb);
+    assert_eq!(r[..2], e1[..2]);
+    assert_eq!(r[2].event_id, 2, "Rebased gets the first edit's from");
+    assert!(matches!(r[2].body, Record::Rebased { fork_at: 2, .. }));
+    // After the header: parent's 3 (kept), Replace of 4, then 5.. of the parent.
+    assert_eq!(r[3].body, e1[3].body);
+    assert!(matches!(&r[4].body, Record::Message { text, .. } if text == "And in Nice?"));
+    for (k, pe) in e1[5..].iter().enumerate() {
+        assert_eq!(r[5 + k].body, pe.body);
+    }
+    assert_eq!(
+        r.len(),
+        e1.len() + 1 /* header */ - 1 /* dropped */ + 1 /* Sunny */
+    );
+    let t = d.read_all(tr);
+    assert_eq!(t[..5], e1[..5]);
+    assert_eq!(t.len(), 6);
+
+    // Inspect agrees with Read: event count and tokens.
+    for s in [s1, f_end, f_mid, rb, tr, under, s3a] {
+        let events = d.read_all(s);
+        match d.call(&Request::Inspect { session: s }) {
+            Response::Inspection { inspection: i } => {
+                assert_eq!(i.events, events.len() as u64, "session {s}");
+                let tokens: u64 = events.iter().map(|e| e.body.span().len() as u64).sum();
+                assert_eq!(
+                    i.tokens, tokens,
+                    "session {s}: Inspect's tokens vs the spans of Read"
+                );
+                assert!(!i.purged);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    // The tree: purged sessions are gone, the rerooted fork is a root, a
+    // session created under s1 has a parent and no fork point.
+    match d.call(&Request::Tree) {
+        Response::Tree { nodes } => {
+            let ids: Vec<SessionId> = nodes.iter().map(|n| n.0).collect();
+            for gone in [s2, s2a, s2b, s3] {
+                assert!(!ids.contains(&gone), "purged session {gone} in the tree");
+            }
+            assert!(nodes.contains(&(s3a, None, None)), "{nodes:?}");
+            assert!(nodes.contains(&(under, Some(s1), None)), "{nodes:?}");
+            assert!(nodes.contains(&(f_mid, Some(s1), Some(3))), "{nodes:?}");
+            assert!(nodes.contains(&(rb, Some(s1), Some(2))), "{nodes:?}");
+        }
+        other => panic!("{other:?}"),
+    }
+    match d.call(&Request::Sessions {
+        include_archived: false,
+    }) {
+        Response::SessionList { sessions } => {
+            assert!(
+                sessions.iter().all(|x| x.session != f_end),
+                "archived session listed"
+            );
+            assert!(sessions
+                .iter()
+                .any(|x| x.session == s1 && x.title.as_deref() == Some("weather")));
+        }
+        other => panic!("{other:?}"),
+    }
+    s3a.max(under)
+}
+
+#[test]
+fn restart_reads_back_identically() {
+    let mut d = TestDaemon::start();
+    let max_id = build_tree(&d);
+    let before = snapshot(&d, max_id);
+    d.restart();
+    assert_same(&before, &snapshot(&d, max_id), "after a clean restart");
+    d.kill9();
+    d.spawn_and_wait();
+    assert_same(&before, &snapshot(&d, max_id), "after SIGKILL and restart");
+    assert!(d.stdout().contains("epoch 3"), "stdout: {}", d.stdout());
+    // New events carry the new epoch: three starts so far.
+    let mut c = d.client();
+    let e = commit(&mut c, msg(1, role::USER, "after two restarts"));
+    assert_eq!(e.epoch, 3);
+    assert!(before.iter().any(|(_, r)| matches!(r, Response::Events { events } if events.iter().all(|e| e.epoch == 1) && !events.is_empty())));
+}
+
+#[test]
+fn torn_tail_at_every_offset() {
+    let mut d = TestDaemon::start();
+    let mut c = d.client();
+    let s = d.create(&mut c);
+    commit(&mut c, msg(s, role::USER, "first"));
+    commit(&mut c, msg(s, role::ASSISTANT, "second"));
+    let other = d.create(&mut c);
+    commit(&mut c, msg(other, role::USER, "untouched"));
+    commit(&mut c, msg(s, role::USER, "ok"));
+    drop(c);
+    let full_s = d.read_all(s);
+    let full_other = d.read_all(other);
+    d.stop();
+
+    let original = d.wal_bytes();
+    let records = wal_records(&original);
+    let &(last_start, last_end) = records.last().unwrap();
+    assert_eq!(last_end, original.len(), "the log ends with a whole record");
+    match from_postcard::<LogRecord>(&original[last_start + 12..last_end]).unwrap() {
+        LogRecord::Events { session, events } => {
+            assert_eq!(session, s);
+            assert!(matches!(&events[0].body, Record::Message { text, .. } if text == "ok"));
+        }
+        other => panic!("the last record is {other:?}"),
+    }
+    let expected_s = &full_s[..full_s.len() - 1];
+
+    for len in last_start..original.len() {
+        std::fs::write(d.wal_path(), &original[..len]).unwrap();
+        d.spawn_and_wait();
+        assert_eq!(d.read_all(s), expected_s, "cut at {len}");
+        assert_eq!(d.read_all(other), full_other, "cut at {len}");
+        let stderr = d.stderr();
+        if len > last_start {
+            assert!(
+                stderr.contains("torn tail")
+                    && stderr.contains(&format!("byte offset {last_start}")),
+                "cut at {len}: the truncation is not logged; stderr:\n{stderr}"
+            );
+        } else {
+            assert!(
+                !stderr.contains("torn tail"),
+                "a whole log is not torn:\n{stderr}"
+            );
+        }
+        d.kill9();
+        let now = d.wal_bytes();
+        assert_eq!(
+            now[..last_start],
+            original[..last_start],
+            "cut at {len}: valid records changed"
+        );
+        // What follows is this start's Boot record, whole.
+        let rest = wal_records(&now);
+        assert_eq!(
+            rest.last().unwrap().1,
+            now.len(),
+            "cut at {len}: the tail was not truncated"
+        );
+        assert_eq!(rest.len(), records.len(), "cut at {len}");
+    }
+}
+
+#[test]
+fn flipped_bit_in_non_final_record_refuses_start() {
+    let mut d = TestDaemon::start();
+    let mut c = d.client();
+    let s = d.create(&mut c);
+    commit(
+        &mut c,
+        msg(s, role::USER, "a message long enough to flip a bit in"),
+    );
+    commit(&mut c, msg(s, role::ASSISTANT, "and a reply after it"));
+    drop(c);
+    d.stop();
+    let mut bytes = d.wal_bytes();
+    let records = wal_records(&bytes);
+    // Records: Boot, Created, Message, Message. Corrupt the first Message.
+    assert_eq!(records.len(), 4);
+    let (start, end) = records[2];
+    let mid = start + 12 + (end - start - 12) / 2;
+    bytes[mid] ^= 0x10;
+    std::fs::write(d.wal_path(), &bytes).unwrap();
+
+    let failed = d.start_expect_exit(&[]);
+    assert!(
+        !failed.status.success(),
+        "started on a corrupt log: {}",
+        failed.stderr
+    );
+    assert!(
+        failed.stderr.contains(&format!("byte offset {start}")),
+        "stderr does not name offset {start}:\n{}",
+        failed.stderr
+    );
+    assert!(
+        failed.stderr.contains("--sessions-cache"),
+        "{}",
+        failed.stderr
+    );
+    assert_eq!(d.wal_bytes(), bytes, "a refused start changed wal.log");
+
+    d.extra_args = vec!["--sessions-cache".into()];
+    d.spawn_and_wait();
+    assert_eq!(
+        std::fs::read(d.sessions.join("wal.log.prev")).unwrap(),
+        bytes
+    );
+    assert_eq!(d.call(&Request::List), Response::Sessions { ids: vec![] });
+    assert!(matches!(
+        d.call(&Request::Read {
+            session: s,
+            cursor: 0
+        }),
+        Response::Err { .. }
+    ));
+}
+
+#[test]
+fn second_daemon_on_same_sessions_dir_is_refused() {
+    let mut d = TestDaemon::start();
+    let pid = d.pid();
+    let mut c = d.client();
+    let s = d.create(&mut c);
+    let wal = d.wal_bytes();
+
+    // Same sessions dir, another socket.
+    let (sessions, other_socket) = (d.sessions.clone(), d.path().join("other.sock"));
+    let failed = d.start_other_expect_exit(&sessions, &other_socket, &[]);
+    assert!(!failed.status.success());
+    assert!(
+        failed
+            .stderr
+            .contains("in use by another superfluid daemon")
+            && failed.stderr.contains(&format!("pid {pid}")),
+        "{}",
+        failed.stderr
+    );
+    assert!(!other_socket.exists());
+    assert_eq!(d.wal_bytes(), wal);
+
+    // Same socket, another sessions dir.
+    let (other_sessions, socket) = (d.path().join("other-sessions"), d.socket.clone());
+    let failed = d.start_other_expect_exit(&other_sessions, &socket, &[]);
+    assert!(!failed.status.success());
+    assert!(failed.stderr.contains("listening on"), "{}", failed.stderr);
+
+    // The first daemon still serves, on its socket, on the same connection.
+    assert!(matches!(
+        c.call(&Request::Inspect { session: s }).unwrap(),
+        Response::Inspection { .. }
+    ));
+    assert_eq!(d.call(&Request::List), Response::Sessions { ids: vec![s] });
+}
+
+#[test]
+fn stale_socket_file_is_replaced() {
+    let mut d = TestDaemon::new();
+    drop(std::os::unix::net::UnixListener::bind(&d.socket).unwrap());
+    assert!(d.socket.exists());
+    d.spawn_and_wait();
+    assert_eq!(d.call(&Request::List), Response::Sessions { ids: vec![] });
+}
+
+#[test]
+fn socket_is_private() {
+    let d = TestDaemon::start();
+    let mode = std::fs::metadata(&d.socket).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600, "socket mode {mode:o}");
+}
+
+#[test]
+fn clean_stop_removes_the_socket() {
+    let mut d = TestDaemon::start();
+    d.stop();
+    assert!(!d.socket.exists());
+}
+
+#[test]
+fn inspect_cli() {
+    let d = TestDaemon::start();
+    let mut c = d.client();
+    let s = d.create(&mut c);
+    commit(&mut c, msg(s, role::USER, "hello\nthere"));
+    commit(&mut c, msg(s, role::ASSISTANT, "hi"));
+    c.call(&Request::SetMeta {
+        session: s,
+        expected_version: 0,
+        title: Some("greeting".into()),
+        archived: None,
+    })
+    .unwrap();
+    let run = |json: bool| {
+        let mut cmd = Command::new(bin());
+        cmd.args(["session", "inspect", &s.to_string(), "--socket"])
+            .arg(&d.socket);
+        if json {
+            cmd.arg("--json");
+        }
+        let out = cmd.output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let text = run(false);
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 4, "{text}");
+    assert!(
+        lines[0].starts_with(&format!("session {s}: 3 events,")),
+        "{text}"
+    );
+    assert!(lines[0].contains("title \"greeting\""), "{text}");
+    assert!(lines[1].trim_start().starts_with("0  Created"), "{text}");
+    assert!(
+        lines[2].contains("Message user \"hello\\\\nthere\""),
+        "{text}"
+    );
+    assert!(
+        lines[3].trim_start().starts_with("2  Message assistant"),
+        "{text}"
+    );
+
+    let json = run(true);
+    let values: Vec<serde_json::Value> = json
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l}: {e}")))
+        .collect();
+    assert_eq!(values.len(), 4, "{json}");
+    assert_eq!(values[0]["session"], s);
+    assert_eq!(values[0]["events"], 3);
+    for (i, v) in values[1..].iter().enumerate() {
+        assert_eq!(v["event_id"], i);
+    }
+
+    // An unknown session: non-zero exit and the daemon's message.
+    let out = Command::new(bin())
+        .args(["session", "inspect", "99", "--socket"])
+        .arg(&d.socket)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown session 99"));
+}
+
+/// 16 clients append to their own sessions while the daemon is SIGKILLed:
+/// every event a client was told is Committed reads back identically.
+#[test]
+fn sigkill_under_concurrent_appends_loses_nothing_committed() {
+    const CLIENTS: usize = 16;
+    const MESSAGES: usize = 20;
+    let mut d = TestDaemon::start();
+    let committed = Arc::new(AtomicUsize::new(0));
+    let threads: Vec<_> = (0..CLIENTS)
+        .map(|i| {
+            let mut c = d.client();
+            let committed = committed.clone();
+            std::thread::spawn(move || {
+                let mut seen: Vec<Event> = Vec::new();
+                let s = match c.call(&Request::Create {
+                    parent: None,
+                    params: params(i as u64),
+                }) {
+                    Ok(Response::Created { session }) => session,
+                    _ => return None,
+                };
+                for m in 0..MESSAGES {
+                    let r = if m % 2 == 0 {
+                        role::USER
+                    } else {
+                        role::ASSISTANT
+                    };
+                    match c.call(&msg(s, r, &format!("client {i} message {m}"))) {
+                        Ok(Response::Committed { event }) => {
+                            committed.fetch_add(1, Ordering::SeqCst);
+                            seen.push(event)
+                        }
+                        Ok(other) => panic!("client {i}: {other:?}"),
+                        Err(_) => break, // the daemon died
+                    }
+                }
+                Some((s, seen))
+            })
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while committed.load(Ordering::SeqCst) < CLIENTS * MESSAGES / 3 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    d.kill9();
+    let results: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    let total = committed.load(Ordering::SeqCst);
+    eprintln!(
+        "{total} of {} appends committed before SIGKILL",
+        CLIENTS * MESSAGES
+    );
+    d.spawn_and_wait();
+    let mut by_session: BTreeMap<SessionId, Vec<Event>> = BTreeMap::new();
+    for (s, seen) in results.into_iter().flatten() {
+        assert!(
+            by_session.insert(s, seen).is_none(),
+            "session {s} handed out twice"
+        );
+    }
+    for (s, seen) in &by_session {
+        let events = d.read_all(*s);
+        assert_ids_count_up(&events, *s);
+        for e in seen {
+            assert_eq!(
+                events.get(e.event_id as usize),
+                Some(e),
+                "session {s}: committed event {} is lost or changed",
+                e.event_id
+            );
+        }
+    }
+}

@@ -1,0 +1,276 @@
+//! Generation through the socket, on the real model in a real worker.
+
+use std::time::Duration;
+
+use superfluid::frontend::socket::Client;
+use superfluid::wire::{finish, role, Event, Params, Record, Request, Response, SessionId, Token};
+
+use crate::util::{commit, created, expect_err, params, TestDaemon};
+
+/// A session with a system message and one user message. (SmolLM2-135M
+/// answers its own default system prompt poorly: "What is the capital of
+/// France?" gets a list of French monuments, greedy.)
+fn asked(c: &mut Client, p: Params, question: &str) -> SessionId {
+    let s = created(c, Request::Create { parent: None, params: p });
+    commit(
+        c,
+        Request::AppendMessage {
+            session: s,
+            role: role::SYSTEM,
+            text: "You are a helpful assistant.".into(),
+        },
+    );
+    commit(
+        c,
+        Request::AppendMessage { session: s, role: role::USER, text: question.into() },
+    );
+    s
+}
+
+/// Generates and returns (deltas, last reply).
+fn generate(c: &mut Client, s: SessionId, max_tokens: u32) -> (Vec<Event>, Response) {
+    let mut replies = c.generate(&Request::Generate { session: s, max_tokens }).unwrap();
+    let last = replies.pop().unwrap();
+    let events = replies
+        .into_iter()
+        .map(|r| match r {
+            Response::Delta { event } => event,
+            other => panic!("expected Delta, got {other:?}"),
+        })
+        .collect();
+    (events, last)
+}
+
+/// The tokens and text the session generated (Generated events only).
+fn generated(events: &[Event]) -> (Vec<Token>, String) {
+    let mut tokens = Vec::new();
+    let mut text = String::new();
+    for e in events {
+        if let Record::Generated { span, text: t, .. } = &e.body {
+            tokens.extend_from_slice(span);
+            text.push_str(t);
+        }
+    }
+    (tokens, text)
+}
+
+fn sampled(seed: u64) -> Params {
+    Params { temperature: 0.8, top_p: 0.95, min_p: 0.05, top_k: 40, seed }
+}
+
+const QUESTION: &str = "Write a short story about a lighthouse keeper and a storm.";
+
+#[test]
+fn answers_a_plain_question() {
+    let d = TestDaemon::start();
+    let mut c = d.client();
+    let s = asked(&mut c, params(1), "What is the capital of France?");
+    let (events, last) = generate(&mut c, s, 48);
+    assert!(matches!(events[0].body, Record::GenerationPrompt { .. }), "{events:?}");
+    let Response::Generated { events: n, tokens_generated, finish: f, .. } = last else {
+        panic!("{last:?}");
+    };
+    assert_eq!(n as usize, events.len());
+    assert!(tokens_generated > 0 && tokens_generated <= 48);
+    assert!(f == finish::END_OF_TURN || f == finish::MAX_TOKENS);
+    let (_, text) = generated(&events);
+    assert!(text.contains("Paris"), "answer: {text:?}");
+    // Every Delta is in the log, in order.
+    let log = d.read_all(s);
+    assert_eq!(&log[log.len() - events.len()..], &events[..]);
+}
+
+/// The uncut generation, on a daemon of its own: a second session with the
+/// same prompt on the same daemon would start from a copy of the first one's
+/// cells and decode the end of its prompt in another batch shape, which may
+/// drift a sampled run (the spec says so of forks).
+fn uncut(seed: u64, max_tokens: u32) -> Vec<Token> {
+    let d = TestDaemon::start();
+    let mut c = d.client();
+    let s = asked(&mut c, sampled(seed), QUESTION);
+    generated(&generate(&mut c, s, max_tokens).0).0
+}
+
+#[test]
+fn a_cut_generation_continued_draws_what_the_uncut_one_drew() {
+    let whole = uncut(7, 200);
+    assert!(whole.len() > 150, "the story should run long: {} tokens", whole.len());
+    assert_eq!(uncut(7, 200), whole, "same seed, same tokens");
+
+    let d = TestDaemon::start();
+    let mut c = d.client();
+    let cut = asked(&mut c, sampled(7), QUESTION);
+    let mut tokens = Vec::new();
+    let mut done = 0;
+    for upto in [37u32, 80, 150, 200] {
+        let (events, last) = generate(&mut c, cut, upto - done);
+        tokens.extend(generated(&events).0);
+        done = upto;
+        if matches!(last, Response::Generated { finish: finish::END_OF_TURN, .. }) {
+            break;
+        }
+    }
+    assert_eq!(tokens, whole, "cut at 37, 80, 150 and continued");
+    // Another seed draws something else.
+    let other = asked(&mut c, sampled(8), QUESTION);
+    assert_ne!(generated(&generate(&mut c, other, 200).0).0, whole);
+}
+
+#[test]
+fn cancel_busy_and_fork_while_generating() {
+    let whole = uncut(3, 120);
+    let d = TestDaemon::start();
+    let mut c = d.client();
+    let s = asked(&mut c, sampled(3), QUESTION);
+    let socket = d.socket.clone();
+    let gen = std::thread::spawn(move || {
+        let mut c = Client::connect(&socket).unwrap();
+        c.generate(&Request::Generate { session: s, max_tokens: 120 }).unwrap()
+    });
+    // Wait for the first committed chunk, then poke it from a second connection.
+    let mut other = d.client();
+    loop {
+        let events = d.read_all(s);
+        if events.iter().any(|e| matches!(e.body, Record::Generated { .. })) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let busy = expect_err(
+        &mut other,
+        &Request::AppendMessage { session: s, role: role::USER, text: "hi".into() },
+    );
+    assert!(busy.contains("SessionBusy"), "{busy}");
+    let at = d.read_all(s).len() as u64;
+    let fork = created(&mut other, Request::Fork { session: s, at_event: at, params: None });
+    assert_eq!(d.read_all(fork).len() as u64, at + 1);
+    assert_eq!(other.call(&Request::Cancel { session: s }).unwrap(), Response::Cancelling);
+    let replies = gen.join().unwrap();
+    let last = replies.last().unwrap();
+    assert!(
+        matches!(last, Response::Generated { finish: finish::CANCELLED, .. }),
+        "{last:?}"
+    );
+    // Nothing is generating now.
+    assert!(expect_err(&mut other, &Request::Cancel { session: s }).contains("no generation"));
+    // Continued, the cancelled generation draws what the uncut one drew.
+    let mut tokens = generated(&d.read_all(s)).0;
+    let (rest, _) = generated(&generate(&mut c, s, 120 - tokens.len() as u32).0);
+    tokens.extend(rest);
+    assert_eq!(tokens, whole);
+}
+
+#[test]
+fn four_sessions_progress_in_the_same_decode_steps() {
+    let d = TestDaemon::start();
+    let sessions: Vec<SessionId> = (0..4)
+        .map(|i| asked(&mut d.client(), sampled(i), QUESTION))
+        .collect();
+    let threads: Vec<_> = sessions
+        .iter()
+        .map(|&s| {
+            let socket = d.socket.clone();
+            std::thread::spawn(move || {
+                let mut c = Client::connect(&socket).unwrap();
+                c.generate(&Request::Generate { session: s, max_tokens: 40 }).unwrap()
+            })
+        })
+        .collect();
+    for t in threads {
+        assert!(matches!(t.join().unwrap().last(), Some(Response::Generated { .. })));
+    }
+    let Response::Text { text } = d.call(&Request::Metrics) else { panic!() };
+    let value = |name: &str| -> u64 {
+        text.lines()
+            .find(|l| l.starts_with(&format!("{name} ")))
+            .and_then(|l| l.split(' ').nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{name} missing in {text}"))
+    };
+    assert_eq!(value("superfluid_decode_max_sequences_per_step"), 4, "{text}");
+    let steps = value("superfluid_decode_steps_total");
+    let seq_steps = value("superfluid_decode_sequence_steps_total");
+    assert!(seq_steps >= 3 * steps, "sessions shared steps: {seq_steps} over {steps} steps");
+}
+
+#[test]
+fn worker_killed_mid_generation() {
+    let d = TestDaemon::start();
+    let mut c = d.client();
+    let s = asked(&mut c, sampled(5), QUESTION);
+    let socket = d.socket.clone();
+    let gen = std::thread::spawn(move || {
+        let mut c = Client::connect(&socket).unwrap();
+        c.generate(&Request::Generate { session: s, max_tokens: 400 }).unwrap()
+    });
+    loop {
+        if d.read_all(s).iter().any(|e| matches!(e.body, Record::Generated { .. })) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let worker = worker_pid(d.pid());
+    unsafe { libc::kill(worker as i32, libc::SIGKILL) };
+    let replies = gen.join().unwrap();
+    let last = replies.last().unwrap();
+    assert!(matches!(last, Response::Err { message } if message.contains("worker")), "{last:?}");
+    // The daemon stays up, the log reads back whole, the session goes on.
+    let before = d.read_all(s);
+    assert!(before.iter().all(|e| e.event_id < before.len() as u64));
+    let (events, last) = generate(&mut c, s, 20);
+    assert!(matches!(last, Response::Generated { .. }), "{last:?}");
+    assert!(!events.is_empty());
+    assert_ne!(worker_pid(d.pid()), worker, "a new worker runs");
+}
+
+fn worker_pid(daemon: u32) -> u32 {
+    for _ in 0..500 {
+        let children = std::fs::read_dir(format!("/proc/{daemon}/task"))
+            .unwrap()
+            .filter_map(|t| t.ok())
+            .filter_map(|t| std::fs::read_to_string(t.path().join("children")).ok())
+            .flat_map(|c| c.split_whitespace().map(String::from).collect::<Vec<_>>())
+            .filter_map(|p| p.parse::<u32>().ok())
+            .collect::<Vec<_>>();
+        if let Some(&p) = children.first() {
+            return p;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    panic!("the daemon has no worker");
+}
+
+#[test]
+fn bad_generate_requests() {
+    let d = TestDaemon::start();
+    let mut c = d.client();
+    let s = asked(&mut c, params(1), "hi");
+    let before = d.wal_bytes();
+    for (req, words) in [
+        (Request::Generate { session: s, max_tokens: 0 }, "max_tokens"),
+        (Request::Generate { session: s, max_tokens: u32::MAX }, "max_tokens"),
+        (Request::Generate { session: 999, max_tokens: 5 }, "unknown session"),
+    ] {
+        let replies = c.generate(&req).unwrap();
+        match replies.last().unwrap() {
+            Response::Err { message } => assert!(message.contains(words), "{message}"),
+            other => panic!("{req:?}: {other:?}"),
+        }
+    }
+    assert_eq!(d.wal_bytes(), before, "refused requests leave the log alone");
+    let gen = match c.call(&Request::Inspect { session: s }).unwrap() {
+        Response::Inspection { inspection } => inspection.generation,
+        other => panic!("{other:?}"),
+    };
+    let Response::Purged { .. } = c
+        .call(&Request::Purge { session: s, expected_generation: gen, mode: superfluid::wire::PurgeMode::Cascade })
+        .unwrap()
+    else {
+        panic!()
+    };
+    let replies = c.generate(&Request::Generate { session: s, max_tokens: 5 }).unwrap();
+    assert!(matches!(replies.last(), Some(Response::Err { message }) if message.contains("purged")));
+    // A missing params field is refused when parsing.
+    let err = serde_json::from_str::<Request>(r#"{"Create":{"parent":null}}"#).unwrap_err();
+    assert!(err.to_string().contains("params"));
+}

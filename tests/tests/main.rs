@@ -1,0 +1,9 @@
+//! The integration tests: one binary (ripgrep style), one harness
+//! (`util::TestDaemon`). They run the real `superfluid` binary on the real
+//! model's vocabulary: set SUPERFLUID_TEST_MODEL, or run scripts/fetch-model.sh.
+
+mod bad_input;
+mod daemon;
+mod generate;
+mod ordering;
+mod util;

@@ -1,0 +1,404 @@
+//! The one harness of the integration tests: `TestDaemon`, a real
+//! `superfluid serve` on the real model's vocabulary, in a temp directory of
+//! its own (sessions dir and socket inside), with kill and restart helpers.
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use superfluid::frontend::socket::Client;
+use superfluid::wire::{
+    read_frame_blocking, to_postcard, write_frame_blocking, Event, Params, Request, Response,
+    SessionId, MAX_FRAME_BYTES,
+};
+
+/// How long a daemon may take to accept on its socket.
+const START_TIMEOUT_MS: u64 = 20_000;
+/// How long `stop` waits for a clean exit after SIGTERM.
+const STOP_TIMEOUT_MS: u64 = 20_000;
+/// How long a daemon expected to fail may run before we call it a hang.
+const FAIL_TIMEOUT_MS: u64 = 20_000;
+
+/// The model the daemon loads: `$SUPERFLUID_TEST_MODEL`, or the path
+/// scripts/fetch-model.sh writes.
+pub fn model_path() -> PathBuf {
+    let path = match std::env::var_os("SUPERFLUID_TEST_MODEL") {
+        Some(p) => PathBuf::from(p),
+        None => PathBuf::from(std::env::var_os("HOME").expect("HOME is not set"))
+            .join(".cache/superfluid/models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    };
+    assert!(
+        path.is_file(),
+        "the test model {} is missing: run scripts/fetch-model.sh (or set SUPERFLUID_TEST_MODEL)",
+        path.display()
+    );
+    path
+}
+
+pub fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_superfluid")
+}
+
+/// Greedy params with a fixed seed.
+pub fn params(seed: u64) -> Params {
+    Params {
+        temperature: 0.0,
+        top_p: 1.0,
+        min_p: 0.0,
+        top_k: 0,
+        seed,
+    }
+}
+
+/// What a daemon expected to fail left behind.
+#[derive(Debug)]
+pub struct Failed {
+    pub status: ExitStatus,
+    pub stderr: String,
+}
+
+pub struct TestDaemon {
+    dir: tempfile::TempDir,
+    pub sessions: PathBuf,
+    pub socket: PathBuf,
+    child: Option<Child>,
+    /// Counts starts, so each start's output goes to its own files.
+    starts: u32,
+    /// Extra arguments of `serve` (e.g. `--sessions-cache`).
+    pub extra_args: Vec<String>,
+}
+
+impl TestDaemon {
+    /// A temp dir with nothing started yet.
+    pub fn new() -> TestDaemon {
+        let dir = tempfile::Builder::new()
+            .prefix("sf-test")
+            .tempdir()
+            .expect("tempdir");
+        let sessions = dir.path().join("sessions");
+        let socket = dir.path().join("sf.sock");
+        TestDaemon {
+            dir,
+            sessions,
+            socket,
+            child: None,
+            starts: 0,
+            extra_args: Vec::new(),
+        }
+    }
+
+    /// A new temp dir with a daemon started in it.
+    pub fn start() -> TestDaemon {
+        let mut d = TestDaemon::new();
+        d.spawn_and_wait();
+        d
+    }
+
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    pub fn wal_path(&self) -> PathBuf {
+        self.sessions.join("wal.log")
+    }
+
+    pub fn wal_bytes(&self) -> Vec<u8> {
+        std::fs::read(self.wal_path()).expect("reading wal.log")
+    }
+
+    fn out_paths(&self, n: u32) -> (PathBuf, PathBuf) {
+        (
+            self.dir.path().join(format!("stdout.{n}")),
+            self.dir.path().join(format!("stderr.{n}")),
+        )
+    }
+
+    /// Spawns `serve` with the given sessions dir and socket; stdout and
+    /// stderr go to files in the temp dir.
+    fn spawn_with(&mut self, sessions: &Path, socket: &Path, extra: &[String]) -> (Child, PathBuf) {
+        self.starts += 1;
+        let (out, err) = self.out_paths(self.starts);
+        let child = Command::new(bin())
+            .arg("serve")
+            .arg(model_path())
+            .arg("--sessions")
+            .arg(sessions)
+            .arg("--socket")
+            .arg(socket)
+            .args(extra)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(std::fs::File::create(&out).unwrap())
+            .stderr(std::fs::File::create(&err).unwrap())
+            .spawn()
+            .expect("spawning superfluid serve");
+        (child, err)
+    }
+
+    /// Starts the daemon and waits until it answers a `List`: a reply means
+    /// the accept loop runs, which happens only after the SIGTERM handler is
+    /// installed, so `stop` right after is a clean stop.
+    pub fn spawn_and_wait(&mut self) {
+        assert!(self.child.is_none(), "a daemon is already running");
+        let (sessions, socket, extra) = (
+            self.sessions.clone(),
+            self.socket.clone(),
+            self.extra_args.clone(),
+        );
+        let (mut child, err) = self.spawn_with(&sessions, &socket, &extra);
+        let deadline = Instant::now() + Duration::from_millis(START_TIMEOUT_MS);
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                panic!(
+                    "the daemon exited during start ({status}); stderr:\n{}",
+                    std::fs::read_to_string(&err).unwrap_or_default()
+                );
+            }
+            if let Ok(mut c) = Client::connect(&self.socket) {
+                if let Ok(Response::Sessions { .. }) = c.call(&Request::List) {
+                    break;
+                }
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!(
+                    "the daemon did not answer on {} within {START_TIMEOUT_MS} ms; stderr:\n{}",
+                    self.socket.display(),
+                    std::fs::read_to_string(&err).unwrap_or_default()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        self.child = Some(child);
+    }
+
+    /// The stderr of the latest start.
+    pub fn stderr(&self) -> String {
+        std::fs::read_to_string(self.out_paths(self.starts).1).unwrap_or_default()
+    }
+
+    /// The stdout of the latest start.
+    pub fn stdout(&self) -> String {
+        std::fs::read_to_string(self.out_paths(self.starts).0).unwrap_or_default()
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("no daemon running").id()
+    }
+
+    pub fn client(&self) -> Client {
+        Client::connect(&self.socket).expect("connecting to the daemon")
+    }
+
+    /// One request on a fresh connection.
+    pub fn call(&self, req: &Request) -> Response {
+        self.client().call(req).expect("calling the daemon")
+    }
+
+    /// SIGKILL, then reap.
+    pub fn kill9(&mut self) {
+        let mut child = self.child.take().expect("no daemon running");
+        // SAFETY: plain kill(2) on our own child's pid.
+        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGKILL) };
+        child.wait().unwrap();
+    }
+
+    /// SIGTERM, and wait for exit status 0.
+    pub fn stop(&mut self) {
+        let mut child = self.child.take().expect("no daemon running");
+        // SAFETY: plain kill(2) on our own child's pid.
+        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+        let status = wait_timeout(&mut child, STOP_TIMEOUT_MS).unwrap_or_else(|| {
+            panic!(
+                "the daemon did not exit after SIGTERM; stderr:\n{}",
+                self.stderr()
+            )
+        });
+        assert!(
+            status.success(),
+            "the daemon exited with {status} after SIGTERM; stderr:\n{}",
+            self.stderr()
+        );
+    }
+
+    /// `stop` then start again on the same directory.
+    pub fn restart(&mut self) {
+        self.stop();
+        self.spawn_and_wait();
+    }
+
+    /// Runs `serve` on this daemon's sessions dir and socket, expecting it
+    /// to exit (with any status) rather than serve.
+    pub fn start_expect_exit(&mut self, extra: &[String]) -> Failed {
+        let (sessions, socket) = (self.sessions.clone(), self.socket.clone());
+        self.start_other_expect_exit(&sessions, &socket, extra)
+    }
+
+    /// Runs `serve` on the given sessions dir and socket, expecting it to exit.
+    pub fn start_other_expect_exit(
+        &mut self,
+        sessions: &Path,
+        socket: &Path,
+        extra: &[String],
+    ) -> Failed {
+        let (mut child, err) = self.spawn_with(sessions, socket, extra);
+        let status = match wait_timeout(&mut child, FAIL_TIMEOUT_MS) {
+            Some(s) => s,
+            None => {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!(
+                    "serve was expected to fail but kept running; stderr:\n{}",
+                    std::fs::read_to_string(&err).unwrap_or_default()
+                );
+            }
+        };
+        Failed {
+            status,
+            stderr: std::fs::read_to_string(&err).unwrap_or_default(),
+        }
+    }
+
+    // ---- request helpers -------------------------------------------------
+
+    pub fn create(&self, c: &mut Client) -> SessionId {
+        match c
+            .call(&Request::Create {
+                parent: None,
+                params: params(1),
+            })
+            .unwrap()
+        {
+            Response::Created { session } => session,
+            other => panic!("Create: {other:?}"),
+        }
+    }
+
+    pub fn read_all(&self, s: SessionId) -> Vec<Event> {
+        match self.call(&Request::Read {
+            session: s,
+            cursor: 0,
+        }) {
+            Response::Events { events } => events,
+            other => panic!("Read {s}: {other:?}"),
+        }
+    }
+}
+
+impl Default for TestDaemon {
+    fn default() -> Self {
+        TestDaemon::new()
+    }
+}
+
+impl Drop for TestDaemon {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+pub fn wait_timeout(child: &mut Child, ms: u64) -> Option<ExitStatus> {
+    let deadline = Instant::now() + Duration::from_millis(ms);
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return Some(s);
+        }
+        if Instant::now() > deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Sends `req`, expects `Committed`, returns the event.
+pub fn commit(c: &mut Client, req: Request) -> Event {
+    match c.call(&req).unwrap() {
+        Response::Committed { event } => event,
+        other => panic!("{req:?}: {other:?}"),
+    }
+}
+
+/// Sends `req`, expects `Created`, returns the session.
+pub fn created(c: &mut Client, req: Request) -> SessionId {
+    match c.call(&req).unwrap() {
+        Response::Created { session } => session,
+        other => panic!("{req:?}: {other:?}"),
+    }
+}
+
+/// Sends `req`, expects `Err`, returns its message.
+pub fn expect_err(c: &mut Client, req: &Request) -> String {
+    match c.call(req).unwrap() {
+        Response::Err { message } => message,
+        other => panic!("{req:?} should fail, got {other:?}"),
+    }
+}
+
+/// A raw connection for hand-made frames.
+pub struct Raw {
+    pub stream: UnixStream,
+}
+
+impl Raw {
+    pub fn connect(path: &Path) -> Raw {
+        let stream = UnixStream::connect(path).expect("connecting");
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        Raw { stream }
+    }
+
+    pub fn send_bytes(&mut self, bytes: &[u8]) {
+        self.stream.write_all(bytes).unwrap();
+        self.stream.flush().unwrap();
+    }
+
+    /// A whole frame with this body.
+    pub fn send_frame(&mut self, body: &[u8]) {
+        write_frame_blocking(&mut self.stream, body).unwrap();
+    }
+
+    pub fn send_request(&mut self, req: &Request) {
+        self.send_frame(&to_postcard(req).unwrap());
+    }
+
+    /// The next reply, or None on a clean close.
+    pub fn recv(&mut self) -> Option<Response> {
+        read_frame_blocking(&mut self.stream, MAX_FRAME_BYTES)
+            .expect("reading a reply")
+            .map(|f| superfluid::wire::from_postcard(&f).expect("decoding a reply"))
+    }
+
+    /// True when the daemon closed the connection (EOF, or reset).
+    pub fn closed(&mut self) -> bool {
+        let mut b = [0u8; 1];
+        matches!(self.stream.read(&mut b), Ok(0) | Err(_))
+    }
+}
+
+/// The start offsets of every record of a WAL file, and where the valid
+/// records end. Walks `[len u32][len_crc u32][crc u32][payload]` from byte 16.
+pub fn wal_records(bytes: &[u8]) -> Vec<(usize, usize)> {
+    assert!(
+        bytes.len() >= 16 && &bytes[..8] == b"SFWAL\r\n\x1a",
+        "not a WAL"
+    );
+    let mut out = Vec::new();
+    let mut pos = 16;
+    while pos + 12 <= bytes.len() {
+        let len = u32::from_le_bytes(bytes[pos..pos + 4].try_into().unwrap()) as usize;
+        let end = pos + 12 + len;
+        if end > bytes.len() {
+            break;
+        }
+        out.push((pos, end));
+        pos = end;
+    }
+    out
+}
