@@ -82,7 +82,7 @@ fn tools_think_template_and_generation_prompt() {
     let renderer = Renderer::new(vocab.clone()).expect("the template compiles");
     let user = ChatMessage::new(ROLE_USER, "Is it raining in Paris?");
     let prompt = renderer
-        .generation_prompt_span(&[user.clone()], &[])
+        .generation_prompt_span(std::slice::from_ref(&user), &[])
         .expect("a generation prompt");
     let text = vocab.detokenize(&prompt);
     assert_eq!(text, "<|im_start|>assistant\n<think>\n");

@@ -91,48 +91,71 @@ fn draw_with(logits: &[f32], params: &Params, draw_pos: u64, allowed: impl Fn(u3
     if is_greedy(params) {
         return best;
     }
+    SCRATCH.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut scratch) => sample_weighted(logits, params, draw_pos, ok, best, &mut scratch),
+        // Only if `allowed` itself draws (re-entrancy): fresh buffers.
+        Err(_) => sample_weighted(logits, params, draw_pos, ok, best, &mut Scratch::default()),
+    })
+}
+
+/// Buffers reused from draw to draw on one thread (no allocation, no page faults per draw).
+/// They carry no information from one draw to the next: every draw clears them first.
+#[derive(Default)]
+struct Scratch {
+    w: Vec<Cand>,
+    edge: Vec<Cand>,
+    mass: Vec<f64>,
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::default();
+}
+
+/// Steps 3 to 7 of [`draw`], for a non-greedy draw whose argmax is `best`.
+fn sample_weighted(
+    logits: &[f32],
+    params: &Params,
+    draw_pos: u64,
+    ok: impl Fn(u32, f32) -> bool,
+    best: u32,
+    scratch: &mut Scratch,
+) -> u32 {
+    let Scratch { w, edge, mass } = scratch;
     let max = logits[best as usize].min(f32::MAX);
     let t = params.temperature;
 
-    // Steps 3 and 4: weights relative to the max (the max's weight is 1), ascending id order.
-    let k = params.top_k as usize;
-    let mut w: Vec<Cand> = Vec::new();
-    let push = |w: &mut Vec<Cand>, id: u32, l: f32| {
-        let s = (l.min(f32::MAX) - max) / t;
-        if s >= LN_DROP {
-            w.push(Cand {
-                id,
-                w: s.exp(),
-                bucket: ((-s) * BUCKETS_PER_NAT) as u16,
-            });
-        }
-    };
-    if k > 0 && k < logits.len() {
-        let mut cands: Vec<(u32, f32)> = Vec::with_capacity(logits.len());
-        for (id, &l) in logits.iter().enumerate() {
-            if ok(id as u32, l) {
-                cands.push((id as u32, l.min(f32::MAX)));
-            }
-        }
-        if k < cands.len() {
-            cands.select_nth_unstable_by(k - 1, by_value_desc);
-            cands.truncate(k);
-            cands.sort_unstable_by_key(|c| c.0);
-        }
-        w.reserve(cands.len());
-        for (id, l) in cands {
-            push(&mut w, id, l);
-        }
-    } else {
-        for (id, &l) in logits.iter().enumerate() {
-            if ok(id as u32, l) {
-                push(&mut w, id as u32, l);
+    // Step 4's cut first (it commutes with top-k: a token it drops is below the k-th best
+    // anyway unless fewer than k survive it, and then top-k keeps everything that survived).
+    // `w` holds (id, scaled logit) for now, in ascending id order.
+    w.clear();
+    for (id, &l) in logits.iter().enumerate() {
+        if ok(id as u32, l) {
+            let s = (l.min(f32::MAX) - max) / t;
+            if s >= LN_DROP {
+                w.push(Cand {
+                    id: id as u32,
+                    w: s,
+                    bucket: 0,
+                });
             }
         }
     }
     // The max itself always survives (s == 0).
     if w.is_empty() {
         return best;
+    }
+    // Step 3: top-k under the total order (scaled logit descending, id ascending).
+    let k = params.top_k as usize;
+    if k > 0 && k < w.len() {
+        w.select_nth_unstable_by(k - 1, cand_desc);
+        w.truncate(k);
+        w.sort_unstable_by_key(|c| c.id);
+    }
+    // Step 4: softmax weights relative to the max (the max's weight is 1).
+    for c in w.iter_mut() {
+        let s = c.w;
+        c.bucket = ((-s) * BUCKETS_PER_NAT) as u16;
+        c.w = exp_neg(s);
     }
 
     // Step 5: top-p. Weights are bucketed by their scaled logit (buckets are monotone in weight);
@@ -142,8 +165,9 @@ fn draw_with(logits: &[f32], params: &Params, draw_pos: u64, allowed: impl Fn(u3
     if top_p < 1.0 {
         let total: f64 = w.iter().map(|c| f64::from(c.w)).sum();
         let target = f64::from(top_p.max(0.0)) * total;
-        let mut mass = vec![0.0f64; N_BUCKETS];
-        for c in &w {
+        mass.clear();
+        mass.resize(N_BUCKETS, 0.0);
+        for c in w.iter() {
             mass[usize::from(c.bucket).min(N_BUCKETS - 1)] += f64::from(c.w);
         }
         let mut cum = 0.0f64;
@@ -157,11 +181,11 @@ fn draw_with(logits: &[f32], params: &Params, draw_pos: u64, allowed: impl Fn(u3
         }
         if let Some(cut) = cut {
             let bucket = |c: &Cand| usize::from(c.bucket).min(N_BUCKETS - 1);
-            let mut edge: Vec<Cand> = w.iter().filter(|c| bucket(c) == cut).copied().collect();
-            let order = |a: &Cand, b: &Cand| by_value_desc(&(a.id, a.w), &(b.id, b.w));
+            edge.clear();
+            edge.extend(w.iter().filter(|c| bucket(c) == cut).copied());
             // Ties are common in a flat edge (ids ascend already): skip the sort then.
-            if !edge.is_sorted_by(|a, b| order(a, b).is_le()) {
-                edge.sort_unstable_by(order);
+            if !edge.is_sorted_by(|a, b| cand_desc(a, b).is_le()) {
+                edge.sort_unstable_by(cand_desc);
             }
             let mut n = edge.len();
             for (i, c) in edge.iter().enumerate() {
@@ -173,7 +197,7 @@ fn draw_with(logits: &[f32], params: &Params, draw_pos: u64, allowed: impl Fn(u3
             }
             edge.truncate(n);
             w.retain(|c| bucket(c) < cut);
-            w.extend(edge);
+            w.extend_from_slice(edge);
         }
     }
 
@@ -192,7 +216,7 @@ fn draw_with(logits: &[f32], params: &Params, draw_pos: u64, allowed: impl Fn(u3
     let sum: f64 = w.iter().map(|c| f64::from(c.w)).sum();
     let target = uniform(params.seed, draw_pos) * sum;
     let mut cum = 0.0f64;
-    for c in &w {
+    for c in w.iter() {
         cum += f64::from(c.w);
         if cum > target {
             return c.id;
@@ -226,9 +250,33 @@ fn fallback(logits: &[f32]) -> u32 {
     argmax(logits, |_, l| !l.is_nan()).unwrap_or(0)
 }
 
-/// Value (logit or weight) descending, then id ascending: a total order.
-fn by_value_desc(a: &(u32, f32), b: &(u32, f32)) -> std::cmp::Ordering {
-    b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
+/// Value (scaled logit or weight) descending, then id ascending: a total order.
+fn cand_desc(a: &Cand, b: &Cand) -> std::cmp::Ordering {
+    b.w.total_cmp(&a.w).then(a.id.cmp(&b.id))
+}
+
+/// `e^x` for `x` in `[LN_DROP, 0]` (any `x <= 0` works down to about -87), in plain IEEE
+/// arithmetic: `2^n * p(f)` with `x * log2(e) = n + f`, `|f| <= 0.5`, and `p` the degree-7 Taylor
+/// polynomial of `2^f` (relative error below 1e-8 before rounding; within a few ulp of `expf`).
+/// It is used instead of libm's `expf` so that draws are bit-identical on every machine (libm
+/// picks its `expf` by CPU features) and because it is several times faster.
+#[inline]
+pub fn exp_neg(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2: f32 = std::f32::consts::LN_2;
+    let y = x * LOG2E;
+    // y <= 0, so 0.5 - y >= 0.5 truncates to its floor: n = ceil(y - 0.5), f in (-0.5, 0.5].
+    let n = -((0.5 - y) as i32);
+    let f = (y - n as f32) * LN2;
+    // e^f, |f| <= 0.347: Taylor to degree 7 (next term < 2.1e-9).
+    let p = 1.0
+        + f * (1.0
+            + f * (0.5
+                + f * (1.0 / 6.0
+                    + f * (1.0 / 24.0
+                        + f * (1.0 / 120.0 + f * (1.0 / 720.0 + f * (1.0 / 5040.0)))))));
+    let scale = f32::from_bits(((n + 127).max(1) as u32) << 23);
+    p * scale
 }
 
 #[cfg(test)]
@@ -448,6 +496,20 @@ mod tests {
         for pos in 0..300 {
             assert_eq!(draw(&logits, &p, pos, Some(&even)) % 2, 0);
         }
+    }
+
+    #[test]
+    fn exp_neg_matches_exp() {
+        let mut worst = 0.0f64;
+        let mut x = 0.0f32;
+        while x >= LN_DROP - 1.0 {
+            let got = f64::from(exp_neg(x));
+            let want = f64::from(x).exp();
+            worst = worst.max((got - want).abs() / want);
+            x -= 0.000_37;
+        }
+        assert!(worst < 1e-6, "relative error {worst}");
+        assert_eq!(exp_neg(0.0), 1.0);
     }
 
     #[test]

@@ -267,17 +267,6 @@ fn append_message_unknown_role() {
 }
 
 #[test]
-fn generate_has_no_model_lane_yet() {
-    refused(
-        &[Request::Generate {
-            session: 1,
-            max_tokens: 8,
-        }],
-        "Generate",
-    );
-}
-
-#[test]
 fn oversized_frame_closes_the_connection() {
     let (d, _c, s) = fixture();
     let wal = d.wal_bytes();

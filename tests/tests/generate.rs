@@ -11,7 +11,13 @@ use crate::util::{commit, created, expect_err, params, TestDaemon};
 /// answers its own default system prompt poorly: "What is the capital of
 /// France?" gets a list of French monuments, greedy.)
 fn asked(c: &mut Client, p: Params, question: &str) -> SessionId {
-    let s = created(c, Request::Create { parent: None, params: p });
+    let s = created(
+        c,
+        Request::Create {
+            parent: None,
+            params: p,
+        },
+    );
     commit(
         c,
         Request::AppendMessage {
@@ -22,14 +28,23 @@ fn asked(c: &mut Client, p: Params, question: &str) -> SessionId {
     );
     commit(
         c,
-        Request::AppendMessage { session: s, role: role::USER, text: question.into() },
+        Request::AppendMessage {
+            session: s,
+            role: role::USER,
+            text: question.into(),
+        },
     );
     s
 }
 
 /// Generates and returns (deltas, last reply).
 fn generate(c: &mut Client, s: SessionId, max_tokens: u32) -> (Vec<Event>, Response) {
-    let mut replies = c.generate(&Request::Generate { session: s, max_tokens }).unwrap();
+    let mut replies = c
+        .generate(&Request::Generate {
+            session: s,
+            max_tokens,
+        })
+        .unwrap();
     let last = replies.pop().unwrap();
     let events = replies
         .into_iter()
@@ -55,7 +70,13 @@ fn generated(events: &[Event]) -> (Vec<Token>, String) {
 }
 
 fn sampled(seed: u64) -> Params {
-    Params { temperature: 0.8, top_p: 0.95, min_p: 0.05, top_k: 40, seed }
+    Params {
+        temperature: 0.8,
+        top_p: 0.95,
+        min_p: 0.05,
+        top_k: 40,
+        seed,
+    }
 }
 
 const QUESTION: &str = "Write a short story about a lighthouse keeper and a storm.";
@@ -66,8 +87,17 @@ fn answers_a_plain_question() {
     let mut c = d.client();
     let s = asked(&mut c, params(1), "What is the capital of France?");
     let (events, last) = generate(&mut c, s, 48);
-    assert!(matches!(events[0].body, Record::GenerationPrompt { .. }), "{events:?}");
-    let Response::Generated { events: n, tokens_generated, finish: f, .. } = last else {
+    assert!(
+        matches!(events[0].body, Record::GenerationPrompt { .. }),
+        "{events:?}"
+    );
+    let Response::Generated {
+        events: n,
+        tokens_generated,
+        finish: f,
+        ..
+    } = last
+    else {
         panic!("{last:?}");
     };
     assert_eq!(n as usize, events.len());
@@ -94,7 +124,11 @@ fn uncut(seed: u64, max_tokens: u32) -> Vec<Token> {
 #[test]
 fn a_cut_generation_continued_draws_what_the_uncut_one_drew() {
     let whole = uncut(7, 200);
-    assert!(whole.len() > 150, "the story should run long: {} tokens", whole.len());
+    assert!(
+        whole.len() > 150,
+        "the story should run long: {} tokens",
+        whole.len()
+    );
     assert_eq!(uncut(7, 200), whole, "same seed, same tokens");
 
     let d = TestDaemon::start();
@@ -106,7 +140,13 @@ fn a_cut_generation_continued_draws_what_the_uncut_one_drew() {
         let (events, last) = generate(&mut c, cut, upto - done);
         tokens.extend(generated(&events).0);
         done = upto;
-        if matches!(last, Response::Generated { finish: finish::END_OF_TURN, .. }) {
+        if matches!(
+            last,
+            Response::Generated {
+                finish: finish::END_OF_TURN,
+                ..
+            }
+        ) {
             break;
         }
     }
@@ -125,30 +165,57 @@ fn cancel_busy_and_fork_while_generating() {
     let socket = d.socket.clone();
     let gen = std::thread::spawn(move || {
         let mut c = Client::connect(&socket).unwrap();
-        c.generate(&Request::Generate { session: s, max_tokens: 120 }).unwrap()
+        c.generate(&Request::Generate {
+            session: s,
+            max_tokens: 120,
+        })
+        .unwrap()
     });
     // Wait for the first committed chunk, then poke it from a second connection.
     let mut other = d.client();
     loop {
         let events = d.read_all(s);
-        if events.iter().any(|e| matches!(e.body, Record::Generated { .. })) {
+        if events
+            .iter()
+            .any(|e| matches!(e.body, Record::Generated { .. }))
+        {
             break;
         }
         std::thread::sleep(Duration::from_millis(5));
     }
     let busy = expect_err(
         &mut other,
-        &Request::AppendMessage { session: s, role: role::USER, text: "hi".into() },
+        &Request::AppendMessage {
+            session: s,
+            role: role::USER,
+            text: "hi".into(),
+        },
     );
     assert!(busy.contains("SessionBusy"), "{busy}");
     let at = d.read_all(s).len() as u64;
-    let fork = created(&mut other, Request::Fork { session: s, at_event: at, params: None });
+    let fork = created(
+        &mut other,
+        Request::Fork {
+            session: s,
+            at_event: at,
+            params: None,
+        },
+    );
     assert_eq!(d.read_all(fork).len() as u64, at + 1);
-    assert_eq!(other.call(&Request::Cancel { session: s }).unwrap(), Response::Cancelling);
+    assert_eq!(
+        other.call(&Request::Cancel { session: s }).unwrap(),
+        Response::Cancelling
+    );
     let replies = gen.join().unwrap();
     let last = replies.last().unwrap();
     assert!(
-        matches!(last, Response::Generated { finish: finish::CANCELLED, .. }),
+        matches!(
+            last,
+            Response::Generated {
+                finish: finish::CANCELLED,
+                ..
+            }
+        ),
         "{last:?}"
     );
     // Nothing is generating now.
@@ -172,14 +239,23 @@ fn four_sessions_progress_in_the_same_decode_steps() {
             let socket = d.socket.clone();
             std::thread::spawn(move || {
                 let mut c = Client::connect(&socket).unwrap();
-                c.generate(&Request::Generate { session: s, max_tokens: 40 }).unwrap()
+                c.generate(&Request::Generate {
+                    session: s,
+                    max_tokens: 40,
+                })
+                .unwrap()
             })
         })
         .collect();
     for t in threads {
-        assert!(matches!(t.join().unwrap().last(), Some(Response::Generated { .. })));
+        assert!(matches!(
+            t.join().unwrap().last(),
+            Some(Response::Generated { .. })
+        ));
     }
-    let Response::Text { text } = d.call(&Request::Metrics) else { panic!() };
+    let Response::Text { text } = d.call(&Request::Metrics) else {
+        panic!()
+    };
     let value = |name: &str| -> u64 {
         text.lines()
             .find(|l| l.starts_with(&format!("{name} ")))
@@ -187,10 +263,17 @@ fn four_sessions_progress_in_the_same_decode_steps() {
             .and_then(|v| v.parse().ok())
             .unwrap_or_else(|| panic!("{name} missing in {text}"))
     };
-    assert_eq!(value("superfluid_decode_max_sequences_per_step"), 4, "{text}");
+    assert_eq!(
+        value("superfluid_decode_max_sequences_per_step"),
+        4,
+        "{text}"
+    );
     let steps = value("superfluid_decode_steps_total");
     let seq_steps = value("superfluid_decode_sequence_steps_total");
-    assert!(seq_steps >= 3 * steps, "sessions shared steps: {seq_steps} over {steps} steps");
+    assert!(
+        seq_steps >= 3 * steps,
+        "sessions shared steps: {seq_steps} over {steps} steps"
+    );
 }
 
 #[test]
@@ -201,10 +284,17 @@ fn worker_killed_mid_generation() {
     let socket = d.socket.clone();
     let gen = std::thread::spawn(move || {
         let mut c = Client::connect(&socket).unwrap();
-        c.generate(&Request::Generate { session: s, max_tokens: 400 }).unwrap()
+        c.generate(&Request::Generate {
+            session: s,
+            max_tokens: 400,
+        })
+        .unwrap()
     });
     loop {
-        if d.read_all(s).iter().any(|e| matches!(e.body, Record::Generated { .. })) {
+        if d.read_all(s)
+            .iter()
+            .any(|e| matches!(e.body, Record::Generated { .. }))
+        {
             break;
         }
         std::thread::sleep(Duration::from_millis(5));
@@ -213,7 +303,10 @@ fn worker_killed_mid_generation() {
     unsafe { libc::kill(worker as i32, libc::SIGKILL) };
     let replies = gen.join().unwrap();
     let last = replies.last().unwrap();
-    assert!(matches!(last, Response::Err { message } if message.contains("worker")), "{last:?}");
+    assert!(
+        matches!(last, Response::Err { message } if message.contains("worker")),
+        "{last:?}"
+    );
     // The daemon stays up, the log reads back whole, the session goes on.
     let before = d.read_all(s);
     assert!(before.iter().all(|e| e.event_id < before.len() as u64));
@@ -247,9 +340,27 @@ fn bad_generate_requests() {
     let s = asked(&mut c, params(1), "hi");
     let before = d.wal_bytes();
     for (req, words) in [
-        (Request::Generate { session: s, max_tokens: 0 }, "max_tokens"),
-        (Request::Generate { session: s, max_tokens: u32::MAX }, "max_tokens"),
-        (Request::Generate { session: 999, max_tokens: 5 }, "unknown session"),
+        (
+            Request::Generate {
+                session: s,
+                max_tokens: 0,
+            },
+            "max_tokens",
+        ),
+        (
+            Request::Generate {
+                session: s,
+                max_tokens: u32::MAX,
+            },
+            "max_tokens",
+        ),
+        (
+            Request::Generate {
+                session: 999,
+                max_tokens: 5,
+            },
+            "unknown session",
+        ),
     ] {
         let replies = c.generate(&req).unwrap();
         match replies.last().unwrap() {
@@ -257,19 +368,34 @@ fn bad_generate_requests() {
             other => panic!("{req:?}: {other:?}"),
         }
     }
-    assert_eq!(d.wal_bytes(), before, "refused requests leave the log alone");
+    assert_eq!(
+        d.wal_bytes(),
+        before,
+        "refused requests leave the log alone"
+    );
     let gen = match c.call(&Request::Inspect { session: s }).unwrap() {
         Response::Inspection { inspection } => inspection.generation,
         other => panic!("{other:?}"),
     };
     let Response::Purged { .. } = c
-        .call(&Request::Purge { session: s, expected_generation: gen, mode: superfluid::wire::PurgeMode::Cascade })
+        .call(&Request::Purge {
+            session: s,
+            expected_generation: gen,
+            mode: superfluid::wire::PurgeMode::Cascade,
+        })
         .unwrap()
     else {
         panic!()
     };
-    let replies = c.generate(&Request::Generate { session: s, max_tokens: 5 }).unwrap();
-    assert!(matches!(replies.last(), Some(Response::Err { message }) if message.contains("purged")));
+    let replies = c
+        .generate(&Request::Generate {
+            session: s,
+            max_tokens: 5,
+        })
+        .unwrap();
+    assert!(
+        matches!(replies.last(), Some(Response::Err { message }) if message.contains("purged"))
+    );
     // A missing params field is refused when parsing.
     let err = serde_json::from_str::<Request>(r#"{"Create":{"parent":null}}"#).unwrap_err();
     assert!(err.to_string().contains("params"));
