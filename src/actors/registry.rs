@@ -32,6 +32,8 @@ pub struct Dispatch(pub Request);
 pub struct DispatchStream {
     pub request: Request,
     pub reply: tokio::sync::mpsc::Sender<Response>,
+    /// Generate only: also stream provisional text (see `SessionStream`).
+    pub provisional: bool,
 }
 
 /// How many session actors are running (for tests and metrics).
@@ -221,6 +223,7 @@ impl Handler<DispatchStream> for Registry {
         self.actor(id).do_send(SessionStream {
             request: msg.request,
             reply: msg.reply,
+            provisional: msg.provisional,
         });
     }
 }

@@ -38,6 +38,10 @@ pub struct SessionRequest(pub Request);
 pub struct SessionStream {
     pub request: Request,
     pub reply: mpsc::Sender<Response>,
+    /// Also send the text drawn ahead of its commit, as
+    /// `SubProvisional { sub: 0, channel, text }` (the browser transport's
+    /// `provisional` events).
+    pub provisional: bool,
 }
 
 /// Replies a generation may queue for its client before it is judged gone:
@@ -57,6 +61,7 @@ struct Running {
     finish: Option<u8>,
     failed: Option<String>,
     cancel_requested: bool,
+    provisional: bool,
 }
 
 pub struct SessionActor {
@@ -164,6 +169,7 @@ impl SessionActor {
         &mut self,
         max_tokens: u32,
         reply: mpsc::Sender<Response>,
+        provisional: bool,
         ctx: &mut Context<Self>,
     ) {
         let n_ctx = self.shared.n_ctx;
@@ -195,6 +201,7 @@ impl SessionActor {
             finish: None,
             failed: None,
             cancel_requested: false,
+            provisional,
         }));
         let shared = self.shared.clone();
         let id = self.id;
@@ -356,7 +363,7 @@ impl Handler<SessionStream> for SessionActor {
                     )));
                     return;
                 }
-                self.start_generation(max_tokens, msg.reply, ctx);
+                self.start_generation(max_tokens, msg.reply, msg.provisional, ctx);
             }
             other => {
                 let _ = msg
@@ -378,8 +385,27 @@ impl Handler<GenUpdate> for SessionActor {
             GenEvent::Token { token, .. } => {
                 let eog = render.is_eog(token);
                 let piece = if eog { Vec::new() } else { render.piece(token) };
+                let before = r.output.provisional().map(|(c, t)| (c, t.len()));
                 let records = r.output.push(token, &piece, eog, now_ms());
+                let cut = !records.is_empty();
                 r.queue.extend(records);
+                if r.provisional {
+                    // The text this token added ahead of its commit.
+                    if let Some((channel, text)) = r.output.provisional() {
+                        let seen = match before {
+                            Some((c, n)) if !cut && c == channel && n <= text.len() => n,
+                            _ => 0,
+                        };
+                        let new = text.get(seen..).unwrap_or_default().to_string();
+                        if !new.is_empty() {
+                            self.tell(Response::SubProvisional {
+                                sub: 0,
+                                channel,
+                                text: new,
+                            });
+                        }
+                    }
+                }
             }
             GenEvent::Finished { finish, .. } => {
                 let records = r.output.finish(finish, now_ms());

@@ -128,7 +128,11 @@ async fn connection(mut stream: UnixStream, registry: Addr<Registry>) {
             // Stream the replies until the last; if the client goes away,
             // dropping the receiver cancels the generation.
             let (tx, mut rx) = tokio::sync::mpsc::channel(STREAM_REPLY_CAPACITY);
-            registry.do_send(DispatchStream { request, reply: tx });
+            registry.do_send(DispatchStream {
+                request,
+                reply: tx,
+                provisional: false,
+            });
             while let Some(response) = rx.recv().await {
                 if send(&mut stream, &response).await.is_err() {
                     return;
