@@ -12,6 +12,7 @@
 //! and no lock is held across an await.
 
 pub mod lane;
+pub mod oneshot;
 pub mod registry;
 pub mod scheduler;
 pub mod session;

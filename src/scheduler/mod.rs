@@ -46,10 +46,13 @@ pub struct Admit {
 /// What the scheduler tells the generation's owner.
 #[derive(Debug, Clone, PartialEq)]
 pub enum GenEvent {
-    /// It got a sequence; `warm_prefix` prompt tokens came from the KV.
+    /// It got a sequence; `warm_prefix` prompt tokens came from the KV, and
+    /// `evicted` cached tokens were dropped to make way for it (cells that
+    /// no longer matched its prompt, and idle sequences cleared for room).
     Started {
         gen: GenId,
         warm_prefix: u64,
+        evicted: u64,
     },
     Token {
         gen: GenId,
@@ -267,6 +270,7 @@ impl SchedulerState {
                 .unwrap_or((dst, 0));
             // The last prompt token is decoded again for its logits.
             let keep = common.min(prompt.len() - 1);
+            let old = self.seqs[dst].resident.clone();
             if src != dst && keep > lcp(&self.seqs[dst].resident, &prompt).min(prompt.len() - 1) {
                 ops.push(WorkerRequest::KvCopy {
                     src: src as u32,
@@ -285,6 +289,7 @@ impl SchedulerState {
                 }
             }
             let warm = self.seqs[dst].resident.len() as u64;
+            let mut evicted = (old.len() - lcp(&old, &self.seqs[dst].resident)) as u64;
             // Make room: evict idle sequences, least recently used first.
             let need = prompt.len() as u64 + 1 - warm;
             while self.resident_total(usize::MAX) + need > self.n_ctx as u64 {
@@ -296,6 +301,7 @@ impl SchedulerState {
                     .min_by_key(|(_, s)| s.last_used)
                     .map(|(i, _)| i);
                 let Some(v) = victim else { break };
+                evicted += self.seqs[v].resident.len() as u64;
                 ops.push(WorkerRequest::KvClear { seq: v as u32 });
                 self.seqs[v] = Seq::default();
             }
@@ -308,6 +314,7 @@ impl SchedulerState {
             events.push(GenEvent::Started {
                 gen,
                 warm_prefix: warm,
+                evicted,
             });
         }
     }

@@ -65,7 +65,8 @@ fn second_turn_prefills_only_new_tokens() {
     let events = run_to_end(&mut s);
     assert!(events.contains(&GenEvent::Started {
         gen: g,
-        warm_prefix: 0
+        warm_prefix: 0,
+        evicted: 0
     }));
     assert!(events.contains(&GenEvent::Finished {
         gen: g,
@@ -80,7 +81,8 @@ fn second_turn_prefills_only_new_tokens() {
     let (step, events) = step_with(&mut s, |_| 9);
     assert!(events.contains(&GenEvent::Started {
         gen: g2,
-        warm_prefix: 6
+        warm_prefix: 6,
+        evicted: 0
     }));
     let step = step.unwrap();
     assert_eq!(step.decode[0].pos, 6);
@@ -92,10 +94,15 @@ fn same_prompt_again_redecodes_only_the_last_token() {
     let mut s = SchedulerState::new(4096, 1, 512);
     s.admit(admit(1, &[1, 2, 3], 1)).unwrap();
     run_to_end(&mut s);
-    s.admit(admit(1, &[1, 2, 3], 1)).unwrap();
-    let (step, _) = step_with(&mut s, |_| 5);
+    let g = s.admit(admit(1, &[1, 2, 3], 1)).unwrap();
+    let (step, events) = step_with(&mut s, |_| 5);
     let step = step.unwrap();
     assert_eq!(step.ops, vec![WorkerRequest::KvTrim { seq: 0, from: 2 }]);
+    assert!(events.contains(&GenEvent::Started {
+        gen: g,
+        warm_prefix: 2,
+        evicted: 1
+    }));
     assert_eq!(
         (step.decode[0].pos, step.decode[0].tokens.clone()),
         (2, vec![3])
@@ -120,7 +127,8 @@ fn fork_starts_from_a_copy_of_its_parents_cells() {
     );
     assert!(events.contains(&GenEvent::Started {
         gen: g,
-        warm_prefix: 5
+        warm_prefix: 5,
+        evicted: 0
     }));
     assert_eq!(step.decode[0].tokens, vec![6]);
     // The parent's sequence is untouched.
@@ -245,7 +253,8 @@ fn qos_and_background_rate_and_batch_invariance() {
     assert!(
         events.contains(&GenEvent::Started {
             gen: high,
-            warm_prefix: 0
+            warm_prefix: 0,
+            evicted: 0
         }),
         "class 0 admitted first"
     );
