@@ -137,6 +137,9 @@ impl Render for ModelRender {
     fn template_source(&self) -> String {
         self.vocab.chat_template().unwrap_or_default()
     }
+    fn fim(&self) -> Option<[Token; 3]> {
+        self.vocab.fim().map(|f| [f.pre, f.suf, f.mid])
+    }
 }
 
 /// Replays the log into a new book.

@@ -7,15 +7,20 @@
 //!   ones about no session, starts session actors on demand and stops idle ones.
 //! - [`session::SessionActor`]: one per session; runs that session's requests
 //!   one at a time, in order.
+//! - [`subscription::SubscriptionActor`]: one per `Subscribe`; sends the
+//!   backlog, then what [`bus::Bus`] publishes after each commit.
 //!
 //! **No actor blocks its arbiter**: fsync runs on the WAL writer's thread,
 //! and no lock is held across an await.
 
+pub mod complete;
+pub mod bus;
 pub mod lane;
 pub mod oneshot;
 pub mod registry;
 pub mod scheduler;
 pub mod session;
+pub mod subscription;
 pub mod wal;
 
 use std::sync::{Arc, RwLock};
@@ -38,6 +43,8 @@ pub struct Shared {
     pub scheduler: Addr<scheduler::SchedulerActor>,
     /// The lane's context size: the most a generation may ask for.
     pub n_ctx: u32,
+    /// Committed events, published to live subscriptions.
+    pub bus: bus::Bus,
 }
 
 /// Milliseconds since the Unix epoch.
@@ -69,8 +76,16 @@ impl Shared {
             .await
             .map_err(|e| format!("the log writer is gone: {e}"))?
             .map_err(|e| e.to_string())?;
-        self.write()
-            .apply(&record)
-            .map_err(|e| format!("internal error applying a committed record: {e}"))
+        let mut book = self.write();
+        book.apply(&record)
+            .map_err(|e| format!("internal error applying a committed record: {e}"))?;
+        // Published with the book still locked: a subscriber registers under
+        // the read lock, then reads its backlog, so it sees every event.
+        match &record {
+            LogRecord::Events { session, events } => self.bus.publish_events(*session, events),
+            LogRecord::Purge { sessions, .. } => self.bus.publish_purge(sessions),
+            _ => {}
+        }
+        Ok(())
     }
 }

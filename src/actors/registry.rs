@@ -295,6 +295,14 @@ impl Handler<Dispatch> for Registry {
                     .do_send(super::scheduler::SetBackgroundRate(divisor));
                 reply(Response::Ack)
             }
+            Request::Complete {
+                prefix,
+                suffix,
+                mode,
+                max_tokens,
+            } => Box::pin(async move {
+                super::complete::complete(&shared, prefix, suffix, mode, max_tokens).await
+            }),
             other => reply(Response::err(format!(
                 "{} is not served by this daemon yet",
                 name(&other)

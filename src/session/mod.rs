@@ -51,6 +51,9 @@ pub trait Render: Send + Sync {
     fn is_eog(&self, token: Token) -> bool;
     /// The chat template's source (to find its thinking and tool markers).
     fn template_source(&self) -> String;
+    /// The fill-in-the-middle tokens `[prefix, suffix, middle]`, if the
+    /// model has them.
+    fn fim(&self) -> Option<[Token; 3]>;
 }
 
 /// Why the book refused a request. Each becomes `Err { message }` at the edge.

@@ -400,3 +400,66 @@ fn bad_generate_requests() {
     let err = serde_json::from_str::<Request>(r#"{"Create":{"parent":null}}"#).unwrap_err();
     assert!(err.to_string().contains("params"));
 }
+
+#[test]
+fn complete_fills_in_the_middle_on_a_model_with_fim_tokens() {
+    let mut d = TestDaemon::new();
+    d.model = crate::util::derived_model("SmolLM2-135M-fim.gguf");
+    d.spawn_and_wait();
+    let mut c = d.client();
+    let before = d.wal_bytes();
+    for mode in [0u8, 1] {
+        let reply = c
+            .call(&Request::Complete {
+                prefix: "def add(a, b):\n    return ".into(),
+                suffix: "\n\nprint(add(1, 2))\n".into(),
+                mode,
+                max_tokens: 12,
+            })
+            .unwrap();
+        let Response::Completion { tokens, cached, .. } = reply else {
+            panic!("mode {mode}: {reply:?}");
+        };
+        assert!(tokens > 0 && tokens <= 12);
+        let _ = cached;
+    }
+    // The same request again starts from the cache.
+    let req = Request::Complete {
+        prefix: "def add(a, b):\n    return ".into(),
+        suffix: "\n".into(),
+        mode: 0,
+        max_tokens: 4,
+    };
+    c.call(&req).unwrap();
+    let Response::Completion { cached, .. } = c.call(&req).unwrap() else {
+        panic!()
+    };
+    assert!(cached > 5, "a repeated prompt is warm: {cached}");
+    let bad = expect_err(
+        &mut c,
+        &Request::Complete {
+            prefix: "a".into(),
+            suffix: "b".into(),
+            mode: 2,
+            max_tokens: 4,
+        },
+    );
+    assert!(bad.contains("mode"), "{bad}");
+    assert_eq!(d.wal_bytes(), before, "completions are not recorded");
+}
+
+#[test]
+fn complete_on_a_model_without_fim_tokens_is_a_clear_err() {
+    let d = TestDaemon::start();
+    let mut c = d.client();
+    let msg = expect_err(
+        &mut c,
+        &Request::Complete {
+            prefix: "a".into(),
+            suffix: "b".into(),
+            mode: 0,
+            max_tokens: 4,
+        },
+    );
+    assert!(msg.contains("fill-in-the-middle"), "{msg}");
+}

@@ -37,6 +37,18 @@ pub fn model_path() -> PathBuf {
     path
 }
 
+/// A test model scripts/make-test-models.py derives from the default one
+/// (`SmolLM2-135M-tools-think.gguf`, `SmolLM2-135M-fim.gguf`), beside it.
+pub fn derived_model(name: &str) -> PathBuf {
+    let path = model_path().with_file_name(name);
+    assert!(
+        path.is_file(),
+        "the test model {} is missing: run scripts/setup.sh",
+        path.display()
+    );
+    path
+}
+
 pub fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_superfluid")
 }
@@ -68,6 +80,8 @@ pub struct TestDaemon {
     starts: u32,
     /// Extra arguments of `serve` (e.g. `--sessions-cache`).
     pub extra_args: Vec<String>,
+    /// The model `serve` loads (the default model unless a test sets another).
+    pub model: PathBuf,
 }
 
 impl TestDaemon {
@@ -86,6 +100,7 @@ impl TestDaemon {
             child: None,
             starts: 0,
             extra_args: Vec::new(),
+            model: model_path(),
         }
     }
 
@@ -122,7 +137,7 @@ impl TestDaemon {
         let (out, err) = self.out_paths(self.starts);
         let child = Command::new(bin())
             .arg("serve")
-            .arg(model_path())
+            .arg(&self.model)
             .arg("--sessions")
             .arg(sessions)
             .arg("--socket")

@@ -45,6 +45,9 @@ impl Render for Bytes {
     fn template_source(&self) -> String {
         String::new()
     }
+    fn fim(&self) -> Option<[Token; 3]> {
+        None
+    }
 }
 
 const P: Params = Params {

@@ -1,0 +1,130 @@
+//! `Complete`: fill-in-the-middle on the lane without a session log.
+//!
+//! The prompt is laid out with the model's own FIM tokens: PSM (mode 0) is
+//! `<pre> prefix <suf> suffix <mid>`, SPM (mode 1) is `<suf> suffix <pre>
+//! prefix <mid>`. Decoding is greedy; nothing is recorded in the log. The
+//! prompt goes through the cache like any generation: `cached` counts the
+//! prompt tokens that came from the KV, `expired` the cached tokens this
+//! request dropped (cells that no longer matched, sequences cleared for room).
+
+use super::oneshot;
+use super::Shared;
+use crate::scheduler::GenEvent;
+use crate::wire::{Params, Response, Token};
+
+/// Greedy: a completion has no sampling parameters.
+const FIM_PARAMS: Params = Params {
+    temperature: 0.0,
+    top_p: 1.0,
+    min_p: 0.0,
+    top_k: 0,
+    seed: 0,
+};
+
+/// Lays out a FIM prompt. `fim` is `[prefix, suffix, middle]`.
+pub fn fim_prompt(
+    fim: [Token; 3],
+    prefix: &[Token],
+    suffix: &[Token],
+    mode: u8,
+) -> Result<Vec<Token>, String> {
+    let [pre, suf, mid] = fim;
+    let mut out = Vec::with_capacity(prefix.len() + suffix.len() + 3);
+    match mode {
+        0 => {
+            out.push(pre);
+            out.extend_from_slice(prefix);
+            out.push(suf);
+            out.extend_from_slice(suffix);
+        }
+        1 => {
+            out.push(suf);
+            out.extend_from_slice(suffix);
+            out.push(pre);
+            out.extend_from_slice(prefix);
+        }
+        m => return Err(format!("mode {m} is not 0 (PSM) or 1 (SPM)")),
+    }
+    out.push(mid);
+    Ok(out)
+}
+
+/// Runs one `Complete`.
+pub async fn complete(
+    shared: &Shared,
+    prefix: String,
+    suffix: String,
+    mode: u8,
+    max_tokens: u32,
+) -> Response {
+    let render = shared.render.clone();
+    let Some(fim) = render.fim() else {
+        return Response::err(
+            "this model has no fill-in-the-middle tokens (its GGUF names no \
+             tokenizer.ggml.fim_pre/suf/mid_token_id), so it cannot Complete",
+        );
+    };
+    if max_tokens == 0 || max_tokens > shared.n_ctx {
+        return Response::err(format!(
+            "max_tokens must be between 1 and the context size ({})",
+            shared.n_ctx
+        ));
+    }
+    let prompt = match fim_prompt(
+        fim,
+        &render.tokenize(&prefix),
+        &render.tokenize(&suffix),
+        mode,
+    ) {
+        Ok(p) => p,
+        Err(e) => return Response::err(e),
+    };
+    let mut rx =
+        match oneshot::generate_stream(&shared.scheduler, prompt, FIM_PARAMS, max_tokens, None)
+            .await
+        {
+            Ok(rx) => rx,
+            Err(e) => return Response::err(e),
+        };
+    let (mut tokens, mut cached, mut expired) = (Vec::new(), 0, 0);
+    while let Some(e) = rx.recv().await {
+        match e {
+            GenEvent::Started {
+                warm_prefix,
+                evicted,
+                ..
+            } => (cached, expired) = (warm_prefix, evicted),
+            GenEvent::Token { token, .. } => tokens.push(token),
+            GenEvent::Finished { .. } => break,
+            GenEvent::Failed { message, .. } => return Response::err(message),
+        }
+    }
+    let generated = tokens.len() as u64;
+    let text_tokens: Vec<Token> = tokens.into_iter().filter(|&t| !render.is_eog(t)).collect();
+    Response::Completion {
+        text: render.detokenize(&text_tokens),
+        tokens: generated,
+        cached,
+        expired,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn psm_and_spm_layouts() {
+        let fim = [11, 12, 13];
+        assert_eq!(
+            fim_prompt(fim, &[1, 2], &[3], 0).unwrap(),
+            vec![11, 1, 2, 12, 3, 13]
+        );
+        assert_eq!(
+            fim_prompt(fim, &[1, 2], &[3], 1).unwrap(),
+            vec![12, 3, 11, 1, 2, 13]
+        );
+        assert!(fim_prompt(fim, &[], &[], 2).is_err());
+        assert_eq!(fim_prompt(fim, &[], &[], 0).unwrap(), vec![11, 12, 13]);
+    }
+}
