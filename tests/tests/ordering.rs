@@ -79,6 +79,7 @@ fn no_reply_before_the_fsync_that_covers_it() {
             wal,
             scheduler,
             n_ctx: worker.n_ctx,
+            bus: Default::default(),
         };
         let registry = Registry::new(shared.clone()).start();
         let session = match registry
