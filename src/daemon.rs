@@ -214,6 +214,7 @@ async fn run(
         wal: wal.clone(),
         scheduler,
         n_ctx: w.n_ctx,
+        bus: Default::default(),
     };
     let boot = shared.read().plan_boot(now_ms());
     shared

@@ -534,6 +534,7 @@ fn request_index(r: &Request) -> u8 {
         GcMedia => 32,
         SetLogLevel { .. } => 33,
         Metrics => 34,
+        SetToolChoice { .. } => 35,
     }
 }
 
@@ -681,6 +682,10 @@ fn all_requests() -> Vec<Request> {
             directive: "superfluid=debug".into(),
         },
         Metrics,
+        SetToolChoice {
+            session: 1,
+            choice: "required".into(),
+        },
     ]
 }
 
@@ -870,6 +875,7 @@ fn record_index(r: &Record) -> u8 {
         System { .. } => 16,
         Image { .. } => 17,
         Block { .. } => 18,
+        ToolChoice { .. } => 19,
     }
 }
 
@@ -958,6 +964,9 @@ fn all_records() -> Vec<Record> {
             kind: "thinking".into(),
             payload: "hmm".into(),
             span: vec![7],
+        },
+        ToolChoice {
+            choice: "get_weather".into(),
         },
     ]
 }

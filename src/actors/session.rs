@@ -21,6 +21,7 @@ use tokio::sync::mpsc;
 use super::scheduler::{AdmitGen, CancelGen, GenUpdate};
 use super::{now_ms, Shared};
 use crate::scheduler::{Admit, GenEvent, GenId};
+use crate::session::grammar::forced_call;
 use crate::session::output::Markers;
 use crate::session::turn::TurnOutput;
 use crate::session::{Planned, SessionError, TurnState};
@@ -62,6 +63,8 @@ struct Running {
     failed: Option<String>,
     cancel_requested: bool,
     provisional: bool,
+    /// A grammar forces a tool call: its end is reported as finish 3.
+    forced: bool,
 }
 
 pub struct SessionActor {
@@ -202,6 +205,7 @@ impl SessionActor {
             failed: None,
             cancel_requested: false,
             provisional,
+            forced: false,
         }));
         let shared = self.shared.clone();
         let id = self.id;
@@ -238,6 +242,16 @@ impl SessionActor {
                 )
             };
             let params = shared.read().params(id).map_err(|e| e.to_string())?;
+            // A forced tool call: a grammar over the declared tools' names.
+            let forced = shared.read().forced_tools(id).map_err(|e| e.to_string())?;
+            let grammar = match forced {
+                Some(names) => Some(forced_call(
+                    &names,
+                    think_close.as_deref().filter(|_| in_reasoning),
+                )?),
+                None => None,
+            };
+            let forced = grammar.is_some();
             let admit = Admit {
                 session: id,
                 prompt,
@@ -245,21 +259,22 @@ impl SessionActor {
                 max_tokens,
                 class: qos.0,
                 batch_invariant: qos.1,
-                grammar: None,
+                grammar,
             };
             let gen = shared
                 .scheduler
                 .send(AdmitGen { admit, owner })
                 .await
                 .map_err(|e| format!("the scheduler is gone: {e}"))??;
-            Ok::<_, String>((prompt_event, in_reasoning, gen))
+            Ok::<_, String>((prompt_event, in_reasoning, gen, forced))
         };
         ctx.wait(
             fut.into_actor(self)
                 .map(move |result, this, ctx| match result {
-                    Ok((prompt_event, in_reasoning, gen)) => {
+                    Ok((prompt_event, in_reasoning, gen, forced)) => {
                         if let Some(r) = &mut this.running {
                             r.gen = Some(gen);
+                            r.forced = forced;
                             r.output = TurnOutput::new(markers, in_reasoning);
                             if prompt_event.is_some() {
                                 r.events += 1;
@@ -310,6 +325,7 @@ fn appends(req: &Request) -> bool {
             | Request::RequestPermission { .. }
             | Request::RespondPermission { .. }
             | Request::SetQos { .. }
+            | Request::SetToolChoice { .. }
             | Request::Purge { .. }
             | Request::Generate { .. }
     )
@@ -408,6 +424,11 @@ impl Handler<GenUpdate> for SessionActor {
                 }
             }
             GenEvent::Finished { finish, .. } => {
+                let finish = if r.forced && finish == finish::END_OF_TURN {
+                    finish::GRAMMAR
+                } else {
+                    finish
+                };
                 let records = r.output.finish(finish, now_ms());
                 r.queue.extend(records);
                 r.finish = Some(finish);
@@ -650,6 +671,10 @@ async fn handle(shared: &Shared, req: Request) -> Response {
             let p = shared
                 .read()
                 .plan_permission_response(session, request_id, granted, now);
+            commit_event(shared, p).await
+        }
+        Request::SetToolChoice { session, choice } => {
+            let p = shared.read().plan_tool_choice(session, choice, now);
             commit_event(shared, p).await
         }
         Request::SetQos {

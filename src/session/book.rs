@@ -191,6 +191,7 @@ fn is_input(r: &Record) -> bool {
             | Record::Forked { .. }
             | Record::Rebased { .. }
             | Record::Qos { .. }
+            | Record::ToolChoice { .. }
             | Record::EpochBump
     )
 }
@@ -372,6 +373,53 @@ impl SessionBook {
             .unwrap_or((0, false)))
     }
 
+    /// `SetToolChoice`: "auto", "required", or a declared tool's name.
+    pub fn plan_tool_choice(
+        &self,
+        s: SessionId,
+        choice: String,
+        now: u64,
+    ) -> Result<Planned, SessionError> {
+        self.live(s)?;
+        if choice != "auto" {
+            let names: Vec<String> = declared_tools(&self.all_events(s))
+                .iter()
+                .filter_map(|t| super::grammar::tool_name(t))
+                .collect();
+            if names.is_empty() {
+                return Err(SessionError::Invalid(format!(
+                    "session {s} declares no tools (AppendSystem), so no call can be forced"
+                )));
+            }
+            if choice != "required" && !names.contains(&choice) {
+                return Err(SessionError::Invalid(format!(
+                    "tool choice {choice:?} is not \"auto\", \"required\" or a declared tool ({})",
+                    names.join(", ")
+                )));
+            }
+        }
+        self.one_event(s, now, Record::ToolChoice { choice })
+    }
+
+    /// The names of the tools a generation must choose from, or None when
+    /// tool calls are not forced ("auto").
+    pub fn forced_tools(&self, s: SessionId) -> Result<Option<Vec<String>>, SessionError> {
+        let events = self.read(s, 0)?;
+        let choice = events.iter().rev().find_map(|e| match &e.body {
+            Record::ToolChoice { choice } => Some(choice.clone()),
+            _ => None,
+        });
+        let names: Vec<String> = declared_tools(&events)
+            .iter()
+            .filter_map(|t| super::grammar::tool_name(t))
+            .collect();
+        Ok(match choice.as_deref() {
+            None | Some("auto") => None,
+            Some("required") => Some(names),
+            Some(name) => Some(vec![name.to_string()]),
+        })
+    }
+
     /// Where the session's last turn stands. `think_close` is the template's
     /// closing thinking marker, if it has one.
     pub fn turn_state(
@@ -385,6 +433,7 @@ impl SessionBook {
                 Record::ToolUse { .. }
                 | Record::ToolParseFailure { .. }
                 | Record::EpochBump
+                | Record::ToolChoice { .. }
                 | Record::Qos { .. } => continue,
                 Record::GenerationPrompt { .. } => {
                     return Ok(TurnState::Open {

@@ -5,6 +5,7 @@
 //! tests with a fake.
 
 mod book;
+pub mod grammar;
 pub mod output;
 pub mod turn;
 

@@ -614,6 +614,19 @@ fn writer_loop(
     }
 }
 
+/// `SUPERFLUID_BENCH_NO_FSYNC=1` skips fdatasync: for benchmarks that
+/// measure what the fsync costs, never for data anyone keeps.
+fn fsync_disabled() -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *OFF.get_or_init(|| {
+        let off = std::env::var_os("SUPERFLUID_BENCH_NO_FSYNC").is_some_and(|v| v == "1");
+        if off {
+            log::warn!("SUPERFLUID_BENCH_NO_FSYNC=1: the log is NOT fsynced (benchmarks only)");
+        }
+        off
+    })
+}
+
 /// One write, one fdatasync, then every reply in order. On error, the group
 /// and every later request get `WriterFailed`: nothing is written past a failure.
 fn commit(
@@ -638,6 +651,9 @@ fn commit(
         .and_then(|()| {
             if let Some(hook) = before_sync {
                 hook();
+            }
+            if fsync_disabled() {
+                return Ok(());
             }
             file.file
                 .sync_data()

@@ -209,6 +209,11 @@ pub enum Record {
         payload: String,
         span: Vec<Token>,
     },
+    /// `SetToolChoice`: how later generations may call tools ("auto",
+    /// "required", or one tool's name).
+    ToolChoice {
+        choice: String,
+    },
 }
 
 impl Record {
@@ -249,6 +254,7 @@ impl Record {
             Record::System { .. } => "System",
             Record::Image { .. } => "Image",
             Record::Block { .. } => "Block",
+            Record::ToolChoice { .. } => "ToolChoice",
         }
     }
 }
@@ -427,6 +433,14 @@ pub enum Request {
         directive: String,
     },
     Metrics,
+    /// Not in the spec's table (an extension, docs/protocol.md): how the
+    /// session's later generations may call its declared tools: "auto" (the
+    /// default), "required" (a call to one of them is forced by a grammar),
+    /// or a tool's name (a call to that tool is forced).
+    SetToolChoice {
+        session: SessionId,
+        choice: String,
+    },
 }
 
 impl Request {
@@ -457,6 +471,7 @@ impl Request {
             | RequestPermission { session, .. }
             | RespondPermission { session, .. }
             | SetQos { session, .. }
+            | SetToolChoice { session, .. }
             | Pin { session, .. } => Some(*session),
             Create { .. }
             | List

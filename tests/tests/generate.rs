@@ -463,3 +463,183 @@ fn complete_on_a_model_without_fim_tokens_is_a_clear_err() {
     );
     assert!(msg.contains("fill-in-the-middle"), "{msg}");
 }
+
+const WEATHER: &str = r#"{"type":"function","function":{"name":"get_weather","description":"Current weather","parameters":{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}}}"#;
+
+/// A daemon on the test model whose template declares tools and opens each
+/// assistant turn inside a `<think>` block.
+fn tools_think_daemon() -> TestDaemon {
+    let mut d = TestDaemon::new();
+    d.model = crate::util::derived_model("SmolLM2-135M-tools-think.gguf");
+    d.spawn_and_wait();
+    d
+}
+
+#[test]
+fn reasoning_goes_on_channel_1() {
+    let d = tools_think_daemon();
+    let mut c = d.client();
+    let s = asked(&mut c, params(1), "What is 2 + 2?");
+    let first_channel = |events: &[Event]| {
+        events
+            .iter()
+            .find_map(|e| match &e.body {
+                Record::Generated { channel, .. } => Some(*channel),
+                _ => None,
+            })
+            .expect("a Generated event")
+    };
+    // Cut after 3 tokens, inside the thinking block the template opened.
+    let (events, last) = generate(&mut c, s, 3);
+    assert_eq!(
+        first_channel(&events),
+        superfluid::wire::channel::REASONING,
+        "{events:?}"
+    );
+    assert!(matches!(
+        last,
+        Response::Generated {
+            finish: finish::MAX_TOKENS,
+            ..
+        }
+    ));
+    let Response::Inspection { inspection } = c.call(&Request::Inspect { session: s }).unwrap()
+    else {
+        panic!()
+    };
+    assert!(inspection.open_turn);
+    // Continued, it goes on inside the thinking block: no new header.
+    let (events, _) = generate(&mut c, s, 3);
+    assert!(!events
+        .iter()
+        .any(|e| matches!(e.body, Record::GenerationPrompt { .. })));
+    assert_eq!(
+        first_channel(&events),
+        superfluid::wire::channel::REASONING,
+        "{events:?}"
+    );
+}
+
+#[test]
+fn forced_tool_call_round_trip() {
+    let d = tools_think_daemon();
+    let mut c = d.client();
+    let s = created(
+        &mut c,
+        Request::Create {
+            parent: None,
+            params: params(1),
+        },
+    );
+    commit(
+        &mut c,
+        Request::AppendSystem {
+            session: s,
+            text: Some("Answer with the tools.".into()),
+            tools: vec![WEATHER.into()],
+        },
+    );
+    commit(
+        &mut c,
+        Request::AppendMessage {
+            session: s,
+            role: role::USER,
+            text: "Is it raining in Paris?".into(),
+        },
+    );
+    // Forcing needs declared tools, and a known name.
+    let bad = expect_err(
+        &mut c,
+        &Request::SetToolChoice {
+            session: s,
+            choice: "nope".into(),
+        },
+    );
+    assert!(bad.contains("get_weather"), "{bad}");
+    commit(
+        &mut c,
+        Request::SetToolChoice {
+            session: s,
+            choice: "required".into(),
+        },
+    );
+    let (events, last) = generate(&mut c, s, 128);
+    assert!(
+        matches!(
+            last,
+            Response::Generated {
+                finish: finish::GRAMMAR,
+                ..
+            }
+        ),
+        "{last:?}"
+    );
+    let (call_id, arguments) = events
+        .iter()
+        .find_map(|e| match &e.body {
+            Record::ToolUse { name, arguments } if name == "get_weather" => {
+                Some((e.event_id, arguments.clone()))
+            }
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("no ToolUse in {events:?}"));
+    assert!(serde_json::from_str::<serde_json::Value>(&arguments)
+        .unwrap()
+        .is_object());
+    assert!(events
+        .iter()
+        .any(|e| matches!(e.body, Record::Generated { channel: 2, .. })));
+    let Response::ToolCalls { calls } = c.call(&Request::OpenToolCalls { session: s }).unwrap()
+    else {
+        panic!()
+    };
+    assert_eq!(calls, vec![(call_id, "get_weather".to_string(), arguments)]);
+    // Answer it; an unknown call id is refused.
+    let unknown = expect_err(
+        &mut c,
+        &Request::AppendToolResult {
+            session: s,
+            call_id: 9999,
+            content: "x".into(),
+        },
+    );
+    assert!(unknown.contains("no tool call"), "{unknown}");
+    let result = commit(
+        &mut c,
+        Request::AppendToolResult {
+            session: s,
+            call_id,
+            content: "Sunny, 21 C".into(),
+        },
+    );
+    let span = match &result.body {
+        Record::ToolResult { span, .. } => span.clone(),
+        other => panic!("{other:?}"),
+    };
+    assert!(!span.is_empty());
+    let again = expect_err(
+        &mut c,
+        &Request::AppendToolResult {
+            session: s,
+            call_id,
+            content: "x".into(),
+        },
+    );
+    assert!(again.contains("already answered"), "{again}");
+    let Response::ToolCalls { calls } = c.call(&Request::OpenToolCalls { session: s }).unwrap()
+    else {
+        panic!()
+    };
+    assert!(calls.is_empty());
+    // Back to auto: the model answers after the tool result, in a new turn.
+    commit(
+        &mut c,
+        Request::SetToolChoice {
+            session: s,
+            choice: "auto".into(),
+        },
+    );
+    let (events, last) = generate(&mut c, s, 32);
+    assert!(matches!(events[0].body, Record::GenerationPrompt { .. }));
+    assert!(matches!(last, Response::Generated { .. }), "{last:?}");
+}

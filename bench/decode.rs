@@ -1,0 +1,268 @@
+//! Decode benchmarks: superfluid through its socket against the raw engine
+//! in process, on the same model, threads and prompt, A/B alternated.
+//!
+//! `cargo bench --bench decode` (add `-- --quick` for a smoke run). Rows:
+//! - single stream: a ~40-token prompt, then up to 128 greedy tokens; the
+//!   wall time of the whole request (prefill included, the same prompt on
+//!   both sides), as generated tokens/s. Raw engine in process, the daemon
+//!   with fsynced commits, and the daemon with fsync off
+//!   (`SUPERFLUID_BENCH_NO_FSYNC=1`, benchmarks only).
+//! - 4 sessions generating at once: aggregate generated tokens/s.
+//!
+//! Every run's prompt starts with its run number, so no run finds another's
+//! prompt in the KV cache.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use superfluid::engine::raw::RawEngine;
+use superfluid::engine::vocab::Vocab;
+use superfluid::frontend::socket::Client;
+use superfluid::wire::worker::{DecodeItem, Sample, WorkerConfig, WorkerRequest, WorkerResponse};
+use superfluid::wire::{role, Params, Record, Request, Response, Token};
+
+const MAX_TOKENS: u32 = 128;
+const THREADS: u32 = 2;
+const CTX: u32 = 4096;
+const QUESTION: &str = "Write a short story about a lighthouse keeper and a storm.";
+
+fn greedy() -> Params {
+    Params {
+        temperature: 0.0,
+        top_p: 1.0,
+        min_p: 0.0,
+        top_k: 0,
+        seed: 1,
+    }
+}
+
+fn model() -> PathBuf {
+    std::env::var_os("SUPERFLUID_TEST_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").expect("HOME"))
+                .join(".cache/superfluid/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+        })
+}
+
+struct Daemon {
+    child: Child,
+    socket: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Daemon {
+    fn start(no_fsync: bool) -> Daemon {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let socket = dir.path().join("sf.sock");
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_superfluid"));
+        cmd.arg("serve")
+            .arg(model())
+            .arg("--sessions")
+            .arg(dir.path().join("sessions"))
+            .arg("--socket")
+            .arg(&socket)
+            .args(["--threads", &THREADS.to_string()])
+            .args(["--ctx-size", &CTX.to_string()])
+            .args(["--parallel", "4"])
+            .env("OMP_WAIT_POLICY", "passive")
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        if no_fsync {
+            cmd.env("SUPERFLUID_BENCH_NO_FSYNC", "1");
+        }
+        let child = cmd.spawn().expect("spawn superfluid serve");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(mut c) = Client::connect(&socket) {
+                if matches!(c.call(&Request::List), Ok(Response::Sessions { .. })) {
+                    break;
+                }
+            }
+            assert!(Instant::now() < deadline, "the daemon did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // Let the worker load before timing anything.
+        std::thread::sleep(Duration::from_millis(500));
+        Daemon {
+            child,
+            socket,
+            _dir: dir,
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn expect_session(r: Response) -> u64 {
+    match r {
+        Response::Created { session } => session,
+        other => panic!("{other:?}"),
+    }
+}
+
+/// One session asked one question; returns (its prompt tokens, generated
+/// tokens, seconds).
+fn daemon_run(socket: &Path, run: usize) -> (Vec<Token>, u64, f64) {
+    let mut c = Client::connect(socket).expect("connect");
+    let s = expect_session(
+        c.call(&Request::Create {
+            parent: None,
+            params: greedy(),
+        })
+        .unwrap(),
+    );
+    for (r, text) in [
+        (
+            role::SYSTEM,
+            format!("Run {run}. You are a helpful assistant."),
+        ),
+        (role::USER, QUESTION.to_string()),
+    ] {
+        let reply = c
+            .call(&Request::AppendMessage {
+                session: s,
+                role: r,
+                text,
+            })
+            .unwrap();
+        assert!(matches!(reply, Response::Committed { .. }), "{reply:?}");
+    }
+    let start = Instant::now();
+    let replies = c
+        .generate(&Request::Generate {
+            session: s,
+            max_tokens: MAX_TOKENS,
+        })
+        .unwrap();
+    let secs = start.elapsed().as_secs_f64();
+    let tokens = match replies.last() {
+        Some(Response::Generated {
+            tokens_generated, ..
+        }) => *tokens_generated,
+        other => panic!("{other:?}"),
+    };
+    let Response::Events { events } = c
+        .call(&Request::Read {
+            session: s,
+            cursor: 0,
+        })
+        .unwrap()
+    else {
+        panic!()
+    };
+    let prompt: Vec<Token> = events
+        .iter()
+        .take_while(|e| !matches!(e.body, Record::Generated { .. }))
+        .flat_map(|e| e.body.span().to_vec())
+        .collect();
+    (prompt, tokens, secs)
+}
+
+/// The same prompt and token count on the raw engine, in process.
+fn raw_run(engine: &mut RawEngine, prompt: &[Token], tokens: u64) -> f64 {
+    let start = Instant::now();
+    let mut items = vec![DecodeItem {
+        seq: 0,
+        pos: 0,
+        tokens: prompt.to_vec(),
+        sample: Some(Sample {
+            params: greedy(),
+            draw_pos: prompt.len() as u64,
+            grammar: None,
+        }),
+    }];
+    for pos in (prompt.len() as u32..).take(tokens as usize) {
+        let WorkerResponse::Decoded { drawn, .. } = engine.handle(&WorkerRequest::Decode {
+            items: items.clone(),
+        }) else {
+            panic!("decode failed");
+        };
+        let t = drawn[0].token;
+        items = vec![DecodeItem {
+            seq: 0,
+            pos,
+            tokens: vec![t],
+            sample: Some(Sample {
+                params: greedy(),
+                draw_pos: pos as u64 + 1,
+                grammar: None,
+            }),
+        }];
+    }
+    let secs = start.elapsed().as_secs_f64();
+    engine.handle(&WorkerRequest::KvClear { seq: 0 });
+    secs
+}
+
+fn median(mut v: Vec<f64>) -> (f64, f64, f64) {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    (v[v.len() / 2], v[0], v[v.len() - 1])
+}
+
+fn main() {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let runs = if quick { 2 } else { 5 };
+    let _vocab = Vocab::load(&model()).expect("model");
+    let mut engine = RawEngine::new(
+        &model(),
+        &WorkerConfig {
+            n_ctx: CTX,
+            n_seq: 4,
+            n_batch: 512,
+            threads: THREADS,
+        },
+    )
+    .expect("raw engine");
+    let with_fsync = Daemon::start(false);
+    let without_fsync = Daemon::start(true);
+    let (mut raw, mut on, mut off) = (Vec::new(), Vec::new(), Vec::new());
+    for run in 0..runs {
+        let (prompt, tokens, secs) = daemon_run(&with_fsync.socket, run);
+        on.push(tokens as f64 / secs);
+        raw.push(tokens as f64 / raw_run(&mut engine, &prompt, tokens));
+        let (_, tokens, secs) = daemon_run(&without_fsync.socket, run + 1000);
+        off.push(tokens as f64 / secs);
+    }
+    drop(without_fsync);
+    let mut agg = Vec::new();
+    for run in 0..runs {
+        let start = Instant::now();
+        let threads: Vec<_> = (0..4)
+            .map(|i| {
+                let socket = with_fsync.socket.clone();
+                std::thread::spawn(move || daemon_run(&socket, 2000 + run * 4 + i).1)
+            })
+            .collect();
+        let total: u64 = threads.into_iter().map(|t| t.join().unwrap()).sum();
+        agg.push(total as f64 / start.elapsed().as_secs_f64());
+    }
+    let (raw_m, raw_lo, raw_hi) = median(raw);
+    let (on_m, on_lo, on_hi) = median(on);
+    let (off_m, off_lo, off_hi) = median(off);
+    let (agg_m, agg_lo, agg_hi) = median(agg);
+    println!("decode benchmark: SmolLM2-135M-Instruct Q4_1, {THREADS} threads, {runs} runs each, medians (min-max)\n");
+    println!("| workload | tokens/s | ratio |");
+    println!("|---|---:|---:|");
+    println!("| raw engine in process, 1 stream | {raw_m:.1} ({raw_lo:.1}-{raw_hi:.1}) | 1.00 |");
+    println!(
+        "| superfluid socket, 1 stream, fsynced commits | {on_m:.1} ({on_lo:.1}-{on_hi:.1}) | {:.3} vs raw |",
+        on_m / raw_m
+    );
+    println!(
+        "| superfluid socket, 1 stream, fsync off | {off_m:.1} ({off_lo:.1}-{off_hi:.1}) | fsync costs {:.1}% |",
+        (1.0 - on_m / off_m) * 100.0
+    );
+    println!(
+        "| superfluid socket, 4 sessions at once (aggregate) | {agg_m:.1} ({agg_lo:.1}-{agg_hi:.1}) | {:.2}x one stream |",
+        agg_m / on_m
+    );
+}
