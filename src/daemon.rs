@@ -30,7 +30,14 @@ pub struct ServeConfig {
     pub sessions_cache: bool,
     /// The model lane's worker: KV cells, sequences, batch, threads.
     pub worker: WorkerConfig,
+    /// `--web`: the browser transport, off when None.
+    pub web: Option<crate::http::WebConfig>,
+    /// `--sub-buffer`: events a subscription may queue before it is lagged.
+    pub sub_buffer: usize,
 }
+
+/// How long shutdown waits for subscriptions to send their last frame.
+const SUB_END_FLUSH_MS: u64 = 200;
 
 /// `--ctx-size` default: KV cells shared by a lane's sequences.
 pub const DEFAULT_CTX_SIZE: u32 = 8192;
@@ -169,8 +176,15 @@ pub fn replay(dir: &Path, mode: OpenMode) -> anyhow::Result<(store::WalFile, Ses
 
 /// Runs the daemon until SIGINT or SIGTERM.
 pub fn serve(config: ServeConfig) -> anyhow::Result<()> {
+    if let Some(web) = &config.web {
+        crate::http::check_addr(web.addr)?;
+    }
     let _lock = DirLock::acquire(&config.sessions)?;
     let listener = crate::frontend::socket::bind(&config.socket)?;
+    let web_listener = match &config.web {
+        Some(web) => Some(crate::http::bind(web.addr)?),
+        None => None,
+    };
     let render = Arc::new(ModelRender::load(&config.model)?);
     let mode = if config.sessions_cache {
         OpenMode::Cache
@@ -180,7 +194,14 @@ pub fn serve(config: ServeConfig) -> anyhow::Result<()> {
     let (file, book) = replay(&config.sessions, mode)?;
     let writer = WalWriter::spawn(file, None);
     let system = actix::System::new();
-    let result = system.block_on(run(config.clone(), listener, book, writer, render));
+    let result = system.block_on(run(
+        config.clone(),
+        listener,
+        web_listener,
+        book,
+        writer,
+        render,
+    ));
     let _ = std::fs::remove_file(&config.socket);
     result
 }
@@ -188,6 +209,7 @@ pub fn serve(config: ServeConfig) -> anyhow::Result<()> {
 async fn run(
     config: ServeConfig,
     listener: std::os::unix::net::UnixListener,
+    web_listener: Option<std::net::TcpListener>,
     book: SessionBook,
     writer: WalWriter,
     render: Arc<ModelRender>,
@@ -214,7 +236,7 @@ async fn run(
         wal: wal.clone(),
         scheduler,
         n_ctx: w.n_ctx,
-        bus: Default::default(),
+        bus: crate::actors::bus::Bus::new(config.sub_buffer),
     };
     let boot = shared.read().plan_boot(now_ms());
     shared
@@ -229,12 +251,37 @@ async fn run(
         config.sessions.display(),
         shared.read().epoch()
     );
+    let web = match web_listener {
+        Some(l) => {
+            let origins = config.web.as_ref().map(|w| w.origins.clone());
+            let web = crate::http::start(
+                l,
+                origins.unwrap_or_default(),
+                &config.sessions,
+                registry.clone(),
+            )?;
+            println!(
+                "superfluid: browser transport listening on http://{} (token in {})",
+                web.addr,
+                web.token_path.display()
+            );
+            Some(web)
+        }
+        None => None,
+    };
     let socket_task = actix_rt::spawn(crate::frontend::socket::serve(listener, registry));
     tokio::select! {
         _ = int.recv() => {}
         _ = term.recv() => {}
     }
     log::info!("shutting down");
+    if shared.bus.close() > 0 {
+        // Let the subscriptions' `SubEnded { "publisher closed" }` go out.
+        tokio::time::sleep(std::time::Duration::from_millis(SUB_END_FLUSH_MS)).await;
+    }
+    if let Some(web) = &web {
+        web.handle.stop(false).await;
+    }
     socket_task.abort();
     let _ = std::fs::remove_file(&config.socket);
     let _ = wal.send(Shutdown).await;

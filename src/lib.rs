@@ -8,7 +8,9 @@
 //! - [`session`]: sessions as plain data, rebuilt from the log.
 //! - [`engine`]: the only code that calls llama.cpp.
 //! - [`actors`]: the actix actors: WAL writer, registry, one per session.
-//! - [`frontend`]: the unix socket (and later HTTP) in front of the registry.
+//! - [`frontend`]: the unix socket in front of the registry, and the
+//!   connection loop it shares with /web/ws.
+//! - [`http`]: the browser transport (`--web`): JSON over HTTP and WebSocket.
 //! - [`daemon`]: start-up and shutdown of `superfluid serve`.
 //!
 //! ARCHITECTURE.md has the bird's-eye view and the invariants.
@@ -17,6 +19,7 @@ pub mod actors;
 pub mod daemon;
 pub mod engine;
 pub mod frontend;
+pub mod http;
 pub mod logging;
 pub mod scheduler;
 pub mod session;

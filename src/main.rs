@@ -76,6 +76,18 @@ struct Serve {
     /// CPU threads for decode [default: every core]
     #[arg(long)]
     threads: Option<u32>,
+    /// Serve the browser transport (JSON over HTTP and WebSocket) on this
+    /// loopback address, e.g. 127.0.0.1:8455; port 0 picks a free one.
+    #[arg(long, value_name = "ADDR")]
+    web: Option<std::net::SocketAddr>,
+    /// An Origin allowed on /web/ws (and on /web/rpc and /web/stream when a
+    /// request sends one), e.g. http://localhost:5173. Repeatable.
+    #[arg(long, value_name = "ORIGIN", requires = "web")]
+    web_origin: Vec<String>,
+    /// Events a subscription may have queued towards a slow client before
+    /// it is ended as lagged.
+    #[arg(long, value_name = "EVENTS", default_value_t = superfluid::actors::bus::SUB_BUFFER_EVENTS)]
+    sub_buffer: usize,
 }
 
 #[derive(Subcommand)]
@@ -118,6 +130,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     n_batch: s.batch.min(s.ctx_size),
                     threads: s.threads.unwrap_or_else(daemon::default_threads),
                 },
+                web: s.web.map(|addr| superfluid::http::WebConfig {
+                    addr,
+                    origins: s.web_origin,
+                }),
+                sub_buffer: s.sub_buffer,
             })
         }
         Command::Worker(w) => superfluid::engine::worker::run(

@@ -46,7 +46,10 @@ impl EndReason {
 pub enum BusItem {
     Event(Event),
     /// Text drawn ahead of its commit (only to subscribers that asked).
-    Provisional { channel: u8, text: String },
+    Provisional {
+        channel: u8,
+        text: String,
+    },
     /// The last item: the bus let go of this subscriber.
     Ended(EndReason),
 }
@@ -269,8 +272,13 @@ mod tests {
             got.extend(drain(&mut fast));
         }
         assert_eq!(got.len(), 5);
-        assert_eq!(drain(&mut slow), vec![BusItem::Event(ev(0)), BusItem::Event(ev(1))]);
-        let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        assert_eq!(
+            drain(&mut slow),
+            vec![BusItem::Event(ev(0)), BusItem::Event(ev(1))]
+        );
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
         assert_eq!(
             rt.block_on(slow.recv()),
             Some(BusItem::Ended(EndReason::Lagged))
@@ -289,7 +297,9 @@ mod tests {
         assert!(drain(&mut plain).is_empty());
         assert_eq!(drain(&mut prov).len(), 1);
         bus.publish_purge(&[1]);
-        let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
         assert_eq!(
             rt.block_on(plain.recv()),
             Some(BusItem::Ended(EndReason::Purged))

@@ -13,8 +13,8 @@
 //! **No actor blocks its arbiter**: fsync runs on the WAL writer's thread,
 //! and no lock is held across an await.
 
-pub mod complete;
 pub mod bus;
+pub mod complete;
 pub mod lane;
 pub mod oneshot;
 pub mod registry;

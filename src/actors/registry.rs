@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 
 use super::session::{name, SessionActor, SessionRequest, SessionStream};
+use super::subscription::{self, SubscriptionActor};
 use super::{now_ms, Shared};
 use crate::wire::{Request, Response, SessionId};
 
@@ -34,6 +35,17 @@ pub struct DispatchStream {
     pub reply: tokio::sync::mpsc::Sender<Response>,
     /// Generate only: also stream provisional text (see `SessionStream`).
     pub provisional: bool,
+}
+
+/// `Subscribe` from a frontend: starts a `SubscriptionActor` whose replies
+/// go to `out` (the connection's queue); it waits for `Begin`.
+#[derive(Message)]
+#[rtype(result = "Result<(u64, Addr<SubscriptionActor>), String>")]
+pub struct Subscribe {
+    pub session: SessionId,
+    pub cursor: u64,
+    pub provisional: bool,
+    pub out: tokio::sync::mpsc::Sender<Response>,
 }
 
 /// How many session actors are running (for tests and metrics).
@@ -202,6 +214,14 @@ impl Handler<RunningSessions> for Registry {
     type Result = usize;
     fn handle(&mut self, _: RunningSessions, _: &mut Context<Self>) -> usize {
         self.running.len()
+    }
+}
+
+impl Handler<Subscribe> for Registry {
+    type Result = Result<(u64, Addr<SubscriptionActor>), String>;
+
+    fn handle(&mut self, m: Subscribe, _: &mut Context<Self>) -> Self::Result {
+        subscription::start(&self.shared, m.session, m.cursor, m.provisional, m.out)
     }
 }
 

@@ -1,5 +1,7 @@
 //! The unix-socket frontend: frames of a `u32` little-endian length and a
 //! postcard `Request`; one request at a time per connection, in order.
+//! After a `Subscribe`, the connection also carries that subscription's
+//! `SubEvent`/`SubEnded` frames between replies (see `conn`).
 //!
 //! The socket is created mode 0600 in a directory created 0700. A socket
 //! file left by a dead daemon is replaced; one a live daemon answers on is
@@ -11,8 +13,8 @@ use std::path::{Path, PathBuf};
 use actix::Addr;
 use tokio::net::{UnixListener, UnixStream};
 
-use crate::actors::registry::{Dispatch, DispatchStream, Registry};
-use crate::actors::session::STREAM_REPLY_CAPACITY;
+use super::conn::Connection;
+use crate::actors::registry::Registry;
 use crate::wire::{
     from_postcard, read_frame, to_postcard, write_frame, FrameError, Request, Response,
     MAX_FRAME_BYTES,
@@ -86,7 +88,10 @@ pub async fn serve(listener: std::os::unix::net::UnixListener, registry: Addr<Re
     }
 }
 
-async fn send(stream: &mut UnixStream, response: &Response) -> Result<(), FrameError> {
+async fn send<W: tokio::io::AsyncWrite + Unpin>(
+    stream: &mut W,
+    response: &Response,
+) -> Result<(), FrameError> {
     let bytes = match to_postcard(response) {
         Ok(b) => b,
         Err(e) => to_postcard(&Response::err(e.to_string())).unwrap_or_default(),
@@ -94,9 +99,20 @@ async fn send(stream: &mut UnixStream, response: &Response) -> Result<(), FrameE
     write_frame(stream, &bytes).await
 }
 
-async fn connection(mut stream: UnixStream, registry: Addr<Registry>) {
+/// Reads requests and runs them through a `Connection`; a writer task turns
+/// its queue into frames, so subscription frames interleave with replies.
+async fn connection(stream: UnixStream, registry: Addr<Registry>) {
+    let (mut reader, mut writer) = stream.into_split();
+    let (mut conn, mut queue) = Connection::new(registry);
+    actix_rt::spawn(async move {
+        while let Some(response) = queue.recv().await {
+            if send(&mut writer, &response).await.is_err() {
+                return;
+            }
+        }
+    });
     loop {
-        let frame = match read_frame(&mut stream, MAX_FRAME_BYTES).await {
+        let frame = match read_frame(&mut reader, MAX_FRAME_BYTES).await {
             Ok(Some(frame)) => frame,
             Ok(None) => return,
             Err(FrameError::TooLarge { len, max }) => {
@@ -104,7 +120,7 @@ async fn connection(mut stream: UnixStream, registry: Addr<Registry>) {
                 let msg = format!(
                     "frame of {len} bytes exceeds the {max}-byte cap; closing the connection"
                 );
-                let _ = send(&mut stream, &Response::err(msg)).await;
+                let _ = conn.reply(Response::err(msg)).await;
                 return;
             }
             Err(e) => {
@@ -112,39 +128,11 @@ async fn connection(mut stream: UnixStream, registry: Addr<Registry>) {
                 return;
             }
         };
-        let request = match from_postcard::<Request>(&frame) {
-            Ok(request) => request,
-            Err(e) => {
-                if send(&mut stream, &Response::err(e.to_string()))
-                    .await
-                    .is_err()
-                {
-                    return;
-                }
-                continue;
-            }
+        let done = match from_postcard::<Request>(&frame) {
+            Ok(request) => conn.handle(request).await,
+            Err(e) => conn.reply(Response::err(e.to_string())).await,
         };
-        if matches!(request, Request::Generate { .. }) {
-            // Stream the replies until the last; if the client goes away,
-            // dropping the receiver cancels the generation.
-            let (tx, mut rx) = tokio::sync::mpsc::channel(STREAM_REPLY_CAPACITY);
-            registry.do_send(DispatchStream {
-                request,
-                reply: tx,
-                provisional: false,
-            });
-            while let Some(response) = rx.recv().await {
-                if send(&mut stream, &response).await.is_err() {
-                    return;
-                }
-            }
-            continue;
-        }
-        let response = registry
-            .send(Dispatch(request))
-            .await
-            .unwrap_or_else(|e| Response::err(format!("the daemon is shutting down: {e}")));
-        if send(&mut stream, &response).await.is_err() {
+        if done.is_err() {
             return;
         }
     }

@@ -7,3 +7,4 @@ mod daemon;
 mod generate;
 mod ordering;
 mod util;
+mod web;

@@ -1,0 +1,145 @@
+//! `Connection`: one client connection's requests, the same on the unix
+//! socket and on /web/ws. Requests run one at a time, in order; every reply
+//! goes to the connection's outgoing queue (`out`), which one writer task
+//! per connection turns into frames.
+//!
+//! A `Subscribe` leaves a `SubscriptionActor` behind that queues its
+//! `SubEvent`s on the same `out` while later requests run, so a client reads
+//! sub frames interleaved with replies, told apart by their variant.
+//! Subscriptions belong to their connection: `Unsubscribe` names one of
+//! this connection's, and closing the connection ends them all.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use actix::Addr;
+use tokio::sync::mpsc;
+
+use super::bucket::TokenBucket;
+use crate::actors::registry::{Dispatch, DispatchStream, Registry, Subscribe};
+use crate::actors::session::STREAM_REPLY_CAPACITY;
+use crate::actors::subscription::{Begin, End, SubscriptionActor};
+use crate::wire::{Request, Response};
+
+/// Replies and sub frames a connection may have queued for its writer.
+/// Generation replies wait for room; a subscription waits too, and its bus
+/// queue fills meanwhile (see `bus`).
+pub const CONNECTION_QUEUE_FRAMES: usize = 64;
+
+/// The client is gone: its writer dropped the queue.
+#[derive(Debug)]
+pub struct Closed;
+
+pub struct Connection {
+    registry: Addr<Registry>,
+    out: mpsc::Sender<Response>,
+    subs: HashMap<u64, Addr<SubscriptionActor>>,
+    /// Meters this connection's `Complete`s.
+    bucket: TokenBucket,
+}
+
+impl Connection {
+    /// A connection and the receiving end of its queue, for its writer.
+    pub fn new(registry: Addr<Registry>) -> (Connection, mpsc::Receiver<Response>) {
+        let (out, rx) = mpsc::channel(CONNECTION_QUEUE_FRAMES);
+        let conn = Connection {
+            registry,
+            out,
+            subs: HashMap::new(),
+            bucket: TokenBucket::per_connection(Instant::now()),
+        };
+        (conn, rx)
+    }
+
+    /// Queues one reply.
+    pub async fn reply(&self, response: Response) -> Result<(), Closed> {
+        self.out.send(response).await.map_err(|_| Closed)
+    }
+
+    /// Runs one request to its end: every reply is queued when this returns.
+    pub async fn handle(&mut self, request: Request) -> Result<(), Closed> {
+        match request {
+            Request::Generate { .. } => {
+                // If the client goes away, dropping `rx` cancels the generation.
+                let (tx, mut rx) = mpsc::channel(STREAM_REPLY_CAPACITY);
+                self.registry.do_send(DispatchStream {
+                    request,
+                    reply: tx,
+                    provisional: false,
+                });
+                while let Some(response) = rx.recv().await {
+                    self.reply(response).await?;
+                }
+                Ok(())
+            }
+            Request::Subscribe {
+                session,
+                cursor,
+                provisional,
+            } => {
+                let started = self
+                    .registry
+                    .send(Subscribe {
+                        session,
+                        cursor,
+                        provisional,
+                        out: self.out.clone(),
+                    })
+                    .await
+                    .unwrap_or_else(|e| Err(format!("the daemon is shutting down: {e}")));
+                match started {
+                    Ok((sub, addr)) => {
+                        self.subs.retain(|_, a| a.connected());
+                        self.subs.insert(sub, addr.clone());
+                        self.reply(Response::Subscribed { sub }).await?;
+                        addr.do_send(Begin);
+                        Ok(())
+                    }
+                    Err(message) => self.reply(Response::Err { message }).await,
+                }
+            }
+            Request::Unsubscribe { sub } => match self.subs.remove(&sub) {
+                Some(addr) if addr.connected() => {
+                    // Queued before the actor is told, so `Unsubscribed`
+                    // comes before its `SubEnded`.
+                    self.reply(Response::Unsubscribed).await?;
+                    addr.do_send(End { notify: true });
+                    Ok(())
+                }
+                _ => {
+                    self.reply(Response::err(format!(
+                        "no subscription {sub} on this connection"
+                    )))
+                    .await
+                }
+            },
+            Request::Complete { .. } => {
+                if let Err(retry_after_ms) = self.bucket.try_take(Instant::now()) {
+                    return self.reply(Response::Throttled { retry_after_ms }).await;
+                }
+                let response = dispatch(&self.registry, request).await;
+                self.reply(response).await
+            }
+            other => {
+                let response = dispatch(&self.registry, other).await;
+                self.reply(response).await
+            }
+        }
+    }
+}
+
+/// One request, one reply.
+pub async fn dispatch(registry: &Addr<Registry>, request: Request) -> Response {
+    registry
+        .send(Dispatch(request))
+        .await
+        .unwrap_or_else(|e| Response::err(format!("the daemon is shutting down: {e}")))
+}
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        for addr in self.subs.values() {
+            addr.do_send(End { notify: false });
+        }
+    }
+}

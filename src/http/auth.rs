@@ -1,0 +1,286 @@
+//! Who may use the browser transport: one pure function, `authorize`, over
+//! the headers a request presents. The handlers only collect the headers
+//! and turn a `Denied` into its status (in `error`).
+//!
+//! - **Host** must be the listener's own `ip:port` or `localhost:port`, on
+//!   every route: a page on a rebound DNS name gets nothing.
+//! - **Token** (401): `Authorization: Bearer <token>`, or on /web/ws a
+//!   `superfluid.token.<token>` subprotocol (a browser cannot set headers
+//!   on a WebSocket). Compared in constant time.
+//! - **Origin** (403): /web/ws requires one listed by `--web-origin`; on
+//!   /web/rpc and /web/stream one that is present must be listed.
+//! - **CSRF** (403): /web/rpc and /web/stream also need the token again as
+//!   `X-Superfluid-CSRF`, a header no cross-site form can set.
+
+use super::token;
+
+/// The subprotocol /web/ws speaks.
+pub const PROTOCOL: &str = "superfluid.v1";
+/// The prefix of the subprotocol that carries the token.
+pub const TOKEN_PROTOCOL_PREFIX: &str = "superfluid.token.";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// /web/rpc and /web/stream.
+    Post,
+    Ws,
+    Health,
+}
+
+/// What the listener accepts.
+#[derive(Debug, Clone)]
+pub struct Policy {
+    pub token: String,
+    /// `ip:port` and `localhost:port` of the listener.
+    pub hosts: Vec<String>,
+    /// `--web-origin`, as given.
+    pub origins: Vec<String>,
+}
+
+impl Policy {
+    pub fn new(token: String, addr: std::net::SocketAddr, origins: Vec<String>) -> Policy {
+        Policy {
+            token,
+            hosts: vec![addr.to_string(), format!("localhost:{}", addr.port())],
+            origins: origins
+                .into_iter()
+                .map(|o| o.trim_end_matches('/').to_string())
+                .collect(),
+        }
+    }
+}
+
+/// The headers that matter, as the request presented them (`None` when
+/// absent or not text).
+#[derive(Debug, Default, Clone)]
+pub struct Presented<'a> {
+    pub host: Option<&'a str>,
+    pub origin: Option<&'a str>,
+    pub authorization: Option<&'a str>,
+    pub csrf: Option<&'a str>,
+    /// Every `Sec-WebSocket-Protocol` entry.
+    pub protocols: Vec<&'a str>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum Denied {
+    #[error("the Host header names neither this listener nor localhost")]
+    ForeignHost,
+    #[error("missing or wrong token")]
+    Token,
+    #[error("this Origin is not listed by --web-origin")]
+    Origin,
+    #[error("missing or wrong X-Superfluid-CSRF header")]
+    Csrf,
+}
+
+/// Decides one request. Checked in this order: Host, token, Origin, CSRF.
+pub fn authorize(policy: &Policy, route: Route, p: &Presented) -> Result<(), Denied> {
+    let host_ok = p
+        .host
+        .is_some_and(|h| policy.hosts.iter().any(|ok| ok.eq_ignore_ascii_case(h)));
+    if !host_ok {
+        return Err(Denied::ForeignHost);
+    }
+    if route == Route::Health {
+        return Ok(());
+    }
+    let bearer = p.authorization.and_then(|a| {
+        let (scheme, rest) = a.trim().split_once(' ')?;
+        scheme.eq_ignore_ascii_case("bearer").then(|| rest.trim())
+    });
+    let from_protocol = || {
+        p.protocols
+            .iter()
+            .find_map(|s| s.trim().strip_prefix(TOKEN_PROTOCOL_PREFIX))
+    };
+    let presented = match route {
+        Route::Ws => bearer.or_else(from_protocol),
+        _ => bearer,
+    };
+    if !presented.is_some_and(|t| token::matches(&policy.token, t)) {
+        return Err(Denied::Token);
+    }
+    let listed = |o: &str| {
+        policy
+            .origins
+            .iter()
+            .any(|ok| ok.eq_ignore_ascii_case(o.trim_end_matches('/')))
+    };
+    match (route, p.origin) {
+        (Route::Ws, Some(o)) | (Route::Post, Some(o)) if !listed(o) => return Err(Denied::Origin),
+        (Route::Ws, None) => return Err(Denied::Origin),
+        _ => {}
+    }
+    if route == Route::Post
+        && !p
+            .csrf
+            .is_some_and(|c| token::matches(&policy.token, c.trim()))
+    {
+        return Err(Denied::Csrf);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const T: &str = "0123abcd";
+
+    fn policy() -> Policy {
+        Policy::new(
+            T.into(),
+            "127.0.0.1:8455".parse().unwrap(),
+            vec!["http://localhost:5173/".into()],
+        )
+    }
+
+    fn good(route: Route) -> Presented<'static> {
+        Presented {
+            host: Some("127.0.0.1:8455"),
+            origin: (route == Route::Ws).then_some("http://localhost:5173"),
+            authorization: Some("Bearer 0123abcd"),
+            csrf: Some(T),
+            protocols: vec![],
+        }
+    }
+
+    #[test]
+    fn the_matrix() {
+        let p = policy();
+        for route in [Route::Post, Route::Ws] {
+            let ok = good(route);
+            assert_eq!(authorize(&p, route, &ok), Ok(()));
+            let cases: Vec<(Presented, Denied)> = vec![
+                (
+                    Presented {
+                        authorization: None,
+                        ..ok.clone()
+                    },
+                    Denied::Token,
+                ),
+                (
+                    Presented {
+                        authorization: Some("Bearer 0123abce"),
+                        ..ok.clone()
+                    },
+                    Denied::Token,
+                ),
+                (
+                    Presented {
+                        authorization: Some("Basic 0123abcd"),
+                        ..ok.clone()
+                    },
+                    Denied::Token,
+                ),
+                (
+                    Presented {
+                        origin: Some("http://evil.example"),
+                        ..ok.clone()
+                    },
+                    Denied::Origin,
+                ),
+                (
+                    Presented {
+                        host: Some("evil.example:8455"),
+                        ..ok.clone()
+                    },
+                    Denied::ForeignHost,
+                ),
+                (
+                    Presented {
+                        host: Some("localhost:9999"),
+                        ..ok.clone()
+                    },
+                    Denied::ForeignHost,
+                ),
+                (
+                    Presented {
+                        host: None,
+                        ..ok.clone()
+                    },
+                    Denied::ForeignHost,
+                ),
+            ];
+            for (presented, denied) in cases {
+                assert_eq!(
+                    authorize(&p, route, &presented),
+                    Err(denied),
+                    "{route:?} {presented:?}"
+                );
+            }
+        }
+        let post = good(Route::Post);
+        for csrf in [None, Some("nope")] {
+            let presented = Presented {
+                csrf,
+                ..post.clone()
+            };
+            assert_eq!(authorize(&p, Route::Post, &presented), Err(Denied::Csrf));
+        }
+        // No Origin: fine for curl on /web/rpc, refused on /web/ws.
+        assert_eq!(
+            authorize(
+                &p,
+                Route::Post,
+                &Presented {
+                    origin: None,
+                    ..post
+                }
+            ),
+            Ok(())
+        );
+        let ws = good(Route::Ws);
+        assert_eq!(
+            authorize(
+                &p,
+                Route::Ws,
+                &Presented {
+                    origin: None,
+                    ..ws.clone()
+                }
+            ),
+            Err(Denied::Origin)
+        );
+        // A WebSocket needs no CSRF header, and takes the token as a subprotocol.
+        let browser = Presented {
+            authorization: None,
+            csrf: None,
+            host: Some("localhost:8455"),
+            protocols: vec![PROTOCOL, "superfluid.token.0123abcd"],
+            ..ws.clone()
+        };
+        assert_eq!(authorize(&p, Route::Ws, &browser), Ok(()));
+        let wrong = Presented {
+            protocols: vec![PROTOCOL, "superfluid.token.x"],
+            ..browser
+        };
+        assert_eq!(authorize(&p, Route::Ws, &wrong), Err(Denied::Token));
+        // The subprotocol is no credential on /web/rpc.
+        let sub_only = Presented {
+            authorization: None,
+            protocols: vec!["superfluid.token.0123abcd"],
+            ..good(Route::Post)
+        };
+        assert_eq!(authorize(&p, Route::Post, &sub_only), Err(Denied::Token));
+    }
+
+    #[test]
+    fn health_checks_only_the_host() {
+        let p = policy();
+        let bare = Presented {
+            host: Some("LOCALHOST:8455"),
+            ..Presented::default()
+        };
+        assert_eq!(authorize(&p, Route::Health, &bare), Ok(()));
+        let foreign = Presented {
+            host: Some("evil:8455"),
+            ..bare
+        };
+        assert_eq!(
+            authorize(&p, Route::Health, &foreign),
+            Err(Denied::ForeignHost)
+        );
+    }
+}

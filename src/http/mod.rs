@@ -1,0 +1,123 @@
+//! The browser transport (`--web 127.0.0.1:<port>`): the session API as JSON
+//! over HTTP and WebSocket, on loopback only, behind a token minted at every
+//! start. docs/web.md is the user's guide; the spec's "Over HTTP" and "In a
+//! browser" sections are what it must serve.
+//!
+//! - [`auth`]: who may call (Host, token, Origin, CSRF), one pure function.
+//! - [`error`]: `WebError`, the one place errors become HTTP statuses.
+//! - [`routes`]: /web/rpc, /web/stream (server-sent events), /web/ws, /web/health.
+//! - [`token`]: minting the token and writing `<sessions>/web-token`.
+
+pub mod auth;
+pub mod error;
+pub mod routes;
+pub mod token;
+
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::Instant;
+
+use actix::Addr;
+use actix_web::{web, App, HttpServer};
+
+use crate::actors::registry::Registry;
+use crate::frontend::bucket::TokenBucket;
+
+/// HTTP worker threads: the work is in the actors, these only move bytes.
+const WEB_WORKERS: usize = 1;
+
+/// `--web` and `--web-origin`.
+#[derive(Debug, Clone)]
+pub struct WebConfig {
+    pub addr: SocketAddr,
+    pub origins: Vec<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(
+        "--web {0}: the browser transport listens on loopback only (127.0.0.1, ::1); \
+         use --web 127.0.0.1:<port>"
+    )]
+    NotLoopback(SocketAddr),
+    #[error("--web {addr}: cannot listen: {source}")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("cannot mint the web token: {0}")]
+    Random(getrandom::Error),
+    #[error("cannot write the web token to {path}: {source}")]
+    Token {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot start the web listener: {0}")]
+    Server(std::io::Error),
+}
+
+/// Refuses a non-loopback address. Checked before anything starts.
+pub fn check_addr(addr: SocketAddr) -> Result<(), StartError> {
+    if addr.ip().is_loopback() {
+        Ok(())
+    } else {
+        Err(StartError::NotLoopback(addr))
+    }
+}
+
+/// Binds the listener (before the log is touched, like the socket).
+pub fn bind(addr: SocketAddr) -> Result<TcpListener, StartError> {
+    check_addr(addr)?;
+    let listener = TcpListener::bind(addr).map_err(|source| StartError::Bind { addr, source })?;
+    listener
+        .set_nonblocking(true)
+        .map_err(|source| StartError::Bind { addr, source })?;
+    Ok(listener)
+}
+
+/// The running listener.
+pub struct Web {
+    pub addr: SocketAddr,
+    pub token_path: PathBuf,
+    pub handle: actix_web::dev::ServerHandle,
+}
+
+/// Mints and writes the token, and starts serving on `listener`. Runs
+/// inside the actix system.
+pub fn start(
+    listener: TcpListener,
+    origins: Vec<String>,
+    sessions: &Path,
+    registry: Addr<Registry>,
+) -> Result<Web, StartError> {
+    let addr = listener.local_addr().map_err(StartError::Server)?;
+    let token = token::mint().map_err(StartError::Random)?;
+    let token_path = token::write(sessions, &token).map_err(|source| StartError::Token {
+        path: sessions.join(token::TOKEN_FILE),
+        source,
+    })?;
+    let state = web::Data::new(routes::WebState {
+        registry,
+        policy: auth::Policy::new(token, addr, origins),
+        rpc_bucket: Mutex::new(TokenBucket::per_listener(Instant::now())),
+    });
+    let server = HttpServer::new(move || {
+        App::new()
+            .app_data(state.clone())
+            .configure(routes::configure)
+    })
+    .workers(WEB_WORKERS)
+    .disable_signals()
+    .shutdown_timeout(1)
+    .listen(listener)
+    .map_err(StartError::Server)?
+    .run();
+    let handle = server.handle();
+    actix_rt::spawn(server);
+    Ok(Web {
+        addr,
+        token_path,
+        handle,
+    })
+}

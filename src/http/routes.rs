@@ -1,0 +1,306 @@
+//! The four routes: /web/rpc, /web/stream, /web/ws and /web/health. Each
+//! handler authorizes (`auth`), then forwards to the registry the way the
+//! socket does; statuses other than 200 come only from `WebError`.
+
+use std::convert::Infallible;
+use std::sync::Mutex;
+use std::time::Instant;
+
+use actix::Addr;
+use actix_web::http::header;
+use actix_web::web::{self, Bytes, BytesMut};
+use actix_web::{HttpRequest, HttpResponse};
+use futures_util::{Stream, StreamExt};
+use serde::Deserialize;
+use tokio::sync::mpsc;
+
+use super::auth::{authorize, Policy, Presented, Route, PROTOCOL};
+use super::error::WebError;
+use crate::actors::registry::{DispatchStream, Registry};
+use crate::actors::session::STREAM_REPLY_CAPACITY;
+use crate::frontend::bucket::TokenBucket;
+use crate::frontend::conn::{dispatch, Connection};
+use crate::wire::{Record, Request, Response};
+
+/// The largest request body of /web/rpc and /web/stream, and the largest
+/// WebSocket message.
+pub const MAX_BODY_BYTES: usize = 16 << 20;
+
+/// What every handler shares.
+pub struct WebState {
+    pub registry: Addr<Registry>,
+    pub policy: Policy,
+    /// Meters `Complete` on /web/rpc, for the whole listener.
+    pub rpc_bucket: Mutex<TokenBucket>,
+}
+
+pub fn configure(cfg: &mut web::ServiceConfig) {
+    cfg.route("/web/rpc", web::post().to(rpc))
+        .route("/web/stream", web::post().to(stream))
+        .route("/web/ws", web::get().to(ws))
+        .route("/web/health", web::get().to(health));
+}
+
+fn check(state: &WebState, route: Route, req: &HttpRequest) -> Result<(), WebError> {
+    let h = req.headers();
+    let text = |name: &str| h.get(name).and_then(|v| v.to_str().ok());
+    let presented = Presented {
+        host: text("host"),
+        origin: text("origin"),
+        authorization: text("authorization"),
+        csrf: text("x-superfluid-csrf"),
+        protocols: h
+            .get_all(header::SEC_WEBSOCKET_PROTOCOL)
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .map(str::trim)
+            .collect(),
+    };
+    Ok(authorize(&state.policy, route, &presented)?)
+}
+
+/// Reads the body, refusing one over the cap before reading it when it says
+/// its length, and as soon as it passes the cap when it does not.
+async fn read_body(req: &HttpRequest, mut payload: web::Payload) -> Result<Bytes, WebError> {
+    let too_large = WebError::TooLarge {
+        max: MAX_BODY_BYTES,
+    };
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > MAX_BODY_BYTES as u64) {
+        return Err(too_large);
+    }
+    let mut body = BytesMut::new();
+    while let Some(chunk) = payload.next().await {
+        let chunk = chunk.map_err(|e| WebError::Body(e.to_string()))?;
+        if body.len() + chunk.len() > MAX_BODY_BYTES {
+            return Err(too_large);
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body.freeze())
+}
+
+async fn health(req: HttpRequest, state: web::Data<WebState>) -> Result<HttpResponse, WebError> {
+    check(&state, Route::Health, &req)?;
+    Ok(HttpResponse::Ok().json(serde_json::json!({ "ok": true })))
+}
+
+/// One request, one reply.
+async fn rpc(
+    req: HttpRequest,
+    payload: web::Payload,
+    state: web::Data<WebState>,
+) -> Result<HttpResponse, WebError> {
+    check(&state, Route::Post, &req)?;
+    let body = read_body(&req, payload).await?;
+    let response = match serde_json::from_slice::<Request>(&body) {
+        Err(e) => Response::err(format!("not a request: {e}")),
+        Ok(Request::Generate { .. }) => {
+            Response::err("Generate streams: use /web/stream or /web/ws")
+        }
+        Ok(Request::Subscribe { .. } | Request::Unsubscribe { .. }) => {
+            Response::err("subscriptions need a connection: use /web/ws")
+        }
+        Ok(request @ Request::Complete { .. }) => {
+            let allowed = state
+                .rpc_bucket
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .try_take(Instant::now());
+            match allowed {
+                Ok(()) => dispatch(&state.registry, request).await,
+                Err(retry_after_ms) => Response::Throttled { retry_after_ms },
+            }
+        }
+        Ok(request) => dispatch(&state.registry, request).await,
+    };
+    if let Response::Throttled { retry_after_ms } = response {
+        return Err(WebError::Throttled { retry_after_ms });
+    }
+    Ok(HttpResponse::Ok().json(response))
+}
+
+/// The body of /web/stream.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StreamBody {
+    session: u64,
+    max_tokens: u32,
+    #[serde(default)]
+    provisional: bool,
+}
+
+fn sse(value: &serde_json::Value) -> Bytes {
+    Bytes::from(format!("data: {value}\n\n"))
+}
+
+const SSE_DONE: &str = "data: [DONE]\n\n";
+
+/// One generation's replies as server-sent events. Dropping the stream (the
+/// client closed it) drops the receiver, which cancels the generation.
+fn sse_events(rx: mpsc::Receiver<Response>) -> impl Stream<Item = Result<Bytes, Infallible>> {
+    futures_util::stream::unfold(Some(rx), |rx| async move {
+        let mut rx = rx?;
+        loop {
+            let Some(response) = rx.recv().await else {
+                let last = sse_last(serde_json::json!({
+                    "error": "the generation ended without a summary"
+                }));
+                return Some((Ok(last), None));
+            };
+            match response {
+                Response::Delta { event } => {
+                    if matches!(
+                        event.body,
+                        Record::Generated { .. }
+                            | Record::ToolUse { .. }
+                            | Record::ToolResult { .. }
+                            | Record::ToolParseFailure { .. }
+                    ) {
+                        let line = sse(&serde_json::json!({ "committed": event }));
+                        return Some((Ok(line), Some(rx)));
+                    }
+                }
+                Response::SubProvisional { channel, text, .. } => {
+                    let line = sse(&serde_json::json!({
+                        "provisional": { "channel": channel, "text": text }
+                    }));
+                    return Some((Ok(line), Some(rx)));
+                }
+                Response::Generated {
+                    tokens_generated,
+                    finish,
+                    warm_prefix,
+                    ..
+                } => {
+                    let last = sse_last(serde_json::json!({ "done": {
+                        "tokens_generated": tokens_generated,
+                        "finish": finish,
+                        "warm_prefix": warm_prefix,
+                    }}));
+                    return Some((Ok(last), None));
+                }
+                Response::Err { message } => {
+                    return Some((Ok(sse_last(serde_json::json!({ "error": message }))), None));
+                }
+                other => log::debug!("/web/stream: unexpected reply {other:?}"),
+            }
+        }
+    })
+}
+
+/// The last event, then `[DONE]`.
+fn sse_last(value: serde_json::Value) -> Bytes {
+    let mut b = BytesMut::from(&sse(&value)[..]);
+    b.extend_from_slice(SSE_DONE.as_bytes());
+    b.freeze()
+}
+
+/// A generation as server-sent events.
+async fn stream(
+    req: HttpRequest,
+    payload: web::Payload,
+    state: web::Data<WebState>,
+) -> Result<HttpResponse, WebError> {
+    check(&state, Route::Post, &req)?;
+    let body = read_body(&req, payload).await?;
+    let events = match serde_json::from_slice::<StreamBody>(&body) {
+        Ok(b) => {
+            let (tx, rx) = mpsc::channel(STREAM_REPLY_CAPACITY);
+            state.registry.do_send(DispatchStream {
+                request: Request::Generate {
+                    session: b.session,
+                    max_tokens: b.max_tokens,
+                },
+                reply: tx,
+                provisional: b.provisional,
+            });
+            sse_events(rx).boxed_local()
+        }
+        Err(e) => {
+            let last = sse_last(serde_json::json!({
+                "error": format!("expected {{\"session\", \"max_tokens\", \"provisional\"}}: {e}")
+            }));
+            futures_util::stream::once(async move { Ok(last) }).boxed_local()
+        }
+    };
+    Ok(HttpResponse::Ok()
+        .content_type("text/event-stream")
+        .insert_header((header::CACHE_CONTROL, "no-cache"))
+        .streaming(events))
+}
+
+/// A WebSocket speaking the session API as JSON text frames.
+async fn ws(
+    req: HttpRequest,
+    payload: web::Payload,
+    state: web::Data<WebState>,
+) -> Result<HttpResponse, WebError> {
+    check(&state, Route::Ws, &req)?;
+    let (response, session, messages) = actix_ws::handle_with_protocols(&req, payload, &[PROTOCOL])
+        .map_err(|e| WebError::Handshake(e.to_string()))?;
+    actix_rt::spawn(ws_connection(state.registry.clone(), session, messages));
+    Ok(response)
+}
+
+async fn ws_connection(
+    registry: Addr<Registry>,
+    mut session: actix_ws::Session,
+    messages: actix_ws::MessageStream,
+) {
+    let mut messages = messages
+        .max_frame_size(MAX_BODY_BYTES)
+        .aggregate_continuations()
+        .max_continuation_size(MAX_BODY_BYTES);
+    let (mut conn, mut queue) = Connection::new(registry);
+    let mut writer = session.clone();
+    actix_rt::spawn(async move {
+        while let Some(response) = queue.recv().await {
+            let text = serde_json::to_string(&response).unwrap_or_else(|e| {
+                serde_json::to_string(&Response::err(e.to_string())).unwrap_or_default()
+            });
+            if writer.text(text).await.is_err() {
+                return;
+            }
+        }
+        let _ = writer.close(None).await;
+    });
+    use actix_ws::AggregatedMessage as M;
+    while let Some(message) = messages.next().await {
+        let done = match message {
+            Ok(M::Text(text)) => match serde_json::from_str::<Request>(&text) {
+                Ok(request) => conn.handle(request).await,
+                Err(e) => {
+                    conn.reply(Response::err(format!("not a request: {e}")))
+                        .await
+                }
+            },
+            Ok(M::Binary(_)) => {
+                conn.reply(Response::err("send requests as JSON text frames"))
+                    .await
+            }
+            Ok(M::Ping(bytes)) => {
+                let _ = session.pong(&bytes).await;
+                Ok(())
+            }
+            Ok(M::Pong(_)) => Ok(()),
+            Ok(M::Close(_)) => break,
+            Err(e) => {
+                // Past the frame cap, or not WebSocket: the stream cannot go on.
+                let _ = conn
+                    .reply(Response::err(format!("closing the connection: {e}")))
+                    .await;
+                break;
+            }
+        };
+        if done.is_err() {
+            break;
+        }
+    }
+    // Dropping `conn` ends its subscriptions; the writer closes the socket
+    // once everything queued is sent.
+}

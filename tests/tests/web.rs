@@ -1,0 +1,983 @@
+//! The browser transport (`--web`): the auth matrix, /web/rpc, /web/stream,
+//! /web/ws, subscriptions, on a real daemon and the real model. The HTTP
+//! and WebSocket clients are hand-written below over `TcpStream`
+//! (HTTP/1.1, `Connection: close`; WebSocket frames masked as a client must).
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::os::unix::fs::PermissionsExt;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use superfluid::wire::{finish, role, Record, Request, Response};
+
+use crate::util::{commit, created, params, Raw, TestDaemon};
+
+const ORIGIN: &str = "http://localhost:5173";
+const IO_TIMEOUT: Duration = Duration::from_secs(20);
+
+// ---- the daemon ------------------------------------------------------------
+
+/// Where the browser transport of a started daemon listens.
+struct Web {
+    port: u16,
+    token: String,
+}
+
+fn web_daemon(extra: &[&str]) -> (TestDaemon, Web) {
+    let mut d = TestDaemon::new();
+    d.extra_args = ["--web", "127.0.0.1:0", "--web-origin", ORIGIN]
+        .iter()
+        .chain(extra)
+        .map(|s| s.to_string())
+        .collect();
+    d.spawn_and_wait();
+    let web = web_of(&d);
+    (d, web)
+}
+
+/// Parses "listening on http://127.0.0.1:PORT" from the daemon's stdout.
+fn web_of(d: &TestDaemon) -> Web {
+    let out = d.stdout();
+    let at = out
+        .find("listening on http://127.0.0.1:")
+        .unwrap_or_else(|| panic!("no web listener in stdout:\n{out}"));
+    let rest = &out[at + "listening on http://127.0.0.1:".len()..];
+    let port = rest[..rest.find(|c: char| !c.is_ascii_digit()).unwrap()]
+        .parse()
+        .unwrap();
+    let token = std::fs::read_to_string(d.sessions.join("web-token")).unwrap();
+    Web { port, token }
+}
+
+// ---- a minimal HTTP/1.1 client ---------------------------------------------
+
+struct Reply {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+}
+
+impl Reply {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&self.body)))
+    }
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
+
+fn connect(port: u16) -> TcpStream {
+    let s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
+    s
+}
+
+/// Writes a request; `headers` replace the default Host when they name one.
+fn send_request(
+    s: &mut TcpStream,
+    port: u16,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) {
+    let mut req = format!("{method} {path} HTTP/1.1\r\n");
+    if !headers.iter().any(|(n, _)| n.eq_ignore_ascii_case("host")) {
+        req.push_str(&format!("Host: 127.0.0.1:{port}\r\n"));
+    }
+    for (n, v) in headers {
+        req.push_str(&format!("{n}: {v}\r\n"));
+    }
+    if method == "POST"
+        && !headers
+            .iter()
+            .any(|(n, _)| n.eq_ignore_ascii_case("content-length"))
+    {
+        req.push_str(&format!("Content-Length: {}\r\n", body.len()));
+    }
+    req.push_str("Connection: close\r\n\r\n");
+    s.write_all(req.as_bytes()).unwrap();
+    s.write_all(body).unwrap();
+}
+
+/// Reads the status line and headers; returns them and the bytes after.
+fn read_head(s: &mut TcpStream) -> (u16, Vec<(String, String)>, Vec<u8>) {
+    let mut buf = Vec::new();
+    let mut b = [0u8; 4096];
+    let end = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i;
+        }
+        let n = s.read(&mut b).unwrap();
+        assert!(
+            n > 0,
+            "closed before the headers: {}",
+            String::from_utf8_lossy(&buf)
+        );
+        buf.extend_from_slice(&b[..n]);
+    };
+    let head = String::from_utf8(buf[..end].to_vec()).unwrap();
+    let mut lines = head.split("\r\n");
+    let status = lines
+        .next()
+        .unwrap()
+        .split(' ')
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(n, v)| (n.trim().to_string(), v.trim().to_string()))
+        .collect();
+    (status, headers, buf[end + 4..].to_vec())
+}
+
+fn dechunk(mut raw: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    loop {
+        let Some(i) = raw.windows(2).position(|w| w == b"\r\n") else {
+            return out;
+        };
+        let size =
+            usize::from_str_radix(std::str::from_utf8(&raw[..i]).unwrap().trim(), 16).unwrap();
+        if size == 0 {
+            return out;
+        }
+        out.extend_from_slice(&raw[i + 2..i + 2 + size]);
+        raw = &raw[i + 2 + size + 2..];
+    }
+}
+
+fn request(port: u16, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Reply {
+    let mut s = connect(port);
+    send_request(&mut s, port, method, path, headers, body);
+    let (status, headers, mut rest) = read_head(&mut s);
+    let chunked = headers
+        .iter()
+        .any(|(n, v)| n.eq_ignore_ascii_case("transfer-encoding") && v.contains("chunked"));
+    let length = headers
+        .iter()
+        .find(|(n, _)| n.eq_ignore_ascii_case("content-length"))
+        .map(|(_, v)| v.parse::<usize>().unwrap());
+    // Read what the headers announce rather than to EOF: a server closes
+    // a connection whose request body it did not read only after a delay.
+    let mut b = [0u8; 8192];
+    loop {
+        let complete = match length {
+            Some(n) => rest.len() >= n,
+            None => chunked && rest.ends_with(b"0\r\n\r\n"),
+        };
+        if complete {
+            break;
+        }
+        let n = s.read(&mut b).unwrap();
+        if n == 0 {
+            break;
+        }
+        rest.extend_from_slice(&b[..n]);
+    }
+    let body = if chunked { dechunk(&rest) } else { rest };
+    Reply {
+        status,
+        headers,
+        body,
+    }
+}
+
+impl Web {
+    fn auth(&self) -> String {
+        format!("Bearer {}", self.token)
+    }
+
+    /// POST with the token and CSRF header, as the spec's curl does.
+    fn post(&self, path: &str, body: &str) -> Reply {
+        let auth = self.auth();
+        let headers = [
+            ("Content-Type", "application/json"),
+            ("Authorization", auth.as_str()),
+            ("X-Superfluid-CSRF", self.token.as_str()),
+        ];
+        request(self.port, "POST", path, &headers, body.as_bytes())
+    }
+
+    fn rpc(&self, request: Value) -> Value {
+        let r = self.post("/web/rpc", &request.to_string());
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()
+    }
+
+    fn rpc_typed(&self, request: &Request) -> Response {
+        let r = self.post("/web/rpc", &serde_json::to_string(request).unwrap());
+        assert_eq!(r.status, 200, "{}", r.text());
+        serde_json::from_slice(&r.body).unwrap()
+    }
+
+    /// The `data: ` payloads of one /web/stream call.
+    fn stream(&self, body: Value) -> Vec<String> {
+        let r = self.post("/web/stream", &body.to_string());
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.header("content-type"), Some("text/event-stream"));
+        sse_lines(&r.text())
+    }
+
+    fn ws(&self) -> Ws {
+        let auth = self.auth();
+        Ws::connect(
+            self.port,
+            &[("Origin", ORIGIN), ("Authorization", auth.as_str())],
+        )
+        .unwrap_or_else(|status| panic!("WebSocket refused with {status}"))
+    }
+}
+
+/// The `data: ` lines of an event stream; every other line must be blank.
+fn sse_lines(text: &str) -> Vec<String> {
+    text.lines()
+        .filter(|l| {
+            assert!(l.is_empty() || l.starts_with("data: "), "stray line {l:?}");
+            !l.is_empty()
+        })
+        .map(|l| l["data: ".len()..].to_string())
+        .collect()
+}
+
+// ---- a minimal WebSocket client --------------------------------------------
+
+struct Ws {
+    s: TcpStream,
+    protocol: Option<String>,
+}
+
+impl Ws {
+    /// The handshake; `Err(status)` when the server refused it.
+    fn connect(port: u16, headers: &[(&str, &str)]) -> Result<Ws, u16> {
+        let mut s = connect(port);
+        let mut all = vec![
+            ("Upgrade", "websocket"),
+            ("Connection", "Upgrade"),
+            ("Sec-WebSocket-Key", "dGhlIHNhbXBsZSBub25jZQ=="),
+            ("Sec-WebSocket-Version", "13"),
+        ];
+        if !headers.iter().any(|(n, _)| *n == "Sec-WebSocket-Protocol") {
+            all.push(("Sec-WebSocket-Protocol", "superfluid.v1"));
+        }
+        all.extend_from_slice(headers);
+        // `Connection: close` would be wrong here: write the request by hand.
+        let mut req = "GET /web/ws HTTP/1.1\r\n".to_string();
+        if !all.iter().any(|(n, _)| *n == "Host") {
+            req.push_str(&format!("Host: 127.0.0.1:{port}\r\n"));
+        }
+        for (n, v) in &all {
+            req.push_str(&format!("{n}: {v}\r\n"));
+        }
+        req.push_str("\r\n");
+        s.write_all(req.as_bytes()).unwrap();
+        let (status, headers, rest) = read_head(&mut s);
+        if status != 101 {
+            return Err(status);
+        }
+        assert!(rest.is_empty());
+        let accept = headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case("sec-websocket-accept"));
+        assert_eq!(
+            accept.map(|a| a.1.as_str()),
+            Some("s3pPLMBiTxaQ9kYGzzhZRbK+xOo=")
+        );
+        let protocol = headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case("sec-websocket-protocol"))
+            .map(|(_, v)| v.clone());
+        Ok(Ws { s, protocol })
+    }
+
+    fn send_text(&mut self, text: &str) {
+        let payload = text.as_bytes();
+        let mask = [0x12u8, 0x34, 0x56, 0x78];
+        let mut frame = vec![0x81u8];
+        match payload.len() {
+            n if n < 126 => frame.push(0x80 | n as u8),
+            n if n < 65536 => {
+                frame.push(0x80 | 126);
+                frame.extend_from_slice(&(n as u16).to_be_bytes());
+            }
+            n => {
+                frame.push(0x80 | 127);
+                frame.extend_from_slice(&(n as u64).to_be_bytes());
+            }
+        }
+        frame.extend_from_slice(&mask);
+        frame.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+        self.s.write_all(&frame).unwrap();
+    }
+
+    fn send(&mut self, request: &Request) {
+        self.send_text(&serde_json::to_string(request).unwrap());
+    }
+
+    /// The next text message, or None on a close frame or EOF.
+    fn recv_text(&mut self) -> Option<String> {
+        let mut message = Vec::new();
+        loop {
+            let mut head = [0u8; 2];
+            if self.s.read_exact(&mut head).is_err() {
+                return None;
+            }
+            let opcode = head[0] & 0x0f;
+            let len = match head[1] & 0x7f {
+                126 => {
+                    let mut b = [0u8; 2];
+                    self.s.read_exact(&mut b).unwrap();
+                    u16::from_be_bytes(b) as usize
+                }
+                127 => {
+                    let mut b = [0u8; 8];
+                    self.s.read_exact(&mut b).unwrap();
+                    u64::from_be_bytes(b) as usize
+                }
+                n => n as usize,
+            };
+            let mut payload = vec![0u8; len];
+            self.s.read_exact(&mut payload).unwrap();
+            match opcode {
+                8 => return None,
+                9 | 10 => continue,
+                _ => message.extend_from_slice(&payload),
+            }
+            if head[0] & 0x80 != 0 {
+                return Some(String::from_utf8(message).unwrap());
+            }
+        }
+    }
+
+    fn recv(&mut self) -> Response {
+        let text = self.recv_text().expect("the WebSocket closed");
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"))
+    }
+
+    fn call(&mut self, request: &Request) -> Response {
+        self.send(request);
+        self.recv()
+    }
+}
+
+// ---- helpers ---------------------------------------------------------------
+
+/// A greedy session with a system and a user message, made over /web/rpc.
+fn asked(web: &Web, question: &str) -> u64 {
+    let Response::Created { session } = web.rpc_typed(&Request::Create {
+        parent: None,
+        params: params(1),
+    }) else {
+        panic!("Create")
+    };
+    for (r, text) in [
+        (role::SYSTEM, "You are a helpful assistant."),
+        (role::USER, question),
+    ] {
+        let reply = web.rpc_typed(&Request::AppendMessage {
+            session,
+            role: r,
+            text: text.into(),
+        });
+        assert!(matches!(reply, Response::Committed { .. }), "{reply:?}");
+    }
+    session
+}
+
+/// Waits until the session has no generation in flight; returns its log.
+fn settled(d: &TestDaemon, session: u64) -> Vec<superfluid::wire::Event> {
+    let deadline = Instant::now() + IO_TIMEOUT;
+    loop {
+        let Response::Inspection { inspection } = d.call(&Request::Inspect { session }) else {
+            panic!("Inspect")
+        };
+        if !inspection.generating {
+            return d.read_all(session);
+        }
+        assert!(Instant::now() < deadline, "the generation did not end");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn last_finish(events: &[superfluid::wire::Event]) -> u8 {
+    match events.last().map(|e| &e.body) {
+        Some(Record::Generated { finish, .. }) => *finish,
+        other => panic!("the log ends with {other:?}"),
+    }
+}
+
+const STORY: &str = "Write a long story about a lighthouse keeper and a storm.";
+
+// ---- the tests -------------------------------------------------------------
+
+/// (case, headers, status on /web/rpc and /web/stream, status on /web/ws)
+type AuthCase<'a> = (&'a str, Vec<(&'a str, &'a str)>, u16, u16);
+
+#[test]
+fn web_auth_matrix() {
+    let (_d, web) = web_daemon(&[]);
+    let port = web.port;
+    let bearer = web.auth();
+    let t = web.token.as_str();
+    let host = format!("127.0.0.1:{port}");
+    let good: Vec<(&str, &str)> = vec![
+        ("Authorization", &bearer),
+        ("X-Superfluid-CSRF", t),
+        ("Host", &host),
+    ];
+    let without = |name: &str| -> Vec<(&str, &str)> {
+        good.iter().filter(|(n, _)| *n != name).cloned().collect()
+    };
+    let with = |name: &'static str, value: &'static str| -> Vec<(&str, &str)> {
+        let mut h = without(name);
+        h.push((name, value));
+        h
+    };
+    let cases: Vec<AuthCase> = vec![
+        ("good", good.clone(), 200, 101),
+        ("missing token", without("Authorization"), 401, 401),
+        ("wrong token", with("Authorization", "Bearer 00"), 401, 401),
+        ("missing CSRF", without("X-Superfluid-CSRF"), 403, 101),
+        ("wrong CSRF", with("X-Superfluid-CSRF", "00"), 403, 101),
+        (
+            "unlisted Origin",
+            with("Origin", "http://evil.example"),
+            403,
+            403,
+        ),
+        ("foreign Host", with("Host", "evil.example"), 403, 403),
+    ];
+    for (case, headers, post_status, ws_status) in &cases {
+        let rpc = request(port, "POST", "/web/rpc", headers, br#""List""#);
+        assert_eq!(rpc.status, *post_status, "/web/rpc {case}: {}", rpc.text());
+        let body = br#"{"session":99,"max_tokens":1}"#;
+        let stream = request(port, "POST", "/web/stream", headers, body);
+        assert_eq!(
+            stream.status,
+            *post_status,
+            "/web/stream {case}: {}",
+            stream.text()
+        );
+        if *post_status == 200 {
+            assert_eq!(rpc.json(), json!({"Sessions":{"ids":[]}}));
+            let lines = sse_lines(&stream.text());
+            assert_eq!(lines.len(), 2, "{lines:?}");
+            assert!(lines[0].starts_with(r#"{"error":"#), "{lines:?}");
+            assert_eq!(lines[1], "[DONE]");
+        } else {
+            assert!(rpc.json()["Err"]["message"].is_string());
+        }
+        // The WebSocket needs an Origin; the listed one unless the case sets another.
+        let mut ws_headers = headers.clone();
+        if !ws_headers.iter().any(|(n, _)| *n == "Origin") {
+            ws_headers.push(("Origin", ORIGIN));
+        }
+        let ws = Ws::connect(port, &ws_headers).map(|w| w.protocol);
+        match ws {
+            Ok(protocol) => {
+                assert_eq!(*ws_status, 101, "/web/ws {case}");
+                assert_eq!(protocol.as_deref(), Some("superfluid.v1"));
+            }
+            Err(status) => assert_eq!(status, *ws_status, "/web/ws {case}"),
+        }
+    }
+    // /web/ws without an Origin, and with the token as a subprotocol only.
+    let no_origin = Ws::connect(port, &[("Authorization", &bearer)]).map(|_| ());
+    assert_eq!(no_origin, Err(403));
+    let token_protocol = format!("superfluid.v1, superfluid.token.{t}");
+    let browser = Ws::connect(
+        port,
+        &[
+            ("Origin", ORIGIN),
+            ("Sec-WebSocket-Protocol", &token_protocol),
+            ("Host", &format!("localhost:{port}")),
+        ],
+    )
+    .unwrap_or_else(|s| panic!("the browser handshake got {s}"));
+    // Only superfluid.v1 is echoed, never the token.
+    assert_eq!(browser.protocol.as_deref(), Some("superfluid.v1"));
+    browser_snippet(browser);
+    let wrong_protocol = Ws::connect(
+        port,
+        &[
+            ("Origin", ORIGIN),
+            (
+                "Sec-WebSocket-Protocol",
+                "superfluid.v1, superfluid.token.00",
+            ),
+        ],
+    )
+    .map(|_| ());
+    assert_eq!(wrong_protocol, Err(401));
+    // /web/health: no token, but the Host is checked.
+    let health = request(port, "GET", "/web/health", &[], b"");
+    assert_eq!(health.status, 200);
+    let foreign = request(
+        port,
+        "GET",
+        "/web/health",
+        &[("Host", "evil.example:80")],
+        b"",
+    );
+    assert_eq!(foreign.status, 403);
+    // A body over the cap is refused from its Content-Length, unread.
+    let mut big = good.clone();
+    big.push(("Content-Length", "17000000"));
+    let mut s = connect(port);
+    send_request(&mut s, port, "POST", "/web/rpc", &big, b"");
+    let (status, _, _) = read_head(&mut s);
+    assert_eq!(status, 413);
+}
+
+/// The spec's browser snippet, frame for frame: AppendMessage and Generate
+/// are sent together as soon as Created arrives.
+fn browser_snippet(mut ws: Ws) {
+    ws.send_text(
+        &json!({ "Create": { "parent": null, "params": { "temperature": 0.7, "top_p": 0.95, "min_p": 0, "top_k": 0, "seed": 1 } } })
+            .to_string(),
+    );
+    let Response::Created { session } = ws.recv() else {
+        panic!("Create")
+    };
+    ws.send_text(&json!({ "AppendMessage": { "session": session, "role": 1, "text": "Name three rivers." } }).to_string());
+    ws.send_text(&json!({ "Generate": { "session": session, "max_tokens": 32 } }).to_string());
+    let mut text = String::new();
+    let mut replies = Vec::new();
+    loop {
+        let raw: Value = serde_json::from_str(&ws.recv_text().unwrap()).unwrap();
+        if let Some(t) = raw.pointer("/Delta/event/body/Generated/text") {
+            text.push_str(t.as_str().unwrap());
+        }
+        let name = raw.as_object().unwrap().keys().next().unwrap().clone();
+        if name == "Generated" {
+            assert!(raw["Generated"]["finish"].as_u64().unwrap() > 0);
+            break;
+        }
+        assert_ne!(name, "Err", "{raw}");
+        replies.push(name);
+    }
+    assert_eq!(replies[0], "Committed");
+    assert!(replies[1..].iter().all(|r| r == "Delta"), "{replies:?}");
+    assert!(!text.is_empty());
+}
+
+#[test]
+fn web_rpc_walkthrough_and_stream() {
+    let (d, web) = web_daemon(&[]);
+    // The spec's curl walkthrough, byte for byte where the spec says.
+    let created = web.post(
+        "/web/rpc",
+        r#"{"Create":{"parent":null,"params":{"temperature":0.7,"top_p":0.95,"min_p":0.0,"top_k":0,"seed":1}}}"#,
+    );
+    assert_eq!(created.status, 200);
+    assert_eq!(created.text(), r#"{"Created":{"session":1}}"#);
+    let appended =
+        web.rpc(json!({"AppendMessage":{"session":1,"role":1,"text":"Name three rivers."}}));
+    let event = &appended["Committed"]["event"];
+    assert_eq!(event["event_id"], 1);
+    let keys: Vec<&String> = event.as_object().unwrap().keys().collect();
+    assert_eq!(keys, ["event_id", "epoch", "ts_unix_ms", "body"]);
+    let message = &event["body"]["Message"];
+    assert_eq!(message["role"], 1);
+    assert_eq!(message["text"], "Name three rivers.");
+    assert!(message["span"].as_array().unwrap().len() > 3);
+    assert_eq!(
+        web.rpc(json!("Tree")),
+        json!({"Tree":{"nodes":[[1,null,null]]}})
+    );
+    // Refused with Err, status 200; so is a body that is no request.
+    for refused in [
+        json!({"Generate":{"session":1,"max_tokens":4}}),
+        json!({"Subscribe":{"session":1,"cursor":0,"provisional":false}}),
+        json!({"Unsubscribe":{"sub":1}}),
+        json!({"Nope":{}}),
+    ] {
+        assert!(
+            web.rpc(refused.clone())["Err"]["message"].is_string(),
+            "{refused}"
+        );
+    }
+
+    // /web/stream: committed events, done, [DONE]; no provisional unasked.
+    let s = asked(&web, "What is the capital of France?");
+    let lines = web.stream(json!({"session": s, "max_tokens": 24}));
+    let (last, rest) = lines.split_last().unwrap();
+    assert_eq!(last, "[DONE]");
+    let (done, committed) = rest.split_last().unwrap();
+    let done: Value = serde_json::from_str(done).unwrap();
+    let done = &done["done"];
+    assert!(done["tokens_generated"].as_u64().unwrap() > 0);
+    let f = done["finish"].as_u64().unwrap() as u8;
+    assert!(
+        f == finish::END_OF_TURN || f == finish::MAX_TOKENS,
+        "{done}"
+    );
+    assert!(done["warm_prefix"].is_u64());
+    let log = d.read_all(s);
+    let from_log: Vec<Value> = log
+        .iter()
+        .filter(|e| matches!(e.body, Record::Generated { .. }))
+        .map(|e| serde_json::to_value(e).unwrap())
+        .collect();
+    let streamed: Vec<Value> = committed
+        .iter()
+        .map(|l| {
+            let v: Value = serde_json::from_str(l).unwrap();
+            assert!(v.get("committed").is_some(), "{l}");
+            v["committed"].clone()
+        })
+        .collect();
+    assert_eq!(streamed, from_log, "every Generated event, nothing else");
+    let text: String = from_log
+        .iter()
+        .map(|e| e["body"]["Generated"]["text"].as_str().unwrap())
+        .collect();
+    assert!(text.contains("Paris"), "{text}");
+
+    // With provisional: text ahead of its commit, and the same committed text.
+    let s2 = asked(&web, "What is the capital of France?");
+    let lines = web.stream(json!({"session": s2, "max_tokens": 24, "provisional": true}));
+    let mut provisional = String::new();
+    let mut committed = String::new();
+    for l in &lines[..lines.len() - 1] {
+        let v: Value = serde_json::from_str(l).unwrap();
+        if let Some(p) = v.get("provisional") {
+            assert!(p["channel"].is_u64());
+            provisional.push_str(p["text"].as_str().unwrap());
+        } else if let Some(c) = v.get("committed") {
+            committed.push_str(c["body"]["Generated"]["text"].as_str().unwrap_or(""));
+        }
+    }
+    assert!(!provisional.is_empty(), "{lines:?}");
+    assert!(
+        committed.starts_with(&provisional[..provisional.len().min(8)]),
+        "{provisional:?} / {committed:?}"
+    );
+
+    // Closing the stream mid-way cancels: the log ends with finish 4.
+    let s3 = asked(&web, STORY);
+    let mut sock = connect(web.port);
+    let auth = web.auth();
+    let body = json!({"session": s3, "max_tokens": 400}).to_string();
+    send_request(
+        &mut sock,
+        web.port,
+        "POST",
+        "/web/stream",
+        &[("Authorization", &auth), ("X-Superfluid-CSRF", &web.token)],
+        body.as_bytes(),
+    );
+    let (status, _, mut seen) = read_head(&mut sock);
+    assert_eq!(status, 200);
+    let mut b = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains("committed") {
+        let n = sock.read(&mut b).unwrap();
+        assert!(n > 0);
+        seen.extend_from_slice(&b[..n]);
+    }
+    drop(sock);
+    let log = settled(&d, s3);
+    assert_eq!(last_finish(&log), finish::CANCELLED, "{:?}", log.last());
+}
+
+#[test]
+fn web_ws_generate_cancelled_through_rpc() {
+    let (_d, web) = web_daemon(&[]);
+    let mut ws = web.ws();
+    // The browser snippet's requests, as JSON text frames.
+    ws.send_text(r#"{"Create":{"parent":null,"params":{"temperature":0,"top_p":1,"min_p":0,"top_k":0,"seed":1}}}"#);
+    let Response::Created { session } = ws.recv() else {
+        panic!("Create")
+    };
+    for (r, text) in [(0, "You are a helpful assistant."), (1, STORY)] {
+        ws.send_text(
+            &json!({"AppendMessage":{"session":session,"role":r,"text":text}}).to_string(),
+        );
+        assert!(matches!(ws.recv(), Response::Committed { .. }));
+    }
+    ws.send_text(&json!({"Generate":{"session":session,"max_tokens":400}}).to_string());
+    let mut generated = 0;
+    loop {
+        match ws.recv() {
+            Response::Delta { event } => {
+                if matches!(event.body, Record::Generated { .. }) {
+                    generated += 1;
+                    if generated == 1 {
+                        assert_eq!(
+                            web.rpc_typed(&Request::Cancel { session }),
+                            Response::Cancelling
+                        );
+                    }
+                }
+            }
+            Response::Generated { finish: f, .. } => {
+                assert_eq!(f, finish::CANCELLED);
+                break;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    // The connection goes on: the next request is answered.
+    assert!(matches!(ws.call(&Request::List), Response::Sessions { .. }));
+    // Not a request: an Err frame, and the connection stays.
+    ws.send_text("{");
+    assert!(matches!(ws.recv(), Response::Err { .. }));
+    assert!(matches!(ws.call(&Request::Tree), Response::Tree { .. }));
+    // A purge ends the session's subscriptions.
+    let Response::Inspection { inspection } = web.rpc_typed(&Request::Inspect { session }) else {
+        panic!("Inspect")
+    };
+    let subscribe = Request::Subscribe {
+        session,
+        cursor: inspection.events,
+        provisional: false,
+    };
+    let Response::Subscribed { sub } = ws.call(&subscribe) else {
+        panic!("Subscribe")
+    };
+    let purge = Request::Purge {
+        session,
+        expected_generation: inspection.generation,
+        mode: superfluid::wire::PurgeMode::Cascade,
+    };
+    assert!(matches!(web.rpc_typed(&purge), Response::Purged { .. }));
+    assert_eq!(
+        ws.recv(),
+        Response::SubEnded {
+            sub,
+            reason: "purged".into()
+        }
+    );
+    assert!(matches!(ws.call(&subscribe), Response::Err { .. }));
+}
+
+#[test]
+fn web_subscribe_resumes_at_a_held_cursor_across_a_restart() {
+    let (mut d, web) = web_daemon(&[]);
+    let first_token = web.token.clone();
+    let path = d.sessions.join("web-token");
+    assert_eq!(
+        std::fs::metadata(&path).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+    let mut c = d.client();
+    let s = created(
+        &mut c,
+        Request::Create {
+            parent: None,
+            params: params(1),
+        },
+    );
+    let say = |c: &mut superfluid::frontend::socket::Client, text: &str| {
+        commit(
+            c,
+            Request::AppendMessage {
+                session: s,
+                role: role::USER,
+                text: text.into(),
+            },
+        )
+        .event_id
+    };
+    say(&mut c, "one");
+    say(&mut c, "two");
+
+    let mut ws = web.ws();
+    let Response::Subscribed { sub } = ws.call(&Request::Subscribe {
+        session: s,
+        cursor: 1,
+        provisional: false,
+    }) else {
+        panic!("Subscribe")
+    };
+    let mut ids = Vec::new();
+    let expect_event = |ws: &mut Ws, ids: &mut Vec<u64>| match ws.recv() {
+        Response::SubEvent { sub: got, event } => {
+            assert_eq!(got, sub);
+            ids.push(event.event_id);
+        }
+        other => panic!("{other:?}"),
+    };
+    expect_event(&mut ws, &mut ids);
+    expect_event(&mut ws, &mut ids);
+    // Live, and other requests on the same socket go on meanwhile.
+    let three = say(&mut c, "three");
+    expect_event(&mut ws, &mut ids);
+    assert!(matches!(ws.call(&Request::List), Response::Sessions { .. }));
+    assert_eq!(ids, vec![1, 2, three]);
+    assert_eq!(
+        ws.call(&Request::Unsubscribe { sub }),
+        Response::Unsubscribed
+    );
+    assert_eq!(
+        ws.recv(),
+        Response::SubEnded {
+            sub,
+            reason: "unsubscribed".into()
+        }
+    );
+    assert!(matches!(
+        ws.call(&Request::Unsubscribe { sub }),
+        Response::Err { .. }
+    ));
+    let cursor = three + 1;
+    drop(ws);
+
+    d.restart();
+    let web = web_of(&d);
+    assert_ne!(web.token, first_token, "a new token at every start");
+    assert_eq!(
+        std::fs::metadata(&path).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+    let mut c = d.client();
+    let four = say(&mut c, "four");
+    let five = say(&mut c, "five");
+
+    // Over the unix socket this time: sub frames interleave with replies.
+    let mut raw = Raw::connect(&d.socket);
+    raw.send_request(&Request::Subscribe {
+        session: s,
+        cursor,
+        provisional: false,
+    });
+    let Some(Response::Subscribed { sub }) = raw.recv() else {
+        panic!("Subscribe")
+    };
+    let mut got = Vec::new();
+    for _ in 0..2 {
+        match raw.recv() {
+            Some(Response::SubEvent { event, .. }) => got.push(event),
+            other => panic!("{other:?}"),
+        }
+    }
+    let six = say(&mut c, "six");
+    match raw.recv() {
+        Some(Response::SubEvent { event, .. }) => got.push(event),
+        other => panic!("{other:?}"),
+    }
+    let log = d.read_all(s);
+    assert_eq!(got, log[cursor as usize..].to_vec(), "no gap, no duplicate");
+    assert_eq!(
+        got.iter().map(|e| e.event_id).collect::<Vec<_>>(),
+        vec![four, five, six]
+    );
+    // A Read on the same connection is answered between sub frames.
+    raw.send_request(&Request::Read {
+        session: s,
+        cursor: six,
+    });
+    assert!(matches!(raw.recv(), Some(Response::Events { .. })));
+    // Shutting down ends the subscription.
+    d.stop();
+    assert_eq!(
+        raw.recv(),
+        Some(Response::SubEnded {
+            sub,
+            reason: "publisher closed".into()
+        })
+    );
+}
+
+#[test]
+fn web_a_slow_subscriber_lags_and_a_fast_one_sees_everything() {
+    const MESSAGES: u64 = 120;
+    let (d, web) = web_daemon(&["--sub-buffer", "8"]);
+    let mut c = d.client();
+    let s = created(
+        &mut c,
+        Request::Create {
+            parent: None,
+            params: params(1),
+        },
+    );
+
+    // Slow: a socket connection that subscribes and then reads nothing.
+    let mut slow = Raw::connect(&d.socket);
+    slow.send_request(&Request::Subscribe {
+        session: s,
+        cursor: 0,
+        provisional: false,
+    });
+    // Fast: a WebSocket read on its own thread.
+    let mut fast = web.ws();
+    let Response::Subscribed { sub } = fast.call(&Request::Subscribe {
+        session: s,
+        cursor: 0,
+        provisional: false,
+    }) else {
+        panic!("Subscribe")
+    };
+    let reader = std::thread::spawn(move || {
+        let mut ids = Vec::new();
+        while ids.len() as u64 <= MESSAGES {
+            match fast.recv() {
+                Response::SubEvent { sub: got, event } => {
+                    assert_eq!(got, sub);
+                    ids.push(event.event_id);
+                }
+                other => panic!(
+                    "the fast subscriber got {other:?} after {} events",
+                    ids.len()
+                ),
+            }
+        }
+        ids
+    });
+    let text = "river ".repeat(3000);
+    for _ in 0..MESSAGES {
+        commit(
+            &mut c,
+            Request::AppendMessage {
+                session: s,
+                role: role::USER,
+                text: text.clone(),
+            },
+        );
+    }
+    let ids = reader.join().unwrap();
+    assert_eq!(ids, (0..=MESSAGES).collect::<Vec<_>>());
+
+    // The slow one, read at last: a prefix without gaps, then `lagged`.
+    let Some(Response::Subscribed { sub }) = slow.recv() else {
+        panic!("Subscribe")
+    };
+    let mut next = 0;
+    loop {
+        match slow.recv() {
+            Some(Response::SubEvent { sub: got, event }) => {
+                assert_eq!((got, event.event_id), (sub, next));
+                next += 1;
+            }
+            Some(Response::SubEnded { sub: got, reason }) => {
+                assert_eq!((got, reason.as_str()), (sub, "lagged"));
+                break;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert!(next <= MESSAGES, "the slow subscriber saw all {next}");
+    // Its connection still serves requests.
+    slow.send_request(&Request::List);
+    assert!(matches!(slow.recv(), Some(Response::Sessions { .. })));
+}
+
+#[test]
+fn web_refuses_a_non_loopback_address() {
+    let mut d = TestDaemon::new();
+    let failed = d.start_expect_exit(&["--web".into(), "0.0.0.0:8455".into()]);
+    assert!(!failed.status.success());
+    assert!(failed.stderr.contains("loopback"), "{}", failed.stderr);
+    assert!(!d.wal_path().exists(), "nothing started");
+    assert!(!d.sessions.join("web-token").exists());
+}
