@@ -405,21 +405,28 @@ impl Handler<GenUpdate> for SessionActor {
                 let records = r.output.push(token, &piece, eog, now_ms());
                 let cut = !records.is_empty();
                 r.queue.extend(records);
-                if r.provisional {
-                    // The text this token added ahead of its commit.
-                    if let Some((channel, text)) = r.output.provisional() {
-                        let seen = match before {
-                            Some((c, n)) if !cut && c == channel && n <= text.len() => n,
-                            _ => 0,
-                        };
-                        let new = text.get(seen..).unwrap_or_default().to_string();
-                        if !new.is_empty() {
-                            self.tell(Response::SubProvisional {
-                                sub: 0,
-                                channel,
-                                text: new,
-                            });
-                        }
+                // The text this token added ahead of its commit, for the
+                // generating client if it asked and for subscribers.
+                let mut fresh = None;
+                if let Some((channel, text)) = r.output.provisional() {
+                    let seen = match before {
+                        Some((c, n)) if !cut && c == channel && n <= text.len() => n,
+                        _ => 0,
+                    };
+                    let new = text.get(seen..).unwrap_or_default();
+                    if !new.is_empty() {
+                        fresh = Some((channel, new.to_string()));
+                    }
+                }
+                let wants = r.provisional;
+                if let Some((channel, text)) = fresh {
+                    self.shared.bus.publish_provisional(self.id, channel, &text);
+                    if wants {
+                        self.tell(Response::SubProvisional {
+                            sub: 0,
+                            channel,
+                            text,
+                        });
                     }
                 }
             }

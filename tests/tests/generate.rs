@@ -643,3 +643,61 @@ fn forced_tool_call_round_trip() {
     assert!(matches!(events[0].body, Record::GenerationPrompt { .. }));
     assert!(matches!(last, Response::Generated { .. }), "{last:?}");
 }
+
+#[test]
+fn a_subscriber_sees_provisional_text_ahead_of_the_commits() {
+    let d = TestDaemon::start();
+    let mut c = d.client();
+    let s = asked(&mut c, sampled(2), QUESTION);
+    let mut sub = d.client();
+    let Response::Subscribed { sub: id } = sub
+        .call(&Request::Subscribe {
+            session: s,
+            cursor: 0,
+            provisional: true,
+        })
+        .unwrap()
+    else {
+        panic!()
+    };
+    let socket = d.socket.clone();
+    let gen = std::thread::spawn(move || {
+        let mut c = Client::connect(&socket).unwrap();
+        c.generate(&Request::Generate {
+            session: s,
+            max_tokens: 40,
+        })
+        .unwrap()
+    });
+    let (mut provisional, mut committed) = (String::new(), String::new());
+    let mut ids = Vec::new();
+    while committed.len() < 40 || provisional.is_empty() {
+        match sub.read().unwrap() {
+            Response::SubProvisional { sub, text, .. } => {
+                assert_eq!(sub, id);
+                provisional.push_str(&text);
+            }
+            Response::SubEvent { event, .. } => {
+                ids.push(event.event_id);
+                if let Record::Generated { text, finish, .. } = &event.body {
+                    committed.push_str(text);
+                    if *finish != finish::OPEN {
+                        break;
+                    }
+                }
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    gen.join().unwrap();
+    assert!(!provisional.is_empty(), "provisional text arrived");
+    assert!(
+        committed.starts_with(&provisional[..provisional.len().min(8)]),
+        "{provisional:?} vs {committed:?}"
+    );
+    assert_eq!(
+        ids,
+        (0..ids.len() as u64).collect::<Vec<_>>(),
+        "backlog then live, no gap"
+    );
+}
