@@ -65,16 +65,19 @@ struct Serve {
     #[arg(long)]
     park: bool,
     /// KV cells shared by the lane's sequences.
-    #[arg(long, default_value_t = daemon::DEFAULT_CTX_SIZE)]
+    #[arg(long, default_value_t = daemon::DEFAULT_CTX_SIZE,
+          value_parser = clap::value_parser!(u32).range(64..=1 << 20))]
     ctx_size: u32,
     /// Sequences decoded together (continuous batching).
-    #[arg(long, default_value_t = daemon::DEFAULT_PARALLEL)]
+    #[arg(long, default_value_t = daemon::DEFAULT_PARALLEL,
+          value_parser = clap::value_parser!(u32).range(1..=256))]
     parallel: u32,
     /// The most tokens one decode call takes; prefill is chunked by it.
-    #[arg(long, default_value_t = daemon::DEFAULT_BATCH)]
+    #[arg(long, default_value_t = daemon::DEFAULT_BATCH,
+          value_parser = clap::value_parser!(u32).range(1..))]
     batch: u32,
     /// CPU threads for decode [default: every core]
-    #[arg(long)]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
     threads: Option<u32>,
     /// Serve the browser transport (JSON over HTTP and WebSocket) on this
     /// loopback address, e.g. 127.0.0.1:8455; port 0 picks a free one.
@@ -106,8 +109,13 @@ enum SessionCommand {
 }
 
 fn main() {
-    superfluid::logging::init();
-    if let Err(e) = run(Cli::parse()) {
+    let cli = Cli::parse();
+    if matches!(cli.command, Command::Worker(_)) {
+        superfluid::logging::init_worker();
+    } else {
+        superfluid::logging::init();
+    }
+    if let Err(e) = run(cli) {
         eprintln!("superfluid: {e:#}");
         std::process::exit(1);
     }

@@ -160,7 +160,12 @@ impl LaneActor {
             .spawn(move || {
                 for line in BufReader::new(stderr).lines() {
                     match line {
-                        Ok(l) => log::info!(target: "superfluid::worker", "{l}"),
+                        Ok(l) => match crate::logging::parse_worker_line(&l) {
+                            Some((level, target, msg)) => {
+                                log::log!(target: "superfluid::worker", level, "{target}: {msg}")
+                            }
+                            None => log::info!(target: "superfluid::worker", "{l}"),
+                        },
                         Err(_) => break,
                     }
                 }
@@ -265,6 +270,12 @@ impl Handler<FromWorker> for LaneActor {
     fn handle(&mut self, msg: FromWorker, _: &mut Context<Self>) {
         if msg.incarnation != self.incarnation {
             return;
+        }
+        if !self.ready {
+            if let WorkerResponse::Err { message } = &msg.response {
+                log::error!("the worker could not start: {message}");
+                return;
+            }
         }
         if let WorkerResponse::Ready { config, n_vocab } = &msg.response {
             log::info!(
