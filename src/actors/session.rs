@@ -218,7 +218,24 @@ impl SessionActor {
                 .turn_state(id, think_close.as_deref())
                 .map_err(|e| e.to_string())?;
             let (prompt_event, in_reasoning) = match state {
-                TurnState::Open { in_reasoning } => (None, in_reasoning),
+                TurnState::Open { in_reasoning } => {
+                    // Continuing a turn from an earlier daemon start: its KV
+                    // is rebuilt by prefill, which can differ in the last
+                    // bits from the original decode. Say so in the log.
+                    let (stale, epoch) = {
+                        let book = shared.read();
+                        let last = book.last_event(id).map(|e| e.epoch).unwrap_or(0);
+                        (last < book.epoch(), book.epoch())
+                    };
+                    let bump = if stale {
+                        let planned = shared.read().plan_output(id, Record::EpochBump, now_ms());
+                        log::debug!("session {id}: continuing its turn in epoch {epoch}");
+                        Some(commit_record(&shared, planned).await?)
+                    } else {
+                        None
+                    };
+                    (bump, in_reasoning)
+                }
                 TurnState::Closed => {
                     let planned =
                         shared

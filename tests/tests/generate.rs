@@ -701,3 +701,31 @@ fn a_subscriber_sees_provisional_text_ahead_of_the_commits() {
         "backlog then live, no gap"
     );
 }
+
+#[test]
+fn a_reply_cut_by_sigkill_continues_after_restart() {
+    // Greedy, so the rebuilt KV (a prefill) retraces the uninterrupted run.
+    let whole = {
+        let d = TestDaemon::start();
+        let mut c = d.client();
+        let s = asked(&mut c, params(1), QUESTION);
+        generated(&generate(&mut c, s, 60).0).0
+    };
+    let mut d = TestDaemon::start();
+    let mut c = d.client();
+    let s = asked(&mut c, params(1), QUESTION);
+    let (first, _) = generate(&mut c, s, 25);
+    d.kill9();
+    d.spawn_and_wait();
+    let mut c = d.client();
+    let (events, last) = generate(&mut c, s, 35);
+    assert!(
+        matches!(events[0].body, Record::EpochBump),
+        "{:?}",
+        events[0]
+    );
+    assert!(matches!(last, Response::Generated { .. }), "{last:?}");
+    let mut tokens = generated(&first).0;
+    tokens.extend(generated(&events).0);
+    assert_eq!(tokens, whole);
+}
