@@ -5,7 +5,7 @@
 //! so the next request starts a fresh one.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -56,8 +56,8 @@ pub struct RunningSessions;
 struct Running {
     addr: Addr<SessionActor>,
     last_used: Instant,
-    /// Set by the actor while it generates: never stopped then.
-    busy: Arc<AtomicBool>,
+    /// The actor's requests in flight plus one while it generates: never stopped then.
+    busy: Arc<AtomicUsize>,
 }
 
 pub struct Registry {
@@ -78,7 +78,7 @@ impl Registry {
     fn actor(&mut self, id: SessionId) -> Addr<SessionActor> {
         let shared = &self.shared;
         let start = || {
-            let busy = Arc::new(AtomicBool::new(false));
+            let busy = Arc::new(AtomicUsize::new(0));
             Running {
                 addr: SessionActor::new(id, shared.clone(), busy.clone()).start(),
                 last_used: Instant::now(),
@@ -205,7 +205,7 @@ impl Actor for Registry {
             let idle = Duration::from_secs(SESSION_IDLE_STOP_SECS);
             // Dropping the last address stops the actor once its mailbox is empty.
             this.running
-                .retain(|_, r| r.busy.load(Ordering::SeqCst) || r.last_used.elapsed() < idle);
+                .retain(|_, r| r.busy.load(Ordering::SeqCst) > 0 || r.last_used.elapsed() < idle);
         });
     }
 }

@@ -12,7 +12,7 @@
 //! record is durable.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use actix::prelude::*;
@@ -71,12 +71,14 @@ pub struct SessionActor {
     id: SessionId,
     shared: Shared,
     running: Option<Running>,
-    /// Shared with the registry: a busy actor is never stopped as idle.
-    busy: Arc<AtomicBool>,
+    /// Shared with the registry: requests in flight plus one while a
+    /// generation runs. An actor with work is never stopped as idle (a second
+    /// actor for the same session would plan the same event ids).
+    busy: Arc<AtomicUsize>,
 }
 
 impl SessionActor {
-    pub fn new(id: SessionId, shared: Shared, busy: Arc<AtomicBool>) -> SessionActor {
+    pub fn new(id: SessionId, shared: Shared, busy: Arc<AtomicUsize>) -> SessionActor {
         SessionActor {
             id,
             shared,
@@ -86,7 +88,15 @@ impl SessionActor {
     }
 
     fn set_running(&mut self, running: Option<Running>) {
-        self.busy.store(running.is_some(), Ordering::SeqCst);
+        match (self.running.is_some(), running.is_some()) {
+            (false, true) => {
+                self.busy.fetch_add(1, Ordering::SeqCst);
+            }
+            (true, false) => {
+                self.busy.fetch_sub(1, Ordering::SeqCst);
+            }
+            _ => {}
+        }
         self.running = running;
     }
 
@@ -155,7 +165,7 @@ impl SessionActor {
         }
         // Done: the summary (or the error) is the last reply.
         let r = self.running.take().expect("running");
-        self.busy.store(false, Ordering::SeqCst);
+        self.busy.fetch_sub(1, Ordering::SeqCst);
         let last = match r.failed {
             Some(message) => Response::Err { message },
             None => Response::Generated {
@@ -368,9 +378,12 @@ impl Handler<SessionRequest> for SessionActor {
         }
         let generating = self.running.is_some();
         let shared = self.shared.clone();
+        let busy = self.busy.clone();
+        busy.fetch_add(1, Ordering::SeqCst);
         AtomicResponse::new(Box::pin(
             async move {
                 let mut r = handle(&shared, msg.0).await;
+                busy.fetch_sub(1, Ordering::SeqCst);
                 if let Response::Inspection { inspection } = &mut r {
                     inspection.generating = generating;
                 }
