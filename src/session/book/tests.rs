@@ -392,6 +392,49 @@ fn tool_call_bookkeeping() {
         .unwrap_err();
     assert!(err.to_string().contains("already answered"));
     assert_eq!(b.ledger(s).unwrap()[0].status, "answered");
+
+    // Two more calls: one cancelled on request, one failed with a note.
+    for name in ["g", "h"] {
+        let id = b.len(s).unwrap();
+        b.apply(&LogRecord::Events {
+            session: s,
+            events: vec![Event {
+                event_id: id,
+                epoch: 0,
+                ts_unix_ms: 1,
+                body: Record::ToolUse {
+                    name: name.into(),
+                    arguments: "{}".into(),
+                },
+            }],
+        })
+        .unwrap();
+    }
+    let (g, h) = (call + 2, call + 3);
+    commit!(b, b.plan_tool_cancel(s, g, 1));
+    assert_eq!(b.ledger(s).unwrap()[1].status, "cancel requested");
+    commit!(b, b.plan_tool_outcome(s, g, 2, "stopped".into(), 1));
+    assert!(
+        b.plan_tool_outcome(s, h, 7, "x".into(), 1).is_err(),
+        "outcome is 1 or 2"
+    );
+    let asked = commit!(b, b.plan_permission_request(s, h, "may I?".into(), 1));
+    let LogRecord::Events { events, .. } = asked else {
+        panic!()
+    };
+    let request_id = events[0].event_id;
+    assert!(b.plan_permission_response(s, 999, true, 1).is_err());
+    commit!(b, b.plan_permission_response(s, request_id, false, 1));
+    assert!(
+        b.plan_permission_response(s, request_id, true, 1).is_err(),
+        "answered once"
+    );
+    commit!(b, b.plan_tool_outcome(s, h, 1, "denied".into(), 1));
+    let ledger = b.ledger(s).unwrap();
+    let statuses: Vec<&str> = ledger.iter().map(|e| e.status.as_str()).collect();
+    assert_eq!(statuses, ["answered", "cancelled", "failed"]);
+    assert_eq!(ledger[2].permission, Some(false));
+    assert!(b.open_tool_calls(s).unwrap().is_empty());
 }
 
 #[test]
