@@ -12,6 +12,13 @@ if [ ${#need[@]} -gt 0 ]; then
   $sudo apt-get update -qq >&2
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq cmake clang libclang-dev ccache >&2
 fi
+# Headless Chromium for tests/tests/browser.rs (the spec's browser snippet).
+if [ ! -x /usr/bin/chromium ]; then
+  sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  echo "setup: installing chromium" >&2
+  $sudo apt-get update -qq >&2
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq chromium >&2
+fi
 model=$("$(dirname "$0")/fetch-model.sh")
 # Test models derived from the default one by rewriting GGUF metadata (tools + thinking template,
 # FIM token ids): see make-test-models.py. Their paths go to stderr; the last line stays the model's.

@@ -3,6 +3,7 @@
 //! model's vocabulary: set SUPERFLUID_TEST_MODEL, or run scripts/fetch-model.sh.
 
 mod bad_input;
+mod browser;
 mod daemon;
 mod generate;
 mod ordering;
