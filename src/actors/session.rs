@@ -272,9 +272,10 @@ impl SessionActor {
             // A forced tool call: a grammar over the declared tools' names.
             let forced = shared.read().forced_tools(id).map_err(|e| e.to_string())?;
             let grammar = match forced {
-                Some(names) => Some(forced_call(
-                    &names,
+                Some(tools) => Some(forced_call(
+                    &tools,
                     think_close.as_deref().filter(|_| in_reasoning),
+                    &crate::engine::json_schema_grammar,
                 )?),
                 None => None,
             };
@@ -431,25 +432,13 @@ impl Handler<GenUpdate> for SessionActor {
             GenEvent::Token { token, .. } => {
                 let eog = render.is_eog(token);
                 let piece = if eog { Vec::new() } else { render.piece(token) };
-                let before = r.output.provisional().map(|(c, t)| (c, t.len()));
                 let records = r.output.push(token, &piece, eog, now_ms());
-                let cut = !records.is_empty();
                 r.queue.extend(records);
-                // The text this token added ahead of its commit, for the
-                // generating client if it asked and for subscribers.
-                let mut fresh = None;
-                if let Some((channel, text)) = r.output.provisional() {
-                    let seen = match before {
-                        Some((c, n)) if !cut && c == channel && n <= text.len() => n,
-                        _ => 0,
-                    };
-                    let new = text.get(seen..).unwrap_or_default();
-                    if !new.is_empty() {
-                        fresh = Some((channel, new.to_string()));
-                    }
-                }
+                // The text this token added, for the generating client if it
+                // asked and for subscribers, ahead of its commit.
+                let fresh = r.output.take_fresh();
                 let wants = r.provisional;
-                if let Some((channel, text)) = fresh {
+                for (channel, text) in fresh {
                     self.shared.bus.publish_provisional(self.id, channel, &text);
                     if wants {
                         self.tell(Response::SubProvisional {

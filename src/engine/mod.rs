@@ -83,3 +83,9 @@ pub enum EngineError {
     #[error("invalid tool definition: {0}")]
     InvalidTool(String),
 }
+
+/// llama.cpp's JSON-schema-to-GBNF converter (no model needed): the grammar
+/// that forces a tool call's arguments to follow the tool's schema.
+pub fn json_schema_grammar(schema: &str) -> Result<String, String> {
+    llama_cpp_2::json_schema_to_grammar(schema).map_err(|e| e.to_string())
+}

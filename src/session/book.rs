@@ -401,22 +401,25 @@ impl SessionBook {
         self.one_event(s, now, Record::ToolChoice { choice })
     }
 
-    /// The names of the tools a generation must choose from, or None when
-    /// tool calls are not forced ("auto").
-    pub fn forced_tools(&self, s: SessionId) -> Result<Option<Vec<String>>, SessionError> {
+    /// The tools (name, parameters schema) a generation must call one of,
+    /// or None when tool calls are not forced ("auto").
+    pub fn forced_tools(
+        &self,
+        s: SessionId,
+    ) -> Result<Option<Vec<(String, serde_json::Value)>>, SessionError> {
         let events = self.read(s, 0)?;
         let choice = events.iter().rev().find_map(|e| match &e.body {
             Record::ToolChoice { choice } => Some(choice.clone()),
             _ => None,
         });
-        let names: Vec<String> = declared_tools(&events)
+        let tools: Vec<(String, serde_json::Value)> = declared_tools(&events)
             .iter()
-            .filter_map(|t| super::grammar::tool_name(t))
+            .filter_map(|t| super::grammar::tool_signature(t))
             .collect();
         Ok(match choice.as_deref() {
             None | Some("auto") => None,
-            Some("required") => Some(names),
-            Some(name) => Some(vec![name.to_string()]),
+            Some("required") => Some(tools),
+            Some(name) => Some(tools.into_iter().filter(|(n, _)| n == name).collect()),
         })
     }
 

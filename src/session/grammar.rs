@@ -1,18 +1,35 @@
 //! Grammars that force a tool call (`SetToolChoice` "required" or a tool's
 //! name), in GBNF for llama.cpp's grammar sampler. The call takes the
 //! `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` form the output
-//! decoder parses; `name` is one of the declared tools and `arguments` any
-//! JSON object (the tool's schema is not enforced).
+//! decoder parses. The object inside is described as a JSON schema — one
+//! alternative per allowed tool, its `name` a constant and its `arguments`
+//! the tool's own parameters schema — and turned into GBNF by a converter
+//! (llama.cpp's `json_schema_to_grammar` in the daemon), so the arguments
+//! follow the tool's schema. A schema the converter cannot take falls back to
+//! "any JSON object" for the arguments.
 
-/// The name of a declared tool: an OpenAI function tool, a bare function or
-/// an Anthropic tool.
+use serde_json::{json, Value};
+
+/// Turns a JSON schema into a GBNF grammar whose start rule is `root`.
+pub type SchemaToGrammar<'a> = &'a dyn Fn(&str) -> Result<String, String>;
+
+/// A declared tool's name and parameters schema, from an OpenAI function
+/// tool, a bare function or an Anthropic tool.
+pub fn tool_signature(json: &str) -> Option<(String, Value)> {
+    let v: Value = serde_json::from_str(json).ok()?;
+    let f = v.get("function").unwrap_or(&v);
+    let name = f.get("name")?.as_str()?.to_string();
+    let params = f
+        .get("parameters")
+        .or_else(|| f.get("input_schema"))
+        .cloned()
+        .unwrap_or_else(|| json!({"type": "object"}));
+    Some((name, params))
+}
+
+/// A declared tool's name.
 pub fn tool_name(json: &str) -> Option<String> {
-    let v: serde_json::Value = serde_json::from_str(json).ok()?;
-    v.get("function")
-        .and_then(|f| f.get("name"))
-        .or_else(|| v.get("name"))
-        .and_then(|n| n.as_str())
-        .map(str::to_string)
+    tool_signature(json).map(|(name, _)| name)
 }
 
 /// A GBNF string literal of `text`.
@@ -32,29 +49,74 @@ fn literal(text: &str) -> String {
     out
 }
 
-const JSON_RULES: &str = r#"obj ::= "{" ws ( str ":" ws value ( "," ws str ":" ws value )* )? "}" ws
-value ::= obj | arr | str | num | ( "true" | "false" | "null" ) ws
-arr ::= "[" ws ( value ( "," ws value )* )? "]" ws
-str ::= "\"" ( [^"\\\x7F\x00-\x1F] | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] ) )* "\"" ws
-num ::= "-"? ( [0-9] | [1-9] [0-9] [0-9]? [0-9]? [0-9]? [0-9]? ) ( "." [0-9]+ )? ( [eE] [-+]? [0-9]+ )? ws
-ws ::= ( " " | "\n" )?
-"#;
+/// The schema of one call object for each allowed tool.
+fn call_schema(tools: &[(String, Value)], any_arguments: bool) -> Value {
+    let alternatives: Vec<Value> = tools
+        .iter()
+        .map(|(name, params)| {
+            let arguments = if any_arguments {
+                json!({"type": "object"})
+            } else {
+                params.clone()
+            };
+            json!({
+                "type": "object",
+                "properties": {"name": {"const": name}, "arguments": arguments},
+                "required": ["name", "arguments"],
+                "additionalProperties": false
+            })
+        })
+        .collect();
+    if alternatives.len() == 1 {
+        alternatives.into_iter().next().expect("one")
+    } else {
+        json!({ "anyOf": alternatives })
+    }
+}
 
-/// The grammar forcing one call to one of `names`. `close_reasoning` is the
-/// thinking block's closing marker when the turn is inside one: the grammar
-/// closes it first.
-pub fn forced_call(names: &[String], close_reasoning: Option<&str>) -> Result<String, String> {
-    if names.is_empty() {
+/// The grammar forcing one call to one of `tools` (name and parameters
+/// schema). `close_reasoning` is the thinking block's closing marker when the
+/// turn is inside one: the grammar closes it first.
+pub fn forced_call(
+    tools: &[(String, Value)],
+    close_reasoning: Option<&str>,
+    convert: SchemaToGrammar,
+) -> Result<String, String> {
+    if tools.is_empty() {
         return Err("no tools are declared, so no call can be forced".into());
     }
-    let alternatives: Vec<String> = names.iter().map(|n| literal(n)).collect();
+    let body = match convert(&call_schema(tools, false).to_string()) {
+        Ok(g) => g,
+        Err(e) => {
+            log::warn!(
+                "a tool's parameters schema has no grammar ({e}); forcing any JSON arguments"
+            );
+            convert(&call_schema(tools, true).to_string())?
+        }
+    };
+    // The converter's start rule becomes `call-object`, under our own root.
+    let mut renamed = String::new();
+    let mut found = false;
+    for line in body.lines() {
+        match line.strip_prefix("root ::=") {
+            Some(rest) if !found => {
+                found = true;
+                renamed.push_str("call-object ::=");
+                renamed.push_str(rest);
+            }
+            _ => renamed.push_str(line),
+        }
+        renamed.push('\n');
+    }
+    if !found {
+        return Err("the schema's grammar has no root rule".into());
+    }
     let open = match close_reasoning {
         Some(close) => format!("{} ", literal(&format!("{close}\n\n"))),
         None => String::new(),
     };
     Ok(format!(
-        "root ::= {open}\"<tool_call>\\n{{\\\"name\\\": \\\"\" name \"\\\", \\\"arguments\\\": \" obj \"}}\\n</tool_call>\"\nname ::= {}\n{JSON_RULES}",
-        alternatives.join(" | ")
+        "root ::= {open}\"<tool_call>\\n\" call-object \"\\n</tool_call>\"\n{renamed}"
     ))
 }
 
@@ -63,37 +125,63 @@ mod tests {
     use super::*;
 
     #[test]
-    fn names_of_the_three_tool_shapes() {
+    fn signatures_of_the_three_tool_shapes() {
+        let (n, p) = tool_signature(
+            r#"{"type":"function","function":{"name":"a","parameters":{"type":"object","properties":{"x":{"type":"string"}}}}}"#,
+        )
+        .unwrap();
         assert_eq!(
-            tool_name(r#"{"type":"function","function":{"name":"a","parameters":{}}}"#).as_deref(),
-            Some("a")
+            (n.as_str(), p["properties"]["x"]["type"].as_str()),
+            ("a", Some("string"))
         );
         assert_eq!(
             tool_name(r#"{"name":"b","parameters":{}}"#).as_deref(),
             Some("b")
         );
-        assert_eq!(
-            tool_name(r#"{"name":"c","input_schema":{}}"#).as_deref(),
-            Some("c")
-        );
+        let (n, p) = tool_signature(r#"{"name":"c","input_schema":{"type":"object"}}"#).unwrap();
+        assert_eq!((n.as_str(), p["type"].as_str()), ("c", Some("object")));
         assert_eq!(tool_name("nope"), None);
     }
 
     #[test]
-    fn grammar_lists_the_names_and_closes_reasoning() {
-        let g = forced_call(
-            &["get_weather".into(), "say \"hi\"".into()],
-            Some("</think>"),
-        )
-        .unwrap();
+    fn wraps_the_converted_schema_and_closes_reasoning() {
+        let seen = std::cell::RefCell::new(Vec::new());
+        let convert = |schema: &str| -> Result<String, String> {
+            seen.borrow_mut().push(schema.to_string());
+            Ok("root ::= \"{\" space \"}\"\nspace ::= \" \"?\n".into())
+        };
+        let tools = vec![("get_weather".to_string(), json!({"type":"object"}))];
+        let g = forced_call(&tools, Some("</think>"), &convert).unwrap();
         assert!(
-            g.starts_with("root ::= \"</think>\\n\\n\" \"<tool_call>"),
+            g.starts_with("root ::= \"</think>\\n\\n\" \"<tool_call>\\n\" call-object"),
             "{g}"
         );
-        assert!(
-            g.contains("name ::= \"get_weather\" | \"say \\\"hi\\\"\""),
-            "{g}"
-        );
-        assert!(forced_call(&[], None).is_err());
+        assert!(g.contains("call-object ::= \"{\" space \"}\""), "{g}");
+        let schema: Value = serde_json::from_str(&seen.borrow()[0]).unwrap();
+        assert_eq!(schema["properties"]["name"]["const"], "get_weather");
+        assert!(forced_call(&[], None, &convert).is_err());
+        // Two tools: one alternative each.
+        let two = vec![tools[0].clone(), ("b".to_string(), json!({}))];
+        forced_call(&two, None, &convert).unwrap();
+        let schema: Value = serde_json::from_str(&seen.borrow()[1]).unwrap();
+        assert_eq!(schema["anyOf"].as_array().unwrap().len(), 2);
+    }
+
+    #[test]
+    fn falls_back_to_any_arguments_when_a_schema_fails() {
+        let convert = |schema: &str| -> Result<String, String> {
+            if schema.contains("\"minLength\"") {
+                Err("unsupported".into())
+            } else {
+                Ok("root ::= \"{}\"\n".into())
+            }
+        };
+        let tools = vec![(
+            "t".to_string(),
+            json!({"type":"object","properties":{"a":{"type":"string","minLength":1}}}),
+        )];
+        assert!(forced_call(&tools, None, &convert)
+            .unwrap()
+            .contains("call-object ::= \"{}\""));
     }
 }

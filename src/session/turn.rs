@@ -30,6 +30,8 @@ pub struct TurnOutput {
     decoder: OutputDecoder,
     chunk: Option<Chunk>,
     tokens: u64,
+    /// Text decoded since the last `take_fresh`, by channel, in order.
+    fresh: Vec<(u8, String)>,
 }
 
 impl TurnOutput {
@@ -38,7 +40,15 @@ impl TurnOutput {
             decoder: OutputDecoder::new(markers, in_reasoning),
             chunk: None,
             tokens: 0,
+            fresh: Vec::new(),
         }
+    }
+
+    /// The text decoded since the last call, as `(channel, text)` pieces in
+    /// order: what provisional readers have not seen yet, whether or not it
+    /// was cut into a record meanwhile.
+    pub fn take_fresh(&mut self) -> Vec<(u8, String)> {
+        std::mem::take(&mut self.fresh)
     }
 
     /// Tokens taken so far.
@@ -70,6 +80,12 @@ impl TurnOutput {
                     text,
                     tokens,
                 } => {
+                    if !text.is_empty() {
+                        match self.fresh.last_mut() {
+                            Some((c, t)) if *c == channel => t.push_str(&text),
+                            _ => self.fresh.push((channel, text.clone())),
+                        }
+                    }
                     if self.chunk.as_ref().is_some_and(|c| c.channel != channel) {
                         self.cut(out, finish::OPEN);
                     }
@@ -177,6 +193,20 @@ mod tests {
             Some(Record::Generated { finish: 1, .. })
         ));
         assert_eq!(t.tokens_generated(), 41);
+    }
+
+    #[test]
+    fn fresh_text_includes_what_a_cut_committed() {
+        let mut t = TurnOutput::new(Markers::none(), false);
+        let mut seen = String::new();
+        for i in 0..40u32 {
+            t.push(i, format!("{}", i % 10).as_bytes(), false, 0);
+            for (_, text) in t.take_fresh() {
+                seen.push_str(&text);
+            }
+        }
+        let expected: String = (0..40).map(|i| format!("{}", i % 10)).collect();
+        assert_eq!(seen, expected, "every token's text, cut or not");
     }
 
     #[test]
