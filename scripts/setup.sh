@@ -25,4 +25,7 @@ model=$("$(dirname "$0")/fetch-model.sh")
 python3 -c "import gguf" 2>/dev/null ||
   python3 -m pip install --quiet --disable-pip-version-check gguf >&2
 python3 "$(dirname "$0")/make-test-models.py" "$model" >&2
+# The Python client's tests (clients/python/tests) run under pytest.
+python3 -c "import pytest" 2>/dev/null ||
+  python3 -m pip install --quiet --disable-pip-version-check pytest >&2
 echo "$model"

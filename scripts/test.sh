@@ -8,3 +8,6 @@ export SUPERFLUID_TEST_MODEL="$model"
 cargo fmt --check
 cargo clippy --all-targets -- -D warnings
 cargo test
+cargo build --bin superfluid
+python3 -m pip install --quiet ./clients/python
+SUPERFLUID_BIN="$CARGO_TARGET_DIR/debug/superfluid" python3 -m pytest -q clients/python/tests
