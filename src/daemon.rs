@@ -30,6 +30,8 @@ pub struct ServeConfig {
     pub sessions_cache: bool,
     /// The model lane's worker: KV cells, sequences, batch, threads.
     pub worker: WorkerConfig,
+    /// `--pin-budget-pct`: the share of KV cells pins may protect.
+    pub pin_budget_pct: u32,
     /// `--web`: the browser transport, off when None.
     pub web: Option<crate::http::WebConfig>,
     /// `--sub-buffer`: events a subscription may queue before it is lagged.
@@ -225,7 +227,7 @@ async fn run(
     .start();
     let w = &config.worker;
     let scheduler = SchedulerActor::new(
-        SchedulerState::new(w.n_ctx, w.n_seq, w.n_batch),
+        SchedulerState::new(w.n_ctx, w.n_seq, w.n_batch).with_pin_budget_pct(config.pin_budget_pct),
         lane.clone(),
     )
     .start();

@@ -76,6 +76,10 @@ struct Serve {
     #[arg(long, default_value_t = daemon::DEFAULT_BATCH,
           value_parser = clap::value_parser!(u32).range(1..))]
     batch: u32,
+    /// Pins together protect at most this share of the KV cells (percent).
+    #[arg(long, default_value_t = superfluid::scheduler::DEFAULT_PIN_BUDGET_PCT,
+          value_parser = clap::value_parser!(u32).range(0..=100))]
+    pin_budget_pct: u32,
     /// CPU threads for decode [default: every core]
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
     threads: Option<u32>,
@@ -132,6 +136,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 sessions: s.sessions.unwrap_or_else(daemon::default_sessions_dir),
                 socket: s.socket.unwrap_or_else(daemon::default_socket),
                 sessions_cache: s.sessions_cache,
+                pin_budget_pct: s.pin_budget_pct,
                 worker: superfluid::wire::worker::WorkerConfig {
                     n_ctx: s.ctx_size,
                     n_seq: s.parallel,

@@ -30,6 +30,15 @@ pub struct CancelGen(pub GenId);
 #[rtype(result = "()")]
 pub struct SetBackgroundRate(pub u32);
 
+/// `Pin`: protect a session's cached tokens until `deadline_ms` (unix ms;
+/// 0 clears). Replies the deadline in force.
+#[derive(Message)]
+#[rtype(result = "u64")]
+pub struct PinSession {
+    pub session: crate::wire::SessionId,
+    pub deadline_ms: u64,
+}
+
 /// The scheduler's counters.
 #[derive(Message)]
 #[rtype(result = "Stats")]
@@ -80,6 +89,7 @@ impl SchedulerActor {
         if self.stepping {
             return;
         }
+        self.state.set_clock(super::now_ms());
         let (step, events) = self.state.plan();
         self.dispatch(events);
         let Some(step) = step else { return };
@@ -133,6 +143,15 @@ impl Handler<AdmitGen> for SchedulerActor {
         self.owners.insert(gen, msg.owner);
         self.kick(ctx);
         Ok(gen)
+    }
+}
+
+impl Handler<PinSession> for SchedulerActor {
+    type Result = u64;
+
+    fn handle(&mut self, msg: PinSession, _: &mut Context<Self>) -> u64 {
+        self.state.set_clock(super::now_ms());
+        self.state.pin(msg.session, msg.deadline_ms)
     }
 }
 

@@ -718,8 +718,26 @@ async fn handle(shared: &Shared, req: Request) -> Response {
             err(format!("session {session} has no generation in flight"))
         }
         Request::Subscribe { .. } => err("Subscribe is not served by this daemon yet"),
-        Request::Pin { .. } => {
-            err("Pin holds a prefix in the prefix cache, which this daemon does not have yet")
+        Request::Pin { session, ttl_ms } => {
+            if let Err(e) = shared.read().inspect(session) {
+                return err(e);
+            }
+            let deadline_ms = if ttl_ms == 0 {
+                0
+            } else {
+                now.saturating_add(ttl_ms)
+            };
+            match shared
+                .scheduler
+                .send(super::scheduler::PinSession {
+                    session,
+                    deadline_ms,
+                })
+                .await
+            {
+                Ok(deadline_unix_ms) => Response::Pinned { deadline_unix_ms },
+                Err(e) => err(format!("the scheduler is gone: {e}")),
+            }
         }
         other => err(format!(
             "internal error: {} is not a session request",

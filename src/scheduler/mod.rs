@@ -22,6 +22,9 @@ use std::collections::BTreeMap;
 use crate::wire::worker::{DecodeItem, Drawn, Sample, WorkerRequest};
 use crate::wire::{finish, Params, SessionId, Token};
 
+/// `--pin-budget-pct` default.
+pub const DEFAULT_PIN_BUDGET_PCT: u32 = 50;
+
 /// Identifies one generation within a lane.
 pub type GenId = u64;
 
@@ -133,6 +136,12 @@ pub struct SchedulerState {
     /// failed step): clear every sequence before the next step.
     dirty: bool,
     stats: Stats,
+    /// `Pin`: session -> (deadline in unix ms, when it was pinned).
+    pins: BTreeMap<SessionId, (u64, u64)>,
+    /// Pins together protect at most this share of `n_ctx` (percent).
+    pin_budget_pct: u32,
+    /// The time pins are judged against (unix ms), set by the driver.
+    clock_ms: u64,
 }
 
 fn lcp(a: &[Token], b: &[Token]) -> usize {
@@ -152,7 +161,60 @@ impl SchedulerState {
             invariant_turn: false,
             dirty: false,
             stats: Stats::default(),
+            pins: BTreeMap::new(),
+            pin_budget_pct: DEFAULT_PIN_BUDGET_PCT,
+            clock_ms: 0,
         }
+    }
+
+    /// `--pin-budget-pct`.
+    pub fn with_pin_budget_pct(mut self, pct: u32) -> SchedulerState {
+        self.pin_budget_pct = pct.min(100);
+        self
+    }
+
+    /// The current time, for pin deadlines.
+    pub fn set_clock(&mut self, now_ms: u64) {
+        self.clock_ms = now_ms;
+        let now = now_ms;
+        self.pins.retain(|_, (deadline, _)| *deadline > now);
+    }
+
+    /// `Pin`: protect a session's cached tokens from eviction until
+    /// `deadline_ms` (0 clears). Returns the deadline in force.
+    pub fn pin(&mut self, session: SessionId, deadline_ms: u64) -> u64 {
+        if deadline_ms == 0 || deadline_ms <= self.clock_ms {
+            self.pins.remove(&session);
+            return 0;
+        }
+        let since = self.pins.get(&session).map_or(self.clock_ms, |p| p.1);
+        self.pins.insert(session, (deadline_ms, since));
+        deadline_ms
+    }
+
+    /// Which sequences pins protect now: the newest pins first, while they
+    /// fit the pin budget; older ones yield.
+    fn protected(&self) -> Vec<bool> {
+        let mut pinned: Vec<(u64, usize)> = self
+            .seqs
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| {
+                let (deadline, since) = self.pins.get(&s.owner?)?;
+                (*deadline > self.clock_ms).then_some((*since, i))
+            })
+            .collect();
+        pinned.sort_by(|a, b| b.cmp(a));
+        let budget = self.n_ctx as u64 * self.pin_budget_pct as u64 / 100;
+        let mut used = 0u64;
+        let mut out = vec![false; self.seqs.len()];
+        for (_, i) in pinned {
+            used += self.seqs[i].resident.len() as u64;
+            if used <= budget {
+                out[i] = true;
+            }
+        }
+        out
     }
 
     pub fn n_ctx(&self) -> u32 {
@@ -240,6 +302,8 @@ impl SchedulerState {
             let session = self.gens[&gen].admit.session;
             let prompt = self.gens[&gen].tokens.clone();
             let idle = |s: &Seq| s.active.is_none();
+            // Unprotected sequences are taken (and evicted) first.
+            let protected = self.protected();
             // The sequence to run on: the session's own, else a free one,
             // else the least recently used idle one.
             let own = self
@@ -255,7 +319,7 @@ impl SchedulerState {
                             .iter()
                             .enumerate()
                             .filter(|(_, s)| idle(s))
-                            .min_by_key(|(_, s)| s.last_used)
+                            .min_by_key(|(i, s)| (protected[*i], s.last_used))
                             .map(|(i, _)| i)
                     })
             });
@@ -298,7 +362,7 @@ impl SchedulerState {
                     .iter()
                     .enumerate()
                     .filter(|(i, s)| *i != dst && idle(s) && !s.resident.is_empty())
-                    .min_by_key(|(_, s)| s.last_used)
+                    .min_by_key(|(i, s)| (protected[*i], s.last_used))
                     .map(|(i, _)| i);
                 let Some(v) = victim else { break };
                 evicted += self.seqs[v].resident.len() as u64;

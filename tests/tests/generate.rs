@@ -728,3 +728,39 @@ fn a_reply_cut_by_sigkill_continues_after_restart() {
     tokens.extend(generated(&events).0);
     assert_eq!(tokens, whole);
 }
+
+#[test]
+fn pin_holds_a_deadline_and_zero_clears_it() {
+    let d = TestDaemon::start();
+    let mut c = d.client();
+    let s = asked(&mut c, params(1), "hi");
+    let now = superfluid::actors::now_ms();
+    let Response::Pinned { deadline_unix_ms } = c
+        .call(&Request::Pin {
+            session: s,
+            ttl_ms: 60_000,
+        })
+        .unwrap()
+    else {
+        panic!()
+    };
+    assert!(deadline_unix_ms >= now + 60_000 && deadline_unix_ms < now + 70_000);
+    assert_eq!(
+        c.call(&Request::Pin {
+            session: s,
+            ttl_ms: 0
+        })
+        .unwrap(),
+        Response::Pinned {
+            deadline_unix_ms: 0
+        }
+    );
+    assert!(expect_err(
+        &mut c,
+        &Request::Pin {
+            session: 999,
+            ttl_ms: 1
+        }
+    )
+    .contains("unknown"));
+}
