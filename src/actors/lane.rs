@@ -274,6 +274,10 @@ impl Handler<FromWorker> for LaneActor {
         if !self.ready {
             if let WorkerResponse::Err { message } = &msg.response {
                 log::error!("the worker could not start: {message}");
+                let message = format!("the worker could not start: {message}");
+                for (_, reply) in self.held.drain(..) {
+                    let _ = reply.send(Err(message.clone()));
+                }
                 return;
             }
         }
@@ -306,10 +310,15 @@ impl Handler<WorkerGone> for LaneActor {
         if msg.incarnation != self.incarnation {
             return;
         }
+        // The reader may have stopped on a bad frame with the worker still
+        // alive: make sure it is gone before waiting for it.
         let status = self
             .child
             .take()
-            .and_then(|mut c| c.wait().ok())
+            .and_then(|mut c| {
+                let _ = c.kill();
+                c.wait().ok()
+            })
             .map(|s| s.to_string())
             .unwrap_or_else(|| "unknown status".into());
         let message = format!("the worker died ({}: {status})", msg.reason);
@@ -317,6 +326,11 @@ impl Handler<WorkerGone> for LaneActor {
         self.to_worker = None;
         self.ready = false;
         for reply in self.in_flight.drain(..) {
+            let _ = reply.send(Err(message.clone()));
+        }
+        // Requests held for a worker that never became ready fail too: a
+        // respawn that keeps failing must not leave them waiting forever.
+        for (_, reply) in self.held.drain(..) {
             let _ = reply.send(Err(message.clone()));
         }
         if let Some(l) = &self.listener {

@@ -123,6 +123,25 @@ impl SessionActor {
         }
     }
 
+    /// Provisional text for the generating client: dropped when its queue
+    /// is full (the commits carry the same text), a gone client cancels.
+    fn tell_provisional(&mut self, channel: u8, text: String) {
+        let gone = match &self.running {
+            Some(r) => matches!(
+                r.reply.try_send(Response::SubProvisional {
+                    sub: 0,
+                    channel,
+                    text
+                }),
+                Err(mpsc::error::TrySendError::Closed(_))
+            ),
+            None => false,
+        };
+        if gone {
+            self.cancel();
+        }
+    }
+
     /// Commits queued records one at a time; ends the generation when all
     /// is committed and the scheduler is done with it.
     fn pump(&mut self, ctx: &mut Context<Self>) {
@@ -175,7 +194,11 @@ impl SessionActor {
                 warm_prefix: r.warm_prefix,
             },
         };
-        let _ = r.reply.try_send(last);
+        // The last reply waits for room: it must not be lost to a full queue.
+        let reply = r.reply;
+        actix_rt::spawn(async move {
+            let _ = reply.send(last).await;
+        });
     }
 
     fn start_generation(
@@ -356,6 +379,10 @@ fn appends(req: &Request) -> bool {
             | Request::SetToolChoice { .. }
             | Request::Purge { .. }
             | Request::Generate { .. }
+            // A rebase keeps the parent's events after its last edit, as many
+            // as the parent holds when it is applied; a generation committing
+            // meanwhile could make replay see a different count.
+            | Request::Rebase { .. }
     )
 }
 
@@ -427,6 +454,16 @@ impl Handler<GenUpdate> for SessionActor {
     fn handle(&mut self, msg: GenUpdate, ctx: &mut Context<Self>) {
         let render = self.shared.render.clone();
         let Some(r) = &mut self.running else { return };
+        let gen = match &msg.0 {
+            GenEvent::Started { gen, .. }
+            | GenEvent::Token { gen, .. }
+            | GenEvent::Finished { gen, .. }
+            | GenEvent::Failed { gen, .. } => *gen,
+        };
+        if r.gen != Some(gen) {
+            // A generation this actor no longer runs (ended on an error).
+            return;
+        }
         match msg.0 {
             GenEvent::Started { warm_prefix, .. } => r.warm_prefix = warm_prefix,
             GenEvent::Token { token, .. } => {
@@ -441,11 +478,7 @@ impl Handler<GenUpdate> for SessionActor {
                 for (channel, text) in fresh {
                     self.shared.bus.publish_provisional(self.id, channel, &text);
                     if wants {
-                        self.tell(Response::SubProvisional {
-                            sub: 0,
-                            channel,
-                            text,
-                        });
+                        self.tell_provisional(channel, text);
                     }
                 }
             }

@@ -439,7 +439,8 @@ impl RawEngine {
         self.batch.clear();
         res.map_err(|e| match e {
             DecodeError::NoKvCacheSlot => format!(
-                "KV cache full: n_ctx={} cells cannot hold {n} more tokens",
+                "{}: n_ctx={} cells cannot hold {n} more tokens",
+                crate::wire::worker::KV_FULL,
                 self.config.n_ctx
             ),
             DecodeError::NTokensZero => {

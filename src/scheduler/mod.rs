@@ -19,7 +19,7 @@ mod tests;
 
 use std::collections::BTreeMap;
 
-use crate::wire::worker::{DecodeItem, Drawn, Sample, WorkerRequest};
+use crate::wire::worker::{DecodeItem, Drawn, Sample, WorkerRequest, KV_FULL};
 use crate::wire::{finish, Params, SessionId, Token};
 
 /// `--pin-budget-pct` default.
@@ -135,6 +135,9 @@ pub struct SchedulerState {
     /// The worker's KV may hold what this state no longer knows of (after a
     /// failed step): clear every sequence before the next step.
     dirty: bool,
+    /// KV operations to run before the next step (evictions after the
+    /// worker found its cache full).
+    pending_ops: Vec<WorkerRequest>,
     stats: Stats,
     /// `Pin`: session -> (deadline in unix ms, when it was pinned).
     pins: BTreeMap<SessionId, (u64, u64)>,
@@ -160,6 +163,7 @@ impl SchedulerState {
             background_divisor: 1,
             invariant_turn: false,
             dirty: false,
+            pending_ops: Vec::new(),
             stats: Stats::default(),
             pins: BTreeMap::new(),
             pin_budget_pct: DEFAULT_PIN_BUDGET_PCT,
@@ -334,8 +338,28 @@ impl SchedulerState {
                 .unwrap_or((dst, 0));
             // The last prompt token is decoded again for its logits.
             let keep = common.min(prompt.len() - 1);
+            let own_keep = lcp(&self.seqs[dst].resident, &prompt).min(prompt.len() - 1);
+            // Admit only what fits beside the running sequences (idle ones
+            // can be evicted); otherwise wait for room.
+            // What running sequences hold or are about to (their prefill).
+            let busy_cells: u64 = self
+                .seqs
+                .iter()
+                .enumerate()
+                .filter(|(i, s)| *i != dst && !idle(s))
+                .map(|(_, s)| {
+                    let claimed = s
+                        .active
+                        .and_then(|g| self.gens.get(&g))
+                        .map_or(0, |g| g.tokens.len() + 1);
+                    s.resident.len().max(claimed) as u64
+                })
+                .sum();
+            if busy_cells + prompt.len() as u64 + 1 > self.n_ctx as u64 {
+                continue;
+            }
             let old = self.seqs[dst].resident.clone();
-            if src != dst && keep > lcp(&self.seqs[dst].resident, &prompt).min(prompt.len() - 1) {
+            if src != dst && keep > own_keep {
                 ops.push(WorkerRequest::KvCopy {
                     src: src as u32,
                     dst: dst as u32,
@@ -343,7 +367,6 @@ impl SchedulerState {
                 });
                 self.seqs[dst].resident = self.seqs[src].resident[..keep].to_vec();
             } else {
-                let own_keep = lcp(&self.seqs[dst].resident, &prompt).min(prompt.len() - 1);
                 if self.seqs[dst].resident.len() > own_keep {
                     ops.push(WorkerRequest::KvTrim {
                         seq: dst as u32,
@@ -390,15 +413,24 @@ impl SchedulerState {
         if std::mem::take(&mut self.dirty) {
             ops.extend((0..self.seqs.len() as u32).map(|seq| WorkerRequest::KvClear { seq }));
         }
+        ops.append(&mut self.pending_ops);
         let mut events = Vec::new();
         self.assign(&mut ops, &mut events);
         self.step += 1;
+        let foreground = self
+            .gens
+            .values()
+            .any(|g| g.seq.is_some() && g.admit.class != BACKGROUND_CLASS);
         let mut running: Vec<(u8, u64, GenId)> = self
             .gens
             .iter()
             .filter(|(_, g)| g.seq.is_some())
             .filter(|(_, g)| {
-                g.admit.class != BACKGROUND_CLASS || self.step % self.background_divisor as u64 == 0
+                // The divisor slows the background class beside others; alone
+                // it runs at full speed (else it would never be stepped).
+                g.admit.class != BACKGROUND_CLASS
+                    || !foreground
+                    || self.step % self.background_divisor as u64 == 0
             })
             .map(|(id, g)| (g.admit.class, g.arrival, *id))
             .collect();
@@ -466,6 +498,7 @@ impl SchedulerState {
     pub fn complete(&mut self, step: &Step, result: Result<Vec<Drawn>, String>) -> Vec<GenEvent> {
         let drawn = match result {
             Ok(d) => d,
+            Err(message) if message.starts_with(KV_FULL) => return self.kv_full(step),
             Err(message) => return self.fail_all(&message),
         };
         let mut events = Vec::new();
@@ -534,6 +567,35 @@ impl SchedulerState {
                 gen,
                 message: why.to_string(),
             }],
+        }
+    }
+
+    /// The worker's cache had no room for the step (it rolled the step back,
+    /// so every sequence holds what it held before). Our count of cells is
+    /// conservative (copied prefixes share cells in llama.cpp), so the worker
+    /// is the judge: evict the idle sequences, or if there are none, end the
+    /// youngest generation of the step; the rest retry on the next step.
+    fn kv_full(&mut self, step: &Step) -> Vec<GenEvent> {
+        let idle: Vec<usize> = (0..self.seqs.len())
+            .filter(|&i| self.seqs[i].active.is_none() && !self.seqs[i].resident.is_empty())
+            .collect();
+        if !idle.is_empty() {
+            for i in idle {
+                self.pending_ops
+                    .push(WorkerRequest::KvClear { seq: i as u32 });
+                self.seqs[i] = Seq::default();
+            }
+            return vec![];
+        }
+        let youngest = step
+            .gens
+            .iter()
+            .copied()
+            .filter(|g| self.gens.contains_key(g))
+            .max_by_key(|g| self.gens[g].arrival);
+        match youngest {
+            Some(gen) => self.finish_gen(gen, Some(finish::ERROR), "the KV cache is full"),
+            None => vec![],
         }
     }
 

@@ -330,3 +330,66 @@ fn pinned_sequences_are_evicted_last_and_within_their_budget() {
     run_to_end(&mut s);
     assert_ne!(s.resident(0), &[1; 6], "over budget, the pin yields");
 }
+
+#[test]
+fn a_full_cache_evicts_idle_sequences_then_ends_the_youngest() {
+    let mut s = SchedulerState::new(4096, 3, 512);
+    s.admit(admit(1, &[1; 8], 1)).unwrap();
+    run_to_end(&mut s);
+    let a = s.admit(admit(2, &[2; 8], 100)).unwrap();
+    let b = s.admit(admit(3, &[3; 8], 100)).unwrap();
+    let (step, _) = s.plan();
+    let step = step.unwrap();
+    // The worker says its cache is full: the idle sequence goes first.
+    let events = s.complete(&step, Err(format!("{KV_FULL}: n_ctx=4096 cells")));
+    assert!(events.is_empty());
+    let (step, _) = s.plan();
+    let step = step.unwrap();
+    assert!(step.ops.contains(&WorkerRequest::KvClear { seq: 0 }));
+    assert_eq!(step.decode.len(), 2, "both retry");
+    // Full again with nothing idle: the youngest ends, the other goes on.
+    let events = s.complete(&step, Err(format!("{KV_FULL}: n_ctx=4096 cells")));
+    assert_eq!(
+        events,
+        vec![GenEvent::Finished {
+            gen: b,
+            finish: finish::ERROR
+        }]
+    );
+    let (step, _) = s.plan();
+    assert_eq!(step.unwrap().gens, vec![a]);
+}
+
+#[test]
+fn admission_waits_for_room_beside_running_sequences() {
+    let mut s = SchedulerState::new(64, 2, 512);
+    let a = s.admit(admit(1, &[1; 40], 100)).unwrap();
+    let b = s.admit(admit(2, &[2; 30], 100)).unwrap();
+    let (_, events) = step_with(&mut s, |_| 5);
+    assert!(events
+        .iter()
+        .any(|e| matches!(e, GenEvent::Started { gen, .. } if *gen == a)));
+    assert!(
+        !events
+            .iter()
+            .any(|e| matches!(e, GenEvent::Started { gen, .. } if *gen == b)),
+        "40 running + 31 would overflow 64 cells: b waits"
+    );
+}
+
+#[test]
+fn a_lone_background_generation_runs_at_full_speed() {
+    let mut s = SchedulerState::new(4096, 1, 512);
+    s.set_background_divisor(4);
+    let g = s
+        .admit(Admit {
+            class: BACKGROUND_CLASS,
+            ..admit(1, &[1], 3)
+        })
+        .unwrap();
+    let events = run_to_end(&mut s);
+    assert!(events.contains(&GenEvent::Finished {
+        gen: g,
+        finish: finish::MAX_TOKENS
+    }));
+}

@@ -25,14 +25,17 @@ use crate::wire::{
     SessionId, SessionSummary, Token,
 };
 
-/// A range of a session's view.
+/// A range of a session's view. A fork's pieces point straight at the
+/// sessions that own the events (never at another view), so reading any
+/// session is one level deep however long its chain of forks.
 #[derive(Debug, Clone)]
 enum Piece {
-    /// Events `from..to` of another session's view, shared by reference.
+    /// Entries `from..to` of another session's own events, shared by
+    /// reference.
     Shared {
         session: SessionId,
-        from: EventId,
-        to: EventId,
+        from: usize,
+        to: usize,
     },
     /// Entries `from..to` of this session's own events.
     Own { from: usize, to: usize },
@@ -41,8 +44,7 @@ enum Piece {
 impl Piece {
     fn len(&self) -> u64 {
         match self {
-            Piece::Shared { from, to, .. } => to - from,
-            Piece::Own { from, to } => (to - from) as u64,
+            Piece::Shared { from, to, .. } | Piece::Own { from, to } => (to - from) as u64,
         }
     }
 }
@@ -272,21 +274,16 @@ impl SessionBook {
             let n = piece.len();
             let (lo, hi) = (from.max(pos), to.min(pos + n));
             if lo < hi {
-                match piece {
-                    Piece::Shared {
-                        session, from: pf, ..
-                    } => {
-                        let start = out.len();
-                        self.collect(*session, pf + (lo - pos), pf + (hi - pos), out);
-                        for (k, e) in out[start..].iter_mut().enumerate() {
-                            e.event_id = lo + k as u64;
-                        }
-                    }
-                    Piece::Own { from: of, .. } => {
-                        for i in lo..hi {
-                            out.push((*sess.own[of + (i - pos) as usize]).clone());
-                        }
-                    }
+                let (owner, of) = match piece {
+                    Piece::Shared { session, from, .. } => (self.sessions.get(session), *from),
+                    Piece::Own { from, .. } => (Some(sess), *from),
+                };
+                let Some(owner) = owner else { continue };
+                for i in lo..hi {
+                    let mut e = (*owner.own[of + (i - pos) as usize]).clone();
+                    // Ids are positions in this session's view.
+                    e.event_id = i;
+                    out.push(e);
                 }
             }
             pos += n;
@@ -449,7 +446,11 @@ impl SessionBook {
                     text,
                     ..
                 } => {
-                    if *finish == crate::wire::finish::END_OF_TURN {
+                    // Ended by the model or by a completed grammar: closed.
+                    // Cut by max_tokens, a cancel or an error: open.
+                    if *finish == crate::wire::finish::END_OF_TURN
+                        || *finish == crate::wire::finish::GRAMMAR
+                    {
                         return Ok(TurnState::Closed);
                     }
                     let closed = think_close.is_some_and(|m| text.trim_end().ends_with(m));
@@ -838,12 +839,17 @@ impl SessionBook {
         })
     }
 
+    /// The live descendants of `s`, depth first, without recursion (a chain
+    /// of forks may be very deep).
     fn descendants(&self, s: SessionId, out: &mut Vec<SessionId>) {
-        if let Some(sess) = self.sessions.get(&s) {
-            for &c in &sess.children {
-                if self.sessions.get(&c).is_some_and(|x| !x.purged) {
-                    out.push(c);
-                    self.descendants(c, out);
+        let mut stack = vec![s];
+        while let Some(id) = stack.pop() {
+            if let Some(sess) = self.sessions.get(&id) {
+                for &c in sess.children.iter().rev() {
+                    if self.sessions.get(&c).is_some_and(|x| !x.purged) {
+                        out.push(c);
+                        stack.push(c);
+                    }
                 }
             }
         }
@@ -1129,9 +1135,8 @@ impl SessionBook {
     /// `Inspect` (`generating` is the actor's to fill in).
     pub fn inspect(&self, s: SessionId) -> Result<Inspection, SessionError> {
         let sess = self.live(s)?;
-        let open_turn = self.last_event(s).is_some_and(|e| {
-            matches!(e.body, Record::Generated { finish, .. } if finish == crate::wire::finish::OPEN || finish == crate::wire::finish::MAX_TOKENS || finish == crate::wire::finish::CANCELLED)
-        });
+        // The same judgement Generate makes: it would continue this turn.
+        let open_turn = matches!(self.turn_state(s, None)?, TurnState::Open { .. });
         Ok(Inspection {
             session: s,
             parent: self.shown_parent(sess),
@@ -1236,11 +1241,7 @@ impl SessionBook {
                         "fork of session {parent} at {fork_at} is out of range"
                     ));
                 }
-                let pieces = vec![Piece::Shared {
-                    session: *parent,
-                    from: 0,
-                    to: *fork_at,
-                }];
+                let pieces = self.slice(*parent, 0, *fork_at);
                 self.new_session(id, Some(*parent), Some(*fork_at), *params, pieces, first)?;
                 self.push_own(id, &events[1..])
             }
@@ -1259,23 +1260,16 @@ impl SessionBook {
                 {
                     return Err(format!("malformed rebase of session {parent}"));
                 }
-                let pieces = vec![Piece::Shared {
-                    session: *parent,
-                    from: 0,
-                    to: *fork_at,
-                }];
+                let pieces = self.slice(*parent, 0, *fork_at);
                 self.new_session(id, Some(*parent), Some(*fork_at), *params, pieces, first)?;
                 let mut own = events[1..].iter();
                 for piece in Self::rebase_pieces(edits, plen) {
                     match piece {
                         RebasePiece::Shared(a, b) => {
                             let tokens = self.span_tokens(*parent, a, b);
+                            let shared = self.slice(*parent, a, b);
                             let s = self.sessions.get_mut(&id).expect("just created");
-                            s.pieces.push(Piece::Shared {
-                                session: *parent,
-                                from: a,
-                                to: b,
-                            });
+                            s.pieces.extend(shared);
                             s.len += b - a;
                             s.tokens += tokens;
                         }
@@ -1290,6 +1284,40 @@ impl SessionBook {
             }
             _ => self.push_own(id, events),
         }
+    }
+
+    /// The pieces of view range `from..to` of session `s`, pointing at the
+    /// sessions that own those events.
+    fn slice(&self, s: SessionId, from: u64, to: u64) -> Vec<Piece> {
+        let Some(sess) = self.sessions.get(&s) else {
+            return vec![];
+        };
+        let mut out = Vec::new();
+        let mut pos = 0u64;
+        for piece in &sess.pieces {
+            let n = piece.len();
+            let (lo, hi) = (from.max(pos), to.min(pos + n));
+            if lo < hi {
+                let (a, b) = ((lo - pos) as usize, (hi - pos) as usize);
+                out.push(match piece {
+                    Piece::Shared { session, from, .. } => Piece::Shared {
+                        session: *session,
+                        from: from + a,
+                        to: from + b,
+                    },
+                    Piece::Own { from, .. } => Piece::Shared {
+                        session: s,
+                        from: from + a,
+                        to: from + b,
+                    },
+                });
+            }
+            pos += n;
+            if pos >= to {
+                break;
+            }
+        }
+        out
     }
 
     fn span_tokens(&self, s: SessionId, from: u64, to: u64) -> u64 {

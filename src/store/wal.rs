@@ -674,6 +674,18 @@ fn commit(
         }
         Err(reason) => {
             log::error!("WAL writer failed; refusing all further appends: {reason}");
+            // The group was refused, so its bytes must not come back on the
+            // next start: cut them off again, as far as the disk lets us.
+            if file
+                .file
+                .set_len(file.end)
+                .and_then(|()| file.file.sync_data())
+                .is_err()
+            {
+                log::error!(
+                    "could not cut the refused records off {path}; a restart may replay them"
+                );
+            }
             for (reply, _) in group.drain(..) {
                 let _ = reply.send(Err(StoreError::WriterFailed(reason.clone())));
             }

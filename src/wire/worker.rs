@@ -12,6 +12,10 @@ use serde::{Deserialize, Serialize};
 
 use super::{Params, Token};
 
+/// How a worker's `Err` begins when its KV cache had no room for a Decode
+/// (which it rolled back): the scheduler then makes room and retries.
+pub const KV_FULL: &str = "KV cache full";
+
 /// How the daemon starts a worker (passed as command-line flags, echoed in
 /// `Ready`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

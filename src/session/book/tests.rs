@@ -485,3 +485,25 @@ fn turn_state_follows_the_last_generated_event() {
         )
         .is_err());
 }
+
+#[test]
+fn a_very_deep_chain_of_forks_reads_and_purges_without_recursion() {
+    let mut b = SessionBook::new();
+    let root = create(&mut b);
+    say(&mut b, root, "a");
+    let mut last = root;
+    for _ in 0..20_000 {
+        let f = b.reserve_id();
+        commit!(b, b.plan_fork(f, last, 2, None, 1));
+        last = f;
+    }
+    assert_eq!(texts(&b, last), ["Created", "a", "Forked"]);
+    assert_eq!(ids(&b, last), [0, 1, 2]);
+    let gen = b.inspect(root).unwrap().generation;
+    let rec = commit!(b, b.plan_purge(root, gen, PurgeMode::Cascade, 1));
+    let LogRecord::Purge { sessions, .. } = rec else {
+        panic!()
+    };
+    assert_eq!(sessions.len(), 20_001);
+    assert!(b.list().is_empty());
+}
