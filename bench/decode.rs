@@ -66,7 +66,6 @@ impl Daemon {
             .args(["--threads", &THREADS.to_string()])
             .args(["--ctx-size", &CTX.to_string()])
             .args(["--parallel", "4"])
-            .env("OMP_WAIT_POLICY", "passive")
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
             .stdout(Stdio::null())

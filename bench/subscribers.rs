@@ -81,7 +81,6 @@ impl Daemon {
             .args(["--ctx-size", &CTX.to_string()])
             .args(["--parallel", &SESSIONS.to_string()])
             .args(["--web", "127.0.0.1:0", "--web-origin", ORIGIN])
-            .env("OMP_WAIT_POLICY", "passive")
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
             .stdout(std::fs::File::create(&stdout).unwrap())

@@ -2,7 +2,6 @@
 # the clone, so llama.cpp (about 15 minutes on 2 cores) is built once per machine.
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/superfluid/target}"
 export CCACHE_DIR="${CCACHE_DIR:-$HOME/.cache/superfluid/ccache}"
-export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-passive}"
 # llama-cpp-sys-2 builds llama.cpp for portable AVX2 unless Rust itself is
 # built for the native CPU. Where this CPU has AVX-512 (with VNNI), turn on
 # ggml's AVX-512 kernels by its own GGML_* options instead, which rebuilds

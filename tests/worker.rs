@@ -75,7 +75,6 @@ impl Worker {
                 "--threads",
                 "2",
             ])
-            .env("OMP_WAIT_POLICY", "passive")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::from(stderr.reopen().expect("reopen")))

@@ -7,7 +7,7 @@ servers first; or directly:
     python3 bench/peer/bench.py --superfluid PATH --llama-server PATH [--runs 5] [--quick]
 
 Both servers serve the same GGUF with the same threads, context size and
-number of parallel sequences, on loopback, with OMP_WAIT_POLICY=passive.
+number of parallel sequences, on loopback,.
 Both stay up for the whole run; every workload runs each server in turn,
 alternating which goes first (A/B), and the table reports medians,
 min-max and the ratio superfluid / llama-server.
@@ -156,7 +156,6 @@ def sse(port, path, body, headers=None, timeout=600):
 
 def server_env():
     env = dict(os.environ)
-    env["OMP_WAIT_POLICY"] = "passive"
     env.setdefault("RUST_LOG", "warn")
     return env
 
@@ -710,7 +709,7 @@ def main():
         "config": {"threads": THREADS, "ctx": CTX, "parallel": PARALLEL, "runs": runs,
                    "decode_tokens": DECODE_TOKENS, "history_turns": HISTORY_TURNS,
                    "history_reply": HISTORY_REPLY, "fanout_reply": FANOUT_REPLY,
-                   "omp_wait_policy": "passive",
+                   "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
                    "llama_server_argv": None, "superfluid_flags":
                        f"--threads {THREADS} --ctx-size {CTX} --parallel {PARALLEL}"},
         "loadavg": {"start": loadavg()},

@@ -19,7 +19,6 @@ if [[ -z "${LLAMA_SERVER:-}" ]]; then
 fi
 . scripts/env.sh
 cargo build --release --bin superfluid >&2
-export OMP_WAIT_POLICY=passive
 echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)" >&2
 exec python3 bench/peer/bench.py --superfluid "$CARGO_TARGET_DIR/release/superfluid" \
     --llama-server "$LLAMA_SERVER" "$@"

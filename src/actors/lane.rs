@@ -112,7 +112,6 @@ impl LaneActor {
             .args(["--parallel", &w.n_seq.to_string()])
             .args(["--batch", &w.n_batch.to_string()])
             .args(["--threads", &w.threads.to_string()])
-            .env("OMP_WAIT_POLICY", "passive")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
