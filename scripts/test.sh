@@ -5,6 +5,10 @@ cd "$(dirname "$0")/.."
 . scripts/env.sh
 model=$(scripts/setup.sh | tail -n 1)
 export SUPERFLUID_TEST_MODEL="$model"
+# The suites run many daemons at once on few cores: OpenMP's spinning wait
+# (the default, and the fastest for one daemon) thrashes when oversubscribed,
+# so the daemons under test sleep at their barriers instead.
+export OMP_WAIT_POLICY=passive
 cargo fmt --check
 cargo clippy --all-targets -- -D warnings
 cargo test
