@@ -25,6 +25,9 @@ use crate::wire::{from_postcard, read_frame_blocking, to_postcard, write_frame_b
 const RESPAWN_DELAY_MS: u64 = 100;
 /// The longest wait between respawns.
 const RESPAWN_DELAY_MAX_MS: u64 = 5_000;
+/// OpenMP spin iterations before a waiting worker thread sleeps (libgomp's
+/// default is 300,000, a millisecond or so of two busy cores after each step).
+const WORKER_SPINCOUNT: &str = "20000";
 /// The largest reply frame accepted from the worker.
 const MAX_WORKER_FRAME_BYTES: usize = 16 << 20;
 
@@ -104,7 +107,17 @@ impl LaneActor {
         self.ready = false;
         let incarnation = self.incarnation;
         let w = &self.config.worker;
-        let mut child = match Command::new(&self.config.exe)
+        let mut command = Command::new(&self.config.exe);
+        // OpenMP threads spin briefly at llama.cpp's barriers (sleeping there
+        // makes decode ~3x slower) but not for long once a decode is done, so
+        // the daemon's own threads get the cores between steps. An explicit
+        // OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment wins.
+        if std::env::var_os("OMP_WAIT_POLICY").is_none()
+            && std::env::var_os("GOMP_SPINCOUNT").is_none()
+        {
+            command.env("GOMP_SPINCOUNT", WORKER_SPINCOUNT);
+        }
+        let mut child = match command
             .arg("worker")
             .arg("--model")
             .arg(&self.config.model)
