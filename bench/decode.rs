@@ -12,9 +12,8 @@
 //! Every run's prompt starts with its run number, so no run finds another's
 //! prompt in the KV cache.
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::path::Path;
+use std::time::Instant;
 
 use superfluid::engine::raw::RawEngine;
 use superfluid::engine::vocab::Vocab;
@@ -37,68 +36,27 @@ fn greedy() -> Params {
     }
 }
 
-fn model() -> PathBuf {
-    std::env::var_os("SUPERFLUID_TEST_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").expect("HOME"))
-                .join(".cache/superfluid/models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        })
-}
+#[path = "common.rs"]
+mod common;
+use common::{model, Daemon};
 
-struct Daemon {
-    child: Child,
-    socket: PathBuf,
-    _dir: tempfile::TempDir,
-}
-
-impl Daemon {
-    fn start(no_fsync: bool) -> Daemon {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let socket = dir.path().join("sf.sock");
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_superfluid"));
-        cmd.arg("serve")
-            .arg(model())
-            .arg("--sessions")
-            .arg(dir.path().join("sessions"))
-            .arg("--socket")
-            .arg(&socket)
-            .args(["--threads", &THREADS.to_string()])
-            .args(["--ctx-size", &CTX.to_string()])
-            .args(["--parallel", "4"])
-            .env("RUST_LOG", "warn")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
-        if no_fsync {
-            cmd.env("SUPERFLUID_BENCH_NO_FSYNC", "1");
-        }
-        let child = cmd.spawn().expect("spawn superfluid serve");
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Ok(mut c) = Client::connect(&socket) {
-                if matches!(c.call(&Request::List), Ok(Response::Sessions { .. })) {
-                    break;
-                }
-            }
-            assert!(Instant::now() < deadline, "the daemon did not start");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        // Let the worker load before timing anything.
-        std::thread::sleep(Duration::from_millis(500));
-        Daemon {
-            child,
-            socket,
-            _dir: dir,
-        }
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+fn start_daemon(no_fsync: bool) -> Daemon {
+    let env: &[(&str, &str)] = if no_fsync {
+        &[("SUPERFLUID_BENCH_NO_FSYNC", "1")]
+    } else {
+        &[]
+    };
+    Daemon::start(
+        &[
+            "--threads",
+            &THREADS.to_string(),
+            "--ctx-size",
+            &CTX.to_string(),
+            "--parallel",
+            "4",
+        ],
+        env,
+    )
 }
 
 fn expect_session(r: Response) -> u64 {
@@ -221,8 +179,8 @@ fn main() {
         },
     )
     .expect("raw engine");
-    let with_fsync = Daemon::start(false);
-    let without_fsync = Daemon::start(true);
+    let with_fsync = start_daemon(false);
+    let without_fsync = start_daemon(true);
     let (mut raw, mut on, mut off) = (Vec::new(), Vec::new(), Vec::new());
     for run in 0..runs {
         let (prompt, tokens, secs) = daemon_run(&with_fsync.socket, run);

@@ -22,12 +22,15 @@
 
 use std::io::{BufReader, Read, Write};
 use std::net::TcpStream;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use superfluid::frontend::socket::Client;
 use superfluid::wire::{finish, role, Params, Request, Response};
+
+#[path = "common.rs"]
+mod common;
+use common::Daemon;
 
 const SESSIONS: usize = 4;
 const SUBSCRIBERS: usize = 64;
@@ -38,15 +41,6 @@ const ORIGIN: &str = "http://localhost:5173";
 const IO_TIMEOUT: Duration = Duration::from_secs(60);
 const QUESTION: &str = "Write a long story about a lighthouse keeper and a storm.";
 
-fn model() -> PathBuf {
-    std::env::var_os("SUPERFLUID_TEST_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").expect("HOME"))
-                .join(".cache/superfluid/models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        })
-}
-
 fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -56,73 +50,45 @@ fn now_ms() -> u64 {
 
 // ---- the daemon --------------------------------------------------------------
 
-struct Daemon {
-    child: Child,
-    socket: PathBuf,
+/// The daemon, with its browser transport's port and token.
+struct Web {
+    daemon: Daemon,
     web_port: u16,
     token: String,
-    _dir: tempfile::TempDir,
 }
 
-impl Daemon {
-    fn start() -> Daemon {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let socket = dir.path().join("sf.sock");
-        let sessions = dir.path().join("sessions");
-        let stdout = dir.path().join("stdout");
-        let child = Command::new(env!("CARGO_BIN_EXE_superfluid"))
-            .arg("serve")
-            .arg(model())
-            .arg("--sessions")
-            .arg(&sessions)
-            .arg("--socket")
-            .arg(&socket)
-            .args(["--threads", &THREADS.to_string()])
-            .args(["--ctx-size", &CTX.to_string()])
-            .args(["--parallel", &SESSIONS.to_string()])
-            .args(["--web", "127.0.0.1:0", "--web-origin", ORIGIN])
-            .env("RUST_LOG", "warn")
-            .stdin(Stdio::null())
-            .stdout(std::fs::File::create(&stdout).unwrap())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn superfluid serve");
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Ok(mut c) = Client::connect(&socket) {
-                if matches!(c.call(&Request::List), Ok(Response::Sessions { .. })) {
-                    break;
-                }
-            }
-            assert!(Instant::now() < deadline, "the daemon did not start");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let out = std::fs::read_to_string(&stdout).unwrap();
+impl Web {
+    fn start() -> Web {
+        let daemon = Daemon::start(
+            &[
+                "--threads",
+                &THREADS.to_string(),
+                "--ctx-size",
+                &CTX.to_string(),
+                "--parallel",
+                &SESSIONS.to_string(),
+                "--web",
+                "127.0.0.1:0",
+                "--web-origin",
+                ORIGIN,
+            ],
+            &[],
+        );
+        let out = std::fs::read_to_string(daemon.dir.path().join("stdout")).unwrap();
         let marker = "listening on http://127.0.0.1:";
         let rest = &out[out.find(marker).expect("no web listener in stdout") + marker.len()..];
         let web_port = rest[..rest.find(|c: char| !c.is_ascii_digit()).unwrap()]
             .parse()
             .unwrap();
-        let token = std::fs::read_to_string(sessions.join("web-token"))
+        let token = std::fs::read_to_string(daemon.dir.path().join("sessions/web-token"))
             .unwrap()
             .trim()
             .to_string();
-        // Let the worker load before timing anything.
-        std::thread::sleep(Duration::from_millis(500));
-        Daemon {
-            child,
-            socket,
+        Web {
+            daemon,
             web_port,
             token,
-            _dir: dir,
         }
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
@@ -328,8 +294,8 @@ fn percentile(sorted: &[i64], p: f64) -> i64 {
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     let secs = if quick { 10 } else { 60 };
-    let d = Daemon::start();
-    let mut c = Client::connect(&d.socket).expect("connect");
+    let d = Web::start();
+    let mut c = Client::connect(&d.daemon.socket).expect("connect");
 
     // The sessions, each with a system message; subscribers start at the
     // next id, so everything they read is live.
@@ -385,7 +351,7 @@ fn main() {
     let generators: Vec<_> = sessions
         .iter()
         .map(|&s| {
-            let socket = d.socket.clone();
+            let socket = d.daemon.socket.clone();
             std::thread::spawn(move || generator(&socket, s, until))
         })
         .collect();

@@ -215,13 +215,7 @@ impl SessionActor {
             )));
             return;
         }
-        if let Err(e) = self.shared.read().len(self.id).and_then(|_| {
-            if self.shared.read().is_live(self.id) {
-                Ok(())
-            } else {
-                Err(SessionError::Purged(self.id))
-            }
-        }) {
+        if let Err(e) = self.shared.read().check_live(self.id) {
             let _ = reply.try_send(Response::err(e.to_string()));
             return;
         }
@@ -284,16 +278,17 @@ impl SessionActor {
                     (Some(event), in_reasoning)
                 }
             };
-            let (prompt, qos) = {
+            let (prompt, qos, params, forced) = {
                 let book = shared.read();
+                let e = |e: SessionError| e.to_string();
                 (
-                    book.input(id).map_err(|e| e.to_string())?,
-                    book.qos(id).map_err(|e| e.to_string())?,
+                    book.input(id).map_err(e)?,
+                    book.qos(id).map_err(e)?,
+                    book.params(id).map_err(e)?,
+                    // A forced tool call: a grammar over the declared tools.
+                    book.forced_tools(id).map_err(e)?,
                 )
             };
-            let params = shared.read().params(id).map_err(|e| e.to_string())?;
-            // A forced tool call: a grammar over the declared tools' names.
-            let forced = shared.read().forced_tools(id).map_err(|e| e.to_string())?;
             let grammar = match forced {
                 Some(tools) => Some(forced_call(
                     &tools,

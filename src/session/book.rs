@@ -249,6 +249,11 @@ impl SessionBook {
         Ok(sess)
     }
 
+    /// Ok when the session exists and is not purged.
+    pub fn check_live(&self, s: SessionId) -> Result<(), SessionError> {
+        self.live(s).map(|_| ())
+    }
+
     /// True when the session exists and is not purged.
     pub fn is_live(&self, s: SessionId) -> bool {
         self.live(s).is_ok()

@@ -196,13 +196,13 @@ fn check_header(file: &File, path: &Path, file_len: u64) -> Result<(), StoreErro
             WAL_MAGIC.escape_ascii()
         )));
     }
-    let version = u32::from_le_bytes(h[8..12].try_into().unwrap());
+    let version = u32_at(&h, 8);
     if version != WAL_FORMAT_VERSION {
         return Err(bad(format!(
             "unsupported format version {version} (this build reads version {WAL_FORMAT_VERSION})"
         )));
     }
-    let flags = u32::from_le_bytes(h[12..16].try_into().unwrap());
+    let flags = u32_at(&h, 12);
     if flags != 0 {
         return Err(bad(format!("unknown header flags {flags:#010x}")));
     }
@@ -311,10 +311,10 @@ fn scan(
         }
         s.fill(RECORD_HEADER_LEN).map_err(io_err(path))?;
         let h = &s.buf[s.lo..s.lo + RECORD_HEADER_LEN];
-        let len_bytes: [u8; 4] = h[0..4].try_into().unwrap();
-        let len = u32::from_le_bytes(len_bytes);
-        let len_crc = u32::from_le_bytes(h[4..8].try_into().unwrap());
-        let crc = u32::from_le_bytes(h[8..12].try_into().unwrap());
+        let len = u32_at(h, 0);
+        let len_bytes = len.to_le_bytes();
+        let len_crc = u32_at(h, 4);
+        let crc = u32_at(h, 8);
         let bad_header = if crc32c::crc32c(&len_bytes) != len_crc {
             Some(format!(
                 "record length checksum mismatch: len {len}, stored len_crc {len_crc:#010x}"
@@ -612,6 +612,11 @@ fn writer_loop(
             return;
         }
     }
+}
+
+/// The little-endian u32 at `at` in a header the caller has length-checked.
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
 }
 
 /// `SUPERFLUID_BENCH_NO_FSYNC=1` skips fdatasync: for benchmarks that

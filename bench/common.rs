@@ -1,0 +1,73 @@
+//! What the benchmarks share: the model, and a daemon on a temp dir.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use superfluid::frontend::socket::Client;
+use superfluid::wire::{Request, Response};
+
+/// `$SUPERFLUID_TEST_MODEL`, or the default model's cached path.
+pub fn model() -> PathBuf {
+    std::env::var_os("SUPERFLUID_TEST_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").expect("HOME"))
+                .join(".cache/superfluid/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+        })
+}
+
+/// A `superfluid serve` on a temp sessions dir, killed on drop.
+pub struct Daemon {
+    pub child: Child,
+    pub socket: PathBuf,
+    /// The temp dir: `sessions/` and the daemon's `stdout` live here (not
+    /// every benchmark reads it; each includes this file on its own).
+    #[allow(dead_code)]
+    pub dir: tempfile::TempDir,
+}
+
+impl Daemon {
+    /// Starts the daemon with `args` after the paths and `env` set, and
+    /// waits until it answers on its socket and its worker has loaded.
+    pub fn start(args: &[&str], env: &[(&str, &str)]) -> Daemon {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let socket = dir.path().join("sf.sock");
+        let stdout = std::fs::File::create(dir.path().join("stdout")).expect("stdout file");
+        let child = Command::new(env!("CARGO_BIN_EXE_superfluid"))
+            .arg("serve")
+            .arg(model())
+            .arg("--sessions")
+            .arg(dir.path().join("sessions"))
+            .arg("--socket")
+            .arg(&socket)
+            .args(args)
+            .envs(env.iter().copied())
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(stdout)
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn superfluid serve");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(mut c) = Client::connect(&socket) {
+                if matches!(c.call(&Request::List), Ok(Response::Sessions { .. })) {
+                    break;
+                }
+            }
+            assert!(Instant::now() < deadline, "the daemon did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // Let the worker load before timing anything.
+        std::thread::sleep(Duration::from_millis(500));
+        Daemon { child, socket, dir }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
