@@ -1,5 +1,6 @@
 //! Decode benchmarks: superfluid through its socket against the raw engine
-//! in process, on the same model, threads and prompt, A/B alternated.
+//! in process, on the same model, threads and prompt, in pairs measured back
+//! to back in alternating order (ratios are taken per pair).
 //!
 //! `cargo bench --bench decode` (add `-- --quick` for a smoke run). Rows:
 //! - single stream: a ~40-token prompt, then up to 128 greedy tokens; the
@@ -165,9 +166,28 @@ fn median(mut v: Vec<f64>) -> (f64, f64, f64) {
     (v[v.len() / 2], v[0], v[v.len() - 1])
 }
 
+/// The raw engine runs in this process, the worker in its own; both must
+/// run llama.cpp's OpenMP threads with the same settings, the worker's
+/// (`GOMP_SPINCOUNT`, which libgomp reads only when it loads). Unless the
+/// environment already sets them, run this benchmark again with them set.
+fn same_openmp_settings_as_the_worker() {
+    if std::env::var_os("OMP_WAIT_POLICY").is_some() || std::env::var_os("GOMP_SPINCOUNT").is_some()
+    {
+        return;
+    }
+    let exe = std::env::current_exe().expect("current exe");
+    let status = std::process::Command::new(exe)
+        .args(std::env::args_os().skip(1))
+        .env("GOMP_SPINCOUNT", superfluid::actors::lane::WORKER_SPINCOUNT)
+        .status()
+        .expect("run the benchmark again");
+    std::process::exit(status.code().unwrap_or(1));
+}
+
 fn main() {
+    same_openmp_settings_as_the_worker();
     let quick = std::env::args().any(|a| a == "--quick");
-    let runs = if quick { 2 } else { 5 };
+    let runs = if quick { 3 } else { 21 };
     let _vocab = Vocab::load(&model()).expect("model");
     let mut engine = RawEngine::new(
         &model(),
@@ -182,16 +202,35 @@ fn main() {
     let with_fsync = start_daemon(false);
     let without_fsync = start_daemon(true);
     let (mut raw, mut on, mut off) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut on_ratio, mut off_ratio) = (Vec::new(), Vec::new());
     for run in 0..runs {
-        let (prompt, tokens, secs) = daemon_run(&with_fsync.socket, run);
-        on.push(tokens as f64 / secs);
-        raw.push(tokens as f64 / raw_run(&mut engine, &prompt, tokens));
-        let (_, tokens, secs) = daemon_run(&without_fsync.socket, run + 1000);
-        off.push(tokens as f64 / secs);
+        // The machine's speed drifts over seconds (it is shared), so each
+        // run is a pair measured back to back, in alternating order, and
+        // the ratios are taken per pair.
+        let (prompt, tokens, daemon_secs) = daemon_run(&with_fsync.socket, run);
+        let r = tokens as f64 / raw_run(&mut engine, &prompt, tokens);
+        let o = if run % 2 == 0 {
+            tokens as f64 / daemon_secs
+        } else {
+            // Odd runs time the daemon after the raw engine (a new session).
+            let (_, t, secs) = daemon_run(&with_fsync.socket, run + 500);
+            t as f64 / secs
+        };
+        let (_, t, secs) = daemon_run(&without_fsync.socket, run + 1000);
+        let f = t as f64 / secs;
+        eprintln!(
+            "run {run}: raw {r:.1} socket {o:.1} ({:.3}) fsync off {f:.1}",
+            o / r
+        );
+        raw.push(r);
+        on.push(o);
+        off.push(f);
+        on_ratio.push(o / r);
+        off_ratio.push(o / f);
     }
     drop(without_fsync);
     let mut agg = Vec::new();
-    for run in 0..runs {
+    for run in 0..runs.min(5) {
         let start = Instant::now();
         let threads: Vec<_> = (0..4)
             .map(|i| {
@@ -206,17 +245,21 @@ fn main() {
     let (on_m, on_lo, on_hi) = median(on);
     let (off_m, off_lo, off_hi) = median(off);
     let (agg_m, agg_lo, agg_hi) = median(agg);
-    println!("decode benchmark: SmolLM2-135M-Instruct Q4_1, {THREADS} threads, {runs} runs each, medians (min-max)\n");
+    let (ratio_m, ratio_lo, ratio_hi) = median(on_ratio);
+    let (fsync_m, _, _) = median(off_ratio);
+    println!(
+        "decode benchmark: SmolLM2-135M-Instruct Q4_1, {THREADS} threads, GOMP_SPINCOUNT={} on both sides, {runs} paired runs, medians (min-max)\n",
+        std::env::var("GOMP_SPINCOUNT").unwrap_or_else(|_| "(OMP_WAIT_POLICY set)".into())
+    );
     println!("| workload | tokens/s | ratio |");
     println!("|---|---:|---:|");
     println!("| raw engine in process, 1 stream | {raw_m:.1} ({raw_lo:.1}-{raw_hi:.1}) | 1.00 |");
     println!(
-        "| superfluid socket, 1 stream, fsynced commits | {on_m:.1} ({on_lo:.1}-{on_hi:.1}) | {:.3} vs raw |",
-        on_m / raw_m
+        "| superfluid socket, 1 stream, fsynced commits | {on_m:.1} ({on_lo:.1}-{on_hi:.1}) | {ratio_m:.3} ({ratio_lo:.3}-{ratio_hi:.3}) vs raw, per pair |"
     );
     println!(
         "| superfluid socket, 1 stream, fsync off | {off_m:.1} ({off_lo:.1}-{off_hi:.1}) | fsync costs {:.1}% |",
-        (1.0 - on_m / off_m) * 100.0
+        (1.0 - fsync_m) * 100.0
     );
     println!(
         "| superfluid socket, 4 sessions at once (aggregate) | {agg_m:.1} ({agg_lo:.1}-{agg_hi:.1}) | {:.2}x one stream |",

@@ -2,8 +2,10 @@
 //! owns llama.cpp for one model. It spawns the worker, writes requests to its
 //! stdin and reads replies from its stdout (length-prefixed postcard frames,
 //! one reply per request, in order), and routes the worker's stderr into the
-//! daemon's log. The pipes are served by three small threads, so the actor
-//! never blocks its arbiter.
+//! daemon's log. stdin and stdout are non-blocking pipes served by two tasks
+//! on the actor's own arbiter (no thread hop per frame: a reply wakes the
+//! arbiter straight from epoll); stderr, which only carries logs, by a
+//! thread. Nothing blocks the arbiter.
 //!
 //! When the worker dies (a crash, SIGKILL, a llama.cpp abort) every request
 //! in flight fails with an Err, the listener (the scheduler) is told so it
@@ -11,15 +13,18 @@
 
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader};
+use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use actix::prelude::*;
-use tokio::sync::oneshot;
+use tokio::io::AsyncWriteExt;
+use tokio::net::unix::pipe;
+use tokio::sync::{mpsc, oneshot};
 
 use crate::wire::worker::{WorkerConfig, WorkerRequest, WorkerResponse};
-use crate::wire::{from_postcard, read_frame_blocking, to_postcard, write_frame_blocking};
+use crate::wire::{from_postcard, read_frame, to_postcard};
 
 /// The first respawn waits this long; each further one in a row doubles it.
 const RESPAWN_DELAY_MS: u64 = 100;
@@ -27,14 +32,16 @@ const RESPAWN_DELAY_MS: u64 = 100;
 const RESPAWN_DELAY_MAX_MS: u64 = 5_000;
 /// OpenMP spin iterations before a waiting worker thread sleeps (libgomp's
 /// default is 300,000, a millisecond or so of two busy cores after each step).
-const WORKER_SPINCOUNT: &str = "20000";
+pub const WORKER_SPINCOUNT: &str = "20000";
 /// The largest reply frame accepted from the worker.
 const MAX_WORKER_FRAME_BYTES: usize = 16 << 20;
 
-/// Run one request on the worker.
+/// Run requests on the worker, in order: one reply per request, or Err when
+/// the worker died under them. They go into the pipe at once, so the worker
+/// runs them back to back, and two `Exec`s reach it in the order sent.
 #[derive(Message)]
-#[rtype(result = "Result<WorkerResponse, String>")]
-pub struct Exec(pub WorkerRequest);
+#[rtype(result = "Result<Vec<WorkerResponse>, String>")]
+pub struct Exec(pub Vec<WorkerRequest>);
 
 /// Who hears that the worker restarted (its KV is gone).
 #[derive(Message)]
@@ -76,7 +83,8 @@ type Reply = oneshot::Sender<Result<WorkerResponse, String>>;
 pub struct LaneActor {
     config: LaneConfig,
     child: Option<Child>,
-    to_worker: Option<std::sync::mpsc::Sender<Vec<u8>>>,
+    /// Whole frames (length prefix included) for the stdin task.
+    to_worker: Option<mpsc::UnboundedSender<Vec<u8>>>,
     /// Replies awaited from the worker, oldest first.
     in_flight: VecDeque<Reply>,
     /// Requests held until the worker says Ready.
@@ -143,30 +151,39 @@ impl LaneActor {
             child.stdout.take().expect("piped"),
             child.stderr.take().expect("piped"),
         );
+        let pipes = pipe::Receiver::from_owned_fd(OwnedFd::from(stdout))
+            .and_then(|out| Ok((out, pipe::Sender::from_owned_fd(OwnedFd::from(stdin))?)));
+        let (stdout, mut stdin) = match pipes {
+            Ok(p) => p,
+            Err(e) => {
+                log::error!("cannot set up the worker's pipes: {e}");
+                let _ = child.kill();
+                let _ = child.wait();
+                self.schedule_respawn(ctx);
+                return;
+            }
+        };
         let me = ctx.address();
-        std::thread::Builder::new()
-            .name("worker-stdout".into())
-            .spawn(move || {
-                let mut stdout = BufReader::new(stdout);
-                let reason = loop {
-                    match read_frame_blocking(&mut stdout, MAX_WORKER_FRAME_BYTES) {
-                        Ok(Some(frame)) => match from_postcard::<WorkerResponse>(&frame) {
-                            Ok(response) => me.do_send(FromWorker {
-                                incarnation,
-                                response,
-                            }),
-                            Err(e) => break format!("unreadable reply: {e}"),
-                        },
-                        Ok(None) => break "its output closed".to_string(),
-                        Err(e) => break e.to_string(),
-                    }
-                };
-                me.do_send(WorkerGone {
-                    incarnation,
-                    reason,
-                });
-            })
-            .expect("spawn worker-stdout thread");
+        actix::spawn(async move {
+            let mut stdout = tokio::io::BufReader::new(stdout);
+            let reason = loop {
+                match read_frame(&mut stdout, MAX_WORKER_FRAME_BYTES).await {
+                    Ok(Some(frame)) => match from_postcard::<WorkerResponse>(&frame) {
+                        Ok(response) => me.do_send(FromWorker {
+                            incarnation,
+                            response,
+                        }),
+                        Err(e) => break format!("unreadable reply: {e}"),
+                    },
+                    Ok(None) => break "its output closed".to_string(),
+                    Err(e) => break e.to_string(),
+                }
+            };
+            me.do_send(WorkerGone {
+                incarnation,
+                reason,
+            });
+        });
         std::thread::Builder::new()
             .name("worker-stderr".into())
             .spawn(move || {
@@ -183,18 +200,17 @@ impl LaneActor {
                 }
             })
             .expect("spawn worker-stderr thread");
-        let (tx, rx) = std::sync::mpsc::channel::<Vec<u8>>();
-        std::thread::Builder::new()
-            .name("worker-stdin".into())
-            .spawn(move || {
-                let mut stdin = stdin;
-                for frame in rx {
-                    if write_frame_blocking(&mut stdin, &frame).is_err() {
-                        break;
-                    }
+        let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
+        actix::spawn(async move {
+            // Ends when the lane drops the sender (the worker is gone or
+            // being replaced), closing the worker's stdin, or on a write
+            // error (the reader reports the death).
+            while let Some(frame) = rx.recv().await {
+                if stdin.write_all(&frame).await.is_err() {
+                    break;
                 }
-            })
-            .expect("spawn worker-stdin thread");
+            }
+        });
         self.to_worker = Some(tx);
         self.child = Some(child);
     }
@@ -210,7 +226,20 @@ impl LaneActor {
 
     fn send_now(&mut self, request: WorkerRequest, reply: Reply) {
         let frame = match to_postcard(&request) {
-            Ok(f) => f,
+            Ok(body) if body.len() <= crate::wire::MAX_FRAME_BYTES => {
+                // One write per frame: the length prefix, then the body.
+                let mut frame = Vec::with_capacity(4 + body.len());
+                frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
+                frame.extend_from_slice(&body);
+                frame
+            }
+            Ok(body) => {
+                let _ = reply.send(Err(format!(
+                    "a request of {} bytes is over the worker's frame limit",
+                    body.len()
+                )));
+                return;
+            }
             Err(e) => {
                 let _ = reply.send(Err(e.to_string()));
                 return;
@@ -233,11 +262,8 @@ impl Actor for LaneActor {
     }
 
     fn stopped(&mut self, _: &mut Context<Self>) {
-        if let Some(tx) = self.to_worker.take() {
-            if let Ok(frame) = to_postcard(&WorkerRequest::Shutdown) {
-                let _ = tx.send(frame);
-            }
-        }
+        // Dropping the sender closes the worker's stdin: it exits at EOF.
+        self.to_worker = None;
         if let Some(mut child) = self.child.take() {
             // Give it a moment to exit cleanly, then make sure.
             for _ in 0..20 {
@@ -253,18 +279,28 @@ impl Actor for LaneActor {
 }
 
 impl Handler<Exec> for LaneActor {
-    type Result = ResponseFuture<Result<WorkerResponse, String>>;
+    type Result = ResponseFuture<Result<Vec<WorkerResponse>, String>>;
 
     fn handle(&mut self, msg: Exec, _: &mut Context<Self>) -> Self::Result {
-        let (tx, rx) = oneshot::channel();
-        if self.ready {
-            self.send_now(msg.0, tx);
-        } else {
-            self.held.push_back((msg.0, tx));
+        let mut replies = Vec::with_capacity(msg.0.len());
+        for request in msg.0 {
+            let (tx, rx) = oneshot::channel();
+            if self.ready {
+                self.send_now(request, tx);
+            } else {
+                self.held.push_back((request, tx));
+            }
+            replies.push(rx);
         }
         Box::pin(async move {
-            rx.await
-                .unwrap_or_else(|_| Err("the model lane stopped".into()))
+            let mut out = Vec::with_capacity(replies.len());
+            for rx in replies {
+                out.push(
+                    rx.await
+                        .unwrap_or_else(|_| Err("the model lane stopped".into()))?,
+                );
+            }
+            Ok(out)
         })
     }
 }

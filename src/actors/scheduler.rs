@@ -3,14 +3,21 @@
 //! decode call to the lane, and hands each drawn token to the generation's
 //! owner (a session actor, or a stateless caller). Admissions and cancels
 //! are handled between steps, while a step is in flight.
+//!
+//! Up to two steps are in flight: as soon as a step is sent, the step that
+//! follows it (`SchedulerState::follow`) is sent too, so the worker finds
+//! its next request waiting when it finishes one, and the daemon's own work
+//! on step n's tokens overlaps the worker's decode of step n+1. Replies are
+//! taken strictly in the order the steps were sent; after a failed step the
+//! steps behind it are dropped unread (they fail in the worker too).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 use actix::prelude::*;
 
 use super::lane::{Exec, LaneActor, LaneReset};
 use crate::scheduler::{Admit, GenEvent, GenId, SchedulerState, Stats, Step};
-use crate::wire::worker::{WorkerRequest, WorkerResponse};
+use crate::wire::worker::{Drawn, WorkerResponse};
 
 /// Start a generation; its events go to `owner`.
 #[derive(Message)]
@@ -51,11 +58,25 @@ pub struct GetStats;
 #[rtype(result = "()")]
 pub struct GenUpdate(pub GenEvent);
 
+/// The most steps in flight at once (one running, one queued behind it).
+const PIPELINE_DEPTH: usize = 2;
+
+type StepResult = Result<Vec<Drawn>, String>;
+
+struct InFlight {
+    id: u64,
+    step: Step,
+    /// Sent behind a step that failed: its reply is not read.
+    dropped: bool,
+    result: Option<StepResult>,
+}
+
 pub struct SchedulerActor {
     state: SchedulerState,
     lane: Addr<LaneActor>,
     owners: HashMap<GenId, Recipient<GenUpdate>>,
-    stepping: bool,
+    in_flight: VecDeque<InFlight>,
+    next_step: u64,
 }
 
 impl SchedulerActor {
@@ -64,7 +85,8 @@ impl SchedulerActor {
             state,
             lane,
             owners: HashMap::new(),
-            stepping: false,
+            in_flight: VecDeque::new(),
+            next_step: 0,
         }
     }
 
@@ -84,51 +106,82 @@ impl SchedulerActor {
         }
     }
 
-    /// Starts the next step unless one is in flight or nothing is to do.
+    /// Starts the next step when nothing is in flight, and queues the step
+    /// that follows the one in flight when there is one to queue.
     fn kick(&mut self, ctx: &mut Context<Self>) {
-        if self.stepping {
-            return;
+        if self.in_flight.is_empty() {
+            self.state.set_clock(super::now_ms());
+            let (step, events) = self.state.plan();
+            self.dispatch(events);
+            if let Some(step) = step {
+                self.send(step, ctx);
+            }
         }
-        self.state.set_clock(super::now_ms());
-        let (step, events) = self.state.plan();
-        self.dispatch(events);
-        let Some(step) = step else { return };
-        self.stepping = true;
-        let lane = self.lane.clone();
-        let fut = run_step(lane, step.clone());
-        ctx.spawn(fut.into_actor(self).map(move |result, this, ctx| {
-            this.stepping = false;
-            let events = this.state.complete(&step, result);
-            this.dispatch(events);
-            this.kick(ctx);
-        }));
+        if let Some(last) = self.in_flight.back() {
+            if self.in_flight.len() < PIPELINE_DEPTH && !last.dropped {
+                if let Some(next) = self.state.follow(&last.step) {
+                    self.send(next, ctx);
+                }
+            }
+        }
+    }
+
+    /// Sends a step's requests to the lane now (so they reach the worker in
+    /// the order steps are sent) and takes the reply when it comes.
+    fn send(&mut self, step: Step, ctx: &mut Context<Self>) {
+        let id = self.next_step;
+        self.next_step += 1;
+        let reply = self.lane.send(Exec(step.requests()));
+        ctx.spawn(
+            async move { step_result(reply.await.map_err(|e| e.to_string()).and_then(|r| r)) }
+                .into_actor(self)
+                .map(move |result, this, ctx| this.arrived(id, result, ctx)),
+        );
+        self.in_flight.push_back(InFlight {
+            id,
+            step,
+            dropped: false,
+            result: None,
+        });
+    }
+
+    /// A step's reply: completes every step whose reply is in, in order.
+    fn arrived(&mut self, id: u64, result: StepResult, ctx: &mut Context<Self>) {
+        if let Some(f) = self.in_flight.iter_mut().find(|f| f.id == id) {
+            f.result = Some(result);
+        }
+        while self.in_flight.front().is_some_and(|f| f.result.is_some()) {
+            let f = self.in_flight.pop_front().expect("front");
+            let result = f.result.expect("result");
+            if f.dropped {
+                continue;
+            }
+            let failed = result.is_err();
+            let events = self.state.complete(&f.step, result);
+            if failed {
+                for behind in &mut self.in_flight {
+                    behind.dropped = true;
+                }
+            }
+            self.dispatch(events);
+        }
+        self.kick(ctx);
     }
 }
 
-/// Sends a step's KV operations, then its decode, to the lane.
-async fn run_step(
-    lane: Addr<LaneActor>,
-    step: Step,
-) -> Result<Vec<crate::wire::worker::Drawn>, String> {
-    for op in step.ops {
-        match lane.send(Exec(op)).await.map_err(|e| e.to_string())?? {
+/// What a step's worker replies come to: the tokens its decode drew, or the
+/// first error.
+fn step_result(replies: Result<Vec<WorkerResponse>, String>) -> StepResult {
+    let mut drawn = Vec::new();
+    for reply in replies? {
+        match reply {
             WorkerResponse::Done => {}
+            WorkerResponse::Decoded { drawn: d, .. } => drawn = d,
             WorkerResponse::Err { message } => return Err(message),
             other => return Err(format!("unexpected worker reply {other:?}")),
         }
     }
-    if step.decode.is_empty() {
-        return Ok(vec![]);
-    }
-    match lane
-        .send(Exec(WorkerRequest::Decode { items: step.decode }))
-        .await
-        .map_err(|e| e.to_string())??
-    {
-        WorkerResponse::Decoded { drawn, .. } => Ok(drawn),
-        WorkerResponse::Err { message } => Err(message),
-        other => Err(format!("unexpected worker reply {other:?}")),
-    }
+    Ok(drawn)
 }
 
 impl Actor for SchedulerActor {
@@ -187,7 +240,7 @@ impl Handler<LaneReset> for SchedulerActor {
     fn handle(&mut self, msg: LaneReset, ctx: &mut Context<Self>) {
         // A step in flight fails by itself (its Exec errs); idle state is
         // forgotten here so nothing trusts the dead worker's KV.
-        if !self.stepping {
+        if self.in_flight.is_empty() {
             let events = self.state.fail_all(&msg.0);
             self.dispatch(events);
             self.kick(ctx);

@@ -24,6 +24,17 @@
 //! the request, its grammar state is dropped, and the reply is `Err`. The tracked lengths are then
 //! re-read from the KV cache (`kv_cache_seq_pos_max`).
 //!
+//! # DecodeNext
+//!
+//! The engine remembers, per sequence, the token it last drew while the sequence's KV has not
+//! changed since (a trim, copy, clear or another decode of it forgets it; any failed request
+//! forgets them all). `DecodeNext` runs up to `steps` decode calls, each feeding every sequence
+//! the token it drew in the call before (in the first, that remembered token) and drawing the
+//! next; a sequence stops at a draw that ends the turn (EOG). The daemon queues it while the
+//! request before is still running, so the worker never waits on the daemon between steps and
+//! writes one reply per `steps` tokens. It is all or nothing like `Decode`: a failure in any
+//! call trims every sequence it named back to its length before the request.
+//!
 //! # Grammars
 //!
 //! A sequence keeps one grammar sampler (`LlamaSampler::grammar(model, gbnf, "root")`) while the
@@ -48,7 +59,10 @@ use llama_cpp_2::token::LlamaToken;
 use llama_cpp_2::DecodeError;
 
 use super::{backend, sample, EngineError};
-use crate::wire::worker::{DecodeItem, Drawn, WorkerConfig, WorkerRequest, WorkerResponse};
+use crate::wire::worker::{
+    DecodeItem, Drawn, NextItem, Sample, WorkerConfig, WorkerRequest, WorkerResponse,
+    MAX_NEXT_STEPS,
+};
 
 /// llama.cpp's `LLAMA_MAX_SEQ`: more sequences make context creation fail.
 pub const MAX_SEQ: u32 = 256;
@@ -79,6 +93,9 @@ pub struct RawEngine {
     row: Vec<f32>,
     /// The grammar's verdict on each token id, for the row being sampled.
     mask: Vec<bool>,
+    /// Per sequence, the token last drawn for it, while its KV has not changed since: what a
+    /// `DecodeNext` feeds. Every failed request clears them all.
+    last: Vec<Option<Drawn>>,
 }
 
 impl std::fmt::Debug for RawEngine {
@@ -169,6 +186,7 @@ impl RawEngine {
             lens: vec![0; n_seq as usize],
             row: Vec::with_capacity(n_vocab as usize),
             mask: Vec::new(),
+            last: vec![None; n_seq as usize],
         })
     }
 
@@ -210,10 +228,99 @@ impl RawEngine {
             WorkerRequest::KvCopy { src, dst, len } => self.kv_copy(*src, *dst, *len),
             WorkerRequest::KvClear { seq } => self.kv_clear(*seq),
             WorkerRequest::Shutdown => Ok(WorkerResponse::Done),
+            WorkerRequest::DecodeNext { items } => self.decode_next(items),
         };
         result.unwrap_or_else(|message| {
             log::debug!("request failed: {message}");
+            // A DecodeNext queued behind a failed request must not run on a stale draw.
+            self.last.iter_mut().for_each(|l| *l = None);
             WorkerResponse::Err { message }
+        })
+    }
+
+    /// `DecodeNext`: steps of the items' sequences, each fed the draw before.
+    fn decode_next(&mut self, next: &[NextItem]) -> Result<WorkerResponse, String> {
+        let mut seen = vec![false; self.lens.len()];
+        for (k, n) in next.iter().enumerate() {
+            let s = self
+                .check_seq(n.seq)
+                .map_err(|e| format!("item {k}: {e}"))?;
+            if std::mem::replace(&mut seen[s], true) {
+                return Err(format!("item {k}: sequence {} appears twice", n.seq));
+            }
+            if !(1..=MAX_NEXT_STEPS).contains(&n.steps) {
+                return Err(format!(
+                    "item {k}: {} steps asked, the range is 1..={MAX_NEXT_STEPS}",
+                    n.steps
+                ));
+            }
+            match self.last[s] {
+                None => {
+                    return Err(format!(
+                        "item {k}: sequence {} has no drawn token to continue from",
+                        n.seq
+                    ))
+                }
+                Some(d) if !d.eog && n.pos != self.lens[s] => {
+                    return Err(format!(
+                        "item {k}: sequence {} holds positions 0..{}, not 0..{}",
+                        n.seq, self.lens[s], n.pos
+                    ))
+                }
+                Some(_) => {}
+            }
+        }
+        let before = self.lens.clone();
+        let (mut drawn, mut tokens, mut decode_us) = (Vec::new(), 0u32, 0u64);
+        for j in 0..next.iter().map(|n| n.steps).max().unwrap_or(0) {
+            let items: Vec<DecodeItem> = next
+                .iter()
+                .filter(|n| j < n.steps)
+                .filter_map(|n| {
+                    let d = self.last[n.seq as usize].filter(|d| !d.eog)?;
+                    Some(DecodeItem {
+                        seq: n.seq,
+                        pos: self.lens[n.seq as usize],
+                        tokens: vec![d.token],
+                        sample: Some(Sample {
+                            draw_pos: n.sample.draw_pos + u64::from(j),
+                            ..n.sample.clone()
+                        }),
+                    })
+                })
+                .collect();
+            if items.is_empty() {
+                break;
+            }
+            match self.decode(&items) {
+                Ok(WorkerResponse::Decoded {
+                    drawn: d,
+                    tokens: t,
+                    decode_us: us,
+                }) => {
+                    drawn.extend(d);
+                    tokens += t;
+                    decode_us += us;
+                }
+                Ok(other) => return Err(format!("internal error: decode replied {other:?}")),
+                Err(message) => {
+                    // All or nothing: the steps before this one go too.
+                    for n in next {
+                        let s = n.seq as usize;
+                        let _ = self
+                            .ctx
+                            .kv_cache_seq_rm(n.seq as i32, Some(before[s]), None);
+                        self.grammars[s] = None;
+                    }
+                    self.resync_all();
+                    return Err(message);
+                }
+            }
+        }
+        Ok(WorkerResponse::Decoded {
+            drawn,
+            tokens,
+            decode_us,
         })
     }
 
@@ -245,6 +352,7 @@ impl RawEngine {
         if from < self.lens[s] {
             let res = self.ctx.kv_cache_seq_rm(seq as i32, Some(from), None);
             self.grammars[s] = None;
+            self.last[s] = None;
             self.resync(s);
             res.map_err(|e| format!("cannot trim sequence {seq} from {from}: {e}"))?;
         }
@@ -265,6 +373,7 @@ impl RawEngine {
         }
         let rm = self.ctx.kv_cache_seq_rm(dst as i32, None, None);
         self.grammars[d] = None;
+        self.last[d] = None;
         let cp = if len > 0 && rm.is_ok() {
             self.ctx
                 .kv_cache_seq_cp(src as i32, dst as i32, Some(0), Some(len))
@@ -281,6 +390,7 @@ impl RawEngine {
         let s = self.check_seq(seq)?;
         let res = self.ctx.kv_cache_seq_rm(seq as i32, None, None);
         self.grammars[s] = None;
+        self.last[s] = None;
         self.resync(s);
         res.map_err(|e| format!("cannot clear sequence {seq}: {e}"))?;
         Ok(WorkerResponse::Done)
@@ -372,7 +482,14 @@ impl RawEngine {
         match self.decode_items(items) {
             Ok(reply) => {
                 for item in items {
-                    self.lens[item.seq as usize] = item.pos + item.tokens.len() as u32;
+                    let s = item.seq as usize;
+                    self.lens[s] = item.pos + item.tokens.len() as u32;
+                    self.last[s] = None;
+                }
+                if let WorkerResponse::Decoded { drawn, .. } = &reply {
+                    for d in drawn {
+                        self.last[d.seq as usize] = Some(*d);
+                    }
                 }
                 Ok(reply)
             }
@@ -584,6 +701,126 @@ mod tests {
             ..config
         };
         assert!(RawEngine::new(&model(), &bad).is_err());
+    }
+
+    /// DecodeNext feeds the last draw: it draws what a Decode of that token draws; it skips a
+    /// sequence that drew EOG, and refuses one with no draw to continue from.
+    #[test]
+    fn decode_next_continues_from_the_last_draw() {
+        let config = WorkerConfig {
+            n_ctx: 512,
+            n_seq: 2,
+            n_batch: 64,
+            threads: 2,
+        };
+        let mut e = RawEngine::new(&model(), &config).expect("engine");
+        let prompt: Vec<u32> = (0..20).map(|i| 200 + i * 13).collect();
+        let first = |e: &mut RawEngine, seq| match e.handle(&WorkerRequest::Decode {
+            items: vec![DecodeItem {
+                seq,
+                pos: 0,
+                tokens: prompt.clone(),
+                sample: greedy(20),
+            }],
+        }) {
+            WorkerResponse::Decoded { drawn, .. } => drawn[0],
+            other => panic!("{other:?}"),
+        };
+        let a = first(&mut e, 0);
+        let b = first(&mut e, 1);
+        assert_eq!(a.token, b.token);
+        // Seq 0 by hand, three steps; seq 1 by one DecodeNext of three steps.
+        let mut by_hand = vec![];
+        let mut input = a.token;
+        for k in 0..3u32 {
+            let r = e.handle(&WorkerRequest::Decode {
+                items: vec![DecodeItem {
+                    seq: 0,
+                    pos: 20 + k,
+                    tokens: vec![input],
+                    sample: greedy(21 + u64::from(k)),
+                }],
+            });
+            let WorkerResponse::Decoded { drawn, .. } = r else {
+                panic!("{r:?}")
+            };
+            input = drawn[0].token;
+            by_hand.push(input);
+        }
+        let r = e.handle(&WorkerRequest::DecodeNext {
+            items: vec![NextItem {
+                seq: 1,
+                pos: 20,
+                steps: 3,
+                sample: greedy(21).unwrap(),
+            }],
+        });
+        let WorkerResponse::Decoded {
+            drawn, tokens: 3, ..
+        } = r
+        else {
+            panic!("{r:?}")
+        };
+        assert_eq!(drawn.iter().map(|d| d.token).collect::<Vec<_>>(), by_hand);
+        assert!(drawn.iter().all(|d| d.seq == 1));
+        assert_eq!(e.seq_len(1), Some(23));
+        // And it goes on from there, one step at a time too.
+        let r = e.handle(&WorkerRequest::DecodeNext {
+            items: vec![NextItem {
+                seq: 1,
+                pos: 23,
+                steps: 1,
+                sample: greedy(24).unwrap(),
+            }],
+        });
+        assert!(
+            matches!(r, WorkerResponse::Decoded { tokens: 1, .. }),
+            "{r:?}"
+        );
+        assert_eq!(e.seq_len(1), Some(24));
+        let r = e.handle(&WorkerRequest::DecodeNext {
+            items: vec![NextItem {
+                seq: 1,
+                pos: 24,
+                steps: MAX_NEXT_STEPS + 1,
+                sample: greedy(25).unwrap(),
+            }],
+        });
+        assert!(matches!(r, WorkerResponse::Err { .. }), "{r:?}");
+        // The failed request forgot the last draw: nothing to continue from.
+        let next = |pos| WorkerRequest::DecodeNext {
+            items: vec![NextItem {
+                seq: 1,
+                pos,
+                steps: 2,
+                sample: greedy(u64::from(pos) + 1).unwrap(),
+            }],
+        };
+        match e.handle(&next(24)) {
+            WorkerResponse::Err { message } => {
+                assert!(message.contains("no drawn token"), "{message}")
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(e.seq_len(1), Some(24));
+        // A last draw that ended the turn is skipped.
+        e.last[1] = Some(Drawn {
+            seq: 1,
+            token: 2,
+            eog: true,
+        });
+        assert!(matches!(
+            e.handle(&next(24)),
+            WorkerResponse::Decoded { tokens: 0, ref drawn, .. } if drawn.is_empty()
+        ));
+        // A wrong position is refused.
+        e.last[1] = Some(Drawn {
+            seq: 1,
+            token: 300,
+            eog: false,
+        });
+        assert!(matches!(e.handle(&next(99)), WorkerResponse::Err { .. }));
+        assert_eq!(e.seq_len(1), Some(24));
     }
 
     /// KV full in the middle of a multi-batch request: Err, and the request leaves no trace.

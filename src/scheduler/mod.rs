@@ -13,13 +13,20 @@
 //!   from a copy of that sequence's cells instead of a prefill.
 //! - The KV budget is `n_ctx` cells; idle sequences are evicted, least
 //!   recently used first, to make room.
+//! - Steps are pipelined: while a step is in flight, [`SchedulerState::follow`]
+//!   plans the next for the same generations, [`FOLLOW_STEPS`] tokens each,
+//!   fed by the worker itself with what it draws (`WorkerRequest::DecodeNext`),
+//!   so the worker never waits for the daemon between steps and the daemon
+//!   hears from it once per few tokens. Anything that changes the batch (an
+//!   admission, a KV operation, a prefill, a grammar) waits for the pipeline
+//!   to drain and goes through [`SchedulerState::plan`].
 
 #[cfg(test)]
 mod tests;
 
 use std::collections::BTreeMap;
 
-use crate::wire::worker::{DecodeItem, Drawn, Sample, WorkerRequest, KV_FULL};
+use crate::wire::worker::{DecodeItem, Drawn, NextItem, Sample, WorkerRequest, KV_FULL};
 use crate::wire::{finish, Params, SessionId, Token};
 
 /// `--pin-budget-pct` default.
@@ -27,6 +34,12 @@ pub const DEFAULT_PIN_BUDGET_PCT: u32 = 50;
 
 /// Identifies one generation within a lane.
 pub type GenId = u64;
+
+/// Tokens a following step runs per generation on its own, in the worker,
+/// before the daemon hears of them: the daemon wakes once per this many
+/// tokens of a stream instead of once per token, and a cancel lands within
+/// two following steps (the one running and the one queued).
+pub const FOLLOW_STEPS: u32 = 4;
 
 /// The most QoS classes: 0 (first) to 3 (background).
 pub const QOS_CLASSES: u8 = 4;
@@ -83,6 +96,8 @@ struct Seq {
     active: Option<GenId>,
     /// The step it was last used in (for LRU eviction).
     last_used: u64,
+    /// The token last drawn on it (what a following step feeds).
+    last_draw: Option<Drawn>,
 }
 
 #[derive(Debug, Clone)]
@@ -92,6 +107,8 @@ struct Gen {
     /// Prompt and drawn tokens: what the sequence must hold.
     tokens: Vec<Token>,
     produced: u32,
+    /// Draws asked for in steps still in flight.
+    inflight: u32,
     cancelled: bool,
     arrival: u64,
 }
@@ -111,13 +128,62 @@ pub struct Stats {
     pub warm_tokens: u64,
 }
 
-/// One step's work: the KV operations to run first, then one decode.
+/// One step's work: the KV operations to run first, then one decode; or,
+/// for a following step, one `DecodeNext`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Step {
     pub ops: Vec<WorkerRequest>,
     pub decode: Vec<DecodeItem>,
-    /// For each decode item: the generation it advances.
+    /// A following step ([`SchedulerState::follow`]; `decode` is empty): each
+    /// item's first input is the token its sequence drew last, in the step
+    /// before, and it runs up to `steps` tokens on its own.
+    pub next: Vec<NextItem>,
+    /// For each decode item, or each next item: the generation it advances.
     pub gens: Vec<GenId>,
+}
+
+impl Step {
+    /// The worker requests that run this step, in order.
+    pub fn requests(&self) -> Vec<WorkerRequest> {
+        let mut out = self.ops.clone();
+        if !self.next.is_empty() {
+            out.push(WorkerRequest::DecodeNext {
+                items: self.next.clone(),
+            });
+        } else if !self.decode.is_empty() {
+            out.push(WorkerRequest::Decode {
+                items: self.decode.clone(),
+            });
+        }
+        out
+    }
+
+    /// Where each item's sequence ends, and the stream position of its next
+    /// draw, once this step has run with no end of turn: (seq, pos, draw_pos,
+    /// sample) per sampling item.
+    fn ends(&self) -> Vec<(u32, u32, u64, &Sample)> {
+        if self.next.is_empty() {
+            self.decode
+                .iter()
+                .filter_map(|i| {
+                    let s = i.sample.as_ref()?;
+                    Some((i.seq, i.pos + i.tokens.len() as u32, s.draw_pos + 1, s))
+                })
+                .collect()
+        } else {
+            self.next
+                .iter()
+                .map(|n| {
+                    (
+                        n.seq,
+                        n.pos + n.steps,
+                        n.sample.draw_pos + u64::from(n.steps),
+                        &n.sample,
+                    )
+                })
+                .collect()
+        }
+    }
 }
 
 /// The scheduler of one lane.
@@ -260,6 +326,7 @@ impl SchedulerState {
                 seq: None,
                 tokens,
                 produced: 0,
+                inflight: 0,
                 cancelled: false,
                 arrival: gen,
             },
@@ -480,6 +547,9 @@ impl SchedulerState {
                     grammar: g.admit.grammar.clone(),
                 }),
             });
+            if last {
+                self.gens.get_mut(&gen).expect("running").inflight += 1;
+            }
             gens.push(gen);
             self.seqs[seq].last_used = self.step;
         }
@@ -487,19 +557,123 @@ impl SchedulerState {
             return (None, events);
         }
         if !decode.is_empty() {
-            self.stats.steps += 1;
-            self.stats.seq_steps += decode.len() as u64;
-            self.stats.max_seqs_per_step = self.stats.max_seqs_per_step.max(decode.len() as u64);
+            self.count_step(decode.len());
         }
-        (Some(Step { ops, decode, gens }), events)
+        (
+            Some(Step {
+                ops,
+                decode,
+                next: vec![],
+                gens,
+            }),
+            events,
+        )
+    }
+
+    fn count_step(&mut self, items: usize) {
+        self.stats.steps += 1;
+        self.stats.seq_steps += items as u64;
+        self.stats.max_seqs_per_step = self.stats.max_seqs_per_step.max(items as u64);
+    }
+
+    /// Plans the step after `last` while `last` is still in flight: the same
+    /// generations, up to [`FOLLOW_STEPS`] tokens each, the first fed what
+    /// they draw last in `last` (the worker runs them as one `DecodeNext`).
+    /// None when the next step must wait for `last`'s reply and go through
+    /// [`plan`](Self::plan): a generation waiting for a sequence, KV
+    /// operations to run, a prefill still going, a grammar (its state
+    /// follows each committed token), a batch-invariant generation beside
+    /// others, or a background generation the divisor holds back. A
+    /// generation that `last` will finish (max_tokens, a cancel, a full
+    /// context) is left out, as `plan` would; one that draws end of turn in
+    /// `last` is skipped by the worker.
+    pub fn follow(&mut self, last: &Step) -> Option<Step> {
+        if self.dirty || !self.pending_ops.is_empty() {
+            return None;
+        }
+        if last.decode.iter().any(|i| i.sample.is_none()) {
+            return None;
+        }
+        let ends = last.ends();
+        if ends.is_empty() {
+            return None;
+        }
+        let mut foreground = false;
+        let mut background = false;
+        for (id, g) in &self.gens {
+            if g.seq.is_none() || !last.gens.contains(id) || g.admit.grammar.is_some() {
+                return None;
+            }
+            foreground |= g.admit.class != BACKGROUND_CLASS;
+            background |= g.admit.class == BACKGROUND_CLASS;
+            if g.admit.batch_invariant && self.gens.len() > 1 {
+                return None;
+            }
+        }
+        if foreground && background && self.background_divisor > 1 {
+            return None;
+        }
+        let mut next = Vec::new();
+        let mut gens = Vec::new();
+        for ((seq, pos, draw_pos, sample), gen) in ends.into_iter().zip(&last.gens) {
+            let Some(g) = self.gens.get_mut(gen) else {
+                continue;
+            };
+            // Tokens the generation may still draw, and cells the context
+            // has left for them (the last draw needs one more to be fed).
+            let left = g.admit.max_tokens.saturating_sub(g.produced + g.inflight);
+            let after = g.tokens.len() as u64 + u64::from(g.inflight);
+            let room = (self.n_ctx as u64).saturating_sub(after + 1);
+            let steps = FOLLOW_STEPS.min(left).min(room.min(u32::MAX as u64) as u32);
+            if g.cancelled || steps == 0 {
+                continue;
+            }
+            g.inflight += steps;
+            next.push(NextItem {
+                seq,
+                pos,
+                steps,
+                sample: Sample {
+                    draw_pos,
+                    ..sample.clone()
+                },
+            });
+            gens.push(*gen);
+        }
+        if next.is_empty() {
+            return None;
+        }
+        self.step += 1;
+        for n in &next {
+            self.seqs[n.seq as usize].last_used = self.step;
+        }
+        self.count_step(next.len());
+        Some(Step {
+            ops: vec![],
+            decode: vec![],
+            next,
+            gens,
+        })
     }
 
     /// Takes a step's result.
+    ///
+    /// Steps complete in the order they were planned. When a step fails, the
+    /// steps sent after it fail in the worker too (a failed request leaves no
+    /// draw to follow) and their results must not be passed here.
     pub fn complete(&mut self, step: &Step, result: Result<Vec<Drawn>, String>) -> Vec<GenEvent> {
         let drawn = match result {
             Ok(d) => d,
-            Err(message) if message.starts_with(KV_FULL) => return self.kv_full(step),
-            Err(message) => return self.fail_all(&message),
+            Err(message) => {
+                // Nothing in flight survives a failure.
+                for g in self.gens.values_mut() {
+                    g.inflight = 0;
+                }
+                if message.starts_with(KV_FULL) {
+                    return self.kv_full(step);
+                }
+                return self.fail_all(&message);
+            }
         };
         let mut events = Vec::new();
         for (item, gen) in step.decode.iter().zip(&step.gens) {
@@ -508,16 +682,70 @@ impl SchedulerState {
             if item.sample.is_none() {
                 continue;
             }
-            let Some(d) = drawn.iter().find(|d| d.seq == item.seq) else {
-                events.extend(self.finish_gen(*gen, None, "the worker drew no token"));
-                continue;
+            let d = drawn.iter().find(|d| d.seq == item.seq).copied();
+            self.seqs[seq].last_draw = d;
+            if let Some(g) = self.gens.get_mut(gen) {
+                g.inflight = g.inflight.saturating_sub(1);
+            }
+            events.extend(self.take_draws(*gen, d.as_slice()));
+        }
+        for (item, gen) in step.next.iter().zip(&step.gens) {
+            let seq = item.seq as usize;
+            // The worker fed the last draw, then each of its draws but the
+            // last; it skipped the item if the last draw ended the turn.
+            let ours: Vec<Drawn> = drawn
+                .iter()
+                .filter(|d| d.seq == item.seq)
+                .copied()
+                .collect();
+            match self.seqs[seq].last_draw {
+                Some(d) if !d.eog => self.seqs[seq].resident.push(d.token),
+                _ => continue,
+            }
+            if let Some((_, fed)) = ours.split_last() {
+                let fed: Vec<Token> = fed.iter().map(|d| d.token).collect();
+                self.seqs[seq].resident.extend_from_slice(&fed);
+            }
+            self.seqs[seq].last_draw = ours.last().copied();
+            if let Some(g) = self.gens.get_mut(gen) {
+                g.inflight = g.inflight.saturating_sub(item.steps);
+            }
+            events.extend(self.take_draws(*gen, &ours));
+        }
+        // Cancelled generations still prefilling stop too.
+        let cancelled: Vec<GenId> = self
+            .gens
+            .iter()
+            .filter(|(_, g)| g.cancelled && g.seq.is_some())
+            .map(|(id, _)| *id)
+            .collect();
+        for gen in cancelled {
+            events.extend(self.finish_gen(gen, Some(finish::CANCELLED), ""));
+        }
+        events
+    }
+
+    /// Hands a generation the tokens drawn for it in a step, in order, until
+    /// one finishes it; the rest are dropped (a cancel ends it after the
+    /// first). Nothing drawn for a running generation fails it.
+    fn take_draws(&mut self, gen: GenId, draws: &[Drawn]) -> Vec<GenEvent> {
+        let mut events = Vec::new();
+        if draws.is_empty() {
+            if self.gens.contains_key(&gen) {
+                events.extend(self.finish_gen(gen, None, "the worker drew no token"));
+            }
+            return events;
+        }
+        for d in draws {
+            // Gone: it finished (a cancel) while this step ran.
+            let Some(g) = self.gens.get_mut(&gen) else {
+                break;
             };
-            let g = self.gens.get_mut(gen).expect("stepped gen");
             g.tokens.push(d.token);
             g.produced += 1;
             self.stats.drawn += 1;
             events.push(GenEvent::Token {
-                gen: *gen,
+                gen,
                 token: d.token,
             });
             let total = g.tokens.len() as u64;
@@ -533,18 +761,8 @@ impl SchedulerState {
                 None
             };
             if let Some(f) = finish {
-                events.extend(self.finish_gen(*gen, Some(f), "the context is full"));
+                events.extend(self.finish_gen(gen, Some(f), "the context is full"));
             }
-        }
-        // Cancelled generations still prefilling stop too.
-        let cancelled: Vec<GenId> = self
-            .gens
-            .iter()
-            .filter(|(_, g)| g.cancelled && g.seq.is_some())
-            .map(|(id, _)| *id)
-            .collect();
-        for gen in cancelled {
-            events.extend(self.finish_gen(gen, Some(finish::CANCELLED), ""));
         }
         events
     }

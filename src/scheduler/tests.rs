@@ -393,3 +393,397 @@ fn a_lone_background_generation_runs_at_full_speed() {
         finish: finish::MAX_TOKENS
     }));
 }
+
+/// A fake worker with the real one's contract: per-sequence KV contents, the
+/// position check, the last draw that `DecodeNext` feeds (forgotten on any KV
+/// change and on any failure), EOG skipped. It draws a function of the whole
+/// sequence, as a model would; `eog_after` tokens drawn in a row end a turn.
+#[derive(Default)]
+struct FakeWorker {
+    kv: Vec<Vec<Token>>,
+    last: Vec<Option<Drawn>>,
+    eog_at: Option<usize>,
+    /// DecodeNext requests run.
+    follows: usize,
+    /// A DecodeNext step fails (KV full) when the cells in use are this many.
+    fail_at: Option<usize>,
+}
+
+impl FakeWorker {
+    fn new(n_seq: usize) -> FakeWorker {
+        FakeWorker {
+            kv: vec![vec![]; n_seq],
+            last: vec![None; n_seq],
+            eog_at: None,
+            follows: 0,
+            fail_at: None,
+        }
+    }
+
+    fn draw(&self, seq: usize) -> Drawn {
+        let kv = &self.kv[seq];
+        let h = kv
+            .iter()
+            .fold(7u64, |h, &t| h.wrapping_mul(31).wrapping_add(t as u64));
+        let token = if self.eog_at == Some(kv.len()) {
+            EOG
+        } else {
+            100 + (h % 50) as Token
+        };
+        Drawn {
+            seq: seq as u32,
+            token,
+            eog: token == EOG,
+        }
+    }
+
+    fn decode(&mut self, items: &[(u32, u32, Vec<Token>, bool)]) -> Result<Vec<Drawn>, String> {
+        for (seq, pos, _, _) in items {
+            if *pos as usize != self.kv[*seq as usize].len() {
+                return Err(format!("seq {seq}: position {pos} is not its end"));
+            }
+        }
+        let mut drawn = vec![];
+        for (seq, _, tokens, sample) in items {
+            let s = *seq as usize;
+            self.kv[s].extend_from_slice(tokens);
+            self.last[s] = None;
+            if *sample {
+                drawn.push(self.draw(s));
+            }
+        }
+        for d in &drawn {
+            self.last[d.seq as usize] = Some(*d);
+        }
+        Ok(drawn)
+    }
+
+    fn run(&mut self, step: &Step) -> Result<Vec<Drawn>, String> {
+        let r = self.run_inner(step);
+        if r.is_err() {
+            self.last.iter_mut().for_each(|l| *l = None);
+        }
+        r
+    }
+
+    fn run_inner(&mut self, step: &Step) -> Result<Vec<Drawn>, String> {
+        let mut drawn = vec![];
+        for request in step.requests() {
+            match request {
+                WorkerRequest::KvTrim { seq, from } => {
+                    self.kv[seq as usize].truncate(from as usize);
+                    self.last[seq as usize] = None;
+                }
+                WorkerRequest::KvClear { seq } => {
+                    self.kv[seq as usize].clear();
+                    self.last[seq as usize] = None;
+                }
+                WorkerRequest::KvCopy { src, dst, len } => {
+                    self.kv[dst as usize] = self.kv[src as usize][..len as usize].to_vec();
+                    self.last[dst as usize] = None;
+                }
+                WorkerRequest::Decode { items } => {
+                    let items: Vec<_> = items
+                        .into_iter()
+                        .map(|i| (i.seq, i.pos, i.tokens, i.sample.is_some()))
+                        .collect();
+                    drawn = self.decode(&items)?;
+                }
+                WorkerRequest::DecodeNext { items } => {
+                    self.follows += 1;
+                    for i in &items {
+                        if self.last[i.seq as usize].is_none() {
+                            return Err(format!("seq {}: no draw to follow", i.seq));
+                        }
+                    }
+                    let before: Vec<usize> = self.kv.iter().map(Vec::len).collect();
+                    for j in 0..items.iter().map(|i| i.steps).max().unwrap_or(0) {
+                        let mut plain = vec![];
+                        for i in items.iter().filter(|i| j < i.steps) {
+                            let d = self.last[i.seq as usize].unwrap();
+                            if !d.eog {
+                                let pos = self.kv[i.seq as usize].len() as u32;
+                                if j == 0 && pos != i.pos {
+                                    return Err(format!("seq {}: not at {}", i.seq, i.pos));
+                                }
+                                plain.push((i.seq, pos, vec![d.token], true));
+                            }
+                        }
+                        if plain.is_empty() {
+                            break;
+                        }
+                        let used: usize = self.kv.iter().map(Vec::len).sum();
+                        if self.fail_at == Some(used) {
+                            self.fail_at = None;
+                            for (seq, kv) in self.kv.iter_mut().enumerate() {
+                                kv.truncate(before[seq]);
+                            }
+                            return Err(format!("{KV_FULL}: fake"));
+                        }
+                        drawn.extend(self.decode(&plain)?);
+                    }
+                }
+                WorkerRequest::Shutdown => {}
+            }
+        }
+        Ok(drawn)
+    }
+}
+
+/// Drives a scheduler as the actor does, with `depth` steps in flight; the
+/// worker runs each step when it is sent, replies are taken in order.
+/// `between(k, s)` runs before the k-th reply is taken. Returns every event.
+fn drive(
+    s: &mut SchedulerState,
+    w: &mut FakeWorker,
+    depth: usize,
+    mut between: impl FnMut(usize, &mut SchedulerState) -> Vec<GenEvent>,
+) -> Vec<GenEvent> {
+    let mut events = vec![];
+    let mut in_flight: std::collections::VecDeque<(Step, Result<Vec<Drawn>, String>)> =
+        Default::default();
+    for k in 0..10_000 {
+        if in_flight.is_empty() {
+            let (step, ev) = s.plan();
+            events.extend(ev);
+            match step {
+                Some(step) => {
+                    let r = w.run(&step);
+                    in_flight.push_back((step, r));
+                }
+                None => return events,
+            }
+        }
+        while in_flight.len() < depth {
+            let Some(next) = s.follow(&in_flight.back().unwrap().0) else {
+                break;
+            };
+            let r = w.run(&next);
+            in_flight.push_back((next, r));
+        }
+        events.extend(between(k, s));
+        let (step, r) = in_flight.pop_front().unwrap();
+        let failed = r.is_err();
+        events.extend(s.complete(&step, r));
+        if failed {
+            in_flight.clear();
+        }
+        if in_flight.is_empty() && !failed {
+            for seq in 0..w.kv.len() {
+                assert_eq!(
+                    s.resident(seq as u32),
+                    &w.kv[seq][..],
+                    "seq {seq} after step {k}"
+                );
+            }
+        }
+    }
+    panic!("did not finish");
+}
+
+fn tokens_of(events: &[GenEvent], gen: GenId) -> Vec<Token> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            GenEvent::Token { gen: g, token } if *g == gen => Some(*token),
+            _ => None,
+        })
+        .collect()
+}
+
+fn finish_of(events: &[GenEvent], gen: GenId) -> Option<u8> {
+    events.iter().find_map(|e| match e {
+        GenEvent::Finished { gen: g, finish } if *g == gen => Some(*finish),
+        _ => None,
+    })
+}
+
+#[test]
+fn pipelined_steps_draw_what_lockstep_draws() {
+    for eog_at in [None, Some(9), Some(30)] {
+        let run = |depth| {
+            let mut s = SchedulerState::new(4096, 4, 8);
+            let mut w = FakeWorker::new(4);
+            w.eog_at = eog_at;
+            let a = s.admit(admit(1, &[1, 2, 3, 4, 5], 20)).unwrap();
+            let b = s.admit(admit(2, &[9, 8, 7], 25)).unwrap();
+            // A third arrives mid-way and a fourth later, with a long prompt.
+            let mut late = vec![];
+            let events = drive(&mut s, &mut w, depth, |k, s| {
+                if k == 2 {
+                    late.push(s.admit(admit(3, &[4, 4, 4], 7)).unwrap());
+                }
+                if k == 5 {
+                    let long: Vec<Token> = (0..30).collect();
+                    late.push(s.admit(admit(4, &long, 12)).unwrap());
+                }
+                vec![]
+            });
+            let gens = [a, b, late[0], late[1]];
+            let out: Vec<_> = gens
+                .iter()
+                .map(|&g| (tokens_of(&events, g), finish_of(&events, g)))
+                .collect();
+            (out, s.stats(), w.follows)
+        };
+        let (lockstep, st1, f1) = run(1);
+        let (pipelined, st2, f2) = run(2);
+        assert_eq!((f1, f2 > 3), (0, true), "steps followed");
+        assert_eq!(lockstep, pipelined, "eog_at {eog_at:?}");
+        assert!(lockstep.iter().all(|(_, f)| f.is_some()));
+        assert_eq!(st1.drawn, st2.drawn);
+        if eog_at.is_none() {
+            assert_eq!(lockstep[0].0.len(), 20);
+            assert_eq!(lockstep[0].1, Some(finish::MAX_TOKENS));
+        }
+    }
+}
+
+#[test]
+fn follow_waits_for_what_changes_the_batch() {
+    let mut s = SchedulerState::new(4096, 4, 512);
+    s.admit(admit(1, &[1, 2, 3], 10)).unwrap();
+    let (step, _) = s.plan();
+    let step = step.unwrap();
+    // The next step follows the first at once, fed by the worker.
+    let next = s.follow(&step).expect("a following step");
+    assert!(next.decode.is_empty() && next.ops.is_empty());
+    assert_eq!(next.next[0].pos, 3);
+    assert_eq!(next.next[0].sample.draw_pos, 4);
+    assert!(matches!(
+        &next.requests()[..],
+        [WorkerRequest::DecodeNext { items }] if items.len() == 1 && items[0].pos == 3
+    ));
+    // An admission waiting for a sequence: no following step.
+    s.admit(admit(2, &[5, 6], 10)).unwrap();
+    assert!(s.follow(&next).is_none());
+
+    // A grammar holds the pipeline back too.
+    let mut s = SchedulerState::new(4096, 2, 512);
+    let mut g = admit(1, &[1, 2, 3], 10);
+    g.grammar = Some("root ::= \"a\"".into());
+    s.admit(g).unwrap();
+    let (step, _) = s.plan();
+    assert!(s.follow(&step.unwrap()).is_none());
+
+    // So does a prefill still in progress.
+    let mut s = SchedulerState::new(4096, 2, 4);
+    s.admit(admit(1, &(0..10).collect::<Vec<_>>(), 10)).unwrap();
+    let (step, _) = s.plan();
+    assert!(s.follow(&step.unwrap()).is_none());
+
+    // And a generation at its max_tokens is not stepped again.
+    let mut s = SchedulerState::new(4096, 2, 512);
+    s.admit(admit(1, &[1, 2, 3], 1)).unwrap();
+    let (step, _) = s.plan();
+    assert!(s.follow(&step.unwrap()).is_none());
+}
+
+#[test]
+fn a_cancel_during_a_followed_step_drops_the_extra_draws() {
+    let run = |depth| {
+        let mut s = SchedulerState::new(4096, 2, 512);
+        let mut w = FakeWorker::new(2);
+        let g = s.admit(admit(1, &[1, 2, 3], 50)).unwrap();
+        let events = drive(&mut s, &mut w, depth, |k, s| {
+            if k == 3 {
+                s.cancel(g)
+            } else {
+                vec![]
+            }
+        });
+        (
+            tokens_of(&events, g),
+            finish_of(&events, g),
+            s.resident(0).to_vec(),
+        )
+    };
+    let (t1, f1, r1) = run(1);
+    let (t2, f2, r2) = run(2);
+    assert_eq!((f1, f2), (Some(finish::CANCELLED), Some(finish::CANCELLED)));
+    // Pipelined, the cancel lands a few tokens later; the tokens are the
+    // same stream, and the KV holds them (and draws past them, which the
+    // next turn trims).
+    assert!(t2.len() > t1.len() && t2.len() <= t1.len() + 2 * FOLLOW_STEPS as usize);
+    assert_eq!(&t2[..t1.len()], &t1[..]);
+    assert_eq!(
+        &r2[..3 + t2.len() - 1],
+        &[&[1, 2, 3][..], &t2[..t2.len() - 1]].concat()[..]
+    );
+    assert_eq!(r1.len(), 3 + t1.len() - 1);
+}
+
+#[test]
+fn a_follow_step_stops_at_max_tokens_and_the_context() {
+    // max_tokens 6 = 1 planned + 4 + 1: the second following step asks 1.
+    let mut s = SchedulerState::new(4096, 1, 512);
+    s.admit(admit(1, &[1, 2, 3], 6)).unwrap();
+    let (step, _) = s.plan();
+    let a = s.follow(&step.unwrap()).unwrap();
+    assert_eq!(a.next[0].steps, FOLLOW_STEPS);
+    assert_eq!((a.next[0].pos, a.next[0].sample.draw_pos), (3, 4));
+    let b = s.follow(&a).unwrap();
+    assert_eq!(b.next[0].steps, 1);
+    assert_eq!((b.next[0].pos, b.next[0].sample.draw_pos), (7, 8));
+    assert!(s.follow(&b).is_none());
+    // A 16-cell context: 3 prompt + 1 drawn + 4 + 4, then 16 - 12 - 1 = 3.
+    let mut s = SchedulerState::new(16, 1, 512);
+    s.admit(admit(1, &[1, 2, 3], 100)).unwrap();
+    let (step, _) = s.plan();
+    let mut last = step.unwrap();
+    let mut asked = vec![];
+    while let Some(n) = s.follow(&last) {
+        asked.push(n.next[0].steps);
+        last = n;
+    }
+    assert_eq!(asked, [4, 4, 3]);
+}
+
+#[test]
+fn a_failed_follow_step_rolls_back_and_the_generation_retries() {
+    for fail_at in [6, 9, 13] {
+        let mut s = SchedulerState::new(4096, 2, 512);
+        let mut w = FakeWorker::new(2);
+        w.fail_at = Some(fail_at);
+        // An idle sequence to evict when the cache is "full".
+        let idle = s.admit(admit(2, &[7, 7], 1)).unwrap();
+        drive(&mut s, &mut w, 2, |_, _| vec![]);
+        let g = s.admit(admit(1, &[1, 2, 3], 20)).unwrap();
+        let events = drive(&mut s, &mut w, 2, |_, _| vec![]);
+        assert_ne!(idle, g);
+        assert_eq!(
+            finish_of(&events, g),
+            Some(finish::MAX_TOKENS),
+            "fail_at {fail_at}"
+        );
+        assert_eq!(tokens_of(&events, g).len(), 20);
+        let mut w2 = FakeWorker::new(2);
+        let mut s2 = SchedulerState::new(4096, 2, 512);
+        let g2 = s2.admit(admit(1, &[1, 2, 3], 20)).unwrap();
+        let clean = drive(&mut s2, &mut w2, 1, |_, _| vec![]);
+        assert_eq!(tokens_of(&events, g), tokens_of(&clean, g2));
+    }
+}
+
+#[test]
+fn a_failed_step_drops_the_step_behind_it() {
+    let mut s = SchedulerState::new(4096, 2, 512);
+    let mut w = FakeWorker::new(2);
+    let g = s.admit(admit(1, &[1, 2, 3], 50)).unwrap();
+    let (step, _) = s.plan();
+    let step = step.unwrap();
+    let next = s.follow(&step).unwrap();
+    // The worker's cache was full for the first step: it rolls back, and the
+    // step behind it has no draw to follow.
+    let events = s.complete(&step, Err(format!("{KV_FULL}: no room")));
+    assert!(w.run(&next).is_err());
+    // The generation lived on (there was nothing idle to evict, so the
+    // youngest, itself, ended) or retries: either way the state is
+    // consistent with the worker, and nothing waits on a dropped step.
+    let finished = finish_of(&events, g);
+    let rest = drive(&mut s, &mut w, 2, |_, _| vec![]);
+    assert!(finished.is_some() || finish_of(&rest, g).is_some());
+    for seq in 0..2 {
+        assert_eq!(s.resident(seq), &w.kv[seq as usize][..]);
+    }
+}

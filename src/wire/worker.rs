@@ -54,6 +54,22 @@ pub struct DecodeItem {
     pub sample: Option<Sample>,
 }
 
+/// One sequence's next steps in a [`WorkerRequest::DecodeNext`]: its first input is the token the
+/// worker last drew for it, each further one the token drawn in the step before.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NextItem {
+    pub seq: u32,
+    /// Where the first input goes: the sequence's length now.
+    pub pos: u32,
+    /// Decode steps to run (at most [`MAX_NEXT_STEPS`]); fewer when a draw ends the turn.
+    pub steps: u32,
+    /// The first draw's parameters; each further draw's `draw_pos` is one more.
+    pub sample: Sample,
+}
+
+/// The most steps one [`NextItem`] may ask for.
+pub const MAX_NEXT_STEPS: u32 = 64;
+
 /// One drawn token.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Drawn {
@@ -78,6 +94,15 @@ pub enum WorkerRequest {
     KvClear { seq: u32 },
     /// Exit cleanly.
     Shutdown,
+    /// Run decode steps with no round trip to the daemon between them: in step j (from 0),
+    /// every item with `j < steps` whose previous draw did not end the turn (EOG) is fed that
+    /// draw (in step 0, the token the worker last drew for the sequence) and draws the next.
+    /// All sequences step together, one llama.cpp batch per step. The reply is one `Decoded`
+    /// holding every draw, step by step. All or nothing, like `Decode`. Err, touching nothing,
+    /// when a sequence has no draw to continue from (its last request failed, or its KV
+    /// changed since). The daemon queues this while the step before is still running, so the
+    /// worker never waits for it, and it hears from the worker once per `steps` tokens.
+    DecodeNext { items: Vec<NextItem> },
 }
 
 /// Worker → daemon. Each request gets exactly one reply, in order; `Ready`
