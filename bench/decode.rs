@@ -2,12 +2,20 @@
 //! in process, on the same model, threads and prompt, in pairs measured back
 //! to back in alternating order (ratios are taken per pair).
 //!
-//! `cargo bench --bench decode` (add `-- --quick` for a smoke run). Rows:
+//! `cargo bench --bench decode` (add `-- --quick` for a smoke run;
+//! `DECODE_RUNS=n` sets the number of pairs). Rows:
 //! - single stream: a ~40-token prompt, then up to 128 greedy tokens; the
 //!   wall time of the whole request (prefill included, the same prompt on
-//!   both sides), as generated tokens/s. Raw engine in process, the daemon
-//!   with fsynced commits, and the daemon with fsync off
-//!   (`SUPERFLUID_BENCH_NO_FSYNC=1`, benchmarks only).
+//!   both sides), as generated tokens/s. The stream is alone in the KV cache
+//!   on both sides (`--parallel 1`: each new session takes the one
+//!   sequence). Raw engine in process, the daemon with fsynced commits, the
+//!   daemon with fsync off (`SUPERFLUID_BENCH_NO_FSYNC=1`, benchmarks only),
+//!   and `superfluid worker` driven straight over its pipe with no daemon.
+//! - single stream beside 3 idle sessions kept in the KV cache
+//!   (`--parallel 4`), against the raw engine holding the same 3 sessions'
+//!   tokens in its other sequences: llama.cpp attends over the whole used
+//!   range of its unified cache, so cached idle sessions slow every decode;
+//!   this row shows by how much, on both sides.
 //! - 4 sessions generating at once: aggregate generated tokens/s.
 //!
 //! Every run's prompt starts with its run number, so no run finds another's
@@ -41,7 +49,7 @@ fn greedy() -> Params {
 mod common;
 use common::{model, Daemon};
 
-fn start_daemon(no_fsync: bool) -> Daemon {
+fn start_daemon(no_fsync: bool, parallel: u32) -> Daemon {
     let env: &[(&str, &str)] = if no_fsync {
         &[("SUPERFLUID_BENCH_NO_FSYNC", "1")]
     } else {
@@ -54,7 +62,7 @@ fn start_daemon(no_fsync: bool) -> Daemon {
             "--ctx-size",
             &CTX.to_string(),
             "--parallel",
-            "4",
+            &parallel.to_string(),
         ],
         env,
     )
@@ -68,8 +76,8 @@ fn expect_session(r: Response) -> u64 {
 }
 
 /// One session asked one question; returns (its prompt tokens, generated
-/// tokens, seconds).
-fn daemon_run(socket: &Path, run: usize) -> (Vec<Token>, u64, f64) {
+/// tokens, seconds, every token of the session).
+fn daemon_run(socket: &Path, run: usize) -> (Vec<Token>, u64, f64, Vec<Token>) {
     let mut c = Client::connect(socket).expect("connect");
     let s = expect_session(
         c.call(&Request::Create {
@@ -122,11 +130,26 @@ fn daemon_run(socket: &Path, run: usize) -> (Vec<Token>, u64, f64) {
         .take_while(|e| !matches!(e.body, Record::Generated { .. }))
         .flat_map(|e| e.body.span().to_vec())
         .collect();
-    (prompt, tokens, secs)
+    let all = events.iter().flat_map(|e| e.body.span().to_vec()).collect();
+    (prompt, tokens, secs, all)
 }
 
-/// The same prompt and token count on the raw engine, in process.
-fn raw_run(engine: &mut RawEngine, prompt: &[Token], tokens: u64) -> f64 {
+/// The daemon's `superfluid_decode_seconds_total`: time its worker spent in
+/// llama.cpp's decode calls.
+fn decode_seconds(socket: &Path) -> f64 {
+    let mut c = Client::connect(socket).expect("connect");
+    let Response::Text { text } = c.call(&Request::Metrics).expect("metrics") else {
+        panic!("metrics")
+    };
+    text.lines()
+        .find_map(|l| l.strip_prefix("superfluid_decode_seconds_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("superfluid_decode_seconds_total")
+}
+
+/// The same prompt and token count on the raw engine, in process; returns
+/// (seconds, seconds in llama.cpp's decode calls).
+fn raw_run(engine: &mut RawEngine, prompt: &[Token], tokens: u64) -> (f64, f64) {
     let start = Instant::now();
     let mut items = vec![DecodeItem {
         seq: 0,
@@ -138,12 +161,17 @@ fn raw_run(engine: &mut RawEngine, prompt: &[Token], tokens: u64) -> f64 {
             grammar: None,
         }),
     }];
+    let mut in_decode = 0u64;
     for pos in (prompt.len() as u32..).take(tokens as usize) {
-        let WorkerResponse::Decoded { drawn, .. } = engine.handle(&WorkerRequest::Decode {
+        let WorkerResponse::Decoded {
+            drawn, decode_us, ..
+        } = engine.handle(&WorkerRequest::Decode {
             items: items.clone(),
-        }) else {
+        })
+        else {
             panic!("decode failed");
         };
+        in_decode += decode_us;
         let t = drawn[0].token;
         items = vec![DecodeItem {
             seq: 0,
@@ -158,7 +186,121 @@ fn raw_run(engine: &mut RawEngine, prompt: &[Token], tokens: u64) -> f64 {
     }
     let secs = start.elapsed().as_secs_f64();
     engine.handle(&WorkerRequest::KvClear { seq: 0 });
-    secs
+    (secs, in_decode as f64 / 1e6)
+}
+
+/// `superfluid worker` driven straight over its pipe, as the lane drives it
+/// (the prompt in one Decode, then DecodeNext steps of 4 tokens, one queued
+/// behind the one running), with no daemon: what the process boundary costs
+/// apart from the daemon's own work.
+struct DirectWorker {
+    child: std::process::Child,
+    stdin: std::process::ChildStdin,
+    stdout: std::io::BufReader<std::process::ChildStdout>,
+}
+
+impl DirectWorker {
+    fn spawn() -> DirectWorker {
+        use superfluid::wire::{from_postcard, read_frame_blocking, MAX_FRAME_BYTES};
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_superfluid"))
+            .arg("worker")
+            .arg("--model")
+            .arg(model())
+            .args(["--ctx-size", &CTX.to_string(), "--parallel", "4"])
+            .args(["--batch", "512", "--threads", &THREADS.to_string()])
+            .env("RUST_LOG", "warn")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("spawn worker");
+        let stdin = child.stdin.take().unwrap();
+        let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+        let ready = read_frame_blocking(&mut stdout, MAX_FRAME_BYTES)
+            .unwrap()
+            .unwrap();
+        assert!(matches!(
+            from_postcard::<WorkerResponse>(&ready).unwrap(),
+            WorkerResponse::Ready { .. }
+        ));
+        DirectWorker {
+            child,
+            stdin,
+            stdout,
+        }
+    }
+
+    fn send(&mut self, request: &WorkerRequest) {
+        use superfluid::wire::{to_postcard, write_frame_blocking};
+        write_frame_blocking(&mut self.stdin, &to_postcard(request).unwrap()).unwrap();
+    }
+
+    fn recv(&mut self) -> (u32, u64) {
+        use superfluid::wire::{from_postcard, read_frame_blocking, MAX_FRAME_BYTES};
+        let body = read_frame_blocking(&mut self.stdout, MAX_FRAME_BYTES)
+            .unwrap()
+            .unwrap();
+        match from_postcard::<WorkerResponse>(&body).unwrap() {
+            WorkerResponse::Decoded {
+                drawn, decode_us, ..
+            } => (drawn.len() as u32, decode_us),
+            WorkerResponse::Done => (0, 0),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// Returns (seconds, seconds in llama.cpp's decode calls).
+    fn run(&mut self, prompt: &[Token], tokens: u64) -> (f64, f64) {
+        use superfluid::wire::worker::NextItem;
+        let start = Instant::now();
+        let sample = |draw_pos| Sample {
+            params: greedy(),
+            draw_pos,
+            grammar: None,
+        };
+        self.send(&WorkerRequest::Decode {
+            items: vec![DecodeItem {
+                seq: 0,
+                pos: 0,
+                tokens: prompt.to_vec(),
+                sample: Some(sample(prompt.len() as u64)),
+            }],
+        });
+        let (mut sent, mut got, mut in_decode) = (1u64, 0u64, 0u64);
+        let mut pending = 1;
+        let mut pos = prompt.len() as u32;
+        while got < tokens {
+            while pending < 2 && sent < tokens {
+                let steps = 4.min(tokens - sent) as u32;
+                self.send(&WorkerRequest::DecodeNext {
+                    items: vec![NextItem {
+                        seq: 0,
+                        pos,
+                        steps,
+                        sample: sample(pos as u64 + 1),
+                    }],
+                });
+                pos += steps;
+                sent += u64::from(steps);
+                pending += 1;
+            }
+            let (n, us) = self.recv();
+            pending -= 1;
+            got += u64::from(n);
+            in_decode += us;
+        }
+        let secs = start.elapsed().as_secs_f64();
+        self.send(&WorkerRequest::KvClear { seq: 0 });
+        self.recv();
+        (secs, in_decode as f64 / 1e6)
+    }
+}
+
+impl Drop for DirectWorker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }
 
 fn median(mut v: Vec<f64>) -> (f64, f64, f64) {
@@ -184,85 +326,175 @@ fn same_openmp_settings_as_the_worker() {
     std::process::exit(status.code().unwrap_or(1));
 }
 
-fn main() {
-    same_openmp_settings_as_the_worker();
-    let quick = std::env::args().any(|a| a == "--quick");
-    let runs = if quick { 3 } else { 21 };
-    let _vocab = Vocab::load(&model()).expect("model");
-    let mut engine = RawEngine::new(
+fn raw_engine(n_seq: u32) -> RawEngine {
+    RawEngine::new(
         &model(),
         &WorkerConfig {
             n_ctx: CTX,
-            n_seq: 4,
+            n_seq,
             n_batch: 512,
             threads: THREADS,
         },
     )
-    .expect("raw engine");
-    let with_fsync = start_daemon(false);
-    let without_fsync = start_daemon(true);
-    let (mut raw, mut on, mut off) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut on_ratio, mut off_ratio) = (Vec::new(), Vec::new());
+    .expect("raw engine")
+}
+
+/// Puts `tokens` into sequence `seq` of the raw engine (an idle session).
+fn fill(engine: &mut RawEngine, seq: u32, tokens: &[Token]) {
+    engine.handle(&WorkerRequest::KvClear { seq });
+    for (k, chunk) in tokens.chunks(512).enumerate() {
+        let r = engine.handle(&WorkerRequest::Decode {
+            items: vec![DecodeItem {
+                seq,
+                pos: (k * 512) as u32,
+                tokens: chunk.to_vec(),
+                sample: None,
+            }],
+        });
+        assert!(matches!(r, WorkerResponse::Decoded { .. }), "{r:?}");
+    }
+}
+
+fn main() {
+    same_openmp_settings_as_the_worker();
+    let quick = std::env::args().any(|a| a == "--quick");
+    let runs = if quick { 3 } else { 21 };
+    let runs = std::env::var("DECODE_RUNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(runs);
+    let _vocab = Vocab::load(&model()).expect("model");
+    let mut engine = raw_engine(1);
+    let mut shared_engine = raw_engine(4);
+    let mut direct = DirectWorker::spawn();
+    let alone = start_daemon(false, 1);
+    let without_fsync = start_daemon(true, 1);
+    let shared = start_daemon(false, 4);
+    // Three sessions on the shared daemon first, mirrored on the raw side.
+    for k in 0..3 {
+        let all = daemon_run(&shared.socket, 3000 + k).3;
+        fill(&mut shared_engine, 1 + k as u32, &all);
+    }
+    let mut rows: [Vec<f64>; 6] = Default::default();
+    let [raw, on, off, direct_r, raw_shared, on_shared] = &mut rows;
+    let (mut on_ratio, mut off_ratio, mut direct_ratio, mut shared_ratio, mut tax) =
+        (vec![], vec![], vec![], vec![], vec![]);
+    let mut split = vec![];
     for run in 0..runs {
         // The machine's speed drifts over seconds (it is shared), so each
-        // run is a pair measured back to back, in alternating order, and
-        // the ratios are taken per pair.
-        let (prompt, tokens, daemon_secs) = daemon_run(&with_fsync.socket, run);
-        let r = tokens as f64 / raw_run(&mut engine, &prompt, tokens);
-        let o = if run % 2 == 0 {
-            tokens as f64 / daemon_secs
+        // comparison is a pair measured back to back, the order alternating,
+        // and the ratios are taken per pair.
+        let d0 = decode_seconds(&alone.socket);
+        let (prompt, tokens, first_secs, _) = daemon_run(&alone.socket, run);
+        let d1 = decode_seconds(&alone.socket);
+        let (raw_secs, raw_decode) = raw_run(&mut engine, &prompt, tokens);
+        let (o, sf_decode, sf_secs) = if run % 2 == 0 {
+            (tokens as f64 / first_secs, d1 - d0, first_secs)
         } else {
             // Odd runs time the daemon after the raw engine (a new session).
-            let (_, t, secs) = daemon_run(&with_fsync.socket, run + 500);
-            t as f64 / secs
+            let (_, t, secs, _) = daemon_run(&alone.socket, run + 500);
+            (t as f64 / secs, decode_seconds(&alone.socket) - d1, secs)
         };
-        let (_, t, secs) = daemon_run(&without_fsync.socket, run + 1000);
+        let r = tokens as f64 / raw_secs;
+        let (direct_secs, direct_decode) = direct.run(&prompt, tokens);
+        let (_, t, secs, _) = daemon_run(&without_fsync.socket, run + 1000);
         let f = t as f64 / secs;
+        // The same question beside 3 idle sessions, on both sides.
+        let (prompt_s, tokens_s, secs_s, all_s) = daemon_run(&shared.socket, run + 2000);
+        let (raw_s_secs, _) = raw_run(&mut shared_engine, &prompt_s, tokens_s);
+        fill(&mut shared_engine, 1 + (run % 3) as u32, &all_s);
+        let (rs, os) = (tokens_s as f64 / raw_s_secs, tokens_s as f64 / secs_s);
+        let ms = |x: f64| x * 1e3 / tokens as f64;
+        split.push([
+            ms(raw_decode),
+            ms(raw_secs - raw_decode),
+            ms(direct_decode),
+            ms(direct_secs - direct_decode),
+            ms(sf_decode),
+            ms(sf_secs - sf_decode),
+        ]);
+        let dr = tokens as f64 / direct_secs;
         eprintln!(
-            "run {run}: raw {r:.1} socket {o:.1} ({:.3}) fsync off {f:.1}",
-            o / r
+            "run {run}: raw {r:.1} socket {o:.1} ({:.3}) fsync off {f:.1} worker alone {dr:.1}; beside 3 idle sessions: raw {rs:.1} socket {os:.1} ({:.3})",
+            o / r,
+            os / rs
         );
         raw.push(r);
         on.push(o);
         off.push(f);
+        direct_r.push(dr);
+        raw_shared.push(rs);
+        on_shared.push(os);
         on_ratio.push(o / r);
         off_ratio.push(o / f);
+        direct_ratio.push(dr / r);
+        shared_ratio.push(os / rs);
+        tax.push(rs / r);
     }
     drop(without_fsync);
+    drop(alone);
+    drop(direct);
     let mut agg = Vec::new();
     for run in 0..runs.min(5) {
         let start = Instant::now();
         let threads: Vec<_> = (0..4)
             .map(|i| {
-                let socket = with_fsync.socket.clone();
-                std::thread::spawn(move || daemon_run(&socket, 2000 + run * 4 + i).1)
+                let socket = shared.socket.clone();
+                std::thread::spawn(move || daemon_run(&socket, 4000 + run * 4 + i).1)
             })
             .collect();
         let total: u64 = threads.into_iter().map(|t| t.join().unwrap()).sum();
         agg.push(total as f64 / start.elapsed().as_secs_f64());
     }
-    let (raw_m, raw_lo, raw_hi) = median(raw);
-    let (on_m, on_lo, on_hi) = median(on);
-    let (off_m, off_lo, off_hi) = median(off);
-    let (agg_m, agg_lo, agg_hi) = median(agg);
-    let (ratio_m, ratio_lo, ratio_hi) = median(on_ratio);
-    let (fsync_m, _, _) = median(off_ratio);
+    let m = |v: &Vec<f64>| median(v.clone());
+    let f = |(a, lo, hi): (f64, f64, f64)| format!("{a:.1} ({lo:.1}-{hi:.1})");
+    let fr = |(a, lo, hi): (f64, f64, f64)| format!("{a:.3} ({lo:.3}-{hi:.3})");
     println!(
         "decode benchmark: SmolLM2-135M-Instruct Q4_1, {THREADS} threads, GOMP_SPINCOUNT={} on both sides, {runs} paired runs, medians (min-max)\n",
         std::env::var("GOMP_SPINCOUNT").unwrap_or_else(|_| "(OMP_WAIT_POLICY set)".into())
     );
     println!("| workload | tokens/s | ratio |");
     println!("|---|---:|---:|");
-    println!("| raw engine in process, 1 stream | {raw_m:.1} ({raw_lo:.1}-{raw_hi:.1}) | 1.00 |");
+    println!("| raw engine in process, 1 stream | {} | 1.00 |", f(m(raw)));
     println!(
-        "| superfluid socket, 1 stream, fsynced commits | {on_m:.1} ({on_lo:.1}-{on_hi:.1}) | {ratio_m:.3} ({ratio_lo:.3}-{ratio_hi:.3}) vs raw, per pair |"
+        "| superfluid socket, 1 stream, fsynced commits | {} | {} vs raw, per pair |",
+        f(m(on)),
+        fr(m(&on_ratio))
     );
     println!(
-        "| superfluid socket, 1 stream, fsync off | {off_m:.1} ({off_lo:.1}-{off_hi:.1}) | fsync costs {:.1}% |",
-        (1.0 - fsync_m) * 100.0
+        "| superfluid socket, 1 stream, fsync off | {} | fsync costs {:.1}% |",
+        f(m(off)),
+        (1.0 - m(&off_ratio).0) * 100.0
     );
     println!(
-        "| superfluid socket, 4 sessions at once (aggregate) | {agg_m:.1} ({agg_lo:.1}-{agg_hi:.1}) | {:.2}x one stream |",
-        agg_m / on_m
+        "| superfluid worker over its pipe, no daemon | {} | {} vs raw, per pair |",
+        f(m(direct_r)),
+        fr(m(&direct_ratio))
+    );
+    println!(
+        "| raw engine, 1 stream beside 3 idle sequences | {} | {} vs alone |",
+        f(m(raw_shared)),
+        fr(m(&tax))
+    );
+    println!(
+        "| superfluid socket, 1 stream beside 3 idle sessions | {} | {} vs raw beside the same |",
+        f(m(on_shared)),
+        fr(m(&shared_ratio))
+    );
+    let agg_m = m(&agg);
+    println!(
+        "| superfluid socket, 4 sessions at once (aggregate) | {} | {:.2}x one stream |",
+        f(agg_m),
+        agg_m.0 / m(on).0
+    );
+    let col = |k: usize| median(split.iter().map(|x| x[k]).collect()).0;
+    println!(
+        "\nper generated token, medians, ms in llama.cpp's decode + outside it: raw engine {:.3} + {:.3}; worker alone {:.3} + {:.3}; superfluid {:.3} + {:.3}",
+        col(0),
+        col(1),
+        col(2),
+        col(3),
+        col(4),
+        col(5)
     );
 }

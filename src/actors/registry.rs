@@ -188,10 +188,24 @@ fn counters(stats: crate::scheduler::Stats) -> String {
         "Prompt tokens taken from the KV cache instead of a prefill.",
         stats.warm_tokens,
     );
+    metric(
+        &mut out,
+        "superfluid_decoded_tokens_total",
+        "counter",
+        "Tokens the worker decoded, prompt and drawn.",
+        stats.decoded_tokens,
+    );
+    metric(
+        &mut out,
+        "superfluid_decode_seconds_total",
+        "counter",
+        "Time the worker spent in llama.cpp's decode calls.",
+        stats.decode_us as f64 / 1e6,
+    );
     out
 }
 
-fn metric(out: &mut String, name: &str, kind: &str, help: &str, value: u64) {
+fn metric(out: &mut String, name: &str, kind: &str, help: &str, value: impl std::fmt::Display) {
     out.push_str(&format!(
         "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}\n"
     ));

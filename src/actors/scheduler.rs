@@ -61,7 +61,7 @@ pub struct GenUpdate(pub GenEvent);
 /// The most steps in flight at once (one running, one queued behind it).
 const PIPELINE_DEPTH: usize = 2;
 
-type StepResult = Result<Vec<Drawn>, String>;
+type StepResult = Result<(Vec<Drawn>, u64, u64), String>;
 
 struct InFlight {
     id: u64,
@@ -157,6 +157,10 @@ impl SchedulerActor {
                 continue;
             }
             let failed = result.is_err();
+            let result = result.map(|(drawn, tokens, decode_us)| {
+                self.state.note_decode(tokens, decode_us);
+                drawn
+            });
             let events = self.state.complete(&f.step, result);
             if failed {
                 for behind in &mut self.in_flight {
@@ -169,19 +173,23 @@ impl SchedulerActor {
     }
 }
 
-/// What a step's worker replies come to: the tokens its decode drew, or the
-/// first error.
+/// What a step's worker replies come to: the tokens its decode drew (with
+/// the tokens decoded and the decode time), or the first error.
 fn step_result(replies: Result<Vec<WorkerResponse>, String>) -> StepResult {
-    let mut drawn = Vec::new();
+    let mut out = (Vec::new(), 0, 0);
     for reply in replies? {
         match reply {
             WorkerResponse::Done => {}
-            WorkerResponse::Decoded { drawn: d, .. } => drawn = d,
+            WorkerResponse::Decoded {
+                drawn,
+                tokens,
+                decode_us,
+            } => out = (drawn, u64::from(tokens), decode_us),
             WorkerResponse::Err { message } => return Err(message),
             other => return Err(format!("unexpected worker reply {other:?}")),
         }
     }
-    Ok(drawn)
+    Ok(out)
 }
 
 impl Actor for SchedulerActor {

@@ -126,6 +126,10 @@ pub struct Stats {
     pub drawn: u64,
     /// Prompt tokens taken from the KV instead of a prefill.
     pub warm_tokens: u64,
+    /// Tokens the worker decoded (prompt and drawn), and the time its
+    /// llama.cpp decode calls took, in microseconds.
+    pub decoded_tokens: u64,
+    pub decode_us: u64,
 }
 
 /// One step's work: the KV operations to run first, then one decode; or,
@@ -556,9 +560,6 @@ impl SchedulerState {
         if decode.is_empty() && ops.is_empty() {
             return (None, events);
         }
-        if !decode.is_empty() {
-            self.count_step(decode.len());
-        }
         (
             Some(Step {
                 ops,
@@ -570,10 +571,20 @@ impl SchedulerState {
         )
     }
 
-    fn count_step(&mut self, items: usize) {
-        self.stats.steps += 1;
-        self.stats.seq_steps += items as u64;
-        self.stats.max_seqs_per_step = self.stats.max_seqs_per_step.max(items as u64);
+    /// Counts decode calls that advanced `items` sequences each.
+    fn count_calls(&mut self, items: impl IntoIterator<Item = usize>) {
+        for n in items.into_iter().filter(|&n| n > 0) {
+            self.stats.steps += 1;
+            self.stats.seq_steps += n as u64;
+            self.stats.max_seqs_per_step = self.stats.max_seqs_per_step.max(n as u64);
+        }
+    }
+
+    /// What the worker reported of a step: tokens decoded (prompt and
+    /// drawn) and the time its llama.cpp decode calls took.
+    pub fn note_decode(&mut self, tokens: u64, decode_us: u64) {
+        self.stats.decoded_tokens += tokens;
+        self.stats.decode_us += decode_us;
     }
 
     /// Plans the step after `last` while `last` is still in flight: the same
@@ -647,7 +658,6 @@ impl SchedulerState {
         for n in &next {
             self.seqs[n.seq as usize].last_used = self.step;
         }
-        self.count_step(next.len());
         Some(Step {
             ops: vec![],
             decode: vec![],
@@ -676,6 +686,20 @@ impl SchedulerState {
             }
         };
         let mut events = Vec::new();
+        // Decode calls: one for a planned step; for a following one, as
+        // many as the most draws a sequence got, each advancing those that
+        // had a draw left.
+        if step.next.is_empty() {
+            self.count_calls([step.decode.len()]);
+        } else {
+            let per_seq: Vec<usize> = step
+                .next
+                .iter()
+                .map(|n| drawn.iter().filter(|d| d.seq == n.seq).count())
+                .collect();
+            let calls = per_seq.iter().copied().max().unwrap_or(0);
+            self.count_calls((0..calls).map(|j| per_seq.iter().filter(|&&c| c > j).count()));
+        }
         for (item, gen) in step.decode.iter().zip(&step.gens) {
             let seq = item.seq as usize;
             self.seqs[seq].resident.extend_from_slice(&item.tokens);
