@@ -159,6 +159,7 @@ fn raw_run(engine: &mut RawEngine, prompt: &[Token], tokens: u64) -> (f64, f64) 
             params: greedy(),
             draw_pos: prompt.len() as u64,
             grammar: None,
+            grammar_prefix: vec![],
         }),
     }];
     let mut in_decode = 0u64;
@@ -181,6 +182,7 @@ fn raw_run(engine: &mut RawEngine, prompt: &[Token], tokens: u64) -> (f64, f64) 
                 params: greedy(),
                 draw_pos: pos as u64 + 1,
                 grammar: None,
+                grammar_prefix: vec![],
             }),
         }];
     }
@@ -257,6 +259,7 @@ impl DirectWorker {
             params: greedy(),
             draw_pos,
             grammar: None,
+            grammar_prefix: vec![],
         };
         self.send(&WorkerRequest::Decode {
             items: vec![DecodeItem {

@@ -153,7 +153,7 @@ fn tools_think_output_decodes_token_by_token() {
     for &t in &tokens {
         segs.extend(decoder.push(t, &vocab.piece(t)));
     }
-    segs.extend(decoder.finish());
+    segs.extend(decoder.finish(true));
     let mut text = String::new();
     let mut attributed = Vec::new();
     let mut calls = Vec::new();

@@ -151,6 +151,7 @@ fn sample(params: Params, draw_pos: u64, grammar: Option<&str>) -> Option<Sample
         params,
         draw_pos,
         grammar: grammar.map(str::to_owned),
+        grammar_prefix: vec![],
     })
 }
 
@@ -168,12 +169,12 @@ fn generate(
     let mut out = Vec::new();
     while out.len() < n {
         let draw_pos = u64::from(pos) + feed.len() as u64;
-        let drawn = w.decode(vec![item(
-            seq,
-            pos,
-            feed.clone(),
-            sample(params, draw_pos, grammar),
-        )]);
+        // A grammar has governed every token drawn so far.
+        let mut s = sample(params, draw_pos, grammar);
+        if let Some(s) = s.as_mut().filter(|s| s.grammar.is_some()) {
+            s.grammar_prefix = out.clone();
+        }
+        let drawn = w.decode(vec![item(seq, pos, feed.clone(), s)]);
         assert_eq!(drawn.len(), 1);
         pos += feed.len() as u32;
         let (t, eog) = drawn[0];

@@ -75,6 +75,7 @@ pub async fn generate_stream(
     .start();
     let admit = Admit {
         session: NO_SESSION,
+        grammar_from: prompt.len(),
         prompt,
         params,
         max_tokens,

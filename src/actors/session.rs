@@ -244,8 +244,8 @@ impl SessionActor {
                 .read()
                 .turn_state(id, think_close.as_deref())
                 .map_err(|e| e.to_string())?;
-            let (prompt_event, in_reasoning) = match state {
-                TurnState::Open { in_reasoning } => {
+            let prompt_event = match state {
+                TurnState::Open { .. } => {
                     // Continuing a turn from an earlier daemon start: its KV
                     // is rebuilt by prefill, which can differ in the last
                     // bits from the original decode. Say so in the log.
@@ -261,24 +261,17 @@ impl SessionActor {
                     } else {
                         None
                     };
-                    (bump, in_reasoning)
+                    bump
                 }
                 TurnState::Closed => {
                     let planned =
                         shared
                             .read()
                             .plan_generation_prompt(id, shared.render.as_ref(), now_ms());
-                    let event = commit_record(&shared, planned).await?;
-                    // A template that opens the turn inside a thinking block.
-                    let header = match &event.body {
-                        Record::GenerationPrompt { span } => shared.render.detokenize(span),
-                        _ => String::new(),
-                    };
-                    let in_reasoning = think_open.is_some_and(|m| header.trim_end().ends_with(&m));
-                    (Some(event), in_reasoning)
+                    Some(commit_record(&shared, planned).await?)
                 }
             };
-            let (prompt, qos, params, forced) = {
+            let (prompt, qos, params, forced, turn) = {
                 let book = shared.read();
                 let e = |e: SessionError| e.to_string();
                 (
@@ -287,12 +280,24 @@ impl SessionActor {
                     book.params(id).map_err(e)?,
                     // A forced tool call: a grammar over the declared tools.
                     book.forced_tools(id).map_err(e)?,
+                    book.last_turn_start(id).map_err(e)?,
                 )
             };
+            // How the turn opened: inside a thinking block if the
+            // template's header ends with its opening marker. The grammar
+            // governs the whole turn, from its header on: built
+            // as it was when the turn opened (inside a thinking block or
+            // not), with what the turn holds so far as its prefix, so a cut
+            // forced call continues where it stopped.
+            let (grammar_from, header) = turn.unwrap_or((prompt.len(), Vec::new()));
+            let turn = prompt[grammar_from.min(prompt.len())..].to_vec();
+            let opened_in_reasoning = think_open
+                .as_deref()
+                .is_some_and(|m| shared.render.detokenize(&header).trim_end().ends_with(m));
             let grammar = match forced {
                 Some(tools) => Some(forced_call(
                     &tools,
-                    think_close.as_deref().filter(|_| in_reasoning),
+                    think_close.as_deref().filter(|_| opened_in_reasoning),
                     &crate::engine::json_schema_grammar,
                 )?),
                 None => None,
@@ -306,22 +311,32 @@ impl SessionActor {
                 class: qos.0,
                 batch_invariant: qos.1,
                 grammar,
+                grammar_from,
             };
             let gen = shared
                 .scheduler
                 .send(AdmitGen { admit, owner })
                 .await
                 .map_err(|e| format!("the scheduler is gone: {e}"))??;
-            Ok::<_, String>((prompt_event, in_reasoning, gen, forced))
+            Ok::<_, String>((prompt_event, opened_in_reasoning, turn, gen, forced))
         };
         ctx.wait(
             fut.into_actor(self)
                 .map(move |result, this, ctx| match result {
-                    Ok((prompt_event, in_reasoning, gen, forced)) => {
+                    Ok((prompt_event, opened_in_reasoning, turn, gen, forced)) => {
                         if let Some(r) = &mut this.running {
                             r.gen = Some(gen);
                             r.forced = forced;
-                            r.output = TurnOutput::new(markers, in_reasoning);
+                            // A continued turn's decoder picks up where the
+                            // cut left it (a marker or tool call split
+                            // across the cut).
+                            let render = &this.shared.render;
+                            let turn = turn
+                                .into_iter()
+                                .filter(|&t| !render.is_eog(t))
+                                .map(|t| (t, render.piece(t)))
+                                .collect::<Vec<_>>();
+                            r.output = TurnOutput::resume(markers, opened_in_reasoning, &turn);
                             if prompt_event.is_some() {
                                 r.events += 1;
                             }

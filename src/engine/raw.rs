@@ -38,10 +38,14 @@
 //! # Grammars
 //!
 //! A sequence keeps one grammar sampler (`LlamaSampler::grammar(model, gbnf, "root")`) while the
-//! same GBNF text is asked for; each drawn token is accepted into it (end-of-generation tokens are
-//! not: llama.cpp aborts on accepting EOG where the grammar is not complete, and there is nothing
-//! left to accept). It is rebuilt from its start when a different grammar is asked for, and dropped
-//! when the sequence is trimmed, cleared, copied into, or asked to sample without a grammar.
+//! same GBNF text and prefix (`Sample::grammar_prefix`, the tokens it has governed so far) are
+//! asked for; each drawn token is accepted into it (end-of-generation tokens are not: llama.cpp
+//! aborts on accepting EOG where the grammar is not complete, and there is nothing left to
+//! accept). Otherwise it is rebuilt and fed the prefix, so its state is always a function of
+//! (grammar, prefix): a forced call cut and continued on another sequence or after a worker
+//! restart goes on where it stopped. A prefix the grammar rejects is an `Err`. The state is
+//! dropped when the sequence is trimmed, cleared, copied into, or asked to sample without a
+//! grammar. `DecodeNext` takes no grammar.
 
 use std::path::Path;
 use std::time::Instant;
@@ -67,10 +71,15 @@ use crate::wire::worker::{
 /// llama.cpp's `LLAMA_MAX_SEQ`: more sequences make context creation fail.
 pub const MAX_SEQ: u32 = 256;
 
+/// A grammar a draw asks for: its GBNF text and the tokens it already governed.
+type GrammarAsk<'a> = (&'a str, &'a [u32]);
+
 /// The grammar state of one sequence.
 struct SeqGrammar {
     gbnf: String,
     sampler: LlamaSampler,
+    /// The tokens accepted since it was built.
+    accepted: Vec<u32>,
 }
 
 /// A loaded model with one context (unified KV, `n_seq` sequences), executing worker requests.
@@ -247,6 +256,9 @@ impl RawEngine {
                 .map_err(|e| format!("item {k}: {e}"))?;
             if std::mem::replace(&mut seen[s], true) {
                 return Err(format!("item {k}: sequence {} appears twice", n.seq));
+            }
+            if n.sample.grammar.is_some() {
+                return Err(format!("item {k}: DecodeNext takes no grammar"));
             }
             if !(1..=MAX_NEXT_STEPS).contains(&n.steps) {
                 return Err(format!(
@@ -441,29 +453,53 @@ impl RawEngine {
     /// Build (or keep) the grammar state every sampling item asks for; a grammar that does not
     /// parse fails the request before anything is decoded.
     fn prepare_grammars(&mut self, items: &[DecodeItem]) -> Result<(), String> {
-        let mut wanted: Vec<(usize, Option<&str>)> = Vec::new();
+        // Per sequence: the grammar (GBNF, prefix) its draw asks for, if any.
+        let mut wanted: Vec<(usize, Option<GrammarAsk>)> = Vec::new();
         for item in items {
             if let Some(sample) = &item.sample {
                 let s = item.seq as usize;
                 wanted.retain(|w| w.0 != s);
-                wanted.push((s, sample.grammar.as_deref()));
+                let grammar = sample
+                    .grammar
+                    .as_deref()
+                    .map(|g| (g, sample.grammar_prefix.as_slice()));
+                wanted.push((s, grammar));
             }
         }
         let mut built: Vec<(usize, Option<SeqGrammar>)> = Vec::new();
-        for (s, gbnf) in wanted {
-            match gbnf {
+        for (s, grammar) in wanted {
+            match grammar {
                 None => built.push((s, None)),
-                Some(g) => {
-                    if self.grammars[s].as_ref().is_some_and(|cur| cur.gbnf == g) {
+                Some((g, prefix)) => {
+                    if self.grammars[s]
+                        .as_ref()
+                        .is_some_and(|cur| cur.gbnf == g && cur.accepted == prefix)
+                    {
                         continue;
                     }
-                    let sampler = LlamaSampler::grammar(&self.model, g, "root")
+                    let mut sampler = LlamaSampler::grammar(&self.model, g, "root")
                         .map_err(|e| format!("grammar for sequence {s} does not parse: {e}"))?;
+                    let mut accepted = Vec::with_capacity(prefix.len());
+                    for &t in prefix {
+                        if t >= self.n_vocab {
+                            return Err(format!("grammar prefix: invalid token id {t}"));
+                        }
+                        if !self.is_eog(t) {
+                            sampler.try_accept(LlamaToken(t as i32)).map_err(|e| {
+                                format!(
+                                    "the turn so far does not fit the grammar of sequence {s} \
+                                     (token {t}): {e}"
+                                )
+                            })?;
+                        }
+                        accepted.push(t);
+                    }
                     built.push((
                         s,
                         Some(SeqGrammar {
                             gbnf: g.to_owned(),
                             sampler,
+                            accepted,
                         }),
                     ));
                 }
@@ -617,6 +653,7 @@ impl RawEngine {
                         .try_accept(LlamaToken(token as i32))
                         .map_err(|e| format!("grammar rejected token {token}: {e}"))?;
                 }
+                g.accepted.push(token);
                 token
             }
             _ => sample::draw(&self.row, &sample.params, sample.draw_pos, None),
@@ -683,6 +720,7 @@ mod tests {
             },
             draw_pos,
             grammar: None,
+            grammar_prefix: vec![],
         })
     }
 
@@ -821,6 +859,55 @@ mod tests {
         });
         assert!(matches!(e.handle(&next(99)), WorkerResponse::Err { .. }));
         assert_eq!(e.seq_len(1), Some(24));
+    }
+
+    /// A grammar's state is a function of (grammar, prefix): built afresh on another sequence
+    /// with the tokens it already governed, it draws what the kept state draws; without them it
+    /// starts over; a prefix it rejects is an Err.
+    #[test]
+    fn a_grammar_rebuilt_from_its_prefix_goes_on_where_it_was() {
+        let config = WorkerConfig {
+            n_ctx: 512,
+            n_seq: 3,
+            n_batch: 64,
+            threads: 2,
+        };
+        let mut e = RawEngine::new(&model(), &config).expect("engine");
+        let gbnf = r#"root ::= "The capital of France is Paris.""#;
+        let prompt: Vec<u32> = (0..20).map(|i| 200 + i * 13).collect();
+        let with = |draw_pos, prefix: &[u32]| {
+            let mut s = greedy(draw_pos).unwrap();
+            s.grammar = Some(gbnf.to_string());
+            s.grammar_prefix = prefix.to_vec();
+            Some(s)
+        };
+        let draw = |e: &mut RawEngine, seq, pos, tokens: Vec<u32>, sample| match e.handle(
+            &WorkerRequest::Decode {
+                items: vec![DecodeItem {
+                    seq,
+                    pos,
+                    tokens,
+                    sample,
+                }],
+            },
+        ) {
+            WorkerResponse::Decoded { drawn, .. } => Ok(drawn[0].token),
+            WorkerResponse::Err { message } => Err(message),
+            other => panic!("{other:?}"),
+        };
+        let t1 = draw(&mut e, 0, 0, prompt.clone(), with(20, &[])).unwrap();
+        let t2 = draw(&mut e, 0, 20, vec![t1], with(21, &[t1])).unwrap();
+        let mut longer = prompt.clone();
+        longer.push(t1);
+        assert_eq!(
+            draw(&mut e, 1, 0, longer.clone(), with(21, &[t1])).unwrap(),
+            t2
+        );
+        assert_ne!(draw(&mut e, 2, 0, longer, with(21, &[])).unwrap(), t2);
+        e.handle(&WorkerRequest::KvClear { seq: 2 });
+        let err = draw(&mut e, 2, 0, prompt, with(20, &[t2, t2])).unwrap_err();
+        assert!(err.contains("does not fit the grammar"), "{err}");
+        assert_eq!(e.seq_len(2), Some(0));
     }
 
     /// KV full in the middle of a multi-batch request: Err, and the request leaves no trace.

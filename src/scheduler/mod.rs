@@ -57,6 +57,10 @@ pub struct Admit {
     pub class: u8,
     pub batch_invariant: bool,
     pub grammar: Option<String>,
+    /// Where the grammar starts to govern, as an offset into `prompt`: the
+    /// tokens from there on (the open turn so far, then what this
+    /// generation draws) are its prefix. `prompt.len()` for a new turn.
+    pub grammar_from: usize,
 }
 
 /// What the scheduler tells the generation's owner.
@@ -549,6 +553,10 @@ impl SchedulerState {
                     params: g.admit.params,
                     draw_pos: g.tokens.len() as u64,
                     grammar: g.admit.grammar.clone(),
+                    grammar_prefix: match g.admit.grammar {
+                        Some(_) => g.tokens[g.admit.grammar_from.min(g.tokens.len())..].to_vec(),
+                        None => vec![],
+                    },
                 }),
             });
             if last {

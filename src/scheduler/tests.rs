@@ -21,6 +21,7 @@ fn admit(session: SessionId, prompt: &[Token], max_tokens: u32) -> Admit {
         class: 0,
         batch_invariant: false,
         grammar: None,
+        grammar_from: 0,
     }
 }
 

@@ -425,6 +425,24 @@ impl SessionBook {
         })
     }
 
+    /// The session's last assistant turn: the offset on its input where the
+    /// model's output in it begins (just after the header), and the header's
+    /// tokens (the `GenerationPrompt` span). None before the first turn.
+    pub fn last_turn_start(
+        &self,
+        s: SessionId,
+    ) -> Result<Option<(usize, Vec<Token>)>, SessionError> {
+        let mut offset = 0;
+        let mut found = None;
+        for e in self.read(s, 0)? {
+            offset += e.body.span().len();
+            if let Record::GenerationPrompt { span } = &e.body {
+                found = Some((offset, span.clone()));
+            }
+        }
+        Ok(found)
+    }
+
     /// Where the session's last turn stands. `think_close` is the template's
     /// closing thinking marker, if it has one.
     pub fn turn_state(

@@ -30,7 +30,12 @@
 //!   comes out as a `Text` segment with empty text on the current channel.
 //! - A closed tool-call block is followed, right after the `Text` segment holding its closing
 //!   marker, by a [`Segment::ToolCall`] or a [`Segment::ParseFailure`]. A tool-call block still
-//!   open at `finish` becomes a `ParseFailure`.
+//!   open when the turn ends (`finish(true)`) becomes a `ParseFailure`; one open at a cut
+//!   (`finish(false)`: max_tokens, a cancel) is left open for the turn's continuation.
+//! - **Continuing a cut turn.** [`OutputDecoder::resume`] replays the turn's tokens so far into a
+//!   fresh decoder, emitting nothing: the next tokens then meet the state the cut left (the
+//!   channel, a marker prefix, the open tool-call block), so a marker or a tool call split across
+//!   the cut is recognised, and text the earlier part already committed is not emitted again.
 
 use std::collections::VecDeque;
 
@@ -144,6 +149,9 @@ pub struct OutputDecoder {
     pending: VecDeque<(u32, Option<usize>)>,
     /// The current tool-call block's text so far, opening marker included.
     tool_block: String,
+    /// Decoded text up to this offset was committed by an earlier part of the turn
+    /// ([`OutputDecoder::resume`]): it is never emitted again.
+    replayed: usize,
 }
 
 impl OutputDecoder {
@@ -159,7 +167,21 @@ impl OutputDecoder {
             decoded: 0,
             pending: VecDeque::new(),
             tool_block: String::new(),
+            replayed: 0,
         }
+    }
+
+    /// A decoder continuing a cut turn: `turn` is what the turn generated so far (token and
+    /// piece), `start_in_reasoning` how the turn opened. Replays it and emits nothing of it.
+    pub fn resume(markers: Markers, start_in_reasoning: bool, turn: &[(u32, Vec<u8>)]) -> Self {
+        let mut d = OutputDecoder::new(markers, start_in_reasoning);
+        for (token, piece) in turn {
+            d.push(*token, piece);
+        }
+        // Every replayed token and all complete text are in the log already.
+        d.pending.clear();
+        d.replayed = d.decoded;
+        d
     }
 
     /// The channel the next text would go to (0 text, 1 reasoning, 2 tool call). Text held back
@@ -184,9 +206,10 @@ impl OutputDecoder {
     }
 
     /// End of generation: flush everything held back (a marker prefix as text, an incomplete
-    /// UTF-8 character lossily) and turn an unclosed tool-call block into a `ParseFailure`. An
+    /// UTF-8 character lossily). When the turn ends (`turn_ends`), an unclosed tool-call block
+    /// becomes a `ParseFailure`; at a cut it stays open for [`OutputDecoder::resume`]. An
     /// unclosed thinking block is simply ended; [`OutputDecoder::channel`] still says 1 after it.
-    pub fn finish(&mut self) -> Vec<Segment> {
+    pub fn finish(&mut self, turn_ends: bool) -> Vec<Segment> {
         if !self.raw.is_empty() {
             let text = String::from_utf8_lossy(&self.raw).into_owned();
             self.raw.clear();
@@ -197,7 +220,7 @@ impl OutputDecoder {
             }
         }
         let mut out = self.run(true);
-        if self.channel == TOOL_CALL {
+        if self.channel == TOOL_CALL && turn_ends {
             out.push(Segment::ParseFailure {
                 text: std::mem::take(&mut self.tool_block),
                 error: "the tool call was not closed before the end of generation".to_owned(),
@@ -362,9 +385,16 @@ impl OutputDecoder {
         if text.is_empty() {
             return;
         }
+        let start = self.base;
         self.base += text.len();
         if channel == TOOL_CALL {
             self.tool_block.push_str(text);
+        }
+        // What an earlier part of the turn committed is not emitted again (`replayed` is a
+        // character boundary of the decoded text, so of `text` too).
+        let text = &text[self.replayed.saturating_sub(start).min(text.len())..];
+        if text.is_empty() {
+            return;
         }
         if let Some(Piece::Text {
             channel: c,
@@ -502,7 +532,7 @@ mod tests {
         for (i, p) in pieces.iter().enumerate() {
             out.extend(d.push(i as u32, p));
         }
-        out.extend(d.finish());
+        out.extend(d.finish(true));
         out
     }
 
@@ -599,7 +629,7 @@ mod tests {
                 tokens: vec![7]
             }]
         );
-        assert!(d.finish().is_empty());
+        assert!(d.finish(true).is_empty());
     }
 
     #[test]
@@ -961,7 +991,7 @@ mod tests {
     fn finish_with_unclosed_think() {
         let mut d = OutputDecoder::new(Markers::qwen(), false);
         let mut segs = d.push(0, b"<think>cut here </thi");
-        segs.extend(d.finish());
+        segs.extend(d.finish(true));
         check(&segs, "<think>cut here </thi", 1);
         assert_eq!(channels(&segs)[1], "<think>cut here </thi");
         assert!(events(&segs).is_empty());
@@ -1034,6 +1064,83 @@ mod tests {
             // A token ending inside a multibyte character ends where the character ends, on the
             // same channel as its last byte, so the channels agree.
             proptest::prop_assert_eq!(got, want);
+        }
+    }
+
+    /// A turn cut after every token and continued with `resume`: together the two parts commit
+    /// the whole text and every token once, and a tool call or marker split across the cut is
+    /// recognised (one ToolCall, no ParseFailure), with the reasoning on channel 1.
+    #[test]
+    fn a_turn_cut_anywhere_and_resumed_decodes_as_the_uncut_one() {
+        let pieces: Vec<&[u8]> = vec![
+            b"<th",
+            b"ink>",
+            b"hm",
+            b"m</",
+            b"think>",
+            b"\n\n",
+            b"Sure. ",
+            b"<tool",
+            b"_call",
+            b">\n{\"na",
+            b"me\": \"f\", ",
+            b"\"arguments\": {\"x\": \"",
+            b"\xc3",
+            b"\xa9",
+            b"1\"}}\n</tool",
+            b"_call>",
+            b" done",
+        ];
+        let whole = run_with(Markers::qwen(), false, &pieces);
+        let events = |segs: &[Segment]| -> Vec<Segment> {
+            segs.iter()
+                .filter(|s| !matches!(s, Segment::Text { .. }))
+                .cloned()
+                .collect()
+        };
+        assert_eq!(events(&whole).len(), 1);
+        assert!(matches!(&events(&whole)[0], Segment::ToolCall { name, .. } if name == "f"));
+        let tokens = |segs: &[Segment]| -> Vec<u32> {
+            segs.iter()
+                .flat_map(|s| match s {
+                    Segment::Text { tokens, .. } => tokens.clone(),
+                    _ => vec![],
+                })
+                .collect()
+        };
+        for cut in 1..pieces.len() {
+            let mut first = OutputDecoder::new(Markers::qwen(), false);
+            let mut out = Vec::new();
+            for (i, p) in pieces[..cut].iter().enumerate() {
+                out.extend(first.push(i as u32, p));
+            }
+            out.extend(first.finish(false));
+            let so_far: Vec<(u32, Vec<u8>)> = pieces[..cut]
+                .iter()
+                .enumerate()
+                .map(|(i, p)| (i as u32, p.to_vec()))
+                .collect();
+            let mut rest = OutputDecoder::resume(Markers::qwen(), false, &so_far);
+            for (i, p) in pieces.iter().enumerate().skip(cut) {
+                out.extend(rest.push(i as u32, p));
+            }
+            out.extend(rest.finish(true));
+            assert_eq!(events(&out), events(&whole), "cut after {cut}");
+            assert_eq!(
+                tokens(&out),
+                (0..pieces.len() as u32).collect::<Vec<_>>(),
+                "cut after {cut}"
+            );
+            // The text, but for a character cut in half: the first part
+            // committed it as U+FFFD, the rest commits it whole.
+            if cut != 13 {
+                assert_eq!(all_text(&out), all_text(&whole), "cut after {cut}");
+            }
+            // Channels too, unless the cut fell inside a marker: the first part then committed
+            // the marker's start as text of the channel it was on.
+            if ![1, 4, 8, 9, 13, 15].contains(&cut) {
+                assert_eq!(channels(&out), channels(&whole), "cut after {cut}");
+            }
         }
     }
 }

@@ -36,8 +36,19 @@ pub struct TurnOutput {
 
 impl TurnOutput {
     pub fn new(markers: Markers, in_reasoning: bool) -> TurnOutput {
+        TurnOutput::resume(markers, in_reasoning, &[])
+    }
+
+    /// The output side of a generation that continues a cut turn: `turn`
+    /// holds the turn's tokens so far with their pieces, `opened_in_reasoning`
+    /// how the turn began (see [`OutputDecoder::resume`]).
+    pub fn resume(
+        markers: Markers,
+        opened_in_reasoning: bool,
+        turn: &[(Token, Vec<u8>)],
+    ) -> TurnOutput {
         TurnOutput {
-            decoder: OutputDecoder::new(markers, in_reasoning),
+            decoder: OutputDecoder::resume(markers, opened_in_reasoning, turn),
             chunk: None,
             tokens: 0,
             fresh: Vec::new(),
@@ -141,7 +152,8 @@ impl TurnOutput {
     /// the turn ended).
     pub fn finish(&mut self, finish_code: u8, now_ms: u64) -> Vec<Record> {
         let mut out = Vec::new();
-        let segments = self.decoder.finish();
+        let turn_ends = finish_code == finish::END_OF_TURN || finish_code == finish::GRAMMAR;
+        let segments = self.decoder.finish(turn_ends);
         self.take_segments(segments, now_ms, &mut out);
         if self.chunk.is_none() {
             self.chunk = Some(Chunk {

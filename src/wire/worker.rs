@@ -40,8 +40,14 @@ pub struct Sample {
     pub draw_pos: u64,
     /// A GBNF grammar (root rule `root`) the token must satisfy, if any. The
     /// worker keeps the grammar's state per sequence while the same grammar
-    /// is asked for, and accepts each drawn token into it.
+    /// and prefix are asked for, and accepts each drawn token into it.
     pub grammar: Option<String>,
+    /// With a grammar: the tokens the grammar has already governed, before
+    /// this draw (the turn so far). A grammar state built afresh (after a
+    /// cut turn is continued on another sequence, a worker restart, a
+    /// trim) accepts them first, so a continued forced call goes on from
+    /// where it was cut. Empty without a grammar.
+    pub grammar_prefix: Vec<Token>,
 }
 
 /// Tokens of one sequence at consecutive positions from `pos`.

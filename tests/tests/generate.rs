@@ -644,6 +644,108 @@ fn forced_tool_call_round_trip() {
     assert!(matches!(last, Response::Generated { .. }), "{last:?}");
 }
 
+/// A session on the tools model asked about the weather, with the call forced.
+fn forced_weather_session(c: &mut Client) -> SessionId {
+    let s = created(
+        c,
+        Request::Create {
+            parent: None,
+            params: params(1),
+        },
+    );
+    commit(
+        c,
+        Request::AppendSystem {
+            session: s,
+            text: Some("Answer with the tools.".into()),
+            tools: vec![WEATHER.into()],
+        },
+    );
+    commit(
+        c,
+        Request::AppendMessage {
+            session: s,
+            role: role::USER,
+            text: "Is it raining in Paris?".into(),
+        },
+    );
+    commit(
+        c,
+        Request::SetToolChoice {
+            session: s,
+            choice: "required".into(),
+        },
+    );
+    s
+}
+
+/// A forced call cut by max_tokens, its worker killed (the KV and the
+/// grammar's state are gone), then continued: the grammar is rebuilt from the
+/// turn so far, so the call is finished, not started again, and it is the
+/// call the uncut generation made.
+#[test]
+fn a_cut_forced_call_continues_where_it_stopped() {
+    let d = tools_think_daemon();
+    let mut c = d.client();
+    let whole = forced_weather_session(&mut c);
+    let (events, last) = generate(&mut c, whole, 128);
+    assert!(
+        matches!(
+            last,
+            Response::Generated {
+                finish: finish::GRAMMAR,
+                ..
+            }
+        ),
+        "{last:?}"
+    );
+    let calls = |events: &[Event]| -> Vec<(String, String)> {
+        events
+            .iter()
+            .filter_map(|e| match &e.body {
+                Record::ToolUse { name, arguments } => Some((name.clone(), arguments.clone())),
+                Record::ToolParseFailure { .. } => Some(("parse failure".into(), String::new())),
+                _ => None,
+            })
+            .collect()
+    };
+    let expected = calls(&events);
+    assert_eq!(expected.len(), 1, "{events:?}");
+    let n = generated(&events).0.len();
+    for cut in [n / 4, n / 2, 3 * n / 4] {
+        let s = forced_weather_session(&mut c);
+        let (first, last) = generate(&mut c, s, cut as u32);
+        assert!(
+            matches!(
+                last,
+                Response::Generated {
+                    finish: finish::MAX_TOKENS,
+                    ..
+                }
+            ),
+            "cut at {cut}: {last:?}"
+        );
+        let worker = worker_pid(d.pid());
+        unsafe { libc::kill(worker as i32, libc::SIGKILL) };
+        while worker_pid(d.pid()) == worker {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let (rest, last) = generate(&mut c, s, 128);
+        assert!(
+            matches!(
+                last,
+                Response::Generated {
+                    finish: finish::GRAMMAR,
+                    ..
+                }
+            ),
+            "cut at {cut}: {last:?}"
+        );
+        let all: Vec<Event> = first.into_iter().chain(rest).collect();
+        assert_eq!(calls(&all), expected, "cut at {cut} of {n}: {all:?}");
+    }
+}
+
 #[test]
 fn a_subscriber_sees_provisional_text_ahead_of_the_commits() {
     let d = TestDaemon::start();
