@@ -524,30 +524,8 @@ fn reasoning_goes_on_channel_1() {
 fn forced_tool_call_round_trip() {
     let d = tools_think_daemon();
     let mut c = d.client();
-    let s = created(
-        &mut c,
-        Request::Create {
-            parent: None,
-            params: params(1),
-        },
-    );
-    commit(
-        &mut c,
-        Request::AppendSystem {
-            session: s,
-            text: Some("Answer with the tools.".into()),
-            tools: vec![WEATHER.into()],
-        },
-    );
-    commit(
-        &mut c,
-        Request::AppendMessage {
-            session: s,
-            role: role::USER,
-            text: "Is it raining in Paris?".into(),
-        },
-    );
-    // Forcing needs declared tools, and a known name.
+    let s = forced_weather_session(&mut c);
+    // Forcing needs a known name.
     let bad = expect_err(
         &mut c,
         &Request::SetToolChoice {
@@ -556,13 +534,6 @@ fn forced_tool_call_round_trip() {
         },
     );
     assert!(bad.contains("get_weather"), "{bad}");
-    commit(
-        &mut c,
-        Request::SetToolChoice {
-            session: s,
-            choice: "required".into(),
-        },
-    );
     let (events, last) = generate(&mut c, s, 128);
     assert!(
         matches!(
