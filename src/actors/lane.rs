@@ -85,6 +85,10 @@ pub struct LaneActor {
     child: Option<Child>,
     /// Whole frames (length prefix included) for the stdin task.
     to_worker: Option<mpsc::UnboundedSender<Vec<u8>>>,
+    /// A second descriptor of the worker's stdin, for the `Shutdown` frame
+    /// written when the lane stops (its arbiter may not run the stdin task
+    /// again by then).
+    stdin_for_shutdown: Option<std::fs::File>,
     /// Replies awaited from the worker, oldest first.
     in_flight: VecDeque<Reply>,
     /// Requests held until the worker says Ready.
@@ -101,6 +105,7 @@ impl LaneActor {
             config,
             child: None,
             to_worker: None,
+            stdin_for_shutdown: None,
             in_flight: VecDeque::new(),
             held: VecDeque::new(),
             ready: false,
@@ -151,8 +156,10 @@ impl LaneActor {
             child.stdout.take().expect("piped"),
             child.stderr.take().expect("piped"),
         );
+        let stdin = OwnedFd::from(stdin);
+        self.stdin_for_shutdown = stdin.try_clone().ok().map(std::fs::File::from);
         let pipes = pipe::Receiver::from_owned_fd(OwnedFd::from(stdout))
-            .and_then(|out| Ok((out, pipe::Sender::from_owned_fd(OwnedFd::from(stdin))?)));
+            .and_then(|out| Ok((out, pipe::Sender::from_owned_fd(stdin)?)));
         let (stdout, mut stdin) = match pipes {
             Ok(p) => p,
             Err(e) => {
@@ -262,8 +269,18 @@ impl Actor for LaneActor {
     }
 
     fn stopped(&mut self, _: &mut Context<Self>) {
-        // Dropping the sender closes the worker's stdin: it exits at EOF.
         self.to_worker = None;
+        // Ask the worker to exit after what it has queued (a small frame: a
+        // pipe with room takes it at once; if not, the kill below does).
+        if let (Some(mut f), Ok(body)) = (
+            self.stdin_for_shutdown.take(),
+            to_postcard(&WorkerRequest::Shutdown),
+        ) {
+            use std::io::Write;
+            let mut frame = (body.len() as u32).to_le_bytes().to_vec();
+            frame.extend_from_slice(&body);
+            let _ = f.write_all(&frame);
+        }
         if let Some(mut child) = self.child.take() {
             // Give it a moment to exit cleanly, then make sure.
             for _ in 0..20 {
@@ -372,6 +389,7 @@ impl Handler<WorkerGone> for LaneActor {
         let message = format!("the worker died ({}: {status})", msg.reason);
         log::error!("{message}; starting a new one");
         self.to_worker = None;
+        self.stdin_for_shutdown = None;
         self.ready = false;
         for reply in self.in_flight.drain(..) {
             let _ = reply.send(Err(message.clone()));

@@ -43,7 +43,9 @@
 //! aborts on accepting EOG where the grammar is not complete, and there is nothing left to
 //! accept). Otherwise it is rebuilt and fed the prefix, so its state is always a function of
 //! (grammar, prefix): a forced call cut and continued on another sequence or after a worker
-//! restart goes on where it stopped. A prefix the grammar rejects is an `Err`. The state is
+//! restart goes on where it stopped. A prefix the grammar rejects (the turn was not written under
+//! it: the tool choice changed while the turn was open) makes the grammar start at the draw, and
+//! the state then counts that prefix as governed, so the next draws keep it. The state is
 //! dropped when the sequence is trimmed, cleared, copied into, or asked to sample without a
 //! grammar. `DecodeNext` takes no grammar.
 
@@ -477,23 +479,27 @@ impl RawEngine {
                     {
                         continue;
                     }
-                    let mut sampler = LlamaSampler::grammar(&self.model, g, "root")
-                        .map_err(|e| format!("grammar for sequence {s} does not parse: {e}"))?;
-                    let mut accepted = Vec::with_capacity(prefix.len());
-                    for &t in prefix {
-                        if t >= self.n_vocab {
-                            return Err(format!("grammar prefix: invalid token id {t}"));
-                        }
-                        if !self.is_eog(t) {
-                            sampler.try_accept(LlamaToken(t as i32)).map_err(|e| {
-                                format!(
-                                    "the turn so far does not fit the grammar of sequence {s} \
-                                     (token {t}): {e}"
-                                )
-                            })?;
-                        }
-                        accepted.push(t);
+                    let build = || {
+                        LlamaSampler::grammar(&self.model, g, "root")
+                            .map_err(|e| format!("grammar for sequence {s} does not parse: {e}"))
+                    };
+                    let mut sampler = build()?;
+                    if let Some(&bad) = prefix.iter().find(|&&t| t >= self.n_vocab) {
+                        return Err(format!("grammar prefix: invalid token id {bad}"));
                     }
+                    let rejected = prefix.iter().copied().find(|&t| {
+                        !self.is_eog(t) && sampler.try_accept(LlamaToken(t as i32)).is_err()
+                    });
+                    if let Some(t) = rejected {
+                        // The turn so far was not written under this grammar (the tool
+                        // choice changed while the turn was open): it governs from here on.
+                        log::info!(
+                            "sequence {s}: the turn so far does not fit its grammar (token {t}); \
+                             the grammar starts at this draw"
+                        );
+                        sampler = build()?;
+                    }
+                    let accepted = prefix.to_vec();
                     built.push((
                         s,
                         Some(SeqGrammar {
@@ -904,10 +910,17 @@ mod tests {
             t2
         );
         assert_ne!(draw(&mut e, 2, 0, longer, with(21, &[])).unwrap(), t2);
+        // A prefix the grammar rejects (the turn was not written under it): the grammar
+        // starts at the draw, and stays there for the next draw (no restart per step).
         e.handle(&WorkerRequest::KvClear { seq: 2 });
-        let err = draw(&mut e, 2, 0, prompt, with(20, &[t2, t2])).unwrap_err();
-        assert!(err.contains("does not fit the grammar"), "{err}");
-        assert_eq!(e.seq_len(2), Some(0));
+        let off = [t2, t2];
+        assert_eq!(
+            draw(&mut e, 2, 0, prompt.clone(), with(20, &off)).unwrap(),
+            t1
+        );
+        let kept = [t2, t2, t1];
+        assert_eq!(draw(&mut e, 2, 20, vec![t1], with(21, &kept)).unwrap(), t2);
+        assert_eq!(e.seq_len(2), Some(21));
     }
 
     /// KV full in the middle of a multi-batch request: Err, and the request leaves no trace.

@@ -212,6 +212,9 @@ pub struct SchedulerState {
     /// KV operations to run before the next step (evictions after the
     /// worker found its cache full).
     pending_ops: Vec<WorkerRequest>,
+    /// A following step found the cache full: no following steps until a
+    /// generation ends (and its cells can go).
+    kv_tight: bool,
     stats: Stats,
     /// `Pin`: session -> (deadline in unix ms, when it was pinned).
     pins: BTreeMap<SessionId, (u64, u64)>,
@@ -238,6 +241,7 @@ impl SchedulerState {
             invariant_turn: false,
             dirty: false,
             pending_ops: Vec::new(),
+            kv_tight: false,
             stats: Stats::default(),
             pins: BTreeMap::new(),
             pin_budget_pct: DEFAULT_PIN_BUDGET_PCT,
@@ -607,7 +611,7 @@ impl SchedulerState {
     /// context) is left out, as `plan` would; one that draws end of turn in
     /// `last` is skipped by the worker.
     pub fn follow(&mut self, last: &Step) -> Option<Step> {
-        if self.dirty || !self.pending_ops.is_empty() {
+        if self.dirty || self.kv_tight || !self.pending_ops.is_empty() {
             return None;
         }
         if last.decode.iter().any(|i| i.sample.is_none()) {
@@ -803,6 +807,7 @@ impl SchedulerState {
         let Some(g) = self.gens.remove(&gen) else {
             return vec![];
         };
+        self.kv_tight = false;
         if let Some(seq) = g.seq {
             self.seqs[seq as usize].active = None;
         }
@@ -835,6 +840,13 @@ impl SchedulerState {
                     .push(WorkerRequest::KvClear { seq: i as u32 });
                 self.seqs[i] = Seq::default();
             }
+            return vec![];
+        }
+        if !step.next.is_empty() {
+            // A following step asks several cells per sequence: step one
+            // token at a time, through `plan`, until room is freed, and end
+            // a generation only if even that does not fit.
+            self.kv_tight = true;
             return vec![];
         }
         let youngest = step

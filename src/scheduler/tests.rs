@@ -788,3 +788,28 @@ fn a_failed_step_drops_the_step_behind_it() {
         assert_eq!(s.resident(seq), &w.kv[seq as usize][..]);
     }
 }
+
+#[test]
+fn a_full_cache_on_a_following_step_falls_back_to_single_steps() {
+    let mut s = SchedulerState::new(4096, 1, 512);
+    let g = s.admit(admit(1, &[1, 2, 3], 50)).unwrap();
+    let step = s.plan().0.unwrap();
+    let next = s.follow(&step).unwrap();
+    let drawn = vec![Drawn {
+        seq: 0,
+        token: 100,
+        eog: false,
+    }];
+    assert_eq!(tokens_of(&s.complete(&step, Ok(drawn)), g), [100]);
+    // The 4 cells the following step asked for are not there: nothing ends.
+    let events = s.complete(&next, Err(format!("{KV_FULL}: no room")));
+    assert!(events.is_empty(), "{events:?}");
+    // One token at a time now, and no following step until room is freed.
+    let single = s.plan().0.unwrap();
+    assert!(single.next.is_empty());
+    assert_eq!(single.decode[0].tokens, [100]);
+    assert!(s.follow(&single).is_none());
+    // When even one token does not fit, the youngest generation ends.
+    let events = s.complete(&single, Err(format!("{KV_FULL}: no room")));
+    assert_eq!(finish_of(&events, g), Some(finish::ERROR));
+}
