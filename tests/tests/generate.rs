@@ -717,6 +717,58 @@ fn a_cut_forced_call_continues_where_it_stopped() {
     }
 }
 
+/// The tool choice changed while a turn was open: the turn so far was not
+/// written under the grammar, which then starts at the continuation; the
+/// lane is not failed, and the call comes.
+#[test]
+fn a_call_forced_in_the_middle_of_an_open_turn_starts_there() {
+    let d = tools_think_daemon();
+    let mut c = d.client();
+    let s = forced_weather_session(&mut c);
+    commit(
+        &mut c,
+        Request::SetToolChoice {
+            session: s,
+            choice: "auto".into(),
+        },
+    );
+    let (_, last) = generate(&mut c, s, 3);
+    assert!(
+        matches!(
+            last,
+            Response::Generated {
+                finish: finish::MAX_TOKENS,
+                ..
+            }
+        ),
+        "{last:?}"
+    );
+    commit(
+        &mut c,
+        Request::SetToolChoice {
+            session: s,
+            choice: "required".into(),
+        },
+    );
+    let (events, last) = generate(&mut c, s, 128);
+    assert!(
+        matches!(
+            last,
+            Response::Generated {
+                finish: finish::GRAMMAR,
+                ..
+            }
+        ),
+        "{last:?}"
+    );
+    assert!(
+        events
+            .iter()
+            .any(|e| matches!(&e.body, Record::ToolUse { name, .. } if name == "get_weather")),
+        "{events:?}"
+    );
+}
+
 #[test]
 fn a_subscriber_sees_provisional_text_ahead_of_the_commits() {
     let d = TestDaemon::start();
