@@ -9,12 +9,7 @@ use superfluid::wire::{Request, Response};
 
 /// `$SUPERFLUID_TEST_MODEL`, or the default model's cached path.
 pub fn model() -> PathBuf {
-    std::env::var_os("SUPERFLUID_TEST_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").expect("HOME"))
-                .join(".cache/superfluid/models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        })
+    superfluid::engine::default_model_path().expect("HOME or SUPERFLUID_TEST_MODEL is set")
 }
 
 /// A `superfluid serve` on a temp sessions dir, killed on drop.

@@ -47,7 +47,7 @@ fn main() {
 fn append_bench(base: &Path, threads: usize, size: usize, run_for: Duration) {
     let dir = tempfile::tempdir_in(base).expect("temp dir");
     let (file, _) = open(dir.path(), OpenMode::Durable, &mut |_, _| Ok(())).expect("open");
-    let w = WalWriter::spawn(file, None);
+    let w = WalWriter::spawn(file, None).expect("wal-writer");
     let stop = Arc::new(AtomicBool::new(false));
     let start = Instant::now();
     let handles: Vec<_> = (0..threads)
@@ -95,7 +95,7 @@ fn append_bench(base: &Path, threads: usize, size: usize, run_for: Duration) {
 fn replay_bench(base: &Path, total: usize, size: usize) {
     let dir = tempfile::tempdir_in(base).expect("temp dir");
     let (file, _) = open(dir.path(), OpenMode::Durable, &mut |_, _| Ok(())).expect("open");
-    let w = WalWriter::spawn(file, None);
+    let w = WalWriter::spawn(file, None).expect("wal-writer");
     let records = total / (size + 12);
     let payload: Vec<u8> = (0..size).map(|i| (i * 31) as u8).collect();
     let mut left = records;

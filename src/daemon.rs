@@ -194,7 +194,8 @@ pub fn serve(config: ServeConfig) -> anyhow::Result<()> {
         OpenMode::Durable
     };
     let (file, book) = replay(&config.sessions, mode)?;
-    let writer = WalWriter::spawn(file, None);
+    let writer = WalWriter::spawn(file, None)
+        .map_err(|e| anyhow::anyhow!("cannot start the wal-writer thread: {e}"))?;
     let system = actix::System::new();
     let result = system.block_on(run(
         config.clone(),

@@ -3,7 +3,7 @@
 //! what it should. The default model is `$SUPERFLUID_TEST_MODEL` or the path
 //! scripts/fetch-model.sh writes; the derived ones lie next to it.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use superfluid::engine::render::Renderer;
@@ -22,29 +22,9 @@ const FIM_IDS: [(u32, &str); 3] = [
     (13, "<jupyter_code>"),
 ];
 
-fn default_model() -> PathBuf {
-    let path = match std::env::var_os("SUPERFLUID_TEST_MODEL") {
-        Some(p) => PathBuf::from(p),
-        None => PathBuf::from(std::env::var_os("HOME").expect("HOME is not set"))
-            .join(".cache/superfluid/models/SmolLM2-135M-Instruct.Q4_1.gguf"),
-    };
-    assert!(
-        path.is_file(),
-        "the test model {} is missing: run scripts/setup.sh (or set SUPERFLUID_TEST_MODEL)",
-        path.display()
-    );
-    path
-}
-
-fn derived(name: &str) -> PathBuf {
-    let path = default_model().with_file_name(name);
-    assert!(
-        path.is_file(),
-        "the derived test model {} is missing: run scripts/setup.sh (or scripts/make-test-models.py)",
-        path.display()
-    );
-    path
-}
+#[path = "tests/models.rs"]
+mod models;
+use models::{derived_model as derived, model_path as default_model};
 
 fn load(path: &Path) -> Arc<Vocab> {
     Arc::new(Vocab::load(path).unwrap_or_else(|e| panic!("load {}: {e}", path.display())))

@@ -19,9 +19,7 @@ const PROMPT: &str =
     "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n";
 
 fn model_path() -> PathBuf {
-    std::env::var_os("SUPERFLUID_TEST_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| "/root/.cache/superfluid/models/SmolLM2-135M-Instruct.Q4_1.gguf".into())
+    superfluid::engine::default_model_path().expect("HOME or SUPERFLUID_TEST_MODEL is set")
 }
 
 fn vocab() -> &'static Vocab {

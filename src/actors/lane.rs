@@ -2,24 +2,22 @@
 //! owns llama.cpp for one model. It spawns the worker, writes requests to its
 //! stdin and reads replies from its stdout (length-prefixed postcard frames,
 //! one reply per request, in order), and routes the worker's stderr into the
-//! daemon's log. stdin and stdout are non-blocking pipes served by two tasks
-//! on the actor's own arbiter (no thread hop per frame: a reply wakes the
-//! arbiter straight from epoll); stderr, which only carries logs, by a
-//! thread. Nothing blocks the arbiter.
+//! daemon's log. stdin, stdout and stderr are non-blocking pipes served by
+//! tasks on the actor's own arbiter (no thread hop per frame: a reply wakes
+//! the arbiter straight from epoll). Nothing blocks the arbiter.
 //!
 //! When the worker dies (a crash, SIGKILL, a llama.cpp abort) every request
 //! in flight fails with an Err, the listener (the scheduler) is told so it
 //! forgets the KV, and the worker is spawned again after a short delay.
 
 use std::collections::VecDeque;
-use std::io::{BufRead, BufReader};
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use actix::prelude::*;
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
 use tokio::net::unix::pipe;
 use tokio::sync::{mpsc, oneshot};
 
@@ -191,22 +189,28 @@ impl LaneActor {
                 reason,
             });
         });
-        std::thread::Builder::new()
-            .name("worker-stderr".into())
-            .spawn(move || {
-                for line in BufReader::new(stderr).lines() {
-                    match line {
-                        Ok(l) => match crate::logging::parse_worker_line(&l) {
-                            Some((level, target, msg)) => {
-                                log::log!(target: "superfluid::worker", level, "{target}: {msg}")
-                            }
-                            None => log::info!(target: "superfluid::worker", "{l}"),
-                        },
-                        Err(_) => break,
+        let stderr = match pipe::Receiver::from_owned_fd(OwnedFd::from(stderr)) {
+            Ok(r) => r,
+            Err(e) => {
+                log::error!("cannot set up the worker's stderr: {e}");
+                let _ = child.kill();
+                let _ = child.wait();
+                self.schedule_respawn(ctx);
+                return;
+            }
+        };
+        actix::spawn(async move {
+            // The worker's log lines, re-logged here; ends at its EOF.
+            let mut lines = tokio::io::BufReader::new(stderr).lines();
+            while let Ok(Some(l)) = lines.next_line().await {
+                match crate::logging::parse_worker_line(&l) {
+                    Some((level, target, msg)) => {
+                        log::log!(target: "superfluid::worker", level, "{target}: {msg}")
                     }
+                    None => log::info!(target: "superfluid::worker", "{l}"),
                 }
-            })
-            .expect("spawn worker-stderr thread");
+            }
+        });
         let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
         actix::spawn(async move {
             // Ends when the lane drops the sender (the worker is gone or

@@ -151,9 +151,16 @@ impl SchedulerActor {
             f.result = Some(result);
         }
         while self.in_flight.front().is_some_and(|f| f.result.is_some()) {
-            let f = self.in_flight.pop_front().expect("front");
-            let result = f.result.expect("result");
-            if f.dropped {
+            let Some(InFlight {
+                step,
+                dropped,
+                result: Some(result),
+                ..
+            }) = self.in_flight.pop_front()
+            else {
+                break;
+            };
+            if dropped {
                 continue;
             }
             let failed = result.is_err();
@@ -161,7 +168,7 @@ impl SchedulerActor {
                 self.state.note_decode(tokens, decode_us);
                 drawn
             });
-            let events = self.state.complete(&f.step, result);
+            let events = self.state.complete(&step, result);
             if failed {
                 for behind in &mut self.in_flight {
                     behind.dropped = true;

@@ -175,7 +175,8 @@ mod tests {
             return; // another logger is installed; nothing to observe
         }
         log::set_max_level(log::LevelFilter::Trace);
-        let path = std::path::Path::new(crate::engine::vocab::tests::MODEL);
+        let path = crate::engine::vocab::tests::model();
+        let path = path.as_path();
         let before = COUNTER.lines.load(Relaxed);
         let _vocab = crate::engine::vocab::Vocab::load(path).expect("load");
         let lines = COUNTER.lines.load(Relaxed) - before;

@@ -25,6 +25,18 @@ pub mod worker;
 
 use std::path::PathBuf;
 
+/// Where `scripts/fetch-model.sh` puts the default model (SmolLM2-135M-Instruct
+/// Q4_1): `$HOME/.cache/superfluid/models/`. `$SUPERFLUID_TEST_MODEL` replaces
+/// it for the tests and benchmarks. None when neither `HOME` nor the variable
+/// is set.
+pub fn default_model_path() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("SUPERFLUID_TEST_MODEL") {
+        return Some(PathBuf::from(p));
+    }
+    let home = std::env::var_os("HOME")?;
+    Some(PathBuf::from(home).join(".cache/superfluid/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+}
+
 /// A token id of the model's vocabulary (always `< n_vocab` once validated by [`vocab::Vocab`]).
 pub type Token = u32;
 

@@ -710,9 +710,7 @@ mod tests {
     use crate::wire::Params;
 
     fn model() -> std::path::PathBuf {
-        std::env::var_os("SUPERFLUID_TEST_MODEL")
-            .map(Into::into)
-            .unwrap_or_else(|| crate::engine::vocab::tests::MODEL.into())
+        crate::engine::vocab::tests::model()
     }
 
     fn greedy(draw_pos: u64) -> Option<Sample> {

@@ -240,13 +240,16 @@ pub(crate) mod tests {
     use super::*;
     use std::sync::{Arc, OnceLock};
 
-    pub(crate) const MODEL: &str = "/root/.cache/superfluid/models/SmolLM2-135M-Instruct.Q4_1.gguf";
+    /// The default model ([`crate::engine::default_model_path`]).
+    pub(crate) fn model() -> std::path::PathBuf {
+        crate::engine::default_model_path().expect("HOME or SUPERFLUID_TEST_MODEL is set")
+    }
 
     /// The SmolLM2 vocabulary, loaded once for all tests.
     pub(crate) fn smol() -> Arc<Vocab> {
         static VOCAB: OnceLock<Arc<Vocab>> = OnceLock::new();
         VOCAB
-            .get_or_init(|| Arc::new(Vocab::load(Path::new(MODEL)).expect("load SmolLM2 vocab")))
+            .get_or_init(|| Arc::new(Vocab::load(&model()).expect("load SmolLM2 vocab")))
             .clone()
     }
 

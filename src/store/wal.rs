@@ -492,20 +492,19 @@ pub struct WalWriter {
 impl WalWriter {
     /// Starts the writer thread ("wal-writer"). `before_sync` is a test
     /// failpoint called on the writer thread before every fdatasync.
-    pub fn spawn(file: WalFile, before_sync: Option<BeforeSync>) -> WalWriter {
+    pub fn spawn(file: WalFile, before_sync: Option<BeforeSync>) -> std::io::Result<WalWriter> {
         let (tx, rx) = mpsc::channel();
         let shared = Arc::new(Shared::default());
         shared.durable_len.store(file.end, Ordering::Release);
         let thread_shared = Arc::clone(&shared);
         let handle = std::thread::Builder::new()
             .name("wal-writer".into())
-            .spawn(move || writer_loop(file, rx, &thread_shared, before_sync))
-            .expect("spawning the wal-writer thread");
-        WalWriter {
+            .spawn(move || writer_loop(file, rx, &thread_shared, before_sync))?;
+        Ok(WalWriter {
             tx,
             shared,
             thread: Arc::new(Mutex::new(Some(handle))),
-        }
+        })
     }
 
     /// Queues one record; the receiver resolves only after the fdatasync
@@ -722,7 +721,7 @@ mod tests {
     /// Appends `payloads` through a fresh writer; returns each record's Durable.
     fn write_all(dir: &Path, payloads: &[Vec<u8>]) -> Vec<Durable> {
         let (f, _, _) = open_collect(dir, OpenMode::Durable).unwrap();
-        let w = WalWriter::spawn(f, None);
+        let w = WalWriter::spawn(f, None).unwrap();
         let rxs: Vec<_> = payloads.iter().map(|p| w.append(p.clone())).collect();
         let out = rxs
             .into_iter()
@@ -1013,7 +1012,8 @@ mod tests {
         let w = WalWriter::spawn(
             f,
             Some(Arc::new(|| std::thread::sleep(Duration::from_millis(2)))),
-        );
+        )
+        .unwrap();
         const THREADS: usize = 64;
         const EACH: usize = 10;
         let barrier = Arc::new(Barrier::new(THREADS));
@@ -1062,7 +1062,7 @@ mod tests {
             let _ = entered_tx.lock().unwrap().send(());
             let _ = release_rx.lock().unwrap().recv();
         });
-        let w = WalWriter::spawn(f, Some(hook));
+        let w = WalWriter::spawn(f, Some(hook)).unwrap();
         let before = w.durable_len();
         let mut rx = w.append(b"wait for it".to_vec());
         entered_rx.recv_timeout(Duration::from_secs(10)).unwrap();
@@ -1091,7 +1091,8 @@ mod tests {
             Some(Arc::new(move || {
                 let _ = release_rx.lock().unwrap().recv();
             })),
-        );
+        )
+        .unwrap();
         let mut rx = w.append(b"async".to_vec());
         let timed_out = tokio::time::timeout(Duration::from_millis(50), &mut rx).await;
         assert!(
@@ -1107,7 +1108,7 @@ mod tests {
     fn oversized_payload_fails_alone() {
         let d = tempfile::tempdir().unwrap();
         let (f, _, _) = open_collect(d.path(), OpenMode::Durable).unwrap();
-        let w = WalWriter::spawn(f, None);
+        let w = WalWriter::spawn(f, None).unwrap();
         let a = w.append(b"before".to_vec());
         let big = w.append(vec![0u8; MAX_RECORD_BYTES + 1]);
         let b = w.append(b"after".to_vec());
@@ -1130,7 +1131,7 @@ mod tests {
         // Swap in a read-only handle so the writer's pwrite fails (EBADF).
         let ro = File::open(f.path()).unwrap();
         let f = WalFile { file: ro, ..f };
-        let w = WalWriter::spawn(f, None);
+        let w = WalWriter::spawn(f, None).unwrap();
         let first = w.append(b"x".to_vec()).blocking_recv().unwrap();
         assert!(
             matches!(first, Err(StoreError::WriterFailed(_))),
@@ -1153,7 +1154,7 @@ mod tests {
     fn append_after_shutdown_fails_and_drop_drains() {
         let d = tempfile::tempdir().unwrap();
         let (f, _, _) = open_collect(d.path(), OpenMode::Durable).unwrap();
-        let w = WalWriter::spawn(f, None);
+        let w = WalWriter::spawn(f, None).unwrap();
         let other = w.clone();
         let rx = w.append(b"queued".to_vec());
         w.shutdown();
@@ -1163,7 +1164,7 @@ mod tests {
 
         // Dropping every handle: queued records still commit.
         let (f, _, _) = open_collect(d.path(), OpenMode::Durable).unwrap();
-        let w = WalWriter::spawn(f, None);
+        let w = WalWriter::spawn(f, None).unwrap();
         let rx = w.append(b"dropped handle".to_vec());
         drop(w);
         rx.blocking_recv().unwrap().unwrap();

@@ -56,6 +56,14 @@ fn generate(c: &mut Client, s: SessionId, max_tokens: u32) -> (Vec<Event>, Respo
     (events, last)
 }
 
+/// The finish code of a `Generated` reply, None for any other reply.
+fn finish_of(reply: &Response) -> Option<u8> {
+    match reply {
+        Response::Generated { finish, .. } => Some(*finish),
+        _ => None,
+    }
+}
+
 /// The tokens and text the session generated (Generated events only).
 fn generated(events: &[Event]) -> (Vec<Token>, String) {
     let mut tokens = Vec::new();
@@ -208,16 +216,7 @@ fn cancel_busy_and_fork_while_generating() {
     );
     let replies = gen.join().unwrap();
     let last = replies.last().unwrap();
-    assert!(
-        matches!(
-            last,
-            Response::Generated {
-                finish: finish::CANCELLED,
-                ..
-            }
-        ),
-        "{last:?}"
-    );
+    assert_eq!(finish_of(last), Some(finish::CANCELLED), "{last:?}");
     // Nothing is generating now.
     assert!(expect_err(&mut other, &Request::Cancel { session: s }).contains("no generation"));
     // Continued, the cancelled generation draws what the uncut one drew.
@@ -496,13 +495,7 @@ fn reasoning_goes_on_channel_1() {
         superfluid::wire::channel::REASONING,
         "{events:?}"
     );
-    assert!(matches!(
-        last,
-        Response::Generated {
-            finish: finish::MAX_TOKENS,
-            ..
-        }
-    ));
+    assert_eq!(finish_of(&last), Some(finish::MAX_TOKENS));
     let Response::Inspection { inspection } = c.call(&Request::Inspect { session: s }).unwrap()
     else {
         panic!()
@@ -535,16 +528,7 @@ fn forced_tool_call_round_trip() {
     );
     assert!(bad.contains("get_weather"), "{bad}");
     let (events, last) = generate(&mut c, s, 128);
-    assert!(
-        matches!(
-            last,
-            Response::Generated {
-                finish: finish::GRAMMAR,
-                ..
-            }
-        ),
-        "{last:?}"
-    );
+    assert_eq!(finish_of(&last), Some(finish::GRAMMAR), "{last:?}");
     let (call_id, arguments) = events
         .iter()
         .find_map(|e| match &e.body {
@@ -603,16 +587,21 @@ fn forced_tool_call_round_trip() {
     };
     assert!(calls.is_empty());
     // Back to auto: the model answers after the tool result, in a new turn.
-    commit(
-        &mut c,
-        Request::SetToolChoice {
-            session: s,
-            choice: "auto".into(),
-        },
-    );
+    tool_choice(&mut c, s, "auto");
     let (events, last) = generate(&mut c, s, 32);
     assert!(matches!(events[0].body, Record::GenerationPrompt { .. }));
     assert!(matches!(last, Response::Generated { .. }), "{last:?}");
+}
+
+/// `SetToolChoice`, committed.
+fn tool_choice(c: &mut Client, s: SessionId, choice: &str) {
+    commit(
+        c,
+        Request::SetToolChoice {
+            session: s,
+            choice: choice.into(),
+        },
+    );
 }
 
 /// A session on the tools model asked about the weather, with the call forced.
@@ -640,13 +629,7 @@ fn forced_weather_session(c: &mut Client) -> SessionId {
             text: "Is it raining in Paris?".into(),
         },
     );
-    commit(
-        c,
-        Request::SetToolChoice {
-            session: s,
-            choice: "required".into(),
-        },
-    );
+    tool_choice(c, s, "required");
     s
 }
 
@@ -660,16 +643,7 @@ fn a_cut_forced_call_continues_where_it_stopped() {
     let mut c = d.client();
     let whole = forced_weather_session(&mut c);
     let (events, last) = generate(&mut c, whole, 128);
-    assert!(
-        matches!(
-            last,
-            Response::Generated {
-                finish: finish::GRAMMAR,
-                ..
-            }
-        ),
-        "{last:?}"
-    );
+    assert_eq!(finish_of(&last), Some(finish::GRAMMAR), "{last:?}");
     let calls = |events: &[Event]| -> Vec<(String, String)> {
         events
             .iter()
@@ -686,14 +660,9 @@ fn a_cut_forced_call_continues_where_it_stopped() {
     for cut in [n / 4, n / 2, 3 * n / 4] {
         let s = forced_weather_session(&mut c);
         let (first, last) = generate(&mut c, s, cut as u32);
-        assert!(
-            matches!(
-                last,
-                Response::Generated {
-                    finish: finish::MAX_TOKENS,
-                    ..
-                }
-            ),
+        assert_eq!(
+            finish_of(&last),
+            Some(finish::MAX_TOKENS),
             "cut at {cut}: {last:?}"
         );
         let worker = worker_pid(d.pid());
@@ -702,14 +671,9 @@ fn a_cut_forced_call_continues_where_it_stopped() {
             std::thread::sleep(Duration::from_millis(20));
         }
         let (rest, last) = generate(&mut c, s, 128);
-        assert!(
-            matches!(
-                last,
-                Response::Generated {
-                    finish: finish::GRAMMAR,
-                    ..
-                }
-            ),
+        assert_eq!(
+            finish_of(&last),
+            Some(finish::GRAMMAR),
             "cut at {cut}: {last:?}"
         );
         let all: Vec<Event> = first.into_iter().chain(rest).collect();
@@ -725,42 +689,12 @@ fn a_call_forced_in_the_middle_of_an_open_turn_starts_there() {
     let d = tools_think_daemon();
     let mut c = d.client();
     let s = forced_weather_session(&mut c);
-    commit(
-        &mut c,
-        Request::SetToolChoice {
-            session: s,
-            choice: "auto".into(),
-        },
-    );
+    tool_choice(&mut c, s, "auto");
     let (_, last) = generate(&mut c, s, 3);
-    assert!(
-        matches!(
-            last,
-            Response::Generated {
-                finish: finish::MAX_TOKENS,
-                ..
-            }
-        ),
-        "{last:?}"
-    );
-    commit(
-        &mut c,
-        Request::SetToolChoice {
-            session: s,
-            choice: "required".into(),
-        },
-    );
+    assert_eq!(finish_of(&last), Some(finish::MAX_TOKENS), "{last:?}");
+    tool_choice(&mut c, s, "required");
     let (events, last) = generate(&mut c, s, 128);
-    assert!(
-        matches!(
-            last,
-            Response::Generated {
-                finish: finish::GRAMMAR,
-                ..
-            }
-        ),
-        "{last:?}"
-    );
+    assert_eq!(finish_of(&last), Some(finish::GRAMMAR), "{last:?}");
     assert!(
         events
             .iter()

@@ -6,6 +6,7 @@ mod bad_input;
 mod browser;
 mod daemon;
 mod generate;
+mod models;
 mod ordering;
 mod util;
 mod web;

@@ -53,7 +53,8 @@ fn no_reply_before_the_fsync_that_covers_it() {
     let (file, book) = replay(dir.path(), OpenMode::Durable).unwrap();
     let gate = Arc::new(Gate::default());
     let hook_gate = gate.clone();
-    let writer = WalWriter::spawn(file, Some(Arc::new(move || hook_gate.wait())));
+    let writer =
+        WalWriter::spawn(file, Some(Arc::new(move || hook_gate.wait()))).expect("wal-writer");
     let wal_path = dir.path().join("wal.log");
 
     let w = writer.clone();

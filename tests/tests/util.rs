@@ -21,33 +21,7 @@ const STOP_TIMEOUT_MS: u64 = 20_000;
 /// How long a daemon expected to fail may run before we call it a hang.
 const FAIL_TIMEOUT_MS: u64 = 20_000;
 
-/// The model the daemon loads: `$SUPERFLUID_TEST_MODEL`, or the path
-/// scripts/fetch-model.sh writes.
-pub fn model_path() -> PathBuf {
-    let path = match std::env::var_os("SUPERFLUID_TEST_MODEL") {
-        Some(p) => PathBuf::from(p),
-        None => PathBuf::from(std::env::var_os("HOME").expect("HOME is not set"))
-            .join(".cache/superfluid/models/SmolLM2-135M-Instruct.Q4_1.gguf"),
-    };
-    assert!(
-        path.is_file(),
-        "the test model {} is missing: run scripts/fetch-model.sh (or set SUPERFLUID_TEST_MODEL)",
-        path.display()
-    );
-    path
-}
-
-/// A test model scripts/make-test-models.py derives from the default one
-/// (`SmolLM2-135M-tools-think.gguf`, `SmolLM2-135M-fim.gguf`), beside it.
-pub fn derived_model(name: &str) -> PathBuf {
-    let path = model_path().with_file_name(name);
-    assert!(
-        path.is_file(),
-        "the test model {} is missing: run scripts/setup.sh",
-        path.display()
-    );
-    path
-}
+pub use crate::models::{derived_model, model_path};
 
 pub fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_superfluid")
