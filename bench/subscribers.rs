@@ -17,10 +17,8 @@
 //!   to the session's last event; a client that missed an id, saw one twice,
 //!   or was ended as `lagged` counts.
 //!
-//! The WebSocket client is hand-written over `TcpStream`, as in
-//! tests/tests/web.rs.
+//! The WebSocket client is tungstenite's, as in tests/tests/web.rs.
 
-use std::io::{BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::Path;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -92,107 +90,60 @@ impl Web {
     }
 }
 
-// ---- a minimal WebSocket client -------------------------------------------
+// ---- the WebSocket client (tungstenite) -----------------------------------
 
 /// The reading half of a WebSocket.
 struct WsReader {
-    r: BufReader<TcpStream>,
+    ws: tungstenite::WebSocket<TcpStream>,
 }
 
-/// The writing half of a WebSocket.
+/// The writing half of a WebSocket: a second tungstenite client over the
+/// same connection, used only to send.
 struct WsWriter {
-    s: TcpStream,
-}
-
-/// Reads a response head; returns the status.
-fn read_status(s: &mut TcpStream) -> u16 {
-    let mut buf = Vec::new();
-    let mut b = [0u8; 1];
-    // Byte by byte: nothing after the head may be consumed here.
-    while !buf.ends_with(b"\r\n\r\n") {
-        let n = s.read(&mut b).expect("reading the handshake");
-        assert!(n > 0, "closed during the handshake");
-        buf.push(b[0]);
-    }
-    let head = String::from_utf8_lossy(&buf);
-    head.split(' ').nth(1).unwrap().parse().unwrap()
+    ws: tungstenite::WebSocket<TcpStream>,
 }
 
 fn ws_connect(port: u16, token: &str) -> (WsReader, WsWriter) {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    use tungstenite::client::IntoClientRequest;
+    use tungstenite::http::HeaderValue;
+    let s = TcpStream::connect(("127.0.0.1", port)).expect("connect");
     s.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
     s.set_nodelay(true).unwrap();
-    let req = format!(
-        "GET /web/ws HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n\
-         Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\
-         Sec-WebSocket-Version: 13\r\nSec-WebSocket-Protocol: superfluid.v1\r\n\
-         Origin: {ORIGIN}\r\nAuthorization: Bearer {token}\r\n\r\n"
+    let mut req = format!("ws://127.0.0.1:{port}/web/ws")
+        .into_client_request()
+        .unwrap();
+    let h = req.headers_mut();
+    h.insert(
+        "Sec-WebSocket-Protocol",
+        HeaderValue::from_static("superfluid.v1"),
     );
-    s.write_all(req.as_bytes()).unwrap();
-    let status = read_status(&mut s);
-    assert_eq!(status, 101, "the WebSocket was refused");
+    h.insert("Origin", HeaderValue::from_static(ORIGIN));
+    h.insert(
+        "Authorization",
+        HeaderValue::from_str(&format!("Bearer {token}")).unwrap(),
+    );
     let w = s.try_clone().unwrap();
-    (
-        WsReader {
-            r: BufReader::new(s),
-        },
-        WsWriter { s: w },
-    )
+    let (ws, _) = tungstenite::client(req, s).expect("the WebSocket was refused");
+    let writer =
+        tungstenite::WebSocket::from_raw_socket(w, tungstenite::protocol::Role::Client, None);
+    (WsReader { ws }, WsWriter { ws: writer })
 }
 
 impl WsWriter {
     fn send(&mut self, request: &Request) {
         let text = serde_json::to_string(request).unwrap();
-        let payload = text.as_bytes();
-        let mask = [0x12u8, 0x34, 0x56, 0x78];
-        let mut frame = vec![0x81u8];
-        match payload.len() {
-            n if n < 126 => frame.push(0x80 | n as u8),
-            n if n < 65536 => {
-                frame.push(0x80 | 126);
-                frame.extend_from_slice(&(n as u16).to_be_bytes());
-            }
-            n => {
-                frame.push(0x80 | 127);
-                frame.extend_from_slice(&(n as u64).to_be_bytes());
-            }
-        }
-        frame.extend_from_slice(&mask);
-        frame.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
-        self.s.write_all(&frame).unwrap();
+        self.ws.send(tungstenite::Message::text(text)).unwrap();
     }
 }
 
 impl WsReader {
     /// The next text message, or None on a close frame, EOF or timeout.
     fn recv_text(&mut self) -> Option<String> {
-        let mut message = Vec::new();
         loop {
-            let mut head = [0u8; 2];
-            self.r.read_exact(&mut head).ok()?;
-            let opcode = head[0] & 0x0f;
-            let len = match head[1] & 0x7f {
-                126 => {
-                    let mut b = [0u8; 2];
-                    self.r.read_exact(&mut b).ok()?;
-                    u16::from_be_bytes(b) as usize
-                }
-                127 => {
-                    let mut b = [0u8; 8];
-                    self.r.read_exact(&mut b).ok()?;
-                    u64::from_be_bytes(b) as usize
-                }
-                n => n as usize,
-            };
-            let mut payload = vec![0u8; len];
-            self.r.read_exact(&mut payload).ok()?;
-            match opcode {
-                8 => return None,
-                9 | 10 => continue,
-                _ => message.extend_from_slice(&payload),
-            }
-            if head[0] & 0x80 != 0 {
-                return Some(String::from_utf8(message).unwrap());
+            match self.ws.read() {
+                Ok(tungstenite::Message::Text(t)) => return Some(t.to_string()),
+                Ok(tungstenite::Message::Close(_)) | Err(_) => return None,
+                Ok(_) => continue,
             }
         }
     }

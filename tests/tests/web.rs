@@ -1,7 +1,7 @@
 //! The browser transport (`--web`): the auth matrix, /web/rpc, /web/stream,
-//! /web/ws, subscriptions, on a real daemon and the real model. The HTTP
-//! and WebSocket clients are hand-written below over `TcpStream`
-//! (HTTP/1.1, `Connection: close`; WebSocket frames masked as a client must).
+//! /web/ws, subscriptions, on a real daemon and the real model. HTTP is
+//! written by hand over `TcpStream` (HTTP/1.1, `Connection: close`), so the
+//! tests see and send exact bytes; the WebSocket client is tungstenite's.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -250,111 +250,66 @@ fn sse_lines(text: &str) -> Vec<String> {
         .collect()
 }
 
-// ---- a minimal WebSocket client --------------------------------------------
+// ---- the WebSocket client (tungstenite) ------------------------------------
 
 struct Ws {
-    s: TcpStream,
+    ws: tungstenite::WebSocket<TcpStream>,
     protocol: Option<String>,
 }
 
 impl Ws {
-    /// The handshake; `Err(status)` when the server refused it.
+    /// The handshake (tungstenite's client) with `headers` added to, or
+    /// replacing, its own; `Err(status)` when the server refused it.
     fn connect(port: u16, headers: &[(&str, &str)]) -> Result<Ws, u16> {
-        let mut s = connect(port);
-        let mut all = vec![
-            ("Upgrade", "websocket"),
-            ("Connection", "Upgrade"),
-            ("Sec-WebSocket-Key", "dGhlIHNhbXBsZSBub25jZQ=="),
-            ("Sec-WebSocket-Version", "13"),
-        ];
+        use tungstenite::client::IntoClientRequest;
+        use tungstenite::http::{HeaderName, HeaderValue};
+        let mut req = format!("ws://127.0.0.1:{port}/web/ws")
+            .into_client_request()
+            .unwrap();
+        let h = req.headers_mut();
         if !headers.iter().any(|(n, _)| *n == "Sec-WebSocket-Protocol") {
-            all.push(("Sec-WebSocket-Protocol", "superfluid.v1"));
+            h.insert(
+                "Sec-WebSocket-Protocol",
+                HeaderValue::from_static("superfluid.v1"),
+            );
         }
-        all.extend_from_slice(headers);
-        // `Connection: close` would be wrong here: write the request by hand.
-        let mut req = "GET /web/ws HTTP/1.1\r\n".to_string();
-        if !all.iter().any(|(n, _)| *n == "Host") {
-            req.push_str(&format!("Host: 127.0.0.1:{port}\r\n"));
+        for (n, v) in headers {
+            h.insert(
+                HeaderName::from_bytes(n.as_bytes()).unwrap(),
+                HeaderValue::from_str(v).unwrap(),
+            );
         }
-        for (n, v) in &all {
-            req.push_str(&format!("{n}: {v}\r\n"));
+        match tungstenite::client(req, connect(port)) {
+            Ok((ws, response)) => Ok(Ws {
+                ws,
+                protocol: response
+                    .headers()
+                    .get("sec-websocket-protocol")
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_owned),
+            }),
+            Err(tungstenite::HandshakeError::Failure(tungstenite::Error::Http(r))) => {
+                Err(r.status().as_u16())
+            }
+            Err(e) => panic!("the WebSocket handshake failed: {e}"),
         }
-        req.push_str("\r\n");
-        s.write_all(req.as_bytes()).unwrap();
-        let (status, headers, rest) = read_head(&mut s);
-        if status != 101 {
-            return Err(status);
-        }
-        assert!(rest.is_empty());
-        let accept = headers
-            .iter()
-            .find(|(n, _)| n.eq_ignore_ascii_case("sec-websocket-accept"));
-        assert_eq!(
-            accept.map(|a| a.1.as_str()),
-            Some("s3pPLMBiTxaQ9kYGzzhZRbK+xOo=")
-        );
-        let protocol = headers
-            .iter()
-            .find(|(n, _)| n.eq_ignore_ascii_case("sec-websocket-protocol"))
-            .map(|(_, v)| v.clone());
-        Ok(Ws { s, protocol })
     }
 
     fn send_text(&mut self, text: &str) {
-        let payload = text.as_bytes();
-        let mask = [0x12u8, 0x34, 0x56, 0x78];
-        let mut frame = vec![0x81u8];
-        match payload.len() {
-            n if n < 126 => frame.push(0x80 | n as u8),
-            n if n < 65536 => {
-                frame.push(0x80 | 126);
-                frame.extend_from_slice(&(n as u16).to_be_bytes());
-            }
-            n => {
-                frame.push(0x80 | 127);
-                frame.extend_from_slice(&(n as u64).to_be_bytes());
-            }
-        }
-        frame.extend_from_slice(&mask);
-        frame.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
-        self.s.write_all(&frame).unwrap();
+        self.ws.send(tungstenite::Message::text(text)).unwrap();
     }
 
     fn send(&mut self, request: &Request) {
         self.send_text(&serde_json::to_string(request).unwrap());
     }
 
-    /// The next text message, or None on a close frame or EOF.
+    /// The next text message, or None on a close frame, EOF or timeout.
     fn recv_text(&mut self) -> Option<String> {
-        let mut message = Vec::new();
         loop {
-            let mut head = [0u8; 2];
-            if self.s.read_exact(&mut head).is_err() {
-                return None;
-            }
-            let opcode = head[0] & 0x0f;
-            let len = match head[1] & 0x7f {
-                126 => {
-                    let mut b = [0u8; 2];
-                    self.s.read_exact(&mut b).unwrap();
-                    u16::from_be_bytes(b) as usize
-                }
-                127 => {
-                    let mut b = [0u8; 8];
-                    self.s.read_exact(&mut b).unwrap();
-                    u64::from_be_bytes(b) as usize
-                }
-                n => n as usize,
-            };
-            let mut payload = vec![0u8; len];
-            self.s.read_exact(&mut payload).unwrap();
-            match opcode {
-                8 => return None,
-                9 | 10 => continue,
-                _ => message.extend_from_slice(&payload),
-            }
-            if head[0] & 0x80 != 0 {
-                return Some(String::from_utf8(message).unwrap());
+            match self.ws.read() {
+                Ok(tungstenite::Message::Text(t)) => return Some(t.to_string()),
+                Ok(tungstenite::Message::Close(_)) | Err(_) => return None,
+                Ok(_) => continue,
             }
         }
     }
