@@ -9,7 +9,7 @@ pub mod grammar;
 pub mod output;
 pub mod turn;
 
-pub use book::{Planned, SessionBook, TurnState};
+pub use book::{ApplyError, GenerationPlan, Planned, PlannedEvent, SessionBook, TurnState};
 
 use crate::wire::Token;
 
@@ -82,4 +82,29 @@ pub enum SessionError {
     },
     #[error("cannot render: {0}")]
     Render(String),
+    #[error("max_tokens must be between 1 and the context size ({n_ctx})")]
+    MaxTokens { n_ctx: u32 },
+    #[error(transparent)]
+    Grammar(#[from] grammar::GrammarError),
+    /// A request that would append to the session while it generates.
+    #[error("SessionBusy: session {0} has a generation in flight")]
+    Busy(u64),
+    #[error("session {0} has no generation in flight")]
+    NotGenerating(u64),
+    /// Making a record durable failed: the log layer's message.
+    #[error("{0}")]
+    Commit(String),
+    /// The scheduler refused a generation: its message.
+    #[error("{0}")]
+    Admit(String),
+    #[error("the scheduler is gone: {0}")]
+    SchedulerGone(String),
+    #[error("AppendImage: this model has no vision projector")]
+    NoVision,
+    #[error("Generate streams its replies: send it on the socket or /web/ws")]
+    Streams,
+    /// A request the session actor does not serve (the registry routes
+    /// only session requests to it).
+    #[error("internal error: {0} is not a session request")]
+    NotASessionRequest(String),
 }
