@@ -57,6 +57,31 @@ pub trait Render: Send + Sync {
     fn fim(&self) -> Option<[Token; 3]>;
 }
 
+/// Why a Rebase's edits were refused.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum EditError {
+    #[error("Rebase needs at least one edit")]
+    NoEdits,
+    #[error("edit {index} includes event 0, which no rebase may touch")]
+    TouchesEventZero { index: usize },
+    #[error(
+        "edit {index}: range {from}..{to} is empty or reversed (ranges are half-open, from < to)"
+    )]
+    EmptyOrReversed { index: usize, from: u64, to: u64 },
+    #[error(
+        "edit {index}: range {from}..{to} runs past the end of session {session} ({len} events)"
+    )]
+    PastTheEnd {
+        index: usize,
+        from: u64,
+        to: u64,
+        session: u64,
+        len: u64,
+    },
+    #[error("edit {index}: range {from}..{to} overlaps or precedes the previous edit (edits must be sorted and must not overlap)")]
+    Unsorted { index: usize, from: u64, to: u64 },
+}
+
 /// Why the book refused a request. Each becomes `Err { message }` at the edge.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum SessionError {
@@ -82,6 +107,17 @@ pub enum SessionError {
     },
     #[error("cannot render: {0}")]
     Render(String),
+    #[error("unknown role {0}: roles are 0 system, 1 user, 2 assistant, 3 tool")]
+    UnknownRole(u8),
+    #[error(transparent)]
+    Edit(#[from] EditError),
+    #[error(
+        "AppendSystem opens a session, and session {0} already has input \
+         (templates declare tools only in the first turn)"
+    )]
+    SystemAfterInput(u64),
+    #[error("tool call {call_id} was already answered ({status})")]
+    CallAnswered { call_id: u64, status: String },
     #[error("max_tokens must be between 1 and the context size ({n_ctx})")]
     MaxTokens { n_ctx: u32 },
     #[error(transparent)]

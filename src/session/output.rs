@@ -223,7 +223,7 @@ impl OutputDecoder {
         if self.channel == TOOL_CALL && turn_ends {
             out.push(Segment::ParseFailure {
                 text: std::mem::take(&mut self.tool_block),
-                error: "the tool call was not closed before the end of generation".to_owned(),
+                error: ToolCallError::NotClosed.to_string(),
             });
         }
         out
@@ -517,6 +517,8 @@ pub enum ToolCallError {
     ArgumentsNotJson(String),
     #[error("{0}")]
     Encode(String),
+    #[error("the tool call was not closed before the end of generation")]
+    NotClosed,
 }
 
 /// Parse a tool-call body `{"name": ..., "arguments": ...}` into the name and compact JSON
@@ -1029,7 +1031,7 @@ mod tests {
         match &events(&segs)[..] {
             [Segment::ParseFailure { text, error }] => {
                 assert_eq!(text, "<tool_call>{\"name\": \"f\", \"argu");
-                assert!(error.contains("not closed"));
+                assert_eq!(error, &ToolCallError::NotClosed.to_string());
             }
             other => panic!("{other:?}"),
         }
@@ -1062,7 +1064,10 @@ mod tests {
             parse_tool_call(" {\"name\": \"a\", \"arguments\": {\"k\": [1, {\"x\": null}]}} "),
             Ok(("a".into(), r#"{"k":[1,{"x":null}]}"#.into()))
         );
-        assert!(parse_tool_call("{\"name\": \"\"}").is_err());
+        assert_eq!(
+            parse_tool_call("{\"name\": \"\"}"),
+            Err(ToolCallError::EmptyName)
+        );
     }
 
     proptest::proptest! {

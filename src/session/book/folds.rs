@@ -279,10 +279,10 @@ impl SessionBook {
                 SessionError::Invalid(format!("session {s} has no tool call {call_id}"))
             })?;
         if entry.closed_by.is_some() {
-            return Err(SessionError::Invalid(format!(
-                "tool call {call_id} was already answered ({})",
-                entry.status
-            )));
+            return Err(SessionError::CallAnswered {
+                call_id,
+                status: entry.status,
+            });
         }
         Ok(entry)
     }

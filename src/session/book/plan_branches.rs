@@ -7,6 +7,7 @@
 
 use super::plan_messages::check_role;
 use super::{Planned, Render, SessionBook, SessionError};
+use crate::session::EditError;
 use crate::wire::{Edit, EventId, Params, Record, SessionId};
 
 /// A planned range of a rebased view, before it has event ids: kept from
@@ -91,32 +92,29 @@ impl SessionBook {
     ) -> Result<(), SessionError> {
         let len = self.get(parent)?.len;
         if edits.is_empty() {
-            return Err(SessionError::Invalid(
-                "Rebase needs at least one edit".into(),
-            ));
+            return Err(EditError::NoEdits.into());
         }
         let mut prev_to = 0;
         for (i, e) in edits.iter().enumerate() {
             let (from, to) = e.range();
             if from == 0 {
-                return Err(SessionError::Invalid(format!(
-                    "edit {i} includes event 0, which no rebase may touch"
-                )));
+                return Err(EditError::TouchesEventZero { index: i }.into());
             }
             if from >= to {
-                return Err(SessionError::Invalid(format!(
-                    "edit {i}: range {from}..{to} is empty or reversed (ranges are half-open, from < to)"
-                )));
+                return Err(EditError::EmptyOrReversed { index: i, from, to }.into());
             }
             if to > len {
-                return Err(SessionError::Invalid(format!(
-                    "edit {i}: range {from}..{to} runs past the end of session {parent} ({len} events)"
-                )));
+                return Err(EditError::PastTheEnd {
+                    index: i,
+                    from,
+                    to,
+                    session: parent,
+                    len,
+                }
+                .into());
             }
             if i > 0 && from < prev_to {
-                return Err(SessionError::Invalid(format!(
-                    "edit {i}: range {from}..{to} overlaps or precedes the previous edit (edits must be sorted and must not overlap)"
-                )));
+                return Err(EditError::Unsorted { index: i, from, to }.into());
             }
             if let Edit::Replace { role, .. } = e {
                 check_role(*role)?;

@@ -7,9 +7,7 @@ use crate::wire::{role, Event, Record, SessionId, Token};
 
 pub(super) fn check_role(r: u8) -> Result<(), SessionError> {
     if role::name(r).is_none() {
-        return Err(SessionError::Invalid(format!(
-            "unknown role {r}: roles are 0 system, 1 user, 2 assistant, 3 tool"
-        )));
+        return Err(SessionError::UnknownRole(r));
     }
     Ok(())
 }
@@ -94,10 +92,7 @@ impl SessionBook {
     ) -> Result<Planned, SessionError> {
         self.live(s)?;
         if self.all_events(s).iter().any(|e| is_input(&e.body)) {
-            return Err(SessionError::Invalid(format!(
-                "AppendSystem opens a session, and session {s} already has input \
-                 (templates declare tools only in the first turn)"
-            )));
+            return Err(SessionError::SystemAfterInput(s));
         }
         let span = render
             .system_span(text.as_deref(), &tools)

@@ -196,14 +196,53 @@ fn bad_rebase_edits_are_refused() {
         say(&mut b, s, t);
     }
     let d = |from, to| Edit::Drop { from, to };
+    use crate::session::EditError as E;
+    let edit = |e: E| SessionError::Edit(e);
     for (edits, why) in [
-        (vec![], "at least one"),
-        (vec![d(0, 2)], "event 0"),
-        (vec![d(2, 2)], "empty"),
-        (vec![d(3, 2)], "reversed"),
-        (vec![d(2, 9)], "past the end"),
-        (vec![d(3, 4), d(1, 2)], "sorted"),
-        (vec![d(1, 3), d(2, 4)], "overlap"),
+        (vec![], edit(E::NoEdits)),
+        (vec![d(0, 2)], edit(E::TouchesEventZero { index: 0 })),
+        (
+            vec![d(2, 2)],
+            edit(E::EmptyOrReversed {
+                index: 0,
+                from: 2,
+                to: 2,
+            }),
+        ),
+        (
+            vec![d(3, 2)],
+            edit(E::EmptyOrReversed {
+                index: 0,
+                from: 3,
+                to: 2,
+            }),
+        ),
+        (
+            vec![d(2, 9)],
+            edit(E::PastTheEnd {
+                index: 0,
+                from: 2,
+                to: 9,
+                session: s,
+                len: 5,
+            }),
+        ),
+        (
+            vec![d(3, 4), d(1, 2)],
+            edit(E::Unsorted {
+                index: 1,
+                from: 1,
+                to: 2,
+            }),
+        ),
+        (
+            vec![d(1, 3), d(2, 4)],
+            edit(E::Unsorted {
+                index: 1,
+                from: 2,
+                to: 4,
+            }),
+        ),
         (
             vec![Edit::Replace {
                 from: 1,
@@ -211,14 +250,11 @@ fn bad_rebase_edits_are_refused() {
                 role: 7,
                 text: "x".into(),
             }],
-            "unknown role",
+            SessionError::UnknownRole(7),
         ),
     ] {
-        let err = b
-            .plan_rebase(99, s, edits, None, &Bytes, 1)
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains(why), "{err} should mention {why}");
+        let err = b.plan_rebase(99, s, edits, None, &Bytes, 1).unwrap_err();
+        assert_eq!(err, why, "{err}");
     }
 }
 
@@ -237,7 +273,7 @@ fn system_only_before_input_including_inherited() {
         )
     );
     let err = b.plan_system(s, None, vec![], &Bytes, 1).unwrap_err();
-    assert!(err.to_string().contains("already has input"));
+    assert_eq!(err, SessionError::SystemAfterInput(s));
     let t = create(&mut b);
     say(&mut b, t, "hi");
     let f = b.reserve_id();
@@ -390,7 +426,7 @@ fn tool_call_bookkeeping() {
     let err = b
         .plan_tool_result(s, call, "x".into(), &Bytes, 1)
         .unwrap_err();
-    assert!(err.to_string().contains("already answered"));
+    assert!(matches!(err, SessionError::CallAnswered { .. }), "{err}");
     assert_eq!(b.ledger(s).unwrap()[0].status, "answered");
 
     // Two more calls: one cancelled on request, one failed with a note.
