@@ -37,15 +37,15 @@ pub trait Render: Send + Sync {
         tools: &[String],
         new: &Turn,
         first: bool,
-    ) -> Result<Vec<Token>, String>;
+    ) -> Result<Vec<Token>, RenderError>;
     /// The opening system turn declaring `tools`.
-    fn system_span(&self, text: Option<&str>, tools: &[String]) -> Result<Vec<Token>, String>;
+    fn system_span(&self, text: Option<&str>, tools: &[String]) -> Result<Vec<Token>, RenderError>;
     /// The assistant header that opens a generated turn after `history`.
     fn generation_prompt_span(
         &self,
         history: &[Turn],
         tools: &[String],
-    ) -> Result<Vec<Token>, String>;
+    ) -> Result<Vec<Token>, RenderError>;
     /// A token's raw bytes (possibly part of a UTF-8 character).
     fn piece(&self, token: Token) -> Vec<u8>;
     /// True when the token ends the model's turn.
@@ -56,6 +56,11 @@ pub trait Render: Send + Sync {
     /// model has them.
     fn fim(&self) -> Option<[Token; 3]>;
 }
+
+/// Why the chat template could not render a message: its message.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{0}")]
+pub struct RenderError(pub String);
 
 /// Why a Rebase's edits were refused.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -106,7 +111,7 @@ pub enum SessionError {
         actual: u64,
     },
     #[error("cannot render: {0}")]
-    Render(String),
+    Render(RenderError),
     #[error("unknown role {0}: roles are 0 system, 1 user, 2 assistant, 3 tool")]
     UnknownRole(u8),
     #[error(transparent)]

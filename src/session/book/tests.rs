@@ -2,6 +2,7 @@
 //! chat template.
 
 use super::*;
+use crate::session::RenderError;
 use crate::wire::{finish, role, Edit, LogRecord, Params, PurgeMode, Record, Token};
 
 /// Tokens are bytes; a message renders as `<role>text|`.
@@ -23,17 +24,17 @@ impl Render for Bytes {
         _: &[String],
         new: &Turn,
         first: bool,
-    ) -> Result<Vec<Token>, String> {
+    ) -> Result<Vec<Token>, RenderError> {
         let pre = if first { "^" } else { "" };
         Ok(self.tokenize(&format!("{pre}<{}>{}|", new.role, new.content)))
     }
-    fn system_span(&self, text: Option<&str>, tools: &[String]) -> Result<Vec<Token>, String> {
+    fn system_span(&self, text: Option<&str>, tools: &[String]) -> Result<Vec<Token>, RenderError> {
         for t in tools {
-            serde_json::from_str::<serde_json::Value>(t).map_err(|e| e.to_string())?;
+            serde_json::from_str::<serde_json::Value>(t).map_err(|e| RenderError(e.to_string()))?;
         }
         Ok(self.tokenize(&format!("<sys>{}{}|", text.unwrap_or(""), tools.join(","))))
     }
-    fn generation_prompt_span(&self, _: &[Turn], _: &[String]) -> Result<Vec<Token>, String> {
+    fn generation_prompt_span(&self, _: &[Turn], _: &[String]) -> Result<Vec<Token>, RenderError> {
         Ok(self.tokenize("<2>"))
     }
     fn piece(&self, token: Token) -> Vec<u8> {
@@ -566,13 +567,13 @@ impl Render for Thinking {
         tools: &[String],
         new: &Turn,
         first: bool,
-    ) -> Result<Vec<Token>, String> {
+    ) -> Result<Vec<Token>, RenderError> {
         Bytes.message_span(history, tools, new, first)
     }
-    fn system_span(&self, text: Option<&str>, tools: &[String]) -> Result<Vec<Token>, String> {
+    fn system_span(&self, text: Option<&str>, tools: &[String]) -> Result<Vec<Token>, RenderError> {
         Bytes.system_span(text, tools)
     }
-    fn generation_prompt_span(&self, _: &[Turn], _: &[String]) -> Result<Vec<Token>, String> {
+    fn generation_prompt_span(&self, _: &[Turn], _: &[String]) -> Result<Vec<Token>, RenderError> {
         Ok(self.tokenize("<2><think>\n"))
     }
     fn piece(&self, token: Token) -> Vec<u8> {
