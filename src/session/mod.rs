@@ -3,6 +3,18 @@
 //! rendering text into tokens goes through the [`Render`] trait, which the
 //! daemon implements with the model's vocabulary and chat template and the
 //! tests with a fake.
+//!
+//! - [`SessionBook`] (`book/`): every session's view; requests become typed
+//!   plans ([`Planned`], [`GenerationPlan`]) from one read of it, and committed
+//!   records change it (`apply`).
+//! - [`turn`]: a generation's drawn tokens to the records it commits, and the
+//!   finish rule (which finish codes close an assistant turn).
+//! - [`output`]: the output decoder (text, reasoning and tool-call channels).
+//! - [`grammar`]: the grammar that forces a tool call.
+//!
+//! "Turn" means an assistant turn (`TurnState`, `TurnOutput`), except for
+//! [`Turn`], one chat message as the template sees it (the engine's
+//! `ChatMessage` is its twin).
 
 mod book;
 pub mod grammar;

@@ -55,6 +55,14 @@ impl TurnState {
     }
 }
 
+/// Every token `events` put on the input, in order.
+pub(super) fn input_of(events: &[Event]) -> Vec<Token> {
+    events
+        .iter()
+        .flat_map(|e| e.body.span().iter().copied())
+        .collect()
+}
+
 /// Folds a session's events into the messages a chat template sees.
 pub(super) fn chat_messages(events: &[Event]) -> Vec<Turn> {
     let mut out: Vec<Turn> = Vec::new();
@@ -176,12 +184,9 @@ pub(super) fn declared_tools(events: &[Event]) -> Vec<String> {
 
 impl SessionBook {
     /// Every token on the session's input, in order.
+    #[cfg(test)]
     pub fn input(&self, s: SessionId) -> Result<Vec<Token>, SessionError> {
-        let events = self.read(s, 0)?;
-        Ok(events
-            .iter()
-            .flat_map(|e| e.body.span().iter().copied())
-            .collect())
+        Ok(input_of(&self.read(s, 0)?))
     }
 
     /// Where the session's last turn stands. `think_close` is the template's

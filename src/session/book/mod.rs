@@ -195,10 +195,6 @@ impl SessionBook {
         Ok(self.get(s)?.len)
     }
 
-    pub fn params(&self, s: SessionId) -> Result<Params, SessionError> {
-        Ok(self.get(s)?.params)
-    }
-
     fn event(&self, s: SessionId, ts: u64, event_id: EventId, body: Record) -> Event {
         let _ = s;
         Event {

@@ -5,8 +5,8 @@
 
 use serde_json::Value;
 
-use super::folds::{chat_messages, declared_tools, forced_tools_of, qos_of};
-use super::{Planned, PlannedEvent, SessionBook, TurnState};
+use super::folds::{chat_messages, declared_tools, forced_tools_of, input_of, qos_of};
+use super::{PlannedEvent, SessionBook, TurnState};
 use crate::session::grammar::{forced_call, SchemaToGrammar};
 use crate::session::output::Markers;
 use crate::session::turn::TurnOutput;
@@ -81,10 +81,7 @@ impl SessionBook {
         let think_close = markers.think.as_ref().map(|m| m.1.as_str());
         let events = self.all_events(s);
         let state = TurnState::of(&events, think_close);
-        let mut prompt: Vec<Token> = events
-            .iter()
-            .flat_map(|e| e.body.span().iter().copied())
-            .collect();
+        let mut prompt = input_of(&events);
         // The last turn's header and where its output begins.
         let mut header = None;
         let mut offset = 0;
@@ -140,21 +137,6 @@ impl SessionBook {
             opened_in_reasoning,
             turn,
         })
-    }
-
-    /// The `GenerationPrompt` that opens an assistant turn.
-    pub fn plan_generation_prompt(
-        &self,
-        s: SessionId,
-        render: &dyn Render,
-        now: u64,
-    ) -> Result<Planned, SessionError> {
-        self.live(s)?;
-        let events = self.all_events(s);
-        let span = render
-            .generation_prompt_span(&chat_messages(&events), &declared_tools(&events))
-            .map_err(SessionError::Render)?;
-        self.one_event(s, now, Record::GenerationPrompt { span })
     }
 
     /// A record the generation produced (Generated, ToolUse,

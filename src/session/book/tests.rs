@@ -480,7 +480,8 @@ fn turn_state_follows_the_last_generated_event() {
     let s = create(&mut b);
     say(&mut b, s, "q");
     assert_eq!(b.turn_state(s, None).unwrap(), TurnState::Closed);
-    commit!(b, b.plan_generation_prompt(s, &Bytes, 1));
+    let p = plan(&b, s, &Bytes);
+    open(&mut b, &p);
     assert_eq!(
         b.turn_state(s, None).unwrap(),
         TurnState::Open {
