@@ -12,6 +12,7 @@ use actix::prelude::*;
 use super::session::{commit, name, Busy, SessionActor, SessionRequest, SessionStream};
 use super::subscription::{self, SubscriptionActor};
 use super::{now_ms, Shared};
+use crate::session::SessionError;
 use crate::wire::{Request, Response, SessionId};
 
 /// How long a session actor may sit idle before it is stopped.
@@ -38,7 +39,7 @@ pub struct DispatchStream {
 /// `Subscribe` from a frontend: starts a `SubscriptionActor` whose replies
 /// go to `out` (the connection's queue); it waits for `Begin`.
 #[derive(Message)]
-#[rtype(result = "Result<(u64, Addr<SubscriptionActor>), String>")]
+#[rtype(result = "Result<(u64, Addr<SubscriptionActor>), SessionError>")]
 pub struct Subscribe {
     pub session: SessionId,
     pub cursor: u64,
@@ -220,7 +221,7 @@ impl Actor for Registry {
 }
 
 impl Handler<Subscribe> for Registry {
-    type Result = Result<(u64, Addr<SubscriptionActor>), String>;
+    type Result = Result<(u64, Addr<SubscriptionActor>), SessionError>;
 
     fn handle(&mut self, m: Subscribe, _: &mut Context<Self>) -> Self::Result {
         subscription::start(&self.shared, m.session, m.cursor, m.provisional, m.out)
