@@ -16,21 +16,29 @@ use crate::actors::scheduler::{AdmitGen, CancelGen, GenUpdate};
 use crate::scheduler::{Admit, GenEvent, GenId};
 use crate::session::grammar::GrammarError;
 use crate::session::turn::TurnOutput;
-use crate::session::SessionError;
+use crate::session::{SessionError, TurnState};
 use crate::wire::{finish, Record, Response};
 
 /// The generation a session actor runs.
 pub(super) struct ActiveGeneration {
+    /// The scheduler's id for it, once admitted.
     gen: Option<GenId>,
+    /// The generating client's replies.
     reply: mpsc::Sender<Response>,
+    /// Drawn tokens to records; it knows the finish code once finished.
     output: TurnOutput,
     /// Records ready to commit, in order.
     queue: VecDeque<Record>,
+    /// A record's commit is in flight (they are committed one at a time).
     committing: bool,
+    /// Events committed, the opening record included.
     events: u64,
     warm_prefix: u64,
+    /// Why it failed: the last reply is this error.
     failed: Option<String>,
+    /// A Cancel came; sent to the scheduler once its id is known.
     cancel_requested: bool,
+    /// The client also wants provisional text.
     provisional: bool,
     /// Keeps the actor from being stopped as idle while it runs.
     _busy: BusyGuard,
@@ -182,7 +190,7 @@ impl SessionActor {
             provisional,
             _busy: self.busy.begin(),
         });
-        if plan.opening.is_some() && matches!(plan.state, crate::session::TurnState::Open { .. }) {
+        if plan.opening.is_some() && matches!(plan.state, TurnState::Open { .. }) {
             log::debug!(
                 "session {}: continuing its turn in epoch {}",
                 self.id,
