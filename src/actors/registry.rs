@@ -233,10 +233,8 @@ impl Handler<DispatchStream> for Registry {
 
     fn handle(&mut self, msg: DispatchStream, _: &mut Context<Self>) {
         let Some(id) = msg.request.session() else {
-            let _ = msg.reply.try_send(Response::err(format!(
-                "{} does not stream",
-                name(&msg.request)
-            )));
+            let e = SessionError::DoesNotStream(name(&msg.request));
+            let _ = msg.reply.try_send(Response::err(e.to_string()));
             return;
         };
         if let Err(e) = self.shared.read().len(id) {

@@ -152,6 +152,9 @@ pub enum SessionError {
     Admit(String),
     #[error("the scheduler is gone: {0}")]
     SchedulerGone(String),
+    /// A request sent as a stream that only Generate may be.
+    #[error("{0} does not stream")]
+    DoesNotStream(String),
     #[error("AppendImage: this model has no vision projector")]
     NoVision,
     #[error("Generate streams its replies: send it on the socket or /web/ws")]

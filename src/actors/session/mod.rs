@@ -191,9 +191,8 @@ impl Handler<SessionStream> for SessionActor {
                 self.start_generation(max_tokens, msg.reply, msg.provisional, ctx);
             }
             other => {
-                let _ = msg
-                    .reply
-                    .try_send(Response::err(format!("{} does not stream", name(&other))));
+                let e = SessionError::DoesNotStream(name(&other));
+                let _ = msg.reply.try_send(err(e));
             }
         }
     }
