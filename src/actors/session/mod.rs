@@ -279,9 +279,12 @@ async fn serve(shared: &Shared, req: Request) -> Result<Response, SessionError> 
             batch_invariant,
         } => meta::qos(shared, session, class, batch_invariant).await,
         Pin { session, ttl_ms } => meta::pin(shared, session, ttl_ms).await,
-        // The registry answers the requests about no session; the frontends
-        // send Generate as a stream and Subscribe to the registry; the
-        // handler above answers Cancel. None of them reaches this point.
+        // The frontends send Generate as a stream; this says so should one
+        // come as a plain request.
+        Generate { .. } => Err(SessionError::Streams),
+        // The registry answers the requests about no session, and starts a
+        // subscription itself; the handler above answers Cancel. None of
+        // them reaches this point.
         other => Err(SessionError::NotASessionRequest(name(&other))),
     }
 }
