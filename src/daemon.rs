@@ -16,7 +16,7 @@ use crate::engine::render::Renderer;
 use crate::engine::template::{normalize_tool, ChatMessage};
 use crate::engine::vocab::Vocab;
 use crate::scheduler::SchedulerState;
-use crate::session::{Render, SessionBook, Turn};
+use crate::session::{Render, RenderError, SessionBook, Turn};
 use crate::store::{self, DirLock, OpenMode, WalWriter};
 use crate::wire::worker::WorkerConfig;
 use crate::wire::{from_postcard, LogRecord, Token};
@@ -94,10 +94,10 @@ fn messages(turns: &[Turn]) -> Vec<ChatMessage> {
         .collect()
 }
 
-fn tools(tools: &[String]) -> Result<Vec<serde_json::Value>, String> {
+fn tools(tools: &[String]) -> Result<Vec<serde_json::Value>, RenderError> {
     tools
         .iter()
-        .map(|t| normalize_tool(t).map_err(|e| e.to_string()))
+        .map(|t| normalize_tool(t).map_err(|e| RenderError(e.to_string())))
         .collect()
 }
 
@@ -117,25 +117,29 @@ impl Render for ModelRender {
         tool_list: &[String],
         new: &Turn,
         first: bool,
-    ) -> Result<Vec<Token>, String> {
+    ) -> Result<Vec<Token>, RenderError> {
         let new = &messages(std::slice::from_ref(new))[0];
         self.renderer
             .message_span(&messages(history), &tools(tool_list)?, new, first)
-            .map_err(|e| e.to_string())
+            .map_err(|e| RenderError(e.to_string()))
     }
-    fn system_span(&self, text: Option<&str>, tool_list: &[String]) -> Result<Vec<Token>, String> {
+    fn system_span(
+        &self,
+        text: Option<&str>,
+        tool_list: &[String],
+    ) -> Result<Vec<Token>, RenderError> {
         self.renderer
             .system_span(text, &tools(tool_list)?)
-            .map_err(|e| e.to_string())
+            .map_err(|e| RenderError(e.to_string()))
     }
     fn generation_prompt_span(
         &self,
         history: &[Turn],
         tool_list: &[String],
-    ) -> Result<Vec<Token>, String> {
+    ) -> Result<Vec<Token>, RenderError> {
         self.renderer
             .generation_prompt_span(&messages(history), &tools(tool_list)?)
-            .map_err(|e| e.to_string())
+            .map_err(|e| RenderError(e.to_string()))
     }
     fn piece(&self, token: Token) -> Vec<u8> {
         self.vocab.piece(token)

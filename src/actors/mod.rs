@@ -1,12 +1,13 @@
-//! The actix actors. Each is a thin shell: it receives a message, calls the
-//! plain structs of `session` and `store`, and replies.
+//! The actix actors. Each receives a message, calls the plain typed cores
+//! (`session`, `scheduler`, `store`), commits what they planned, and replies;
+//! the logic lives in the cores, where it is unit-tested.
 //!
 //! - [`wal::WalActor`]: hands encoded records to the WAL writer thread and
 //!   resolves once the fsync covering them returned.
 //! - [`registry::Registry`]: the entry point of every request; answers the
 //!   ones about no session, starts session actors on demand and stops idle ones.
 //! - [`session::SessionActor`]: one per session; runs that session's requests
-//!   one at a time, in order.
+//!   one at a time, in order, one request family a file under `session/`.
 //! - [`subscription::SubscriptionActor`]: one per `Subscribe`; sends the
 //!   backlog, then what [`bus::Bus`] publishes after each commit.
 //!
@@ -28,8 +29,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use actix::Addr;
 
-use crate::session::{Render, SessionBook};
-use crate::wire::{to_postcard, LogRecord};
+use crate::session::{ApplyError, Render, SessionBook, SessionError};
+use crate::store::StoreError;
+use crate::wire::{to_postcard, LogRecord, WireError};
 
 /// What every actor shares.
 #[derive(Clone)]
@@ -45,6 +47,26 @@ pub struct Shared {
     pub n_ctx: u32,
     /// Committed events, published to live subscriptions.
     pub bus: bus::Bus,
+}
+
+/// Why a record was not committed.
+#[derive(Debug, thiserror::Error)]
+pub enum CommitError {
+    #[error(transparent)]
+    Encode(#[from] WireError),
+    #[error("the log writer is gone: {0}")]
+    WriterGone(String),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The book refused a record the log already holds: a bug.
+    #[error("internal error applying a committed record: {0}")]
+    Apply(#[from] ApplyError),
+}
+
+impl From<CommitError> for SessionError {
+    fn from(e: CommitError) -> SessionError {
+        SessionError::Commit(e.to_string())
+    }
 }
 
 /// Milliseconds since the Unix epoch.
@@ -69,16 +91,14 @@ impl Shared {
 
     /// Makes a record durable, then applies it to the book. Only after this
     /// returns may anyone see what the record holds.
-    pub async fn commit(&self, record: LogRecord) -> Result<(), String> {
-        let bytes = to_postcard(&record).map_err(|e| e.to_string())?;
+    pub async fn commit(&self, record: LogRecord) -> Result<(), CommitError> {
+        let bytes = to_postcard(&record)?;
         self.wal
             .send(wal::Commit(bytes))
             .await
-            .map_err(|e| format!("the log writer is gone: {e}"))?
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| CommitError::WriterGone(e.to_string()))??;
         let mut book = self.write();
-        book.apply(&record)
-            .map_err(|e| format!("internal error applying a committed record: {e}"))?;
+        book.apply(&record)?;
         // Published with the book still locked: a subscriber registers under
         // the read lock, then reads its backlog, so it sees every event.
         match &record {

@@ -5,15 +5,14 @@
 //! so the next request starts a fresh one.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 
-use super::session::{name, SessionActor, SessionRequest, SessionStream};
+use super::session::{commit, name, Busy, SessionActor, SessionRequest, SessionStream};
 use super::subscription::{self, SubscriptionActor};
 use super::{now_ms, Shared};
+use crate::session::SessionError;
 use crate::wire::{Request, Response, SessionId};
 
 /// How long a session actor may sit idle before it is stopped.
@@ -40,7 +39,7 @@ pub struct DispatchStream {
 /// `Subscribe` from a frontend: starts a `SubscriptionActor` whose replies
 /// go to `out` (the connection's queue); it waits for `Begin`.
 #[derive(Message)]
-#[rtype(result = "Result<(u64, Addr<SubscriptionActor>), String>")]
+#[rtype(result = "Result<(u64, Addr<SubscriptionActor>), SessionError>")]
 pub struct Subscribe {
     pub session: SessionId,
     pub cursor: u64,
@@ -48,21 +47,18 @@ pub struct Subscribe {
     pub out: tokio::sync::mpsc::Sender<Response>,
 }
 
-/// How many session actors are running (for tests and metrics).
-#[derive(Message)]
-#[rtype(result = "usize")]
-pub struct RunningSessions;
-
-struct Running {
+/// A session actor the registry started.
+struct Started {
     addr: Addr<SessionActor>,
     last_used: Instant,
-    /// The actor's requests in flight plus one while it generates: never stopped then.
-    busy: Arc<AtomicUsize>,
+    /// The actor's requests in flight and its generation: never stopped
+    /// while it has any.
+    busy: Busy,
 }
 
 pub struct Registry {
     shared: Shared,
-    running: HashMap<SessionId, Running>,
+    started: HashMap<SessionId, Started>,
     started_unix_ms: u64,
 }
 
@@ -70,7 +66,7 @@ impl Registry {
     pub fn new(shared: Shared) -> Registry {
         Registry {
             shared,
-            running: HashMap::new(),
+            started: HashMap::new(),
             started_unix_ms: now_ms(),
         }
     }
@@ -78,14 +74,14 @@ impl Registry {
     fn actor(&mut self, id: SessionId) -> Addr<SessionActor> {
         let shared = &self.shared;
         let start = || {
-            let busy = Arc::new(AtomicUsize::new(0));
-            Running {
+            let busy = Busy::default();
+            Started {
                 addr: SessionActor::new(id, shared.clone(), busy.clone()).start(),
                 last_used: Instant::now(),
                 busy,
             }
         };
-        let entry = self.running.entry(id).or_insert_with(start);
+        let entry = self.started.entry(id).or_insert_with(start);
         if !entry.addr.connected() {
             *entry = start();
         }
@@ -130,7 +126,7 @@ impl Registry {
             "superfluid_session_actors",
             "gauge",
             "Session actors running.",
-            self.running.len() as u64,
+            self.started.len() as u64,
         );
         metric(
             &mut out,
@@ -218,21 +214,14 @@ impl Actor for Registry {
         ctx.run_interval(Duration::from_secs(IDLE_SWEEP_INTERVAL_SECS), |this, _| {
             let idle = Duration::from_secs(SESSION_IDLE_STOP_SECS);
             // Dropping the last address stops the actor once its mailbox is empty.
-            this.running
-                .retain(|_, r| r.busy.load(Ordering::SeqCst) > 0 || r.last_used.elapsed() < idle);
+            this.started
+                .retain(|_, s| !s.busy.is_idle() || s.last_used.elapsed() < idle);
         });
     }
 }
 
-impl Handler<RunningSessions> for Registry {
-    type Result = usize;
-    fn handle(&mut self, _: RunningSessions, _: &mut Context<Self>) -> usize {
-        self.running.len()
-    }
-}
-
 impl Handler<Subscribe> for Registry {
-    type Result = Result<(u64, Addr<SubscriptionActor>), String>;
+    type Result = Result<(u64, Addr<SubscriptionActor>), SessionError>;
 
     fn handle(&mut self, m: Subscribe, _: &mut Context<Self>) -> Self::Result {
         subscription::start(&self.shared, m.session, m.cursor, m.provisional, m.out)
@@ -244,10 +233,8 @@ impl Handler<DispatchStream> for Registry {
 
     fn handle(&mut self, msg: DispatchStream, _: &mut Context<Self>) {
         let Some(id) = msg.request.session() else {
-            let _ = msg.reply.try_send(Response::err(format!(
-                "{} does not stream",
-                name(&msg.request)
-            )));
+            let e = SessionError::DoesNotStream(name(&msg.request));
+            let _ = msg.reply.try_send(Response::err(e.to_string()));
             return;
         };
         if let Err(e) = self.shared.read().len(id) {
@@ -283,19 +270,16 @@ impl Handler<Dispatch> for Registry {
         let reply = |r: Response| -> ResponseFuture<Response> { Box::pin(async move { r }) };
         match req {
             Request::Create { parent, params } => Box::pin(async move {
-                let now = now_ms();
-                let (id, planned) = {
+                let planned = {
                     let mut book = shared.write();
                     let id = book.reserve_id();
-                    (id, book.plan_create(id, parent, params, now))
+                    book.plan_create(id, parent, params, now_ms())
                 };
-                match planned {
-                    Ok(p) => match shared.commit(p.record).await {
-                        Ok(()) => Response::Created { session: id },
-                        Err(e) => Response::err(e),
-                    },
-                    Err(e) => Response::err(e.to_string()),
-                }
+                let reply = match planned {
+                    Ok(p) => commit(&shared, p).await,
+                    Err(e) => Err(e),
+                };
+                reply.unwrap_or_else(|e| Response::err(e.to_string()))
             }),
             Request::List => reply(Response::Sessions {
                 ids: shared.read().list(),

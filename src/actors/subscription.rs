@@ -16,6 +16,7 @@ use tokio::sync::mpsc;
 
 use super::bus::{BusItem, EndReason, Subscriber};
 use super::Shared;
+use crate::session::SessionError;
 use crate::wire::{Event, EventId, Response, SessionId};
 
 /// Start delivering: sent by the connection once it has queued
@@ -55,10 +56,10 @@ pub fn start(
     cursor: EventId,
     provisional: bool,
     out: mpsc::Sender<Response>,
-) -> Result<(u64, Addr<SubscriptionActor>), String> {
+) -> Result<(u64, Addr<SubscriptionActor>), SessionError> {
     let (backlog, subscriber) = {
         let book = shared.read();
-        let backlog = book.read(session, cursor).map_err(|e| e.to_string())?;
+        let backlog = book.read(session, cursor)?;
         (backlog, shared.bus.subscribe(session, provisional))
     };
     let sub = subscriber.sub;

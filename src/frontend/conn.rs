@@ -86,7 +86,8 @@ impl Connection {
                         out: self.out.clone(),
                     })
                     .await
-                    .unwrap_or_else(|e| Err(format!("the daemon is shutting down: {e}")));
+                    .map_err(|e| format!("the daemon is shutting down: {e}"))
+                    .and_then(|started| started.map_err(|e| e.to_string()));
                 match started {
                     Ok((sub, addr)) => {
                         self.subs.retain(|_, a| a.connected());

@@ -11,7 +11,19 @@
 use serde_json::{json, Value};
 
 /// Turns a JSON schema into a GBNF grammar whose start rule is `root`.
-pub type SchemaToGrammar<'a> = &'a dyn Fn(&str) -> Result<String, String>;
+pub type SchemaToGrammar<'a> = &'a dyn Fn(&str) -> Result<String, GrammarError>;
+
+/// Why no grammar forces the call.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum GrammarError {
+    #[error("no tools are declared, so no call can be forced")]
+    NoTools,
+    #[error("the schema's grammar has no root rule")]
+    NoRootRule,
+    /// The converter refused the schema: its message.
+    #[error("{0}")]
+    Convert(String),
+}
 
 /// A declared tool's name and parameters schema, from an OpenAI function
 /// tool, a bare function or an Anthropic tool.
@@ -81,9 +93,9 @@ pub fn forced_call(
     tools: &[(String, Value)],
     close_reasoning: Option<&str>,
     convert: SchemaToGrammar,
-) -> Result<String, String> {
+) -> Result<String, GrammarError> {
     if tools.is_empty() {
-        return Err("no tools are declared, so no call can be forced".into());
+        return Err(GrammarError::NoTools);
     }
     let body = match convert(&call_schema(tools, false).to_string()) {
         Ok(g) => g,
@@ -109,7 +121,7 @@ pub fn forced_call(
         renamed.push('\n');
     }
     if !found {
-        return Err("the schema's grammar has no root rule".into());
+        return Err(GrammarError::NoRootRule);
     }
     let open = match close_reasoning {
         Some(close) => format!("{} ", literal(&format!("{close}\n\n"))),
@@ -146,7 +158,7 @@ mod tests {
     #[test]
     fn wraps_the_converted_schema_and_closes_reasoning() {
         let seen = std::cell::RefCell::new(Vec::new());
-        let convert = |schema: &str| -> Result<String, String> {
+        let convert = |schema: &str| -> Result<String, GrammarError> {
             seen.borrow_mut().push(schema.to_string());
             Ok("root ::= \"{\" space \"}\"\nspace ::= \" \"?\n".into())
         };
@@ -159,7 +171,7 @@ mod tests {
         assert!(g.contains("call-object ::= \"{\" space \"}\""), "{g}");
         let schema: Value = serde_json::from_str(&seen.borrow()[0]).unwrap();
         assert_eq!(schema["properties"]["name"]["const"], "get_weather");
-        assert!(forced_call(&[], None, &convert).is_err());
+        assert_eq!(forced_call(&[], None, &convert), Err(GrammarError::NoTools));
         // Two tools: one alternative each.
         let two = vec![tools[0].clone(), ("b".to_string(), json!({}))];
         forced_call(&two, None, &convert).unwrap();
@@ -169,9 +181,9 @@ mod tests {
 
     #[test]
     fn falls_back_to_any_arguments_when_a_schema_fails() {
-        let convert = |schema: &str| -> Result<String, String> {
+        let convert = |schema: &str| -> Result<String, GrammarError> {
             if schema.contains("\"minLength\"") {
-                Err("unsupported".into())
+                Err(GrammarError::Convert("unsupported".into()))
             } else {
                 Ok("root ::= \"{}\"\n".into())
             }

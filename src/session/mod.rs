@@ -3,13 +3,25 @@
 //! rendering text into tokens goes through the [`Render`] trait, which the
 //! daemon implements with the model's vocabulary and chat template and the
 //! tests with a fake.
+//!
+//! - [`SessionBook`] (`book/`): every session's view; requests become typed
+//!   plans ([`Planned`], [`GenerationPlan`]) from one read of it, and committed
+//!   records change it (`apply`).
+//! - [`turn`]: a generation's drawn tokens to the records it commits, and the
+//!   finish rule (which finish codes close an assistant turn).
+//! - [`output`]: the output decoder (text, reasoning and tool-call channels).
+//! - [`grammar`]: the grammar that forces a tool call.
+//!
+//! "Turn" means an assistant turn (`TurnState`, `TurnOutput`), except for
+//! [`Turn`], one chat message as the template sees it (the engine's
+//! `ChatMessage` is its twin).
 
 mod book;
 pub mod grammar;
 pub mod output;
 pub mod turn;
 
-pub use book::{Planned, SessionBook, TurnState};
+pub use book::{ApplyError, GenerationPlan, Planned, PlannedEvent, SessionBook, TurnState};
 
 use crate::wire::Token;
 
@@ -37,15 +49,15 @@ pub trait Render: Send + Sync {
         tools: &[String],
         new: &Turn,
         first: bool,
-    ) -> Result<Vec<Token>, String>;
+    ) -> Result<Vec<Token>, RenderError>;
     /// The opening system turn declaring `tools`.
-    fn system_span(&self, text: Option<&str>, tools: &[String]) -> Result<Vec<Token>, String>;
+    fn system_span(&self, text: Option<&str>, tools: &[String]) -> Result<Vec<Token>, RenderError>;
     /// The assistant header that opens a generated turn after `history`.
     fn generation_prompt_span(
         &self,
         history: &[Turn],
         tools: &[String],
-    ) -> Result<Vec<Token>, String>;
+    ) -> Result<Vec<Token>, RenderError>;
     /// A token's raw bytes (possibly part of a UTF-8 character).
     fn piece(&self, token: Token) -> Vec<u8>;
     /// True when the token ends the model's turn.
@@ -55,6 +67,36 @@ pub trait Render: Send + Sync {
     /// The fill-in-the-middle tokens `[prefix, suffix, middle]`, if the
     /// model has them.
     fn fim(&self) -> Option<[Token; 3]>;
+}
+
+/// Why the chat template could not render a message: its message.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{0}")]
+pub struct RenderError(pub String);
+
+/// Why a Rebase's edits were refused.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum EditError {
+    #[error("Rebase needs at least one edit")]
+    NoEdits,
+    #[error("edit {index} includes event 0, which no rebase may touch")]
+    TouchesEventZero { index: usize },
+    #[error(
+        "edit {index}: range {from}..{to} is empty or reversed (ranges are half-open, from < to)"
+    )]
+    EmptyOrReversed { index: usize, from: u64, to: u64 },
+    #[error(
+        "edit {index}: range {from}..{to} runs past the end of session {session} ({len} events)"
+    )]
+    PastTheEnd {
+        index: usize,
+        from: u64,
+        to: u64,
+        session: u64,
+        len: u64,
+    },
+    #[error("edit {index}: range {from}..{to} overlaps or precedes the previous edit (edits must be sorted and must not overlap)")]
+    Unsorted { index: usize, from: u64, to: u64 },
 }
 
 /// Why the book refused a request. Each becomes `Err { message }` at the edge.
@@ -81,5 +123,44 @@ pub enum SessionError {
         actual: u64,
     },
     #[error("cannot render: {0}")]
-    Render(String),
+    Render(RenderError),
+    #[error("unknown role {0}: roles are 0 system, 1 user, 2 assistant, 3 tool")]
+    UnknownRole(u8),
+    #[error(transparent)]
+    Edit(#[from] EditError),
+    #[error(
+        "AppendSystem opens a session, and session {0} already has input \
+         (templates declare tools only in the first turn)"
+    )]
+    SystemAfterInput(u64),
+    #[error("tool call {call_id} was already answered ({status})")]
+    CallAnswered { call_id: u64, status: String },
+    #[error("max_tokens must be between 1 and the context size ({n_ctx})")]
+    MaxTokens { n_ctx: u32 },
+    #[error(transparent)]
+    Grammar(#[from] grammar::GrammarError),
+    /// A request that would append to the session while it generates.
+    #[error("SessionBusy: session {0} has a generation in flight")]
+    Busy(u64),
+    #[error("session {0} has no generation in flight")]
+    NotGenerating(u64),
+    /// Making a record durable failed: the log layer's message.
+    #[error("{0}")]
+    Commit(String),
+    /// The scheduler refused a generation: its message.
+    #[error("{0}")]
+    Admit(String),
+    #[error("the scheduler is gone: {0}")]
+    SchedulerGone(String),
+    /// A request sent as a stream that only Generate may be.
+    #[error("{0} does not stream")]
+    DoesNotStream(String),
+    #[error("AppendImage: this model has no vision projector")]
+    NoVision,
+    #[error("Generate streams its replies: send it on the socket or /web/ws")]
+    Streams,
+    /// A request the session actor does not serve (the registry routes
+    /// only session requests to it).
+    #[error("internal error: {0} is not a session request")]
+    NotASessionRequest(String),
 }

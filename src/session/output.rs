@@ -120,7 +120,7 @@ enum Action {
 }
 
 /// Output of one scan, before tokens are attributed.
-enum Piece {
+enum Scanned {
     /// Text on a channel; `end` is the absolute offset (in the decoded text) just past it.
     Text {
         channel: u8,
@@ -223,7 +223,7 @@ impl OutputDecoder {
         if self.channel == TOOL_CALL && turn_ends {
             out.push(Segment::ParseFailure {
                 text: std::mem::take(&mut self.tool_block),
-                error: "the tool call was not closed before the end of generation".to_owned(),
+                error: ToolCallError::NotClosed.to_string(),
             });
         }
         out
@@ -304,7 +304,7 @@ impl OutputDecoder {
     /// Scan `buf` for markers, emit what is certain, attribute tokens.
     fn run(&mut self, finishing: bool) -> Vec<Segment> {
         let start = self.base;
-        let mut pieces: Vec<Piece> = Vec::new();
+        let mut pieces: Vec<Scanned> = Vec::new();
         loop {
             let found = {
                 let active = self.active();
@@ -345,7 +345,7 @@ impl OutputDecoder {
                             self.emit(&mut pieces, ch, &marker);
                             if ch == TOOL_CALL {
                                 let block = std::mem::take(&mut self.tool_block);
-                                pieces.push(Piece::Event(self.parse_block(block)));
+                                pieces.push(Scanned::Event(self.parse_block(block)));
                             }
                             self.channel = TEXT;
                         }
@@ -363,7 +363,7 @@ impl OutputDecoder {
         pieces
             .into_iter()
             .filter_map(|p| match p {
-                Piece::Text {
+                Scanned::Text {
                     channel,
                     text,
                     tokens,
@@ -373,15 +373,15 @@ impl OutputDecoder {
                     text,
                     tokens,
                 }),
-                Piece::Text { .. } => None,
-                Piece::Event(s) => Some(s),
+                Scanned::Text { .. } => None,
+                Scanned::Event(s) => Some(s),
             })
             .collect()
     }
 
     /// Append `text` on `channel` to `pieces` (merging with a preceding text piece on the same
     /// channel) and advance `base`.
-    fn emit(&mut self, pieces: &mut Vec<Piece>, channel: u8, text: &str) {
+    fn emit(&mut self, pieces: &mut Vec<Scanned>, channel: u8, text: &str) {
         if text.is_empty() {
             return;
         }
@@ -396,7 +396,7 @@ impl OutputDecoder {
         if text.is_empty() {
             return;
         }
-        if let Some(Piece::Text {
+        if let Some(Scanned::Text {
             channel: c,
             text: t,
             end,
@@ -409,7 +409,7 @@ impl OutputDecoder {
                 return;
             }
         }
-        pieces.push(Piece::Text {
+        pieces.push(Scanned::Text {
             channel,
             text: text.to_owned(),
             end: self.base,
@@ -419,7 +419,7 @@ impl OutputDecoder {
 
     /// Give each pending token whose last byte has been emitted to the text piece holding that
     /// byte. `start` is where this call's text began.
-    fn attribute(&mut self, pieces: &mut Vec<Piece>, start: usize) {
+    fn attribute(&mut self, pieces: &mut Vec<Scanned>, start: usize) {
         while let Some(&(token, Some(end))) = self.pending.front() {
             if end > self.base {
                 break;
@@ -427,7 +427,7 @@ impl OutputDecoder {
             self.pending.pop_front();
             let holder = if end > start {
                 pieces.iter_mut().find_map(|p| match p {
-                    Piece::Text {
+                    Scanned::Text {
                         text,
                         end: e,
                         tokens,
@@ -444,13 +444,13 @@ impl OutputDecoder {
                     // An empty piece with nothing held back: its own empty segment (or the one
                     // made for the previous such token).
                     match pieces.last_mut() {
-                        Some(Piece::Text {
+                        Some(Scanned::Text {
                             channel,
                             text,
                             tokens,
                             ..
                         }) if text.is_empty() && *channel == self.channel => tokens.push(token),
-                        _ => pieces.push(Piece::Text {
+                        _ => pieces.push(Scanned::Text {
                             channel: self.channel,
                             text: String::new(),
                             end: self.base,
@@ -473,7 +473,10 @@ impl OutputDecoder {
         let body = &block[open.min(block.len())..block.len().saturating_sub(close).max(open)];
         match parse_tool_call(body) {
             Ok((name, arguments)) => Segment::ToolCall { name, arguments },
-            Err(error) => Segment::ParseFailure { text: block, error },
+            Err(error) => Segment::ParseFailure {
+                text: block,
+                error: error.to_string(),
+            },
         }
     }
 }
@@ -496,28 +499,50 @@ fn held_len<'a>(buf: &str, markers: impl Iterator<Item = &'a str>) -> usize {
     best
 }
 
+/// Why a tool-call block did not parse. Its text is the `error` of the
+/// `ToolParseFailure` the log records.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ToolCallError {
+    #[error("not valid JSON: {0}")]
+    NotJson(String),
+    #[error("the tool call is not a JSON object")]
+    NotAnObject,
+    #[error("the tool call's \"name\" is empty")]
+    EmptyName,
+    #[error("the tool call's \"name\" is not a string")]
+    NameNotAString,
+    #[error("the tool call has no \"name\"")]
+    NoName,
+    #[error("the tool call's arguments are a string that is not JSON: {0}")]
+    ArgumentsNotJson(String),
+    #[error("{0}")]
+    Encode(String),
+    #[error("the tool call was not closed before the end of generation")]
+    NotClosed,
+}
+
 /// Parse a tool-call body `{"name": ..., "arguments": ...}` into the name and compact JSON
 /// arguments.
-pub fn parse_tool_call(body: &str) -> Result<(String, String), String> {
+pub fn parse_tool_call(body: &str) -> Result<(String, String), ToolCallError> {
     let value: Json =
-        serde_json::from_str(body.trim()).map_err(|e| format!("not valid JSON: {e}"))?;
-    let obj = value
-        .as_object()
-        .ok_or_else(|| "the tool call is not a JSON object".to_owned())?;
+        serde_json::from_str(body.trim()).map_err(|e| ToolCallError::NotJson(e.to_string()))?;
+    let obj = value.as_object().ok_or(ToolCallError::NotAnObject)?;
     let name = match obj.get("name") {
         Some(Json::String(n)) if !n.is_empty() => n.clone(),
-        Some(Json::String(_)) => return Err("the tool call's \"name\" is empty".to_owned()),
-        Some(_) => return Err("the tool call's \"name\" is not a string".to_owned()),
-        None => return Err("the tool call has no \"name\"".to_owned()),
+        Some(Json::String(_)) => return Err(ToolCallError::EmptyName),
+        Some(_) => return Err(ToolCallError::NameNotAString),
+        None => return Err(ToolCallError::NoName),
     };
     let args = obj.get("arguments").or_else(|| obj.get("parameters"));
     let args = match args {
         None | Some(Json::Null) => Json::Object(Default::default()),
-        Some(Json::String(s)) => serde_json::from_str(s)
-            .map_err(|e| format!("the tool call's arguments are a string that is not JSON: {e}"))?,
+        Some(Json::String(s)) => {
+            serde_json::from_str(s).map_err(|e| ToolCallError::ArgumentsNotJson(e.to_string()))?
+        }
         Some(v) => v.clone(),
     };
-    let arguments = serde_json::to_string(&args).map_err(|e| e.to_string())?;
+    let arguments =
+        serde_json::to_string(&args).map_err(|e| ToolCallError::Encode(e.to_string()))?;
     Ok((name, arguments))
 }
 
@@ -1006,7 +1031,7 @@ mod tests {
         match &events(&segs)[..] {
             [Segment::ParseFailure { text, error }] => {
                 assert_eq!(text, "<tool_call>{\"name\": \"f\", \"argu");
-                assert!(error.contains("not closed"));
+                assert_eq!(error, &ToolCallError::NotClosed.to_string());
             }
             other => panic!("{other:?}"),
         }
@@ -1039,7 +1064,10 @@ mod tests {
             parse_tool_call(" {\"name\": \"a\", \"arguments\": {\"k\": [1, {\"x\": null}]}} "),
             Ok(("a".into(), r#"{"k":[1,{"x":null}]}"#.into()))
         );
-        assert!(parse_tool_call("{\"name\": \"\"}").is_err());
+        assert_eq!(
+            parse_tool_call("{\"name\": \"\"}"),
+            Err(ToolCallError::EmptyName)
+        );
     }
 
     proptest::proptest! {

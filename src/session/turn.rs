@@ -7,6 +7,10 @@
 //! `COMMIT_INTERVAL_MS` passed since its first token, when the channel
 //! changes, before a tool call's event, and at the end (the last chunk
 //! carries the finish code). Tokens not yet cut are the provisional text.
+//!
+//! The finish rule lives here, and only here: [`ends_turn`] says which finish
+//! codes close the assistant turn, [`reported_finish`] turns the scheduler's
+//! reason for stopping into the code the log and the client see.
 
 use super::output::{Markers, OutputDecoder, Segment};
 use crate::wire::{finish, Record, Token};
@@ -15,6 +19,24 @@ use crate::wire::{finish, Record, Token};
 pub const COMMIT_EVERY_TOKENS: usize = 16;
 /// ...or once its first token is this old.
 pub const COMMIT_INTERVAL_MS: u64 = 100;
+
+/// True when a finish code closes the assistant turn: the model ended it, or
+/// a forced tool call completed its grammar. Any other code (max_tokens, a
+/// cancel, an error) leaves the turn open, and the next Generate continues it.
+pub fn ends_turn(finish_code: u8) -> bool {
+    finish_code == finish::END_OF_TURN || finish_code == finish::GRAMMAR
+}
+
+/// The finish code of a generation the scheduler stopped with `drawn`: a turn
+/// that ended while a grammar forced a tool call ended by completing that
+/// call (GRAMMAR).
+pub fn reported_finish(drawn: u8, forced_call: bool) -> u8 {
+    if forced_call && drawn == finish::END_OF_TURN {
+        finish::GRAMMAR
+    } else {
+        drawn
+    }
+}
 
 #[derive(Debug, Default)]
 struct Chunk {
@@ -32,6 +54,10 @@ pub struct TurnOutput {
     tokens: u64,
     /// Text decoded since the last `take_fresh`, by channel, in order.
     fresh: Vec<(u8, String)>,
+    /// A grammar forces a tool call: the turn's end is reported as GRAMMAR.
+    forced_call: bool,
+    /// The finish code, once `finish` was called.
+    finished: Option<u8>,
 }
 
 impl TurnOutput {
@@ -52,7 +78,21 @@ impl TurnOutput {
             chunk: None,
             tokens: 0,
             fresh: Vec::new(),
+            forced_call: false,
+            finished: None,
         }
+    }
+
+    /// The same, for a generation whose grammar forces a tool call (see
+    /// [`reported_finish`]).
+    pub fn with_forced_call(mut self, forced_call: bool) -> TurnOutput {
+        self.forced_call = forced_call;
+        self
+    }
+
+    /// The finish code `finish` recorded, None before.
+    pub fn finished(&self) -> Option<u8> {
+        self.finished
     }
 
     /// The text decoded since the last call, as `(channel, text)` pieces in
@@ -147,13 +187,15 @@ impl TurnOutput {
         out
     }
 
-    /// The generation ended: everything held back, the last chunk carrying
-    /// `finish` (an empty chunk if nothing was left, so the log records how
-    /// the turn ended).
-    pub fn finish(&mut self, finish_code: u8, now_ms: u64) -> Vec<Record> {
+    /// The scheduler stopped the generation with `drawn`: everything held
+    /// back, the last chunk carrying the finish code (see [`reported_finish`];
+    /// an empty chunk if nothing was left, so the log records how the turn
+    /// ended).
+    pub fn finish(&mut self, drawn: u8, now_ms: u64) -> Vec<Record> {
         let mut out = Vec::new();
-        let turn_ends = finish_code == finish::END_OF_TURN || finish_code == finish::GRAMMAR;
-        let segments = self.decoder.finish(turn_ends);
+        let finish_code = reported_finish(drawn, self.forced_call);
+        self.finished = Some(finish_code);
+        let segments = self.decoder.finish(ends_turn(finish_code));
         self.take_segments(segments, now_ms, &mut out);
         if self.chunk.is_none() {
             self.chunk = Some(Chunk {

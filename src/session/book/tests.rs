@@ -2,7 +2,8 @@
 //! chat template.
 
 use super::*;
-use crate::wire::{role, Edit, LogRecord, Params, PurgeMode, Record};
+use crate::session::RenderError;
+use crate::wire::{finish, role, Edit, LogRecord, Params, PurgeMode, Record, Token};
 
 /// Tokens are bytes; a message renders as `<role>text|`.
 struct Bytes;
@@ -23,17 +24,17 @@ impl Render for Bytes {
         _: &[String],
         new: &Turn,
         first: bool,
-    ) -> Result<Vec<Token>, String> {
+    ) -> Result<Vec<Token>, RenderError> {
         let pre = if first { "^" } else { "" };
         Ok(self.tokenize(&format!("{pre}<{}>{}|", new.role, new.content)))
     }
-    fn system_span(&self, text: Option<&str>, tools: &[String]) -> Result<Vec<Token>, String> {
+    fn system_span(&self, text: Option<&str>, tools: &[String]) -> Result<Vec<Token>, RenderError> {
         for t in tools {
-            serde_json::from_str::<serde_json::Value>(t).map_err(|e| e.to_string())?;
+            serde_json::from_str::<serde_json::Value>(t).map_err(|e| RenderError(e.to_string()))?;
         }
         Ok(self.tokenize(&format!("<sys>{}{}|", text.unwrap_or(""), tools.join(","))))
     }
-    fn generation_prompt_span(&self, _: &[Turn], _: &[String]) -> Result<Vec<Token>, String> {
+    fn generation_prompt_span(&self, _: &[Turn], _: &[String]) -> Result<Vec<Token>, RenderError> {
         Ok(self.tokenize("<2>"))
     }
     fn piece(&self, token: Token) -> Vec<u8> {
@@ -61,9 +62,9 @@ const P: Params = Params {
 /// Plans and applies in one go, as the actors do after the commit.
 macro_rules! commit {
     ($book:ident, $plan:expr) => {{
-        let p: Planned = $plan.expect("plan");
-        $book.apply(&p.record).expect("apply");
-        p.record
+        let record = $plan.expect("plan").into_record();
+        $book.apply(&record).expect("apply");
+        record
     }};
 }
 
@@ -196,14 +197,53 @@ fn bad_rebase_edits_are_refused() {
         say(&mut b, s, t);
     }
     let d = |from, to| Edit::Drop { from, to };
+    use crate::session::EditError as E;
+    let edit = |e: E| SessionError::Edit(e);
     for (edits, why) in [
-        (vec![], "at least one"),
-        (vec![d(0, 2)], "event 0"),
-        (vec![d(2, 2)], "empty"),
-        (vec![d(3, 2)], "reversed"),
-        (vec![d(2, 9)], "past the end"),
-        (vec![d(3, 4), d(1, 2)], "sorted"),
-        (vec![d(1, 3), d(2, 4)], "overlap"),
+        (vec![], edit(E::NoEdits)),
+        (vec![d(0, 2)], edit(E::TouchesEventZero { index: 0 })),
+        (
+            vec![d(2, 2)],
+            edit(E::EmptyOrReversed {
+                index: 0,
+                from: 2,
+                to: 2,
+            }),
+        ),
+        (
+            vec![d(3, 2)],
+            edit(E::EmptyOrReversed {
+                index: 0,
+                from: 3,
+                to: 2,
+            }),
+        ),
+        (
+            vec![d(2, 9)],
+            edit(E::PastTheEnd {
+                index: 0,
+                from: 2,
+                to: 9,
+                session: s,
+                len: 5,
+            }),
+        ),
+        (
+            vec![d(3, 4), d(1, 2)],
+            edit(E::Unsorted {
+                index: 1,
+                from: 1,
+                to: 2,
+            }),
+        ),
+        (
+            vec![d(1, 3), d(2, 4)],
+            edit(E::Unsorted {
+                index: 1,
+                from: 2,
+                to: 4,
+            }),
+        ),
         (
             vec![Edit::Replace {
                 from: 1,
@@ -211,14 +251,11 @@ fn bad_rebase_edits_are_refused() {
                 role: 7,
                 text: "x".into(),
             }],
-            "unknown role",
+            SessionError::UnknownRole(7),
         ),
     ] {
-        let err = b
-            .plan_rebase(99, s, edits, None, &Bytes, 1)
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains(why), "{err} should mention {why}");
+        let err = b.plan_rebase(99, s, edits, None, &Bytes, 1).unwrap_err();
+        assert_eq!(err, why, "{err}");
     }
 }
 
@@ -237,7 +274,7 @@ fn system_only_before_input_including_inherited() {
         )
     );
     let err = b.plan_system(s, None, vec![], &Bytes, 1).unwrap_err();
-    assert!(err.to_string().contains("already has input"));
+    assert_eq!(err, SessionError::SystemAfterInput(s));
     let t = create(&mut b);
     say(&mut b, t, "hi");
     let f = b.reserve_id();
@@ -390,7 +427,7 @@ fn tool_call_bookkeeping() {
     let err = b
         .plan_tool_result(s, call, "x".into(), &Bytes, 1)
         .unwrap_err();
-    assert!(err.to_string().contains("already answered"));
+    assert!(matches!(err, SessionError::CallAnswered { .. }), "{err}");
     assert_eq!(b.ledger(s).unwrap()[0].status, "answered");
 
     // Two more calls: one cancelled on request, one failed with a note.
@@ -443,7 +480,8 @@ fn turn_state_follows_the_last_generated_event() {
     let s = create(&mut b);
     say(&mut b, s, "q");
     assert_eq!(b.turn_state(s, None).unwrap(), TurnState::Closed);
-    commit!(b, b.plan_generation_prompt(s, &Bytes, 1));
+    let p = plan(&b, s, &Bytes);
+    open(&mut b, &p);
     assert_eq!(
         b.turn_state(s, None).unwrap(),
         TurnState::Open {
@@ -506,4 +544,272 @@ fn a_very_deep_chain_of_forks_reads_and_purges_without_recursion() {
     };
     assert_eq!(sessions.len(), 20_001);
     assert!(b.list().is_empty());
+}
+
+// ---- plan_generation ---------------------------------------------------
+
+/// The byte renderer with a thinking template: the assistant header opens a
+/// thinking block.
+struct Thinking;
+
+impl Render for Thinking {
+    fn n_vocab(&self) -> u32 {
+        Bytes.n_vocab()
+    }
+    fn tokenize(&self, text: &str) -> Vec<Token> {
+        Bytes.tokenize(text)
+    }
+    fn detokenize(&self, span: &[Token]) -> String {
+        Bytes.detokenize(span)
+    }
+    fn message_span(
+        &self,
+        history: &[Turn],
+        tools: &[String],
+        new: &Turn,
+        first: bool,
+    ) -> Result<Vec<Token>, RenderError> {
+        Bytes.message_span(history, tools, new, first)
+    }
+    fn system_span(&self, text: Option<&str>, tools: &[String]) -> Result<Vec<Token>, RenderError> {
+        Bytes.system_span(text, tools)
+    }
+    fn generation_prompt_span(&self, _: &[Turn], _: &[String]) -> Result<Vec<Token>, RenderError> {
+        Ok(self.tokenize("<2><think>\n"))
+    }
+    fn piece(&self, token: Token) -> Vec<u8> {
+        Bytes.piece(token)
+    }
+    fn is_eog(&self, token: Token) -> bool {
+        Bytes.is_eog(token)
+    }
+    fn template_source(&self) -> String {
+        "{{ '<think>' }}".into()
+    }
+    fn fim(&self) -> Option<[Token; 3]> {
+        None
+    }
+}
+
+/// A schema converter that accepts anything.
+fn any_schema(_: &str) -> Result<String, crate::session::grammar::GrammarError> {
+    Ok("root ::= \"{}\"\n".into())
+}
+
+const N_CTX: u32 = 100;
+
+fn plan(b: &SessionBook, s: SessionId, render: &dyn Render) -> GenerationPlan {
+    b.plan_generation(s, 10, N_CTX, render, &any_schema, 30)
+        .expect("plan_generation")
+}
+
+/// Commits a plan's opening record, as the actor does before admitting.
+fn open(b: &mut SessionBook, plan: &GenerationPlan) {
+    if let Some(opening) = plan.opening.clone() {
+        b.apply(&opening.into_record()).expect("apply");
+    }
+}
+
+fn generated(text: &str, finish: u8) -> Record {
+    Record::Generated {
+        span: text.bytes().map(u32::from).collect(),
+        text: text.into(),
+        channel: 0,
+        finish,
+    }
+}
+
+#[test]
+fn generation_on_a_closed_turn_opens_one() {
+    let mut b = SessionBook::new();
+    let s = create(&mut b);
+    say(&mut b, s, "q");
+    let input = b.input(s).unwrap();
+    let p = plan(&b, s, &Bytes);
+    assert_eq!(p.state, TurnState::Closed);
+    let header = Bytes.tokenize("<2>");
+    let Some(opening) = &p.opening else {
+        panic!("a closed turn is opened: {:?}", p.opening)
+    };
+    assert_eq!(opening.session, s);
+    assert_eq!(opening.event.event_id, b.len(s).unwrap());
+    assert_eq!(
+        opening.event.body,
+        Record::GenerationPrompt {
+            span: header.clone()
+        }
+    );
+    assert_eq!(p.prompt, [input, header].concat());
+    assert_eq!(
+        p.grammar_from,
+        p.prompt.len(),
+        "the turn begins after its header"
+    );
+    assert!(p.turn.is_empty());
+    assert_eq!((p.class, p.batch_invariant, p.params), (0, false, P));
+    assert_eq!((p.forced_tools.clone(), p.grammar.clone()), (None, None));
+    assert!(!p.opened_in_reasoning);
+    // Committed, the prompt is the session's input.
+    open(&mut b, &p);
+    assert_eq!(b.input(s).unwrap(), p.prompt);
+}
+
+#[test]
+fn generation_refuses_bad_max_tokens_and_dead_sessions() {
+    let mut b = SessionBook::new();
+    let s = create(&mut b);
+    for max_tokens in [0, N_CTX + 1] {
+        assert_eq!(
+            b.plan_generation(s, max_tokens, N_CTX, &Bytes, &any_schema, 1),
+            Err(SessionError::MaxTokens { n_ctx: N_CTX })
+        );
+    }
+    assert_eq!(
+        b.plan_generation(9, 1, N_CTX, &Bytes, &any_schema, 1),
+        Err(SessionError::Unknown(9))
+    );
+    let gen = b.inspect(s).unwrap().generation;
+    commit!(b, b.plan_purge(s, gen, PurgeMode::Cascade, 1));
+    assert_eq!(
+        b.plan_generation(s, 1, N_CTX, &Bytes, &any_schema, 1),
+        Err(SessionError::Purged(s))
+    );
+}
+
+#[test]
+fn generation_continues_an_open_turn_of_this_epoch() {
+    let mut b = SessionBook::new();
+    let s = create(&mut b);
+    say(&mut b, s, "q");
+    commit!(b, b.plan_qos(s, 2, true, 1));
+    let first = plan(&b, s, &Bytes);
+    open(&mut b, &first);
+    commit!(b, b.plan_output(s, generated("ab", finish::MAX_TOKENS), 1));
+    let p = plan(&b, s, &Bytes);
+    assert_eq!(
+        p.state,
+        TurnState::Open {
+            in_reasoning: false
+        }
+    );
+    assert_eq!(p.opening, None, "same epoch: nothing to commit");
+    assert_eq!(p.prompt, b.input(s).unwrap());
+    assert_eq!(p.grammar_from, first.prompt.len());
+    assert_eq!(
+        p.turn,
+        vec![(b'a' as u32, b"a".to_vec()), (b'b' as u32, b"b".to_vec())]
+    );
+    assert_eq!((p.class, p.batch_invariant), (2, true));
+    // A turn the model ended is closed: the next one opens anew.
+    commit!(b, b.plan_output(s, generated("c", finish::END_OF_TURN), 1));
+    assert_eq!(plan(&b, s, &Bytes).state, TurnState::Closed);
+}
+
+#[test]
+fn generation_after_an_epoch_change_bumps_the_epoch_first() {
+    let mut b = SessionBook::new();
+    let s = create(&mut b);
+    say(&mut b, s, "q");
+    let first = plan(&b, s, &Bytes);
+    open(&mut b, &first);
+    commit!(b, b.plan_output(s, generated("ab", finish::CANCELLED), 1));
+    let boot = b.plan_boot(40);
+    b.apply(&boot).unwrap();
+    let p = plan(&b, s, &Bytes);
+    let Some(bump) = &p.opening else {
+        panic!("an epoch bump: {:?}", p.opening)
+    };
+    assert_eq!(bump.event.body, Record::EpochBump);
+    assert_eq!(bump.event.epoch, b.epoch());
+    assert_eq!(bump.event.event_id, b.len(s).unwrap());
+    assert_eq!(p.prompt, b.input(s).unwrap(), "an epoch bump has no span");
+    assert_eq!(p.turn.len(), 2);
+    open(&mut b, &p);
+    assert_eq!(plan(&b, s, &Bytes).opening, None, "bumped once");
+}
+
+#[test]
+fn generation_with_a_forced_tool_builds_its_grammar() {
+    let mut b = SessionBook::new();
+    let s = create(&mut b);
+    let tool = r#"{"name":"f","parameters":{"type":"object"}}"#;
+    commit!(b, b.plan_system(s, None, vec![tool.into()], &Bytes, 1));
+    say(&mut b, s, "q");
+    commit!(b, b.plan_tool_choice(s, "required".into(), 1));
+    let p = plan(&b, s, &Bytes);
+    assert_eq!(
+        p.forced_tools,
+        Some(vec![(
+            "f".to_string(),
+            serde_json::json!({"type": "object"})
+        )])
+    );
+    let grammar = p.grammar.clone().expect("a grammar");
+    assert!(
+        grammar.starts_with("root ::= \"<tool_call>\\n\""),
+        "{grammar}"
+    );
+    // The finish rule: a forced turn the model ends completed its grammar.
+    let mut out = p.output();
+    out.finish(finish::END_OF_TURN, 1);
+    assert_eq!(out.finished(), Some(finish::GRAMMAR));
+    // "auto" forces nothing.
+    commit!(b, b.plan_tool_choice(s, "auto".into(), 1));
+    let p = plan(&b, s, &Bytes);
+    assert_eq!((&p.forced_tools, &p.grammar), (&None, &None));
+    let mut out = p.output();
+    out.finish(finish::END_OF_TURN, 1);
+    assert_eq!(out.finished(), Some(finish::END_OF_TURN));
+}
+
+#[test]
+fn generation_of_a_turn_opened_in_reasoning() {
+    let mut b = SessionBook::new();
+    let s = create(&mut b);
+    let tool = r#"{"name":"f","parameters":{"type":"object"}}"#;
+    commit!(b, b.plan_system(s, None, vec![tool.into()], &Thinking, 1));
+    say(&mut b, s, "q");
+    commit!(b, b.plan_tool_choice(s, "f".into(), 1));
+    let p = plan(&b, s, &Thinking);
+    assert!(p.opened_in_reasoning);
+    assert_eq!(
+        p.markers,
+        crate::session::output::Markers::from_template("<think>")
+    );
+    let grammar = p.grammar.clone().expect("a grammar");
+    assert!(
+        grammar.starts_with("root ::= \"</think>\\n\\n\" \"<tool_call>"),
+        "the grammar closes the thinking block first: {grammar}"
+    );
+    // Cut inside the thinking block, the turn continues there.
+    open(&mut b, &p);
+    let mut cut = generated("hm", finish::MAX_TOKENS);
+    if let Record::Generated { channel, .. } = &mut cut {
+        *channel = crate::wire::channel::REASONING;
+    }
+    commit!(b, b.plan_output(s, cut, 1));
+    let p = plan(&b, s, &Thinking);
+    assert_eq!(p.state, TurnState::Open { in_reasoning: true });
+    assert!(p.opened_in_reasoning, "as the turn opened");
+    assert_eq!(p.turn.len(), 2);
+}
+
+#[test]
+fn the_finish_rule() {
+    use crate::session::turn::{ends_turn, reported_finish};
+    assert!(ends_turn(finish::END_OF_TURN) && ends_turn(finish::GRAMMAR));
+    for open in [
+        finish::OPEN,
+        finish::MAX_TOKENS,
+        finish::CANCELLED,
+        finish::ERROR,
+    ] {
+        assert!(!ends_turn(open));
+        assert_eq!(reported_finish(open, true), open);
+    }
+    assert_eq!(reported_finish(finish::END_OF_TURN, true), finish::GRAMMAR);
+    assert_eq!(
+        reported_finish(finish::END_OF_TURN, false),
+        finish::END_OF_TURN
+    );
 }

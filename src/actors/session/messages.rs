@@ -1,0 +1,80 @@
+//! Appends to the session's input (raw text or tokens, chat messages, the
+//! opening system turn, blocks) and the reads (events, inspection).
+
+use super::commit;
+use crate::actors::{now_ms, Shared};
+use crate::session::SessionError;
+use crate::wire::{EventId, Response, SessionId, Token};
+
+/// `Append`.
+pub(super) async fn append(
+    shared: &Shared,
+    session: SessionId,
+    text: Option<String>,
+    span: Vec<Token>,
+) -> Result<Response, SessionError> {
+    let render = shared.render.as_ref();
+    let planned = shared
+        .read()
+        .plan_append(session, text, span, render, now_ms())?;
+    commit(shared, planned).await
+}
+
+/// `AppendMessage`.
+pub(super) async fn message(
+    shared: &Shared,
+    session: SessionId,
+    role: u8,
+    text: String,
+) -> Result<Response, SessionError> {
+    let render = shared.render.as_ref();
+    let planned = shared
+        .read()
+        .plan_message(session, role, text, render, now_ms())?;
+    commit(shared, planned).await
+}
+
+/// `AppendSystem`.
+pub(super) async fn system(
+    shared: &Shared,
+    session: SessionId,
+    text: Option<String>,
+    tools: Vec<String>,
+) -> Result<Response, SessionError> {
+    let render = shared.render.as_ref();
+    let planned = shared
+        .read()
+        .plan_system(session, text, tools, render, now_ms())?;
+    commit(shared, planned).await
+}
+
+/// `AppendBlock`.
+pub(super) async fn block(
+    shared: &Shared,
+    session: SessionId,
+    role: u8,
+    kind: String,
+    payload: String,
+) -> Result<Response, SessionError> {
+    let render = shared.render.as_ref();
+    let planned = shared
+        .read()
+        .plan_block(session, role, kind, payload, render, now_ms())?;
+    commit(shared, planned).await
+}
+
+/// `Read`.
+pub(super) fn read(
+    shared: &Shared,
+    session: SessionId,
+    cursor: EventId,
+) -> Result<Response, SessionError> {
+    let events = shared.read().read(session, cursor)?;
+    Ok(Response::Events { events })
+}
+
+/// `Inspect` (the actor fills in `generating`).
+pub(super) fn inspect(shared: &Shared, session: SessionId) -> Result<Response, SessionError> {
+    let inspection = shared.read().inspect(session)?;
+    Ok(Response::Inspection { inspection })
+}

@@ -1,0 +1,94 @@
+//! Tool calls after the model made them: results and outcomes, cancel
+//! requests, permissions, the ledger, and the tool choice that forces the
+//! next generation to call one.
+
+use super::commit;
+use crate::actors::{now_ms, Shared};
+use crate::session::SessionError;
+use crate::wire::{EventId, Response, SessionId};
+
+/// `AppendToolResult`.
+pub(super) async fn result(
+    shared: &Shared,
+    session: SessionId,
+    call_id: EventId,
+    content: String,
+) -> Result<Response, SessionError> {
+    let render = shared.render.as_ref();
+    let planned = shared
+        .read()
+        .plan_tool_result(session, call_id, content, render, now_ms())?;
+    commit(shared, planned).await
+}
+
+/// `AppendToolOutcome`.
+pub(super) async fn outcome(
+    shared: &Shared,
+    session: SessionId,
+    call_id: EventId,
+    outcome: u8,
+    note: String,
+) -> Result<Response, SessionError> {
+    let planned = shared
+        .read()
+        .plan_tool_outcome(session, call_id, outcome, note, now_ms())?;
+    commit(shared, planned).await
+}
+
+/// `RequestToolCancel`.
+pub(super) async fn cancel(
+    shared: &Shared,
+    session: SessionId,
+    call_id: EventId,
+) -> Result<Response, SessionError> {
+    let planned = shared.read().plan_tool_cancel(session, call_id, now_ms())?;
+    commit(shared, planned).await
+}
+
+/// `OpenToolCalls`.
+pub(super) fn open_calls(shared: &Shared, session: SessionId) -> Result<Response, SessionError> {
+    let calls = shared.read().open_tool_calls(session)?;
+    Ok(Response::ToolCalls { calls })
+}
+
+/// `Ledger`.
+pub(super) fn ledger(shared: &Shared, session: SessionId) -> Result<Response, SessionError> {
+    let entries = shared.read().ledger(session)?;
+    Ok(Response::Ledger { entries })
+}
+
+/// `RequestPermission`.
+pub(super) async fn ask_permission(
+    shared: &Shared,
+    session: SessionId,
+    call_id: EventId,
+    text: String,
+) -> Result<Response, SessionError> {
+    let planned = shared
+        .read()
+        .plan_permission_request(session, call_id, text, now_ms())?;
+    commit(shared, planned).await
+}
+
+/// `RespondPermission`.
+pub(super) async fn answer_permission(
+    shared: &Shared,
+    session: SessionId,
+    request_id: EventId,
+    granted: bool,
+) -> Result<Response, SessionError> {
+    let planned = shared
+        .read()
+        .plan_permission_response(session, request_id, granted, now_ms())?;
+    commit(shared, planned).await
+}
+
+/// `SetToolChoice`.
+pub(super) async fn choice(
+    shared: &Shared,
+    session: SessionId,
+    choice: String,
+) -> Result<Response, SessionError> {
+    let planned = shared.read().plan_tool_choice(session, choice, now_ms())?;
+    commit(shared, planned).await
+}

@@ -1,0 +1,294 @@
+//! Folds over a session's events: the chat messages a template sees, the
+//! declared and forced tools, the QoS, where the last turn stands, the input,
+//! and the tool-call ledger.
+
+use super::{SessionBook, SessionError, Turn};
+use crate::session::turn::ends_turn;
+use crate::wire::{role, Event, EventId, LedgerEntry, Record, SessionId, Token};
+
+/// Where a session's last assistant turn stands, for `Generate`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TurnState {
+    /// No open turn: generating opens one with the template's assistant header.
+    Closed,
+    /// The last turn was cut (max_tokens, a cancel, a crash) and generating
+    /// continues it; `in_reasoning` when it stopped inside a thinking block.
+    Open { in_reasoning: bool },
+}
+
+impl TurnState {
+    /// Where the last turn of `events` stands. `think_close` is the
+    /// template's closing thinking marker, if it has one.
+    pub fn of(events: &[Event], think_close: Option<&str>) -> TurnState {
+        for e in events.iter().rev() {
+            match &e.body {
+                Record::ToolUse { .. }
+                | Record::ToolParseFailure { .. }
+                | Record::EpochBump
+                | Record::ToolChoice { .. }
+                | Record::Qos { .. } => continue,
+                Record::GenerationPrompt { .. } => {
+                    return TurnState::Open {
+                        in_reasoning: false,
+                    }
+                }
+                Record::Generated {
+                    finish,
+                    channel,
+                    text,
+                    ..
+                } => {
+                    // Ended by the model or by a completed grammar: closed.
+                    // Cut by max_tokens, a cancel or an error: open.
+                    if ends_turn(*finish) {
+                        return TurnState::Closed;
+                    }
+                    let closed = think_close.is_some_and(|m| text.trim_end().ends_with(m));
+                    return TurnState::Open {
+                        in_reasoning: *channel == crate::wire::channel::REASONING && !closed,
+                    };
+                }
+                _ => return TurnState::Closed,
+            }
+        }
+        TurnState::Closed
+    }
+}
+
+/// Every token `events` put on the input, in order.
+pub(super) fn input_of(events: &[Event]) -> Vec<Token> {
+    events
+        .iter()
+        .flat_map(|e| e.body.span().iter().copied())
+        .collect()
+}
+
+/// Folds a session's events into the messages a chat template sees.
+pub(super) fn chat_messages(events: &[Event]) -> Vec<Turn> {
+    let mut out: Vec<Turn> = Vec::new();
+    let mut in_assistant = false;
+    for e in events {
+        match &e.body {
+            Record::System { text, .. } => {
+                in_assistant = false;
+                out.push(Turn {
+                    role: role::SYSTEM,
+                    content: text.clone().unwrap_or_default(),
+                })
+            }
+            Record::Message { role, text, .. } => {
+                in_assistant = false;
+                out.push(Turn {
+                    role: *role,
+                    content: text.clone(),
+                })
+            }
+            Record::Block { role, payload, .. } => {
+                in_assistant = false;
+                out.push(Turn {
+                    role: *role,
+                    content: payload.clone(),
+                })
+            }
+            Record::ToolResult { content, .. } => {
+                in_assistant = false;
+                out.push(Turn {
+                    role: role::TOOL,
+                    content: content.clone(),
+                })
+            }
+            Record::GenerationPrompt { .. } => {
+                in_assistant = true;
+                out.push(Turn {
+                    role: role::ASSISTANT,
+                    content: String::new(),
+                })
+            }
+            Record::Generated { text, channel, .. } => {
+                if !in_assistant {
+                    in_assistant = true;
+                    out.push(Turn {
+                        role: role::ASSISTANT,
+                        content: String::new(),
+                    });
+                }
+                if *channel != crate::wire::channel::REASONING {
+                    if let Some(t) = out.last_mut() {
+                        t.content.push_str(text);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+/// True when a record is input to the model (or a call it made): anything
+/// but a session header, a QoS change or an epoch bump.
+pub(super) fn is_input(r: &Record) -> bool {
+    !matches!(
+        r,
+        Record::Created { .. }
+            | Record::Forked { .. }
+            | Record::Rebased { .. }
+            | Record::Qos { .. }
+            | Record::ToolChoice { .. }
+            | Record::EpochBump
+    )
+}
+
+/// The QoS of a session with `events`: the last `Qos` record's class and
+/// batch invariance, or class 0.
+pub(super) fn qos_of(events: &[Event]) -> (u8, bool) {
+    events
+        .iter()
+        .rev()
+        .find_map(|e| match e.body {
+            Record::Qos {
+                class,
+                batch_invariant,
+            } => Some((class, batch_invariant)),
+            _ => None,
+        })
+        .unwrap_or((0, false))
+}
+
+/// The tools (name, parameters schema) a generation must call one of, or
+/// None when tool calls are not forced ("auto").
+pub(super) fn forced_tools_of(events: &[Event]) -> Option<Vec<(String, serde_json::Value)>> {
+    let choice = events.iter().rev().find_map(|e| match &e.body {
+        Record::ToolChoice { choice } => Some(choice.clone()),
+        _ => None,
+    });
+    let tools: Vec<(String, serde_json::Value)> = declared_tools(events)
+        .iter()
+        .filter_map(|t| crate::session::grammar::tool_signature(t))
+        .collect();
+    match choice.as_deref() {
+        None | Some("auto") => None,
+        Some("required") => Some(tools),
+        Some(name) => Some(tools.into_iter().filter(|(n, _)| n == name).collect()),
+    }
+}
+
+pub(super) fn declared_tools(events: &[Event]) -> Vec<String> {
+    events
+        .iter()
+        .find_map(|e| match &e.body {
+            Record::System { tools, .. } => Some(tools.clone()),
+            _ => None,
+        })
+        .unwrap_or_default()
+}
+
+impl SessionBook {
+    /// Every token on the session's input, in order.
+    #[cfg(test)]
+    pub fn input(&self, s: SessionId) -> Result<Vec<Token>, SessionError> {
+        Ok(input_of(&self.read(s, 0)?))
+    }
+
+    /// Where the session's last turn stands. `think_close` is the template's
+    /// closing thinking marker, if it has one.
+    pub fn turn_state(
+        &self,
+        s: SessionId,
+        think_close: Option<&str>,
+    ) -> Result<TurnState, SessionError> {
+        Ok(TurnState::of(&self.read(s, 0)?, think_close))
+    }
+
+    /// Every ToolUse of a session with how it stands.
+    pub fn ledger(&self, s: SessionId) -> Result<Vec<LedgerEntry>, SessionError> {
+        self.live(s)?;
+        let events = self.all_events(s);
+        let mut entries: Vec<LedgerEntry> = Vec::new();
+        for e in &events {
+            match &e.body {
+                Record::ToolUse { name, arguments } => entries.push(LedgerEntry {
+                    call_id: e.event_id,
+                    name: name.clone(),
+                    arguments: arguments.clone(),
+                    status: "open".into(),
+                    closed_by: None,
+                    permission: None,
+                }),
+                Record::ToolResult { call_id, .. } => {
+                    if let Some(x) = entries.iter_mut().find(|x| x.call_id == *call_id) {
+                        x.status = "answered".into();
+                        x.closed_by = Some(e.event_id);
+                    }
+                }
+                Record::ToolOutcome {
+                    call_id, outcome, ..
+                } => {
+                    if let Some(x) = entries.iter_mut().find(|x| x.call_id == *call_id) {
+                        x.status = if *outcome == 1 { "failed" } else { "cancelled" }.into();
+                        x.closed_by = Some(e.event_id);
+                    }
+                }
+                Record::ToolCancelRequested { call_id } => {
+                    if let Some(x) = entries
+                        .iter_mut()
+                        .find(|x| x.call_id == *call_id && x.closed_by.is_none())
+                    {
+                        x.status = "cancel requested".into();
+                    }
+                }
+                Record::PermissionResponded {
+                    request_id,
+                    granted,
+                } => {
+                    let call = events.iter().find_map(|r| match &r.body {
+                        Record::PermissionRequested { call_id, .. }
+                            if r.event_id == *request_id =>
+                        {
+                            Some(*call_id)
+                        }
+                        _ => None,
+                    });
+                    if let Some(x) = entries.iter_mut().find(|x| Some(x.call_id) == call) {
+                        x.permission = Some(*granted);
+                    }
+                }
+                _ => {}
+            }
+        }
+        Ok(entries)
+    }
+
+    /// `OpenToolCalls`: calls without a result or an outcome.
+    pub fn open_tool_calls(
+        &self,
+        s: SessionId,
+    ) -> Result<Vec<(EventId, String, String)>, SessionError> {
+        Ok(self
+            .ledger(s)?
+            .into_iter()
+            .filter(|x| x.closed_by.is_none())
+            .map(|x| (x.call_id, x.name, x.arguments))
+            .collect())
+    }
+
+    pub(super) fn open_call(
+        &self,
+        s: SessionId,
+        call_id: EventId,
+    ) -> Result<LedgerEntry, SessionError> {
+        let entry = self
+            .ledger(s)?
+            .into_iter()
+            .find(|x| x.call_id == call_id)
+            .ok_or_else(|| {
+                SessionError::Invalid(format!("session {s} has no tool call {call_id}"))
+            })?;
+        if entry.closed_by.is_some() {
+            return Err(SessionError::CallAnswered {
+                call_id,
+                status: entry.status,
+            });
+        }
+        Ok(entry)
+    }
+}

@@ -1,0 +1,314 @@
+//! `SessionBook`: every session's view of the log, and the rules that turn a
+//! request into the log record that would carry it out. No I/O.
+//!
+//! Requests are handled in two steps. `plan_*` checks a request against the
+//! book and returns the [`Planned`] record to commit, changing nothing. Once
+//! the record is durable, `apply` changes the book. Replay on start calls the
+//! same `apply`, so a session reads back identically after a restart.
+//!
+//! - `view`: a session's view as ranges of events, shared with its parents
+//!   by reference, and reading it.
+//! - `apply`: a committed record changes the book.
+//! - `folds`: what a session's events add up to (chat messages, tools, QoS,
+//!   the last turn's state, the input, the tool-call ledger).
+//! - `plan_messages`, `plan_tools`, `plan_branches`, `plan_meta`,
+//!   `plan_generation`: the plans, one request family a file.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use super::{Render, SessionError, Turn};
+use crate::wire::{
+    Event, EventId, Inspection, LogRecord, Params, PurgeMode, Record, SessionId, SessionSummary,
+};
+
+mod apply;
+mod folds;
+mod plan_branches;
+mod plan_generation;
+mod plan_messages;
+mod plan_meta;
+mod plan_tools;
+mod view;
+
+pub use apply::ApplyError;
+pub use folds::TurnState;
+pub use plan_generation::GenerationPlan;
+use view::ViewRange;
+
+#[derive(Debug)]
+struct Session {
+    tree_parent: Option<SessionId>,
+    fork_at: Option<EventId>,
+    params: Params,
+    view: Vec<ViewRange>,
+    own: Vec<Arc<Event>>,
+    len: u64,
+    tokens: u64,
+    generation: u64,
+    version: u64,
+    title: Option<String>,
+    archived: bool,
+    purged: bool,
+    /// Its tree parent was purged with Reroot: shown as a root.
+    rerooted: bool,
+    children: Vec<SessionId>,
+    created_unix_ms: u64,
+    updated_unix_ms: u64,
+}
+
+/// What a plan commits; the actor replies from it once it is applied.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Planned {
+    /// One event appended to an existing session.
+    Event(PlannedEvent),
+    /// A new session (Create, Fork, Trim, Rebase) and its first events.
+    Branch {
+        session: SessionId,
+        events: Vec<Event>,
+    },
+    /// A session's new title and archived flag, at `version`.
+    Meta {
+        session: SessionId,
+        version: u64,
+        title: Option<String>,
+        archived: bool,
+        ts_unix_ms: u64,
+    },
+    /// `sessions` (the purged one, and its descendants in Cascade mode)
+    /// become purged.
+    Purge {
+        session: SessionId,
+        mode: PurgeMode,
+        sessions: Vec<SessionId>,
+        ts_unix_ms: u64,
+    },
+}
+
+/// One event appended to an existing session.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlannedEvent {
+    pub session: SessionId,
+    pub event: Event,
+}
+
+impl PlannedEvent {
+    /// The log record that carries it.
+    pub fn into_record(self) -> LogRecord {
+        LogRecord::Events {
+            session: self.session,
+            events: vec![self.event],
+        }
+    }
+}
+
+impl Planned {
+    /// The log record that carries the plan out.
+    pub fn into_record(self) -> LogRecord {
+        match self {
+            Planned::Event(e) => e.into_record(),
+            Planned::Branch { session, events } => LogRecord::Events { session, events },
+            Planned::Meta {
+                session,
+                version,
+                title,
+                archived,
+                ts_unix_ms,
+            } => LogRecord::Meta {
+                session,
+                version,
+                title,
+                archived,
+                ts_unix_ms,
+            },
+            Planned::Purge {
+                session,
+                mode,
+                sessions,
+                ts_unix_ms,
+            } => LogRecord::Purge {
+                session,
+                mode,
+                sessions,
+                ts_unix_ms,
+            },
+        }
+    }
+}
+
+/// Every session, as the log says.
+#[derive(Debug, Default)]
+pub struct SessionBook {
+    sessions: BTreeMap<SessionId, Session>,
+    next_session: SessionId,
+    epoch: u64,
+}
+
+impl SessionBook {
+    pub fn new() -> SessionBook {
+        SessionBook {
+            sessions: BTreeMap::new(),
+            next_session: 1,
+            epoch: 0,
+        }
+    }
+
+    /// The current daemon start; events committed now carry it.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Plans the Boot record of a new daemon start.
+    pub fn plan_boot(&self, now: u64) -> LogRecord {
+        LogRecord::Boot {
+            epoch: self.epoch + 1,
+            ts_unix_ms: now,
+        }
+    }
+
+    /// Reserves a session id; ids are never reused, even if the commit fails.
+    pub fn reserve_id(&mut self) -> SessionId {
+        let id = self.next_session;
+        self.next_session += 1;
+        id
+    }
+
+    fn get(&self, s: SessionId) -> Result<&Session, SessionError> {
+        self.sessions.get(&s).ok_or(SessionError::Unknown(s))
+    }
+
+    fn live(&self, s: SessionId) -> Result<&Session, SessionError> {
+        let sess = self.get(s)?;
+        if sess.purged {
+            return Err(SessionError::Purged(s));
+        }
+        Ok(sess)
+    }
+
+    /// True when the session exists and is not purged.
+    pub fn is_live(&self, s: SessionId) -> bool {
+        self.live(s).is_ok()
+    }
+
+    /// The number of events of a session: also its next event id.
+    pub fn len(&self, s: SessionId) -> Result<u64, SessionError> {
+        Ok(self.get(s)?.len)
+    }
+
+    fn event(&self, s: SessionId, ts: u64, event_id: EventId, body: Record) -> Event {
+        let _ = s;
+        Event {
+            event_id,
+            epoch: self.epoch,
+            ts_unix_ms: ts,
+            body,
+        }
+    }
+
+    /// `body` as event `event_id` of session `s`.
+    fn planned_event(
+        &self,
+        s: SessionId,
+        event_id: EventId,
+        now: u64,
+        body: Record,
+    ) -> PlannedEvent {
+        PlannedEvent {
+            session: s,
+            event: self.event(s, now, event_id, body),
+        }
+    }
+
+    /// `body` as the next event of live session `s`.
+    fn next_event(
+        &self,
+        s: SessionId,
+        now: u64,
+        body: Record,
+    ) -> Result<PlannedEvent, SessionError> {
+        let sess = self.live(s)?;
+        Ok(self.planned_event(s, sess.len, now, body))
+    }
+
+    fn one_event(&self, s: SessionId, now: u64, body: Record) -> Result<Planned, SessionError> {
+        self.next_event(s, now, body).map(Planned::Event)
+    }
+
+    /// `List`: the ids of every session not purged.
+    pub fn list(&self) -> Vec<SessionId> {
+        self.sessions
+            .iter()
+            .filter(|(_, s)| !s.purged)
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
+    /// `Sessions`.
+    pub fn summaries(&self, include_archived: bool) -> Vec<SessionSummary> {
+        self.sessions
+            .iter()
+            .filter(|(_, s)| !s.purged && (include_archived || !s.archived))
+            .map(|(id, s)| SessionSummary {
+                session: *id,
+                parent: self.shown_parent(s),
+                title: s.title.clone(),
+                archived: s.archived,
+                events: s.len,
+                updated_unix_ms: s.updated_unix_ms,
+            })
+            .collect()
+    }
+
+    fn shown_parent(&self, s: &Session) -> Option<SessionId> {
+        if s.rerooted {
+            None
+        } else {
+            s.tree_parent
+        }
+    }
+
+    /// `Tree`: `[id, parent, fork_at]` for every session not purged.
+    pub fn tree(&self) -> Vec<(SessionId, Option<SessionId>, Option<EventId>)> {
+        self.sessions
+            .iter()
+            .filter(|(_, s)| !s.purged)
+            .map(|(id, s)| {
+                let parent = self.shown_parent(s);
+                (*id, parent, parent.and(s.fork_at))
+            })
+            .collect()
+    }
+
+    /// `Inspect` (`generating` is the actor's to fill in).
+    pub fn inspect(&self, s: SessionId) -> Result<Inspection, SessionError> {
+        let sess = self.live(s)?;
+        // The same judgement Generate makes: it would continue this turn.
+        let open_turn = matches!(self.turn_state(s, None)?, TurnState::Open { .. });
+        Ok(Inspection {
+            session: s,
+            parent: self.shown_parent(sess),
+            fork_at: self.shown_parent(sess).and(sess.fork_at),
+            params: sess.params,
+            events: sess.len,
+            tokens: sess.tokens,
+            generation: sess.generation,
+            version: sess.version,
+            title: sess.title.clone(),
+            archived: sess.archived,
+            purged: sess.purged,
+            children: sess
+                .children
+                .iter()
+                .copied()
+                .filter(|c| self.is_live(*c))
+                .collect(),
+            created_unix_ms: sess.created_unix_ms,
+            updated_unix_ms: sess.updated_unix_ms,
+            open_turn,
+            generating: false,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,197 @@
+//! Plans of new sessions: Create, Fork (and Trim), Rebase.
+//!
+//! Ordering rule (kept by the actors): a branch record (Forked, Rebased) is
+//! planned, committed and applied while its parent's actor holds the parent,
+//! so the parent's length cannot change in between; replay sees the same
+//! order in the log.
+
+use super::plan_messages::check_role;
+use super::{Planned, Render, SessionBook, SessionError};
+use crate::session::EditError;
+use crate::wire::{Edit, EventId, Params, Record, SessionId};
+
+/// A planned range of a rebased view, before it has event ids: kept from
+/// the parent, or one replacing message.
+pub(super) enum RebaseRange {
+    Keep(EventId, EventId),
+    Replace(u8, String),
+}
+
+pub(super) fn check_params(p: &Params) -> Result<(), SessionError> {
+    let bad = |what: &str| Err(SessionError::Invalid(format!("params: {what}")));
+    if !p.temperature.is_finite() || p.temperature < 0.0 {
+        return bad("temperature must be a finite number >= 0 (0 is greedy)");
+    }
+    if !p.top_p.is_finite() || !(0.0..=1.0).contains(&p.top_p) {
+        return bad("top_p must be between 0 and 1");
+    }
+    if !p.min_p.is_finite() || !(0.0..=1.0).contains(&p.min_p) {
+        return bad("min_p must be between 0 and 1");
+    }
+    Ok(())
+}
+
+impl SessionBook {
+    /// `Create`. The caller reserved `id`.
+    pub fn plan_create(
+        &self,
+        id: SessionId,
+        parent: Option<SessionId>,
+        params: Params,
+        now: u64,
+    ) -> Result<Planned, SessionError> {
+        check_params(&params)?;
+        if let Some(p) = parent {
+            self.live(p)?;
+        }
+        Ok(Planned::Branch {
+            session: id,
+            events: vec![self.event(id, now, 0, Record::Created { parent, params })],
+        })
+    }
+
+    /// `Fork` (and `Trim`, which is a fork keeping the parent's params).
+    pub fn plan_fork(
+        &self,
+        id: SessionId,
+        parent: SessionId,
+        at_event: EventId,
+        params: Option<Params>,
+        now: u64,
+    ) -> Result<Planned, SessionError> {
+        let p = self.live(parent)?;
+        if at_event == 0 || at_event > p.len {
+            return Err(SessionError::Invalid(format!(
+                "at_event {at_event} is out of range: session {parent} has events 0 to {}, \
+                 so a fork holds 1 to {} of them",
+                p.len - 1,
+                p.len
+            )));
+        }
+        let params = params.unwrap_or(p.params);
+        check_params(&params)?;
+        Ok(Planned::Branch {
+            session: id,
+            events: vec![self.event(
+                id,
+                now,
+                at_event,
+                Record::Forked {
+                    parent,
+                    fork_at: at_event,
+                    params,
+                },
+            )],
+        })
+    }
+
+    pub(super) fn check_edits(
+        &self,
+        parent: SessionId,
+        edits: &[Edit],
+    ) -> Result<(), SessionError> {
+        let len = self.get(parent)?.len;
+        if edits.is_empty() {
+            return Err(EditError::NoEdits.into());
+        }
+        let mut prev_to = 0;
+        for (i, e) in edits.iter().enumerate() {
+            let (from, to) = e.range();
+            if from == 0 {
+                return Err(EditError::TouchesEventZero { index: i }.into());
+            }
+            if from >= to {
+                return Err(EditError::EmptyOrReversed { index: i, from, to }.into());
+            }
+            if to > len {
+                return Err(EditError::PastTheEnd {
+                    index: i,
+                    from,
+                    to,
+                    session: parent,
+                    len,
+                }
+                .into());
+            }
+            if i > 0 && from < prev_to {
+                return Err(EditError::Unsorted { index: i, from, to }.into());
+            }
+            if let Edit::Replace { role, .. } = e {
+                check_role(*role)?;
+            }
+            prev_to = to;
+        }
+        Ok(())
+    }
+
+    pub(super) fn rebase_ranges(edits: &[Edit], len: u64) -> Vec<RebaseRange> {
+        let mut out = Vec::new();
+        let mut p = edits[0].range().0;
+        for e in edits {
+            let (from, to) = e.range();
+            if p < from {
+                out.push(RebaseRange::Keep(p, from));
+            }
+            if let Edit::Replace { role, text, .. } = e {
+                out.push(RebaseRange::Replace(*role, text.clone()));
+            }
+            p = to;
+        }
+        if p < len {
+            out.push(RebaseRange::Keep(p, len));
+        }
+        out
+    }
+
+    /// `Rebase`: a new branch with events dropped or replaced.
+    pub fn plan_rebase(
+        &self,
+        id: SessionId,
+        parent: SessionId,
+        edits: Vec<Edit>,
+        params: Option<Params>,
+        render: &dyn Render,
+        now: u64,
+    ) -> Result<Planned, SessionError> {
+        let p = self.live(parent)?;
+        self.check_edits(parent, &edits)?;
+        let params = params.unwrap_or(p.params);
+        check_params(&params)?;
+        let fork_at = edits[0].range().0;
+        let mut history = Vec::new();
+        self.collect(parent, 0, fork_at, &mut history);
+        let header = self.event(
+            id,
+            now,
+            fork_at,
+            Record::Rebased {
+                parent,
+                fork_at,
+                params,
+                edits: edits.clone(),
+            },
+        );
+        history.push(header.clone());
+        let mut events = vec![header];
+        for range in Self::rebase_ranges(&edits, p.len) {
+            match range {
+                RebaseRange::Keep(a, b) => self.collect(parent, a, b, &mut history),
+                RebaseRange::Replace(role, text) => {
+                    let span = self.render_message(&history, role, &text, render)?;
+                    let e = self.event(
+                        id,
+                        now,
+                        history.len() as u64,
+                        Record::Message { role, text, span },
+                    );
+                    history.push(e.clone());
+                    events.push(e);
+                }
+            }
+        }
+        Ok(Planned::Branch {
+            session: id,
+            events,
+        })
+    }
+}

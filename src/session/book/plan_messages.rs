@@ -1,0 +1,131 @@
+//! Plans of the appends: raw text or tokens, chat messages, the opening
+//! system turn, blocks.
+
+use super::folds::{chat_messages, declared_tools, is_input};
+use super::{Planned, Render, SessionBook, SessionError, Turn};
+use crate::wire::{role, Event, Record, SessionId, Token};
+
+pub(super) fn check_role(r: u8) -> Result<(), SessionError> {
+    if role::name(r).is_none() {
+        return Err(SessionError::UnknownRole(r));
+    }
+    Ok(())
+}
+
+impl SessionBook {
+    /// `Append`: raw text or raw tokens, outside the chat template. A span,
+    /// when given, is what goes on the input (its text is the given text or,
+    /// without one, the span detokenized); otherwise the text is tokenized.
+    pub fn plan_append(
+        &self,
+        s: SessionId,
+        text: Option<String>,
+        span: Vec<Token>,
+        render: &dyn Render,
+        now: u64,
+    ) -> Result<Planned, SessionError> {
+        self.live(s)?;
+        let (text, span) = if span.is_empty() {
+            let text = text.ok_or_else(|| {
+                SessionError::Invalid("Append needs a text or a non-empty span".into())
+            })?;
+            if text.is_empty() {
+                return Err(SessionError::Invalid("Append of empty text".into()));
+            }
+            let span = render.tokenize(&text);
+            (text, span)
+        } else {
+            let n = render.n_vocab();
+            if let Some(bad) = span.iter().find(|&&t| t >= n) {
+                return Err(SessionError::Invalid(format!(
+                    "token {bad} is outside the vocabulary (0..{n})"
+                )));
+            }
+            let text = text.unwrap_or_else(|| render.detokenize(&span));
+            (text, span)
+        };
+        self.one_event(s, now, Record::Appended { text, span })
+    }
+
+    /// `AppendMessage`: a message rendered by the chat template.
+    pub fn plan_message(
+        &self,
+        s: SessionId,
+        role: u8,
+        text: String,
+        render: &dyn Render,
+        now: u64,
+    ) -> Result<Planned, SessionError> {
+        check_role(role)?;
+        self.live(s)?;
+        let events = self.all_events(s);
+        let span = self.render_message(&events, role, &text, render)?;
+        self.one_event(s, now, Record::Message { role, text, span })
+    }
+
+    pub(super) fn render_message(
+        &self,
+        events: &[Event],
+        role: u8,
+        text: &str,
+        render: &dyn Render,
+    ) -> Result<Vec<Token>, SessionError> {
+        let first = events.iter().all(|e| e.body.span().is_empty());
+        let new = Turn {
+            role,
+            content: text.to_string(),
+        };
+        render
+            .message_span(&chat_messages(events), &declared_tools(events), &new, first)
+            .map_err(SessionError::Render)
+    }
+
+    /// `AppendSystem`: the opening system turn declaring tools. Refused once
+    /// the session has any input, inherited history included.
+    pub fn plan_system(
+        &self,
+        s: SessionId,
+        text: Option<String>,
+        tools: Vec<String>,
+        render: &dyn Render,
+        now: u64,
+    ) -> Result<Planned, SessionError> {
+        self.live(s)?;
+        if self.all_events(s).iter().any(|e| is_input(&e.body)) {
+            return Err(SessionError::SystemAfterInput(s));
+        }
+        let span = render
+            .system_span(text.as_deref(), &tools)
+            .map_err(SessionError::Render)?;
+        self.one_event(s, now, Record::System { text, tools, span })
+    }
+
+    /// `AppendBlock`: a message of a given kind, rendered like a message.
+    pub fn plan_block(
+        &self,
+        s: SessionId,
+        role: u8,
+        kind: String,
+        payload: String,
+        render: &dyn Render,
+        now: u64,
+    ) -> Result<Planned, SessionError> {
+        check_role(role)?;
+        self.live(s)?;
+        if kind.is_empty() {
+            return Err(SessionError::Invalid("AppendBlock needs a kind".into()));
+        }
+        let events = self.all_events(s);
+        let span = self.render_message(&events, role, &payload, render)?;
+        self.one_event(
+            s,
+            now,
+            Record::Block {
+                role,
+                kind,
+                payload,
+                span,
+            },
+        )
+    }
+}

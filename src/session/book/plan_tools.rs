@@ -1,0 +1,145 @@
+//! Plans about tool calls: the tool choice, results and outcomes, cancel
+//! requests, permissions.
+
+use super::folds::declared_tools;
+use super::{Planned, Render, SessionBook, SessionError};
+use crate::wire::{role, EventId, Record, SessionId};
+
+impl SessionBook {
+    /// `SetToolChoice`: "auto", "required", or a declared tool's name.
+    pub fn plan_tool_choice(
+        &self,
+        s: SessionId,
+        choice: String,
+        now: u64,
+    ) -> Result<Planned, SessionError> {
+        self.live(s)?;
+        if choice != "auto" {
+            let names: Vec<String> = declared_tools(&self.all_events(s))
+                .iter()
+                .filter_map(|t| crate::session::grammar::tool_name(t))
+                .collect();
+            if names.is_empty() {
+                return Err(SessionError::Invalid(format!(
+                    "session {s} declares no tools (AppendSystem), so no call can be forced"
+                )));
+            }
+            if choice != "required" && !names.contains(&choice) {
+                return Err(SessionError::Invalid(format!(
+                    "tool choice {choice:?} is not \"auto\", \"required\" or a declared tool ({})",
+                    names.join(", ")
+                )));
+            }
+        }
+        self.one_event(s, now, Record::ToolChoice { choice })
+    }
+
+    /// `AppendToolResult`.
+    pub fn plan_tool_result(
+        &self,
+        s: SessionId,
+        call_id: EventId,
+        content: String,
+        render: &dyn Render,
+        now: u64,
+    ) -> Result<Planned, SessionError> {
+        self.open_call(s, call_id)?;
+        let events = self.all_events(s);
+        let span = self.render_message(&events, role::TOOL, &content, render)?;
+        self.one_event(
+            s,
+            now,
+            Record::ToolResult {
+                call_id,
+                content,
+                span,
+            },
+        )
+    }
+
+    /// `AppendToolOutcome`.
+    pub fn plan_tool_outcome(
+        &self,
+        s: SessionId,
+        call_id: EventId,
+        outcome: u8,
+        note: String,
+        now: u64,
+    ) -> Result<Planned, SessionError> {
+        if !(1..=2).contains(&outcome) {
+            return Err(SessionError::Invalid(format!(
+                "outcome {outcome} is not 1 (failed) or 2 (cancelled)"
+            )));
+        }
+        self.open_call(s, call_id)?;
+        self.one_event(
+            s,
+            now,
+            Record::ToolOutcome {
+                call_id,
+                outcome,
+                note,
+            },
+        )
+    }
+
+    /// `RequestToolCancel`.
+    pub fn plan_tool_cancel(
+        &self,
+        s: SessionId,
+        call_id: EventId,
+        now: u64,
+    ) -> Result<Planned, SessionError> {
+        self.open_call(s, call_id)?;
+        self.one_event(s, now, Record::ToolCancelRequested { call_id })
+    }
+
+    /// `RequestPermission`: asks the user whether a tool call may run; the
+    /// request's event id is what `RespondPermission` answers.
+    pub fn plan_permission_request(
+        &self,
+        s: SessionId,
+        call_id: EventId,
+        text: String,
+        now: u64,
+    ) -> Result<Planned, SessionError> {
+        self.open_call(s, call_id)?;
+        self.one_event(s, now, Record::PermissionRequested { call_id, text })
+    }
+
+    /// `RespondPermission`.
+    pub fn plan_permission_response(
+        &self,
+        s: SessionId,
+        request_id: EventId,
+        granted: bool,
+        now: u64,
+    ) -> Result<Planned, SessionError> {
+        self.live(s)?;
+        let events = self.all_events(s);
+        let asked = events.iter().any(|e| {
+            e.event_id == request_id && matches!(e.body, Record::PermissionRequested { .. })
+        });
+        if !asked {
+            return Err(SessionError::Invalid(format!(
+                "session {s} has no permission request {request_id}"
+            )));
+        }
+        let answered = events.iter().any(|e| {
+            matches!(e.body, Record::PermissionResponded { request_id: r, .. } if r == request_id)
+        });
+        if answered {
+            return Err(SessionError::Invalid(format!(
+                "permission request {request_id} was already answered"
+            )));
+        }
+        self.one_event(
+            s,
+            now,
+            Record::PermissionResponded {
+                request_id,
+                granted,
+            },
+        )
+    }
+}

@@ -1,0 +1,133 @@
+//! A session's view: the ranges of events it is made of, and reading them.
+//!
+//! A fork, rebase or trim never copies its parent's events: its view is a
+//! list of ranges, each either a range of another session's own events
+//! (shared by reference) or a range of its own events. The parent is never
+//! rewritten, and since a session's log only grows, a shared range never
+//! changes.
+
+use super::{SessionBook, SessionError};
+use crate::wire::{Event, EventId, SessionId};
+
+/// A range of a session's view. A fork's ranges point straight at the
+/// sessions that own the events (never at another view), so reading any
+/// session is one level deep however long its chain of forks.
+#[derive(Debug, Clone)]
+pub(super) enum ViewRange {
+    /// Entries `from..to` of another session's own events, shared by
+    /// reference.
+    Borrowed {
+        session: SessionId,
+        from: usize,
+        to: usize,
+    },
+    /// Entries `from..to` of this session's own events.
+    Own { from: usize, to: usize },
+}
+
+impl ViewRange {
+    pub(super) fn len(&self) -> u64 {
+        match self {
+            ViewRange::Borrowed { from, to, .. } | ViewRange::Own { from, to } => {
+                (to - from) as u64
+            }
+        }
+    }
+}
+
+impl SessionBook {
+    /// Appends a session's events `from..to` to `out`, with the ids they have
+    /// in this session.
+    pub(super) fn collect(&self, s: SessionId, from: u64, to: u64, out: &mut Vec<Event>) {
+        let Some(sess) = self.sessions.get(&s) else {
+            return;
+        };
+        let mut pos = 0u64;
+        for range in &sess.view {
+            let n = range.len();
+            let (lo, hi) = (from.max(pos), to.min(pos + n));
+            if lo < hi {
+                let (owner, of) = match range {
+                    ViewRange::Borrowed { session, from, .. } => {
+                        (self.sessions.get(session), *from)
+                    }
+                    ViewRange::Own { from, .. } => (Some(sess), *from),
+                };
+                let Some(owner) = owner else { continue };
+                for i in lo..hi {
+                    let mut e = (*owner.own[of + (i - pos) as usize]).clone();
+                    // Ids are positions in this session's view.
+                    e.event_id = i;
+                    out.push(e);
+                }
+            }
+            pos += n;
+            if pos >= to {
+                break;
+            }
+        }
+    }
+
+    /// `Read`: the session's events from `cursor` on.
+    pub fn read(&self, s: SessionId, cursor: EventId) -> Result<Vec<Event>, SessionError> {
+        let sess = self.live(s)?;
+        if cursor > sess.len {
+            return Err(SessionError::CursorPastEnd {
+                session: s,
+                cursor,
+                len: sess.len,
+            });
+        }
+        let mut out = Vec::with_capacity((sess.len - cursor) as usize);
+        self.collect(s, cursor, sess.len, &mut out);
+        Ok(out)
+    }
+
+    /// Every event of a session, purged or not (for internal folds).
+    pub(super) fn all_events(&self, s: SessionId) -> Vec<Event> {
+        let len = self.sessions.get(&s).map_or(0, |x| x.len);
+        let mut out = Vec::with_capacity(len as usize);
+        self.collect(s, 0, len, &mut out);
+        out
+    }
+
+    /// The ranges of view range `from..to` of session `s`, pointing at the
+    /// sessions that own those events.
+    pub(super) fn slice(&self, s: SessionId, from: u64, to: u64) -> Vec<ViewRange> {
+        let Some(sess) = self.sessions.get(&s) else {
+            return vec![];
+        };
+        let mut out = Vec::new();
+        let mut pos = 0u64;
+        for range in &sess.view {
+            let n = range.len();
+            let (lo, hi) = (from.max(pos), to.min(pos + n));
+            if lo < hi {
+                let (a, b) = ((lo - pos) as usize, (hi - pos) as usize);
+                out.push(match range {
+                    ViewRange::Borrowed { session, from, .. } => ViewRange::Borrowed {
+                        session: *session,
+                        from: from + a,
+                        to: from + b,
+                    },
+                    ViewRange::Own { from, .. } => ViewRange::Borrowed {
+                        session: s,
+                        from: from + a,
+                        to: from + b,
+                    },
+                });
+            }
+            pos += n;
+            if pos >= to {
+                break;
+            }
+        }
+        out
+    }
+
+    pub(super) fn span_tokens(&self, s: SessionId, from: u64, to: u64) -> u64 {
+        let mut out = Vec::new();
+        self.collect(s, from, to, &mut out);
+        out.iter().map(|e| e.body.span().len() as u64).sum()
+    }
+}
