@@ -1,6 +1,8 @@
 //! The one harness of the integration tests: `TestDaemon`, a real
 //! `superfluid serve` on the real model's vocabulary, in a temp directory of
-//! its own (sessions dir and socket inside), with kill and restart helpers.
+//! its own (sessions dir and socket inside), with kill and restart helpers;
+//! the test models (the default one and those scripts/make-test-models.py
+//! derives from it); request helpers; raw frames; the WAL's record walk.
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
@@ -20,8 +22,6 @@ const START_TIMEOUT_MS: u64 = 20_000;
 const STOP_TIMEOUT_MS: u64 = 20_000;
 /// How long a daemon expected to fail may run before we call it a hang.
 const FAIL_TIMEOUT_MS: u64 = 20_000;
-
-pub use crate::models::{derived_model, model_path};
 
 pub fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_superfluid")
@@ -390,4 +390,31 @@ pub fn wal_records(bytes: &[u8]) -> Vec<(usize, usize)> {
         pos = end;
     }
     out
+}
+
+// ---- the test models ------------------------------------------------------
+
+/// The model the daemon loads: `$SUPERFLUID_TEST_MODEL`, or the path
+/// scripts/fetch-model.sh writes.
+pub fn model_path() -> PathBuf {
+    let path =
+        superfluid::engine::default_model_path().expect("HOME or SUPERFLUID_TEST_MODEL is set");
+    assert!(
+        path.is_file(),
+        "the test model {} is missing: run scripts/setup.sh (or set SUPERFLUID_TEST_MODEL)",
+        path.display()
+    );
+    path
+}
+
+/// A test model scripts/make-test-models.py derives from the default one
+/// (`SmolLM2-135M-tools-think.gguf`, `SmolLM2-135M-fim.gguf`), beside it.
+pub fn derived_model(name: &str) -> PathBuf {
+    let path = model_path().with_file_name(name);
+    assert!(
+        path.is_file(),
+        "the derived test model {} is missing: run scripts/setup.sh (or scripts/make-test-models.py)",
+        path.display()
+    );
+    path
 }
