@@ -13,7 +13,7 @@ use superfluid::wire::{
     from_postcard, role, Edit, Event, LogRecord, PurgeMode, Record, Request, Response, SessionId,
 };
 
-use crate::util::{bin, commit, created, params, wal_records, TestDaemon};
+use crate::util::{bin, commit, created, params, shared_daemon, wal_records, TestDaemon};
 
 const WEATHER_TOOL: &str = r#"{"type":"function","function":{"name":"get_weather","description":"Current weather","parameters":{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}}}"#;
 
@@ -544,7 +544,7 @@ fn stale_socket_file_is_replaced() {
 
 #[test]
 fn socket_is_private() {
-    let d = TestDaemon::start();
+    let d = shared_daemon();
     let mode = std::fs::metadata(&d.socket).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode, 0o600, "socket mode {mode:o}");
 }
@@ -558,7 +558,7 @@ fn clean_stop_removes_the_socket() {
 
 #[test]
 fn inspect_cli() {
-    let d = TestDaemon::start();
+    let d = shared_daemon();
     let mut c = d.client();
     let s = d.create(&mut c);
     commit(&mut c, msg(s, role::USER, "hello\nthere"));
@@ -617,12 +617,12 @@ fn inspect_cli() {
 
     // An unknown session: non-zero exit and the daemon's message.
     let out = Command::new(bin())
-        .args(["session", "inspect", "99", "--socket"])
+        .args(["session", "inspect", "999999", "--socket"])
         .arg(&d.socket)
         .output()
         .unwrap();
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown session 99"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown session 999999"));
 }
 
 /// 16 clients append to their own sessions while the daemon is SIGKILLed:

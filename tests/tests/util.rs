@@ -6,8 +6,10 @@
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{mpsc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use superfluid::frontend::socket::Client;
@@ -22,6 +24,9 @@ const START_TIMEOUT_MS: u64 = 20_000;
 const STOP_TIMEOUT_MS: u64 = 20_000;
 /// How long a daemon expected to fail may run before we call it a hang.
 const FAIL_TIMEOUT_MS: u64 = 20_000;
+/// When set, every `serve` the harness spawns appends one line to this file:
+/// how the daemons a run starts are counted (`wc -l`).
+const SPAWN_LOG_ENV: &str = "SUPERFLUID_TEST_SPAWN_LOG";
 
 pub fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_superfluid")
@@ -56,6 +61,9 @@ pub struct TestDaemon {
     pub extra_args: Vec<String>,
     /// The model `serve` loads (the default model unless a test sets another).
     pub model: PathBuf,
+    /// SIGKILL the daemon when the thread that spawned it exits (the shared
+    /// daemon, which no `Drop` ever stops).
+    die_with_spawner: bool,
 }
 
 impl TestDaemon {
@@ -75,6 +83,7 @@ impl TestDaemon {
             starts: 0,
             extra_args: Vec::new(),
             model: model_path(),
+            die_with_spawner: false,
         }
     }
 
@@ -108,8 +117,26 @@ impl TestDaemon {
     /// stderr go to files in the temp dir.
     fn spawn_with(&mut self, sessions: &Path, socket: &Path, extra: &[String]) -> (Child, PathBuf) {
         self.starts += 1;
+        count_spawn(&format!("serve {}", sessions.display()));
         let (out, err) = self.out_paths(self.starts);
-        let child = Command::new(bin())
+        let mut cmd = Command::new(bin());
+        if self.die_with_spawner {
+            // SAFETY: prctl and getppid are async-signal-safe; nothing else
+            // runs between fork and exec.
+            unsafe {
+                cmd.pre_exec(|| {
+                    if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    // The spawner died before the prctl: do not serve forever.
+                    if libc::getppid() == 1 {
+                        libc::_exit(1);
+                    }
+                    Ok(())
+                })
+            };
+        }
+        let child = cmd
             .arg("serve")
             .arg(&self.model)
             .arg("--sessions")
@@ -290,6 +317,75 @@ impl Drop for TestDaemon {
             let _ = child.wait();
         }
     }
+}
+
+/// Appends `what` as a line to `$SUPERFLUID_TEST_SPAWN_LOG`, if set.
+fn count_spawn(what: &str) {
+    let Some(path) = std::env::var_os(SPAWN_LOG_ENV) else {
+        return;
+    };
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .unwrap_or_else(|e| panic!("{SPAWN_LOG_ENV}={}: {e}", Path::new(&path).display()));
+    // One write of a short line in append mode: concurrent tests do not interleave.
+    f.write_all(format!("{what}\n").as_bytes()).unwrap();
+}
+
+static SHARED: OnceLock<Mutex<TestDaemon>> = OnceLock::new();
+
+/// The one daemon (default model, default arguments) that the tests which
+/// only read or validate share, instead of a daemon each. Holding the guard
+/// gives the test the daemon to itself, so a test sees `wal.log` change only
+/// through its own requests; a test works on sessions it creates, and never
+/// stops, kills or restarts the shared daemon (those tests start their own).
+///
+/// Started on first use from a thread that lives as long as the test
+/// process, with `PR_SET_PDEATHSIG`, so the daemon dies with the process
+/// however it ends; a clean exit also stops it and removes its temp dir.
+pub fn shared_daemon() -> MutexGuard<'static, TestDaemon> {
+    SHARED
+        .get_or_init(|| {
+            let (tx, rx) = mpsc::channel();
+            std::thread::Builder::new()
+                .name("shared-daemon".into())
+                .spawn(move || {
+                    let mut d = TestDaemon::new();
+                    d.die_with_spawner = true;
+                    d.spawn_and_wait();
+                    tx.send(d).unwrap();
+                    // The daemon dies with this thread: keep it until exit.
+                    loop {
+                        std::thread::park();
+                    }
+                })
+                .expect("spawning the shared daemon's thread");
+            let d = rx
+                .recv()
+                .expect("the shared daemon did not start (its panic is above)");
+            // SAFETY: registers a plain extern "C" fn that does not unwind.
+            unsafe { libc::atexit(stop_shared_daemon) };
+            Mutex::new(d)
+        })
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
+
+/// At exit: SIGKILL the shared daemon and remove its temp dir (statics are
+/// never dropped).
+extern "C" fn stop_shared_daemon() {
+    let Some(m) = SHARED.get() else { return };
+    let mut d = match m.try_lock() {
+        Ok(d) => d,
+        Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+        Err(std::sync::TryLockError::WouldBlock) => return,
+    };
+    if let Some(mut child) = d.child.take() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    let _ = std::fs::remove_dir_all(d.path());
 }
 
 pub fn wait_timeout(child: &mut Child, ms: u64) -> Option<ExitStatus> {
