@@ -420,7 +420,9 @@ fn complete_fills_in_the_middle_on_a_model_with_fim_tokens() {
             panic!("mode {mode}: {reply:?}");
         };
         assert!(tokens > 0 && tokens <= 12);
-        let _ = cached;
+        // Neither prompt is warm yet: mode 1 puts the suffix first, so it
+        // shares no prefix with mode 0's.
+        assert_eq!(cached, 0, "mode {mode}: a cold prompt");
     }
     // The same request again starts from the cache.
     let req = Request::Complete {
