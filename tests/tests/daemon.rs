@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use superfluid::store::RECORD_HEADER_LEN;
 use superfluid::wire::{
     from_postcard, role, Edit, Event, LogRecord, PurgeMode, Record, Request, Response, SessionId,
 };
@@ -396,7 +397,7 @@ fn torn_tail_at_every_offset() {
     let records = wal_records(&original);
     let &(last_start, last_end) = records.last().unwrap();
     assert_eq!(last_end, original.len(), "the log ends with a whole record");
-    match from_postcard::<LogRecord>(&original[last_start + 12..last_end]).unwrap() {
+    match from_postcard::<LogRecord>(&original[last_start + RECORD_HEADER_LEN..last_end]).unwrap() {
         LogRecord::Events { session, events } => {
             assert_eq!(session, s);
             assert!(matches!(&events[0].body, Record::Message { text, .. } if text == "ok"));
@@ -458,7 +459,8 @@ fn flipped_bit_in_non_final_record_refuses_start() {
     // Records: Boot, Created, Message, Message. Corrupt the first Message.
     assert_eq!(records.len(), 4);
     let (start, end) = records[2];
-    let mid = start + 12 + (end - start - 12) / 2;
+    let payload = start + RECORD_HEADER_LEN;
+    let mid = payload + (end - payload) / 2;
     bytes[mid] ^= 0x10;
     std::fs::write(d.wal_path(), &bytes).unwrap();
 

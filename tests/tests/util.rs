@@ -13,6 +13,7 @@ use std::sync::{mpsc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use superfluid::frontend::socket::Client;
+use superfluid::store::{FILE_HEADER_LEN, RECORD_HEADER_LEN, WAL_MAGIC};
 use superfluid::wire::{
     read_frame_blocking, to_postcard, write_frame_blocking, Event, Params, Request, Response,
     SessionId, MAX_FRAME_BYTES,
@@ -468,17 +469,19 @@ impl Raw {
 }
 
 /// The start offsets of every record of a WAL file, and where the valid
-/// records end. Walks `[len u32][len_crc u32][crc u32][payload]` from byte 16.
+/// records end. Walks `[len u32][len_crc u32][crc u32][payload]` from the
+/// end of the file header, with the store's own sizes.
 pub fn wal_records(bytes: &[u8]) -> Vec<(usize, usize)> {
+    let header = FILE_HEADER_LEN as usize;
     assert!(
-        bytes.len() >= 16 && &bytes[..8] == b"SFWAL\r\n\x1a",
+        bytes.len() >= header && bytes[..WAL_MAGIC.len()] == WAL_MAGIC,
         "not a WAL"
     );
     let mut out = Vec::new();
-    let mut pos = 16;
-    while pos + 12 <= bytes.len() {
+    let mut pos = header;
+    while pos + RECORD_HEADER_LEN <= bytes.len() {
         let len = u32::from_le_bytes(bytes[pos..pos + 4].try_into().unwrap()) as usize;
-        let end = pos + 12 + len;
+        let end = pos + RECORD_HEADER_LEN + len;
         if end > bytes.len() {
             break;
         }
