@@ -494,23 +494,51 @@ mod tests {
                 })
                 .expect_err("corruption must fail the open");
                 match &err {
-                    StoreError::Corrupt { offset, path, .. } => {
+                    StoreError::Corrupt {
+                        offset,
+                        path,
+                        reason,
+                    } => {
                         assert_eq!(*offset, victim.offset, "byte {byte} bit {bit}");
                         assert_eq!(path, &d.path().join(WAL_FILE));
+                        // A flip in len or len_crc fails the length's own
+                        // checksum; one in crc or the payload, the payload's.
+                        if byte < o + 8 {
+                            assert!(
+                                matches!(reason, FormatError::LenChecksum { .. }),
+                                "byte {byte} bit {bit}: {reason:?}"
+                            );
+                        } else {
+                            assert!(
+                                matches!(reason, FormatError::PayloadChecksum { .. }),
+                                "byte {byte} bit {bit}: {reason:?}"
+                            );
+                        }
                     }
                     other => panic!("byte {byte} bit {bit}: expected Corrupt, got {other}"),
                 }
-                let msg = err.to_string();
-                assert!(msg.starts_with(&format!(
-                    "wal.log is corrupt at byte offset {} (",
-                    victim.offset
-                )));
-                assert!(msg.contains("refusing to start rather than guess"));
-                assert!(msg.contains("--sessions-cache"));
                 assert_eq!(seen, vec![durables[0].offset]);
                 assert_eq!(wal_bytes(d.path()), bad, "the file must be left unchanged");
             }
         }
+        // What the user reads: the offset, the reason, and both ways out.
+        let path = d.path().join(WAL_FILE);
+        let err = open_collect(d.path(), OpenMode::Durable).unwrap_err();
+        // The loop left the last payload byte flipped.
+        let now = wal_bytes(d.path());
+        let stored = u32::from_le_bytes(now[o + 8..o + 12].try_into().unwrap());
+        let computed = crc32c::crc32c(&now[o + 12..o + 12 + plen]);
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "wal.log is corrupt at byte offset {} (payload checksum mismatch: stored \
+                 {stored:#010x}, computed {computed:#010x}); refusing to start rather than \
+                 guess. Move {} aside, or start with --sessions-cache to keep it as \
+                 wal.log.prev and begin a fresh log",
+                victim.offset,
+                path.display()
+            )
+        );
         // --sessions-cache: keep the corrupt log aside and start fresh.
         let bad = wal_bytes(d.path());
         let (f, r, got) = open_collect(d.path(), OpenMode::Cache).unwrap();
@@ -534,29 +562,45 @@ mod tests {
     fn bad_magic_and_bad_version_are_clear_errors() {
         let d = tempfile::tempdir().unwrap();
         let path = d.path().join(WAL_FILE);
+        let found = |bytes: &[u8]| {
+            fs::write(&path, bytes).unwrap();
+            match open_collect(d.path(), OpenMode::Durable) {
+                Err(StoreError::BadHeader { path: p, found }) => {
+                    assert_eq!(p, path);
+                    found
+                }
+                other => panic!("expected BadHeader, got {:?}", other.map(|x| x.1)),
+            }
+        };
         let mut h = file_header();
         h[0] = b'X';
-        fs::write(&path, h).unwrap();
+        assert_eq!(found(&h), FormatError::BadMagic(*b"XFWAL\r\n\x1a"));
+        // What the user reads: the file and what is wrong with it.
         let msg = open_collect(d.path(), OpenMode::Durable)
             .unwrap_err()
             .to_string();
-        assert!(msg.contains(&path.display().to_string()), "{msg}");
-        assert!(msg.contains("bad magic b\"XFWAL\\r\\n\\x1a\""), "{msg}");
+        assert_eq!(
+            msg,
+            format!(
+                "{} is not a readable superfluid WAL: bad magic b\"XFWAL\\r\\n\\x1a\" \
+                 (expected b\"SFWAL\\r\\n\\x1a\")",
+                path.display()
+            )
+        );
 
         let mut h = file_header();
         h[8..12].copy_from_slice(&7u32.to_le_bytes());
-        fs::write(&path, h).unwrap();
-        let err = open_collect(d.path(), OpenMode::Durable).unwrap_err();
-        assert!(matches!(err, StoreError::BadHeader { .. }));
-        let msg = err.to_string();
-        assert!(msg.contains("unsupported format version 7"), "{msg}");
-        assert!(msg.contains(&path.display().to_string()), "{msg}");
+        assert_eq!(found(&h), FormatError::Version(7));
+        assert_eq!(
+            FormatError::Version(7).to_string(),
+            "unsupported format version 7 (this build reads version 1)"
+        );
 
-        fs::write(&path, b"SFWAL").unwrap();
-        let msg = open_collect(d.path(), OpenMode::Durable)
-            .unwrap_err()
-            .to_string();
-        assert!(msg.contains("shorter than the 16-byte header"), "{msg}");
+        assert_eq!(found(b"SFWAL"), FormatError::ShortFile(5));
+        assert_eq!(
+            FormatError::ShortFile(5).to_string(),
+            "the file is 5 bytes, shorter than the 16-byte header"
+        );
     }
 
     #[test]

@@ -412,7 +412,7 @@ mod tests {
         let later = w.append(b"y".to_vec()).blocking_recv().unwrap();
         match later {
             Err(StoreError::WriterFailed(reason)) => {
-                assert!(reason.to_string().contains("writing"), "{reason}")
+                assert!(matches!(reason, WriterFailure::Write { .. }), "{reason}")
             }
             other => panic!("expected WriterFailed, got {other:?}"),
         }
