@@ -162,7 +162,7 @@ pub fn replay(dir: &Path, mode: OpenMode) -> anyhow::Result<(store::WalFile, Ses
     let (file, recovery) = store::open(dir, mode, &mut |offset, payload| {
         let record: LogRecord = from_postcard(payload).map_err(|e| e.to_string())?;
         book.apply(&record)
-            .map_err(|e| format!("record at byte offset {offset}: {e}"))
+            .map_err(|e| format!("record at byte offset {offset}: {e}").into())
     })?;
     if recovery.prev_kept {
         log::warn!(

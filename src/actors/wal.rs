@@ -1,11 +1,11 @@
 //! `WalActor`: the WAL writer as an actor. It encodes nothing and waits for
-//! nothing itself: records go to the writer thread of `store::wal`, which
+//! nothing itself: records go to the writer thread of `store::wal::writer`, which
 //! group-commits them, and each reply resolves after the fsync that covers
 //! its record returned.
 
 use actix::prelude::*;
 
-use crate::store::{Durable, StoreError, WalWriter};
+use crate::store::{Durable, StoreError, WalWriter, WriterFailure};
 
 /// Append one encoded record; resolves once it is durable.
 #[derive(Message)]
@@ -38,23 +38,20 @@ impl Handler<Commit> for WalActor {
 
     fn handle(&mut self, msg: Commit, _: &mut Context<Self>) -> Self::Result {
         let Some(writer) = self.writer.clone() else {
-            return Box::pin(async {
-                Err(StoreError::WriterFailed("the log is shut down".into()))
-            });
+            return Box::pin(async { Err(StoreError::WriterFailed(WriterFailure::ShutDown)) });
         };
         let rx = writer.append(msg.0);
         Box::pin(async move {
             let durable = rx
                 .await
-                .map_err(|_| StoreError::WriterFailed("the writer thread is gone".into()))??;
+                .map_err(|_| StoreError::WriterFailed(WriterFailure::Gone))??;
             // The ordering invariant, checked on every commit: the fsync
             // that covers this record has returned before anyone hears of it.
             if writer.durable_len() < durable.end {
-                return Err(StoreError::WriterFailed(format!(
-                    "record ending at {} resolved before it was durable ({})",
-                    durable.end,
-                    writer.durable_len()
-                )));
+                return Err(StoreError::WriterFailed(WriterFailure::NotDurable {
+                    end: durable.end,
+                    durable: writer.durable_len(),
+                }));
             }
             Ok(durable)
         })

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use fs4::fs_std::FileExt as LockExt;
 
-use super::wal::StoreError;
+use super::error::{io_err, StoreError};
 
 /// The lock file's name inside the sessions directory.
 pub const LOCK_FILE: &str = "lock";
@@ -28,15 +28,11 @@ impl DirLock {
     /// Fails with [`StoreError::Locked`] naming the holder's pid if another
     /// process holds it.
     pub fn acquire(dir: &Path) -> Result<DirLock, StoreError> {
-        let io = |path: &Path| {
-            let path = path.to_path_buf();
-            move |source| StoreError::Io { path, source }
-        };
         DirBuilder::new()
             .recursive(true)
             .mode(0o700)
             .create(dir)
-            .map_err(io(dir))?;
+            .map_err(io_err(dir))?;
         let path = dir.join(LOCK_FILE);
         // No truncate here: until we hold the lock the pid inside is the holder's.
         let mut file = OpenOptions::new()
@@ -46,11 +42,11 @@ impl DirLock {
             .truncate(false)
             .mode(0o600)
             .open(&path)
-            .map_err(io(&path))?;
-        if LockExt::try_lock_exclusive(&file).map_err(io(&path))? {
-            file.set_len(0).map_err(io(&path))?;
+            .map_err(io_err(&path))?;
+        if LockExt::try_lock_exclusive(&file).map_err(io_err(&path))? {
+            file.set_len(0).map_err(io_err(&path))?;
             file.write_all_at(format!("{}\n", std::process::id()).as_bytes(), 0)
-                .map_err(io(&path))?;
+                .map_err(io_err(&path))?;
             Ok(DirLock { _file: file, path })
         } else {
             let mut holder = String::new();

@@ -1,15 +1,19 @@
-//! Bad requests, one test each: each gets a clear `Err`, leaves wal.log's
-//! bytes as they were, and the daemon keeps serving, on the same connection
-//! where the protocol allows and on a new one.
+//! Bad requests: each gets a clear `Err`, leaves wal.log's bytes as they
+//! were, and the daemon keeps serving, on the same connection where the
+//! protocol allows and on a new one. Every test runs its table of cases
+//! against the one shared daemon (`util::shared_daemon`), on a session of its
+//! own; none of them needs a daemon of its own.
 
 use superfluid::frontend::socket::Client;
 use superfluid::wire::{role, to_postcard, Edit, PurgeMode, Request, Response, SessionId};
 
-use crate::util::{commit, expect_err, Raw, TestDaemon};
+use crate::util::{commit, expect_err, shared_daemon, Raw, TestDaemon};
 
-/// A daemon with one session of 3 events: Created, a user and an assistant message.
-fn fixture() -> (TestDaemon, Client, SessionId) {
-    let d = TestDaemon::start();
+/// A session id no test creates (the shared daemon hands out small ones).
+const UNKNOWN: SessionId = 999_999;
+
+/// A new session of 3 events on `d`: Created, a user and an assistant message.
+fn fixture(d: &TestDaemon) -> (Client, SessionId) {
     let mut c = d.client();
     let s = d.create(&mut c);
     for (r, t) in [(role::USER, "hello"), (role::ASSISTANT, "hi")] {
@@ -22,7 +26,7 @@ fn fixture() -> (TestDaemon, Client, SessionId) {
             },
         );
     }
-    (d, c, s)
+    (c, s)
 }
 
 fn assert_serves(d: &TestDaemon, c: Option<&mut Client>, s: SessionId) {
@@ -38,57 +42,68 @@ fn assert_serves(d: &TestDaemon, c: Option<&mut Client>, s: SessionId) {
     }
 }
 
-/// Sends each request, expects an Err containing `keyword`, and checks the
-/// daemon serves on and wrote nothing.
-fn refused(reqs: &[Request], keyword: &str) {
-    let (d, mut c, s) = fixture();
+/// On the shared daemon, on a new fixture session `s`: sends each of
+/// `cases(s)`, expects an Err containing `keyword`, and checks after each
+/// case that wal.log is unchanged and the daemon serves on.
+fn refused(cases: impl FnOnce(SessionId) -> Vec<Request>, keyword: &str) {
+    let d = shared_daemon();
+    let (mut c, s) = fixture(&d);
     let wal = d.wal_bytes();
-    for req in reqs {
-        let message = expect_err(&mut c, req);
+    for req in cases(s) {
+        let message = expect_err(&mut c, &req);
         assert!(
             message.contains(keyword),
             "{req:?}: {message:?} does not mention {keyword:?}"
         );
+        assert_eq!(
+            d.wal_bytes(),
+            wal,
+            "{req:?} was refused but changed wal.log"
+        );
         assert_serves(&d, Some(&mut c), s);
     }
-    assert_eq!(d.wal_bytes(), wal, "a refused request changed wal.log");
     assert_eq!(d.read_all(s).len(), 3);
 }
 
 #[test]
 fn unknown_session() {
     refused(
-        &[
-            Request::Read {
-                session: 99,
-                cursor: 0,
-            },
-            Request::AppendMessage {
-                session: 99,
-                role: role::USER,
-                text: "x".into(),
-            },
-            Request::Fork {
-                session: 99,
-                at_event: 1,
-                params: None,
-            },
-        ],
-        "unknown session 99",
+        |_| {
+            vec![
+                Request::Read {
+                    session: UNKNOWN,
+                    cursor: 0,
+                },
+                Request::AppendMessage {
+                    session: UNKNOWN,
+                    role: role::USER,
+                    text: "x".into(),
+                },
+                Request::Fork {
+                    session: UNKNOWN,
+                    at_event: 1,
+                    params: None,
+                },
+            ]
+        },
+        &format!("unknown session {UNKNOWN}"),
     );
 }
 
 #[test]
 fn cursor_past_the_end() {
     refused(
-        &[Request::Read {
-            session: 1,
-            cursor: 4,
-        }],
+        |s| {
+            vec![Request::Read {
+                session: s,
+                cursor: 4,
+            }]
+        },
         "past the end",
     );
     // The end itself is a valid cursor.
-    let (d, _c, s) = fixture();
+    let d = shared_daemon();
+    let (_c, s) = fixture(&d);
     assert_eq!(
         d.call(&Request::Read {
             session: s,
@@ -101,33 +116,35 @@ fn cursor_past_the_end() {
 #[test]
 fn fork_at_event_out_of_range() {
     refused(
-        &[
-            Request::Fork {
-                session: 1,
-                at_event: 0,
-                params: None,
-            },
-            Request::Fork {
-                session: 1,
-                at_event: 4,
-                params: None,
-            },
-            Request::Trim {
-                session: 1,
-                to_event: 0,
-            },
-            Request::Trim {
-                session: 1,
-                to_event: 4,
-            },
-        ],
+        |s| {
+            vec![
+                Request::Fork {
+                    session: s,
+                    at_event: 0,
+                    params: None,
+                },
+                Request::Fork {
+                    session: s,
+                    at_event: 4,
+                    params: None,
+                },
+                Request::Trim {
+                    session: s,
+                    to_event: 0,
+                },
+                Request::Trim {
+                    session: s,
+                    to_event: 4,
+                },
+            ]
+        },
         "out of range",
     );
 }
 
-fn rebase(edits: Vec<Edit>) -> Request {
+fn rebase(session: SessionId, edits: Vec<Edit>) -> Request {
     Request::Rebase {
-        session: 1,
+        session,
         edits,
         params: None,
     }
@@ -136,10 +153,12 @@ fn rebase(edits: Vec<Edit>) -> Request {
 #[test]
 fn rebase_edits_overlapping() {
     refused(
-        &[rebase(vec![
-            Edit::Drop { from: 1, to: 3 },
-            Edit::Drop { from: 2, to: 3 },
-        ])],
+        |s| {
+            vec![rebase(
+                s,
+                vec![Edit::Drop { from: 1, to: 3 }, Edit::Drop { from: 2, to: 3 }],
+            )]
+        },
         "overlap",
     );
 }
@@ -147,31 +166,41 @@ fn rebase_edits_overlapping() {
 #[test]
 fn rebase_edits_unsorted() {
     refused(
-        &[rebase(vec![
-            Edit::Drop { from: 2, to: 3 },
-            Edit::Drop { from: 1, to: 2 },
-        ])],
+        |s| {
+            vec![rebase(
+                s,
+                vec![Edit::Drop { from: 2, to: 3 }, Edit::Drop { from: 1, to: 2 }],
+            )]
+        },
         "sorted",
     );
 }
 
 #[test]
 fn rebase_edit_including_event_0() {
-    refused(&[rebase(vec![Edit::Drop { from: 0, to: 1 }])], "event 0");
+    refused(
+        |s| vec![rebase(s, vec![Edit::Drop { from: 0, to: 1 }])],
+        "event 0",
+    );
 }
 
 #[test]
 fn rebase_edit_empty_range() {
     refused(
-        &[
-            rebase(vec![Edit::Drop { from: 2, to: 2 }]),
-            rebase(vec![Edit::Replace {
-                from: 2,
-                to: 1,
-                role: role::USER,
-                text: "x".into(),
-            }]),
-        ],
+        |s| {
+            vec![
+                rebase(s, vec![Edit::Drop { from: 2, to: 2 }]),
+                rebase(
+                    s,
+                    vec![Edit::Replace {
+                        from: 2,
+                        to: 1,
+                        role: role::USER,
+                        text: "x".into(),
+                    }],
+                ),
+            ]
+        },
         "empty",
     );
 }
@@ -179,25 +208,27 @@ fn rebase_edit_empty_range() {
 #[test]
 fn rebase_edit_past_end() {
     refused(
-        &[rebase(vec![Edit::Drop { from: 2, to: 4 }])],
+        |s| vec![rebase(s, vec![Edit::Drop { from: 2, to: 4 }])],
         "past the end",
     );
 }
 
 #[test]
 fn rebase_without_edits() {
-    refused(&[rebase(vec![])], "at least one edit");
+    refused(|s| vec![rebase(s, vec![])], "at least one edit");
 }
 
 #[test]
 fn wrong_expected_version() {
     refused(
-        &[Request::SetMeta {
-            session: 1,
-            expected_version: 5,
-            title: Some("t".into()),
-            archived: None,
-        }],
+        |s| {
+            vec![Request::SetMeta {
+                session: s,
+                expected_version: 5,
+                title: Some("t".into()),
+                archived: None,
+            }]
+        },
         "version mismatch",
     );
 }
@@ -205,18 +236,20 @@ fn wrong_expected_version() {
 #[test]
 fn wrong_expected_generation() {
     refused(
-        &[
-            Request::Purge {
-                session: 1,
-                expected_generation: 99,
-                mode: PurgeMode::Cascade,
-            },
-            Request::Purge {
-                session: 1,
-                expected_generation: 0,
-                mode: PurgeMode::Reroot,
-            },
-        ],
+        |s| {
+            vec![
+                Request::Purge {
+                    session: s,
+                    expected_generation: 99,
+                    mode: PurgeMode::Cascade,
+                },
+                Request::Purge {
+                    session: s,
+                    expected_generation: 0,
+                    mode: PurgeMode::Reroot,
+                },
+            ]
+        },
         "generation mismatch",
     );
 }
@@ -224,15 +257,18 @@ fn wrong_expected_generation() {
 #[test]
 fn append_system_after_input() {
     refused(
-        &[Request::AppendSystem {
-            session: 1,
-            text: Some("late".into()),
-            tools: vec![],
-        }],
+        |s| {
+            vec![Request::AppendSystem {
+                session: s,
+                text: Some("late".into()),
+                tools: vec![],
+            }]
+        },
         "already has input",
     );
     // A fork inherits its parent's input, so it is refused there too.
-    let (d, mut c, s) = fixture();
+    let d = shared_daemon();
+    let (mut c, s) = fixture(&d);
     let f = crate::util::created(
         &mut c,
         Request::Fork {
@@ -252,23 +288,27 @@ fn append_system_after_input() {
     );
     assert!(m.contains("already has input"), "{m}");
     assert_eq!(d.wal_bytes(), wal);
+    assert_serves(&d, Some(&mut c), f);
 }
 
 #[test]
 fn append_message_unknown_role() {
     refused(
-        &[Request::AppendMessage {
-            session: 1,
-            role: 7,
-            text: "who?".into(),
-        }],
+        |s| {
+            vec![Request::AppendMessage {
+                session: s,
+                role: 7,
+                text: "who?".into(),
+            }]
+        },
         "unknown role 7",
     );
 }
 
 #[test]
 fn oversized_frame_closes_the_connection() {
-    let (d, _c, s) = fixture();
+    let d = shared_daemon();
+    let (_c, s) = fixture(&d);
     let wal = d.wal_bytes();
     let mut raw = Raw::connect(&d.socket);
     raw.send_bytes(&((64u32 << 20) + 1).to_le_bytes());
@@ -286,7 +326,8 @@ fn oversized_frame_closes_the_connection() {
 
 #[test]
 fn garbage_frame_body() {
-    let (d, _c, s) = fixture();
+    let d = shared_daemon();
+    let (_c, s) = fixture(&d);
     let wal = d.wal_bytes();
     let mut raw = Raw::connect(&d.socket);
     // Deterministic noise (an LCG), led by a variant index past every Request.
@@ -313,7 +354,8 @@ fn garbage_frame_body() {
 
 #[test]
 fn invalid_utf8_text() {
-    let (d, _c, s) = fixture();
+    let d = shared_daemon();
+    let (_c, s) = fixture(&d);
     let wal = d.wal_bytes();
     let mut bytes = to_postcard(&Request::AppendMessage {
         session: s,
@@ -341,7 +383,8 @@ fn invalid_utf8_text() {
 
 #[test]
 fn frame_cut_off_mid_body() {
-    let (d, _c, s) = fixture();
+    let d = shared_daemon();
+    let (_c, s) = fixture(&d);
     let wal = d.wal_bytes();
     let full = to_postcard(&Request::AppendMessage {
         session: s,

@@ -9,11 +9,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use superfluid::store::RECORD_HEADER_LEN;
 use superfluid::wire::{
     from_postcard, role, Edit, Event, LogRecord, PurgeMode, Record, Request, Response, SessionId,
 };
 
-use crate::util::{bin, commit, created, params, wal_records, TestDaemon};
+use crate::util::{bin, commit, created, params, shared_daemon, wal_records, TestDaemon};
 
 const WEATHER_TOOL: &str = r#"{"type":"function","function":{"name":"get_weather","description":"Current weather","parameters":{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}}}"#;
 
@@ -396,7 +397,7 @@ fn torn_tail_at_every_offset() {
     let records = wal_records(&original);
     let &(last_start, last_end) = records.last().unwrap();
     assert_eq!(last_end, original.len(), "the log ends with a whole record");
-    match from_postcard::<LogRecord>(&original[last_start + 12..last_end]).unwrap() {
+    match from_postcard::<LogRecord>(&original[last_start + RECORD_HEADER_LEN..last_end]).unwrap() {
         LogRecord::Events { session, events } => {
             assert_eq!(session, s);
             assert!(matches!(&events[0].body, Record::Message { text, .. } if text == "ok"));
@@ -458,7 +459,8 @@ fn flipped_bit_in_non_final_record_refuses_start() {
     // Records: Boot, Created, Message, Message. Corrupt the first Message.
     assert_eq!(records.len(), 4);
     let (start, end) = records[2];
-    let mid = start + 12 + (end - start - 12) / 2;
+    let payload = start + RECORD_HEADER_LEN;
+    let mid = payload + (end - payload) / 2;
     bytes[mid] ^= 0x10;
     std::fs::write(d.wal_path(), &bytes).unwrap();
 
@@ -544,7 +546,7 @@ fn stale_socket_file_is_replaced() {
 
 #[test]
 fn socket_is_private() {
-    let d = TestDaemon::start();
+    let d = shared_daemon();
     let mode = std::fs::metadata(&d.socket).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode, 0o600, "socket mode {mode:o}");
 }
@@ -558,7 +560,7 @@ fn clean_stop_removes_the_socket() {
 
 #[test]
 fn inspect_cli() {
-    let d = TestDaemon::start();
+    let d = shared_daemon();
     let mut c = d.client();
     let s = d.create(&mut c);
     commit(&mut c, msg(s, role::USER, "hello\nthere"));
@@ -617,36 +619,52 @@ fn inspect_cli() {
 
     // An unknown session: non-zero exit and the daemon's message.
     let out = Command::new(bin())
-        .args(["session", "inspect", "99", "--socket"])
+        .args(["session", "inspect", "999999", "--socket"])
         .arg(&d.socket)
         .output()
         .unwrap();
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown session 99"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown session 999999"));
 }
 
 /// 16 clients append to their own sessions while the daemon is SIGKILLed:
 /// every event a client was told is Committed reads back identically.
+///
+/// Every client has created its session before any appends, then appends
+/// until the daemon dies under it, so the SIGKILL lands while all 16 are
+/// appending: each client's appends end cut off by the kill, and at least
+/// `BEFORE_KILL` had been committed before it.
 #[test]
 fn sigkill_under_concurrent_appends_loses_nothing_committed() {
     const CLIENTS: usize = 16;
-    const MESSAGES: usize = 20;
+    /// Committed appends to wait for before the SIGKILL.
+    const BEFORE_KILL: usize = 100;
+    /// A client that gets this far was never cut off: the test fails.
+    const MAX_MESSAGES: usize = 100_000;
     let mut d = TestDaemon::start();
-    let committed = Arc::new(AtomicUsize::new(0));
-    let threads: Vec<_> = (0..CLIENTS)
+    // Every client creates its session before any client appends.
+    let clients: Vec<_> = (0..CLIENTS)
         .map(|i| {
             let mut c = d.client();
+            let s = created(
+                &mut c,
+                Request::Create {
+                    parent: None,
+                    params: params(i as u64),
+                },
+            );
+            (c, s)
+        })
+        .collect();
+    let committed = Arc::new(AtomicUsize::new(0));
+    let threads: Vec<_> = clients
+        .into_iter()
+        .enumerate()
+        .map(|(i, (mut c, s))| {
             let committed = committed.clone();
             std::thread::spawn(move || {
                 let mut seen: Vec<Event> = Vec::new();
-                let s = match c.call(&Request::Create {
-                    parent: None,
-                    params: params(i as u64),
-                }) {
-                    Ok(Response::Created { session }) => session,
-                    _ => return None,
-                };
-                for m in 0..MESSAGES {
+                for m in 0..MAX_MESSAGES {
                     let r = if m % 2 == 0 {
                         role::USER
                     } else {
@@ -658,32 +676,42 @@ fn sigkill_under_concurrent_appends_loses_nothing_committed() {
                             seen.push(event)
                         }
                         Ok(other) => panic!("client {i}: {other:?}"),
-                        Err(_) => break, // the daemon died
+                        // The daemon died under this client.
+                        Err(_) => return (s, seen),
                     }
                 }
-                Some((s, seen))
+                panic!("client {i}: {MAX_MESSAGES} appends and the daemon was never killed");
             })
         })
         .collect();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while committed.load(Ordering::SeqCst) < CLIENTS * MESSAGES / 3 && Instant::now() < deadline {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while committed.load(Ordering::SeqCst) < BEFORE_KILL {
+        assert!(
+            Instant::now() < deadline,
+            "only {} appends committed in 60 s",
+            committed.load(Ordering::SeqCst)
+        );
         std::thread::sleep(Duration::from_millis(1));
     }
     d.kill9();
     let results: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
     let total = committed.load(Ordering::SeqCst);
-    eprintln!(
-        "{total} of {} appends committed before SIGKILL",
-        CLIENTS * MESSAGES
+    eprintln!("{total} appends committed before SIGKILL");
+    assert!(total >= BEFORE_KILL, "{total} appends committed");
+    assert_eq!(
+        results.iter().map(|(_, seen)| seen.len()).sum::<usize>(),
+        total,
+        "every Committed reply is held by its client"
     );
     d.spawn_and_wait();
     let mut by_session: BTreeMap<SessionId, Vec<Event>> = BTreeMap::new();
-    for (s, seen) in results.into_iter().flatten() {
+    for (s, seen) in results {
         assert!(
             by_session.insert(s, seen).is_none(),
             "session {s} handed out twice"
         );
     }
+    assert_eq!(by_session.len(), CLIENTS);
     for (s, seen) in &by_session {
         let events = d.read_all(*s);
         assert_ids_count_up(&events, *s);

@@ -5,7 +5,7 @@ use std::time::Duration;
 use superfluid::frontend::socket::Client;
 use superfluid::wire::{finish, role, Event, Params, Record, Request, Response, SessionId, Token};
 
-use crate::util::{commit, created, expect_err, params, TestDaemon};
+use crate::util::{commit, created, expect_err, params, shared_daemon, TestDaemon};
 
 /// A session with a system message and one user message. (SmolLM2-135M
 /// answers its own default system prompt poorly: "What is the capital of
@@ -334,7 +334,7 @@ fn worker_pid(daemon: u32) -> u32 {
 
 #[test]
 fn bad_generate_requests() {
-    let d = TestDaemon::start();
+    let d = shared_daemon();
     let mut c = d.client();
     let s = asked(&mut c, params(1), "hi");
     let before = d.wal_bytes();
@@ -420,7 +420,9 @@ fn complete_fills_in_the_middle_on_a_model_with_fim_tokens() {
             panic!("mode {mode}: {reply:?}");
         };
         assert!(tokens > 0 && tokens <= 12);
-        let _ = cached;
+        // Neither prompt is warm yet: mode 1 puts the suffix first, so it
+        // shares no prefix with mode 0's.
+        assert_eq!(cached, 0, "mode {mode}: a cold prompt");
     }
     // The same request again starts from the cache.
     let req = Request::Complete {
@@ -449,7 +451,7 @@ fn complete_fills_in_the_middle_on_a_model_with_fim_tokens() {
 
 #[test]
 fn complete_on_a_model_without_fim_tokens_is_a_clear_err() {
-    let d = TestDaemon::start();
+    let d = shared_daemon();
     let mut c = d.client();
     let msg = expect_err(
         &mut c,

@@ -1,12 +1,23 @@
 //! The integration tests: one binary (ripgrep style), one harness
-//! (`util::TestDaemon`). They run the real `superfluid` binary on the real
-//! model's vocabulary: set SUPERFLUID_TEST_MODEL, or run scripts/fetch-model.sh.
+//! (`util`: `TestDaemon`, the shared daemon, the test models). They run the
+//! real `superfluid` binary on the real model's vocabulary: set
+//! SUPERFLUID_TEST_MODEL, or run scripts/fetch-model.sh.
+//!
+//! Modules: `daemon` (the daemon as a process: durability, SIGKILL, torn
+//! tails, corruption, locks), `bad_input` (refused requests), `ordering`
+//! (no reply before its fsync), `generate` (generation on the real model),
+//! `web` and `browser` (the HTTP transport), `spec_json` (the wire types
+//! against the spec: JSON examples, every variant, postcard goldens), `worker`
+//! (`superfluid worker` over its pipe), `test_models` (the derived test
+//! models' metadata).
 
 mod bad_input;
 mod browser;
 mod daemon;
 mod generate;
-mod models;
 mod ordering;
+mod spec_json;
+mod test_models;
 mod util;
 mod web;
+mod worker;

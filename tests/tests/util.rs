@@ -1,14 +1,19 @@
 //! The one harness of the integration tests: `TestDaemon`, a real
 //! `superfluid serve` on the real model's vocabulary, in a temp directory of
-//! its own (sessions dir and socket inside), with kill and restart helpers.
+//! its own (sessions dir and socket inside), with kill and restart helpers;
+//! the test models (the default one and those scripts/make-test-models.py
+//! derives from it); request helpers; raw frames; the WAL's record walk.
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{mpsc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use superfluid::frontend::socket::Client;
+use superfluid::store::{FILE_HEADER_LEN, RECORD_HEADER_LEN, WAL_MAGIC};
 use superfluid::wire::{
     read_frame_blocking, to_postcard, write_frame_blocking, Event, Params, Request, Response,
     SessionId, MAX_FRAME_BYTES,
@@ -20,8 +25,9 @@ const START_TIMEOUT_MS: u64 = 20_000;
 const STOP_TIMEOUT_MS: u64 = 20_000;
 /// How long a daemon expected to fail may run before we call it a hang.
 const FAIL_TIMEOUT_MS: u64 = 20_000;
-
-pub use crate::models::{derived_model, model_path};
+/// When set, every `serve` the harness spawns appends one line to this file:
+/// how the daemons a run starts are counted (`wc -l`).
+const SPAWN_LOG_ENV: &str = "SUPERFLUID_TEST_SPAWN_LOG";
 
 pub fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_superfluid")
@@ -56,6 +62,9 @@ pub struct TestDaemon {
     pub extra_args: Vec<String>,
     /// The model `serve` loads (the default model unless a test sets another).
     pub model: PathBuf,
+    /// SIGKILL the daemon when the thread that spawned it exits (the shared
+    /// daemon, which no `Drop` ever stops).
+    die_with_spawner: bool,
 }
 
 impl TestDaemon {
@@ -75,6 +84,7 @@ impl TestDaemon {
             starts: 0,
             extra_args: Vec::new(),
             model: model_path(),
+            die_with_spawner: false,
         }
     }
 
@@ -108,8 +118,26 @@ impl TestDaemon {
     /// stderr go to files in the temp dir.
     fn spawn_with(&mut self, sessions: &Path, socket: &Path, extra: &[String]) -> (Child, PathBuf) {
         self.starts += 1;
+        count_spawn(&format!("serve {}", sessions.display()));
         let (out, err) = self.out_paths(self.starts);
-        let child = Command::new(bin())
+        let mut cmd = Command::new(bin());
+        if self.die_with_spawner {
+            // SAFETY: prctl and getppid are async-signal-safe; nothing else
+            // runs between fork and exec.
+            unsafe {
+                cmd.pre_exec(|| {
+                    if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    // The spawner died before the prctl: do not serve forever.
+                    if libc::getppid() == 1 {
+                        libc::_exit(1);
+                    }
+                    Ok(())
+                })
+            };
+        }
+        let child = cmd
             .arg("serve")
             .arg(&self.model)
             .arg("--sessions")
@@ -292,6 +320,75 @@ impl Drop for TestDaemon {
     }
 }
 
+/// Appends `what` as a line to `$SUPERFLUID_TEST_SPAWN_LOG`, if set.
+fn count_spawn(what: &str) {
+    let Some(path) = std::env::var_os(SPAWN_LOG_ENV) else {
+        return;
+    };
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .unwrap_or_else(|e| panic!("{SPAWN_LOG_ENV}={}: {e}", Path::new(&path).display()));
+    // One write of a short line in append mode: concurrent tests do not interleave.
+    f.write_all(format!("{what}\n").as_bytes()).unwrap();
+}
+
+static SHARED: OnceLock<Mutex<TestDaemon>> = OnceLock::new();
+
+/// The one daemon (default model, default arguments) that the tests which
+/// only read or validate share, instead of a daemon each. Holding the guard
+/// gives the test the daemon to itself, so a test sees `wal.log` change only
+/// through its own requests; a test works on sessions it creates, and never
+/// stops, kills or restarts the shared daemon (those tests start their own).
+///
+/// Started on first use from a thread that lives as long as the test
+/// process, with `PR_SET_PDEATHSIG`, so the daemon dies with the process
+/// however it ends; a clean exit also stops it and removes its temp dir.
+pub fn shared_daemon() -> MutexGuard<'static, TestDaemon> {
+    SHARED
+        .get_or_init(|| {
+            let (tx, rx) = mpsc::channel();
+            std::thread::Builder::new()
+                .name("shared-daemon".into())
+                .spawn(move || {
+                    let mut d = TestDaemon::new();
+                    d.die_with_spawner = true;
+                    d.spawn_and_wait();
+                    tx.send(d).unwrap();
+                    // The daemon dies with this thread: keep it until exit.
+                    loop {
+                        std::thread::park();
+                    }
+                })
+                .expect("spawning the shared daemon's thread");
+            let d = rx
+                .recv()
+                .expect("the shared daemon did not start (its panic is above)");
+            // SAFETY: registers a plain extern "C" fn that does not unwind.
+            unsafe { libc::atexit(stop_shared_daemon) };
+            Mutex::new(d)
+        })
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
+
+/// At exit: SIGKILL the shared daemon and remove its temp dir (statics are
+/// never dropped).
+extern "C" fn stop_shared_daemon() {
+    let Some(m) = SHARED.get() else { return };
+    let mut d = match m.try_lock() {
+        Ok(d) => d,
+        Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+        Err(std::sync::TryLockError::WouldBlock) => return,
+    };
+    if let Some(mut child) = d.child.take() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    let _ = std::fs::remove_dir_all(d.path());
+}
+
 pub fn wait_timeout(child: &mut Child, ms: u64) -> Option<ExitStatus> {
     let deadline = Instant::now() + Duration::from_millis(ms);
     loop {
@@ -372,17 +469,19 @@ impl Raw {
 }
 
 /// The start offsets of every record of a WAL file, and where the valid
-/// records end. Walks `[len u32][len_crc u32][crc u32][payload]` from byte 16.
+/// records end. Walks `[len u32][len_crc u32][crc u32][payload]` from the
+/// end of the file header, with the store's own sizes.
 pub fn wal_records(bytes: &[u8]) -> Vec<(usize, usize)> {
+    let header = FILE_HEADER_LEN as usize;
     assert!(
-        bytes.len() >= 16 && &bytes[..8] == b"SFWAL\r\n\x1a",
+        bytes.len() >= header && bytes[..WAL_MAGIC.len()] == WAL_MAGIC,
         "not a WAL"
     );
     let mut out = Vec::new();
-    let mut pos = 16;
-    while pos + 12 <= bytes.len() {
+    let mut pos = header;
+    while pos + RECORD_HEADER_LEN <= bytes.len() {
         let len = u32::from_le_bytes(bytes[pos..pos + 4].try_into().unwrap()) as usize;
-        let end = pos + 12 + len;
+        let end = pos + RECORD_HEADER_LEN + len;
         if end > bytes.len() {
             break;
         }
@@ -390,4 +489,31 @@ pub fn wal_records(bytes: &[u8]) -> Vec<(usize, usize)> {
         pos = end;
     }
     out
+}
+
+// ---- the test models ------------------------------------------------------
+
+/// The model the daemon loads: `$SUPERFLUID_TEST_MODEL`, or the path
+/// scripts/fetch-model.sh writes.
+pub fn model_path() -> PathBuf {
+    let path =
+        superfluid::engine::default_model_path().expect("HOME or SUPERFLUID_TEST_MODEL is set");
+    assert!(
+        path.is_file(),
+        "the test model {} is missing: run scripts/setup.sh (or set SUPERFLUID_TEST_MODEL)",
+        path.display()
+    );
+    path
+}
+
+/// A test model scripts/make-test-models.py derives from the default one
+/// (`SmolLM2-135M-tools-think.gguf`, `SmolLM2-135M-fim.gguf`), beside it.
+pub fn derived_model(name: &str) -> PathBuf {
+    let path = model_path().with_file_name(name);
+    assert!(
+        path.is_file(),
+        "the derived test model {} is missing: run scripts/setup.sh (or scripts/make-test-models.py)",
+        path.display()
+    );
+    path
 }

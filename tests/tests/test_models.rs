@@ -22,9 +22,7 @@ const FIM_IDS: [(u32, &str); 3] = [
     (13, "<jupyter_code>"),
 ];
 
-#[path = "tests/models.rs"]
-mod models;
-use models::{derived_model as derived, model_path as default_model};
+use crate::util::{derived_model as derived, model_path as default_model};
 
 fn load(path: &Path) -> Arc<Vocab> {
     Arc::new(Vocab::load(path).unwrap_or_else(|e| panic!("load {}: {e}", path.display())))

@@ -5,7 +5,6 @@
 //! their own.
 
 use std::io::{BufReader, Read, Write};
-use std::path::PathBuf;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
@@ -15,12 +14,10 @@ use superfluid::wire::{
     from_postcard, read_frame_blocking, to_postcard, write_frame_blocking, Params, MAX_FRAME_BYTES,
 };
 
+use crate::util::{bin, model_path};
+
 const PROMPT: &str =
     "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n";
-
-fn model_path() -> PathBuf {
-    superfluid::engine::default_model_path().expect("HOME or SUPERFLUID_TEST_MODEL is set")
-}
 
 fn vocab() -> &'static Vocab {
     static V: OnceLock<Vocab> = OnceLock::new();
@@ -59,7 +56,7 @@ struct Worker {
 impl Worker {
     fn spawn() -> Worker {
         let stderr = tempfile::NamedTempFile::new().expect("stderr file");
-        let mut child = Command::new(env!("CARGO_BIN_EXE_superfluid"))
+        let mut child = Command::new(bin())
             .arg("worker")
             .arg("--model")
             .arg(model_path())
@@ -458,7 +455,7 @@ fn a_killed_worker_reads_as_eof() {
 }
 
 /// Decode speed through the pipe vs RawEngine in process, 128-token greedy generations,
-/// alternated. Run with `cargo test --test worker -- --ignored --nocapture bench`.
+/// alternated. Run with `cargo test --test tests -- --ignored --nocapture worker::bench`.
 #[test]
 #[ignore]
 fn bench_pipe_vs_raw() {
