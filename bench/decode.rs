@@ -28,7 +28,7 @@ use superfluid::engine::raw::RawEngine;
 use superfluid::engine::vocab::Vocab;
 use superfluid::frontend::socket::Client;
 use superfluid::wire::worker::{DecodeItem, Sample, WorkerConfig, WorkerRequest, WorkerResponse};
-use superfluid::wire::{role, Params, Record, Request, Response, Token};
+use superfluid::wire::{Params, Record, Request, Response, Role, Token};
 
 const MAX_TOKENS: u32 = 128;
 const THREADS: u32 = 2;
@@ -88,15 +88,15 @@ fn daemon_run(socket: &Path, run: usize) -> (Vec<Token>, u64, f64, Vec<Token>) {
     );
     for (r, text) in [
         (
-            role::SYSTEM,
+            Role::System,
             format!("Run {run}. You are a helpful assistant."),
         ),
-        (role::USER, QUESTION.to_string()),
+        (Role::User, QUESTION.to_string()),
     ] {
         let reply = c
             .call(&Request::AppendMessage {
                 session: s,
-                role: r,
+                role: r.into(),
                 text,
             })
             .unwrap();

@@ -24,7 +24,7 @@ use std::path::Path;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use superfluid::frontend::socket::Client;
-use superfluid::wire::{finish, role, Params, Request, Response};
+use superfluid::wire::{Finish, Params, Request, Response, Role};
 
 #[path = "common.rs"]
 mod common;
@@ -204,7 +204,7 @@ fn generator(socket: &Path, session: u64, until: Instant) -> (u64, u64) {
             match c
                 .call(&Request::AppendMessage {
                     session,
-                    role: role::USER,
+                    role: Role::User.into(),
                     text: QUESTION.into(),
                 })
                 .unwrap()
@@ -227,7 +227,7 @@ fn generator(socket: &Path, session: u64, until: Instant) -> (u64, u64) {
             }) => {
                 tokens += tokens_generated;
                 generations += 1;
-                open = *f == finish::MAX_TOKENS;
+                open = *f == Finish::MaxTokens;
             }
             other => panic!("session {session}: Generate ended with {other:?}"),
         }
@@ -268,7 +268,7 @@ fn main() {
         let reply = c
             .call(&Request::AppendMessage {
                 session,
-                role: role::SYSTEM,
+                role: Role::System.into(),
                 text: "You are a helpful assistant.".into(),
             })
             .unwrap();

@@ -88,7 +88,7 @@ fn messages(turns: &[Turn]) -> Vec<ChatMessage> {
     turns
         .iter()
         .map(|t| ChatMessage {
-            role: t.role,
+            role: t.role.into(),
             content: t.content.clone(),
         })
         .collect()

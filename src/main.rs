@@ -229,7 +229,7 @@ fn describe(r: &Record) -> String {
             format!("{one:?}")
         }
     };
-    let role = |r: u8| superfluid::wire::role::name(r).unwrap_or("?");
+    let role = |r: &superfluid::wire::Role| r.name();
     match r {
         Record::Created { parent, .. } => match parent {
             Some(p) => format!("Created under session {p}"),
@@ -256,7 +256,7 @@ fn describe(r: &Record) -> String {
         } => {
             format!(
                 "Message {} {} ({} tokens)",
-                role(*r),
+                role(r),
                 short(text),
                 span.len()
             )
@@ -267,7 +267,9 @@ fn describe(r: &Record) -> String {
             finish,
             span,
         } => format!(
-            "Generated ch{channel} finish {finish} {} ({} tokens)",
+            "Generated ch{} finish {} {} ({} tokens)",
+            u8::from(*channel),
+            u8::from(*finish),
             short(text),
             span.len()
         ),

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use tokio::sync::mpsc;
 
-use crate::wire::{Event, SessionId};
+use crate::wire::{Channel, Event, SessionId};
 
 /// Items a subscriber may have queued before it is ended as lagged
 /// (`--sub-buffer` overrides it).
@@ -47,7 +47,7 @@ pub enum BusItem {
     Event(Event),
     /// Text drawn ahead of its commit (only to subscribers that asked).
     Provisional {
-        channel: u8,
+        channel: Channel,
         text: String,
     },
     /// The last item: the bus let go of this subscriber.
@@ -200,7 +200,7 @@ impl Bus {
     }
 
     /// Text a generation drew ahead of its commit.
-    pub fn publish_provisional(&self, session: SessionId, channel: u8, text: &str) {
+    pub fn publish_provisional(&self, session: SessionId, channel: Channel, text: &str) {
         self.publish(session, true, || BusItem::Provisional {
             channel,
             text: text.to_string(),
@@ -293,7 +293,7 @@ mod tests {
         let mut plain = bus.subscribe(1, false);
         let mut prov = bus.subscribe(1, true);
         let mut other = bus.subscribe(2, false);
-        bus.publish_provisional(1, 0, "hi");
+        bus.publish_provisional(1, Channel::Text, "hi");
         assert!(drain(&mut plain).is_empty());
         assert_eq!(drain(&mut prov).len(), 1);
         bus.publish_purge(&[1]);

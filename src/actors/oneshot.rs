@@ -11,7 +11,7 @@ use tokio::sync::mpsc;
 
 use super::scheduler::{AdmitGen, CancelGen, GenUpdate, SchedulerActor};
 use crate::scheduler::{Admit, GenEvent, GenId};
-use crate::wire::{Params, Token};
+use crate::wire::{Finish, Params, QosClass, Token};
 
 /// The scheduler's session id for generations without a session.
 pub const NO_SESSION: u64 = 0;
@@ -79,7 +79,7 @@ pub async fn generate_stream(
         prompt,
         params,
         max_tokens,
-        class: 0,
+        class: QosClass::First,
         batch_invariant: false,
         grammar,
     };
@@ -98,7 +98,7 @@ pub async fn generate_stream(
 #[derive(Debug, Clone, PartialEq)]
 pub struct Generation {
     pub tokens: Vec<Token>,
-    pub finish: u8,
+    pub finish: Finish,
     pub warm_prefix: u64,
 }
 
@@ -113,7 +113,7 @@ pub async fn generate(
     let mut rx = generate_stream(scheduler, prompt, params, max_tokens, grammar).await?;
     let mut out = Generation {
         tokens: Vec::new(),
-        finish: crate::wire::finish::ERROR,
+        finish: crate::wire::Finish::Error,
         warm_prefix: 0,
     };
     while let Some(e) = rx.recv().await {

@@ -27,7 +27,7 @@ mod tests;
 use std::collections::BTreeMap;
 
 use crate::wire::worker::{DecodeItem, Drawn, NextItem, Sample, WorkerRequest, KV_FULL};
-use crate::wire::{finish, Params, SessionId, Token};
+use crate::wire::{Finish, Params, QosClass, SessionId, Token};
 
 /// `--pin-budget-pct` default.
 pub const DEFAULT_PIN_BUDGET_PCT: u32 = 50;
@@ -41,11 +41,6 @@ pub type GenId = u64;
 /// two following steps (the one running and the one queued).
 pub const FOLLOW_STEPS: u32 = 4;
 
-/// The most QoS classes: 0 (first) to 3 (background).
-pub const QOS_CLASSES: u8 = 4;
-/// The class slowed by the background divisor.
-pub const BACKGROUND_CLASS: u8 = 3;
-
 /// A generation asking to run.
 #[derive(Debug, Clone)]
 pub struct Admit {
@@ -54,7 +49,7 @@ pub struct Admit {
     pub prompt: Vec<Token>,
     pub params: Params,
     pub max_tokens: u32,
-    pub class: u8,
+    pub class: QosClass,
     pub batch_invariant: bool,
     pub grammar: Option<String>,
     /// Where the grammar starts to govern, as an offset into `prompt`: the
@@ -81,7 +76,7 @@ pub enum GenEvent {
     /// It ended; `finish` is a `wire::finish` code (never OPEN).
     Finished {
         gen: GenId,
-        finish: u8,
+        finish: Finish,
     },
     /// The lane failed under it (a worker crash, a decode error).
     Failed {
@@ -325,9 +320,6 @@ impl SchedulerState {
                 self.n_ctx
             ));
         }
-        if admit.class >= QOS_CLASSES {
-            return Err(format!("QoS class {} is out of range", admit.class));
-        }
         let gen = self.next_gen;
         self.next_gen += 1;
         let tokens = admit.prompt.clone();
@@ -357,7 +349,7 @@ impl SchedulerState {
             self.gens.remove(&gen);
             return vec![GenEvent::Finished {
                 gen,
-                finish: finish::CANCELLED,
+                finish: Finish::Cancelled,
             }];
         }
         vec![]
@@ -374,7 +366,7 @@ impl SchedulerState {
 
     /// Gives queued generations a sequence, in class then arrival order.
     fn assign(&mut self, ops: &mut Vec<WorkerRequest>, events: &mut Vec<GenEvent>) {
-        let mut waiting: Vec<(u8, u64, GenId)> = self
+        let mut waiting: Vec<(QosClass, u64, GenId)> = self
             .gens
             .iter()
             .filter(|(_, g)| g.seq.is_none())
@@ -499,15 +491,15 @@ impl SchedulerState {
         let foreground = self
             .gens
             .values()
-            .any(|g| g.seq.is_some() && g.admit.class != BACKGROUND_CLASS);
-        let mut running: Vec<(u8, u64, GenId)> = self
+            .any(|g| g.seq.is_some() && g.admit.class != QosClass::Background);
+        let mut running: Vec<(QosClass, u64, GenId)> = self
             .gens
             .iter()
             .filter(|(_, g)| g.seq.is_some())
             .filter(|(_, g)| {
                 // The divisor slows the background class beside others; alone
                 // it runs at full speed (else it would never be stepped).
-                g.admit.class != BACKGROUND_CLASS
+                g.admit.class != QosClass::Background
                     || !foreground
                     || self.step % self.background_divisor as u64 == 0
             })
@@ -627,8 +619,8 @@ impl SchedulerState {
             if g.seq.is_none() || !last.gens.contains(id) || g.admit.grammar.is_some() {
                 return None;
             }
-            foreground |= g.admit.class != BACKGROUND_CLASS;
-            background |= g.admit.class == BACKGROUND_CLASS;
+            foreground |= g.admit.class != QosClass::Background;
+            background |= g.admit.class == QosClass::Background;
             if g.admit.batch_invariant && self.gens.len() > 1 {
                 return None;
             }
@@ -756,7 +748,7 @@ impl SchedulerState {
             .map(|(id, _)| *id)
             .collect();
         for gen in cancelled {
-            events.extend(self.finish_gen(gen, Some(finish::CANCELLED), ""));
+            events.extend(self.finish_gen(gen, Some(Finish::Cancelled), ""));
         }
         events
     }
@@ -786,13 +778,13 @@ impl SchedulerState {
             });
             let total = g.tokens.len() as u64;
             let finish = if d.eog {
-                Some(finish::END_OF_TURN)
+                Some(Finish::EndOfTurn)
             } else if g.produced >= g.admit.max_tokens {
-                Some(finish::MAX_TOKENS)
+                Some(Finish::MaxTokens)
             } else if g.cancelled {
-                Some(finish::CANCELLED)
+                Some(Finish::Cancelled)
             } else if total + 1 > self.n_ctx as u64 {
-                Some(finish::ERROR)
+                Some(Finish::Error)
             } else {
                 None
             };
@@ -803,7 +795,7 @@ impl SchedulerState {
         events
     }
 
-    fn finish_gen(&mut self, gen: GenId, finish: Option<u8>, why: &str) -> Vec<GenEvent> {
+    fn finish_gen(&mut self, gen: GenId, finish: Option<Finish>, why: &str) -> Vec<GenEvent> {
         let Some(g) = self.gens.remove(&gen) else {
             return vec![];
         };
@@ -813,7 +805,7 @@ impl SchedulerState {
         }
         match finish {
             Some(finish) => {
-                if finish == finish::ERROR {
+                if finish == Finish::Error {
                     log::warn!("generation {gen} ended: {why}");
                 }
                 vec![GenEvent::Finished { gen, finish }]
@@ -856,7 +848,7 @@ impl SchedulerState {
             .filter(|g| self.gens.contains_key(g))
             .max_by_key(|g| self.gens[g].arrival);
         match youngest {
-            Some(gen) => self.finish_gen(gen, Some(finish::ERROR), "the KV cache is full"),
+            Some(gen) => self.finish_gen(gen, Some(Finish::Error), "the KV cache is full"),
             None => vec![],
         }
     }

@@ -18,7 +18,7 @@ fn admit(session: SessionId, prompt: &[Token], max_tokens: u32) -> Admit {
         prompt: prompt.to_vec(),
         params: P,
         max_tokens,
-        class: 0,
+        class: QosClass::First,
         batch_invariant: false,
         grammar: None,
         grammar_from: 0,
@@ -71,7 +71,7 @@ fn second_turn_prefills_only_new_tokens() {
     }));
     assert!(events.contains(&GenEvent::Finished {
         gen: g,
-        finish: finish::MAX_TOKENS
+        finish: Finish::MaxTokens
     }));
     // The KV holds the prompt and the first two drawn tokens (the third was never fed).
     assert_eq!(s.resident(0), &[1, 2, 3, 4, 100, 100]);
@@ -164,7 +164,7 @@ fn eog_ends_the_turn_and_draw_pos_is_the_stream_position() {
     assert_eq!(step.unwrap().decode[0].sample.as_ref().unwrap().draw_pos, 4);
     assert!(events.contains(&GenEvent::Finished {
         gen: g,
-        finish: finish::END_OF_TURN
+        finish: Finish::EndOfTurn
     }));
 }
 
@@ -179,14 +179,14 @@ fn cancel_before_and_during() {
         s.cancel(b),
         vec![GenEvent::Finished {
             gen: b,
-            finish: finish::CANCELLED
+            finish: Finish::Cancelled
         }]
     );
     assert!(s.cancel(a).is_empty());
     let (_, events) = step_with(&mut s, |_| 5);
     assert!(events.contains(&GenEvent::Finished {
         gen: a,
-        finish: finish::CANCELLED
+        finish: Finish::Cancelled
     }));
     assert_eq!(s.running(), 0);
 }
@@ -240,13 +240,13 @@ fn qos_and_background_rate_and_batch_invariance() {
     let mut s = SchedulerState::new(4096, 1, 512);
     let low = s
         .admit(Admit {
-            class: 2,
+            class: QosClass::Third,
             ..admit(1, &[1], 1)
         })
         .unwrap();
     let high = s
         .admit(Admit {
-            class: 0,
+            class: QosClass::First,
             ..admit(2, &[2], 1)
         })
         .unwrap();
@@ -266,7 +266,7 @@ fn qos_and_background_rate_and_batch_invariance() {
     let mut s = SchedulerState::new(4096, 2, 512);
     s.set_background_divisor(4);
     s.admit(Admit {
-        class: BACKGROUND_CLASS,
+        class: QosClass::Background,
         ..admit(1, &[1], 100)
     })
     .unwrap();
@@ -354,7 +354,7 @@ fn a_full_cache_evicts_idle_sequences_then_ends_the_youngest() {
         events,
         vec![GenEvent::Finished {
             gen: b,
-            finish: finish::ERROR
+            finish: Finish::Error
         }]
     );
     let (step, _) = s.plan();
@@ -384,14 +384,14 @@ fn a_lone_background_generation_runs_at_full_speed() {
     s.set_background_divisor(4);
     let g = s
         .admit(Admit {
-            class: BACKGROUND_CLASS,
+            class: QosClass::Background,
             ..admit(1, &[1], 3)
         })
         .unwrap();
     let events = run_to_end(&mut s);
     assert!(events.contains(&GenEvent::Finished {
         gen: g,
-        finish: finish::MAX_TOKENS
+        finish: Finish::MaxTokens
     }));
 }
 
@@ -592,7 +592,7 @@ fn tokens_of(events: &[GenEvent], gen: GenId) -> Vec<Token> {
         .collect()
 }
 
-fn finish_of(events: &[GenEvent], gen: GenId) -> Option<u8> {
+fn finish_of(events: &[GenEvent], gen: GenId) -> Option<Finish> {
     events.iter().find_map(|e| match e {
         GenEvent::Finished { gen: g, finish } if *g == gen => Some(*finish),
         _ => None,
@@ -635,7 +635,7 @@ fn pipelined_steps_draw_what_lockstep_draws() {
         assert_eq!(st1.drawn, st2.drawn);
         if eog_at.is_none() {
             assert_eq!(lockstep[0].0.len(), 20);
-            assert_eq!(lockstep[0].1, Some(finish::MAX_TOKENS));
+            assert_eq!(lockstep[0].1, Some(Finish::MaxTokens));
         }
     }
 }
@@ -701,7 +701,7 @@ fn a_cancel_during_a_followed_step_drops_the_extra_draws() {
     };
     let (t1, f1, r1) = run(1);
     let (t2, f2, r2) = run(2);
-    assert_eq!((f1, f2), (Some(finish::CANCELLED), Some(finish::CANCELLED)));
+    assert_eq!((f1, f2), (Some(Finish::Cancelled), Some(Finish::Cancelled)));
     // Pipelined, the cancel lands a few tokens later; the tokens are the
     // same stream, and the KV holds them (and draws past them, which the
     // next turn trims).
@@ -754,7 +754,7 @@ fn a_failed_follow_step_rolls_back_and_the_generation_retries() {
         assert_ne!(idle, g);
         assert_eq!(
             finish_of(&events, g),
-            Some(finish::MAX_TOKENS),
+            Some(Finish::MaxTokens),
             "fail_at {fail_at}"
         );
         assert_eq!(tokens_of(&events, g).len(), 20);
@@ -811,5 +811,5 @@ fn a_full_cache_on_a_following_step_falls_back_to_single_steps() {
     assert!(s.follow(&single).is_none());
     // When even one token does not fit, the youngest generation ends.
     let events = s.complete(&single, Err(format!("{KV_FULL}: no room")));
-    assert_eq!(finish_of(&events, g), Some(finish::ERROR));
+    assert_eq!(finish_of(&events, g), Some(Finish::Error));
 }

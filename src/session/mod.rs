@@ -23,12 +23,12 @@ pub mod turn;
 
 pub use book::{ApplyError, GenerationPlan, Planned, PlannedEvent, SessionBook, TurnState};
 
-use crate::wire::Token;
+use crate::wire::{LedgerStatus, Role, Token, UnknownCode};
 
 /// One message as the chat template sees it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Turn {
-    pub role: u8,
+    pub role: Role,
     pub content: String,
 }
 
@@ -124,8 +124,9 @@ pub enum SessionError {
     },
     #[error("cannot render: {0}")]
     Render(RenderError),
-    #[error("unknown role {0}: roles are 0 system, 1 user, 2 assistant, 3 tool")]
-    UnknownRole(u8),
+    /// A role, class, outcome or mode the spec does not define.
+    #[error(transparent)]
+    UnknownCode(#[from] UnknownCode),
     #[error(transparent)]
     Edit(#[from] EditError),
     #[error(
@@ -134,7 +135,7 @@ pub enum SessionError {
     )]
     SystemAfterInput(u64),
     #[error("tool call {call_id} was already answered ({status})")]
-    CallAnswered { call_id: u64, status: String },
+    CallAnswered { call_id: u64, status: LedgerStatus },
     #[error("max_tokens must be between 1 and the context size ({n_ctx})")]
     MaxTokens { n_ctx: u32 },
     #[error(transparent)]

@@ -1,8 +1,8 @@
 //! A sans-IO streaming decoder of a model's generated output: token pieces in, channel-tagged
 //! text, parsed tool calls and tool-call parse failures out. No model, no I/O, no actix.
 //!
-//! Channels: [`TEXT`] (0) the answer, [`REASONING`] (1) the inside of the template's thinking
-//! block (`<think>`...`</think>`), [`TOOL_CALL`] (2) the inside of a tool-call block
+//! Channels: [`Channel::Text`] (0) the answer, [`Channel::Reasoning`] (1) the inside of the template's thinking
+//! block (`<think>`...`</think>`), [`Channel::ToolCall`] (2) the inside of a tool-call block
 //! (`<tool_call>`...`</tool_call>`).
 //!
 //! Rules:
@@ -41,12 +41,7 @@ use std::collections::VecDeque;
 
 use serde_json::Value as Json;
 
-/// Channel of the answer text.
-pub const TEXT: u8 = 0;
-/// Channel of the reasoning (inside the thinking block).
-pub const REASONING: u8 = 1;
-/// Channel of a tool call (inside the tool-call block).
-pub const TOOL_CALL: u8 = 2;
+use crate::wire::Channel;
 
 /// The opening and closing marker of a thinking block in templates that have one.
 pub const THINK: (&str, &str) = ("<think>", "</think>");
@@ -99,7 +94,7 @@ pub enum Segment {
     /// is in exactly one `Text` segment; `tokens` may be empty, and `text` is empty only for a
     /// segment carrying an empty-piece token). Marker text is included.
     Text {
-        channel: u8,
+        channel: Channel,
         text: String,
         tokens: Vec<u32>,
     },
@@ -115,7 +110,7 @@ pub enum Segment {
 /// What a marker does when found.
 #[derive(Debug, Clone, Copy)]
 enum Action {
-    Open(u8),
+    Open(Channel),
     Close,
 }
 
@@ -123,7 +118,7 @@ enum Action {
 enum Scanned {
     /// Text on a channel; `end` is the absolute offset (in the decoded text) just past it.
     Text {
-        channel: u8,
+        channel: Channel,
         text: String,
         end: usize,
         tokens: Vec<u32>,
@@ -135,7 +130,7 @@ enum Scanned {
 #[derive(Debug, Clone)]
 pub struct OutputDecoder {
     markers: Markers,
-    channel: u8,
+    channel: Channel,
     /// Bytes of an incomplete UTF-8 character at the end of the input.
     raw: Vec<u8>,
     /// Decoded text not yet emitted (a possible marker prefix).
@@ -160,7 +155,11 @@ impl OutputDecoder {
     pub fn new(markers: Markers, start_in_reasoning: bool) -> Self {
         OutputDecoder {
             markers,
-            channel: if start_in_reasoning { REASONING } else { TEXT },
+            channel: if start_in_reasoning {
+                Channel::Reasoning
+            } else {
+                Channel::Text
+            },
             raw: Vec::new(),
             buf: String::new(),
             base: 0,
@@ -187,7 +186,7 @@ impl OutputDecoder {
     /// The channel the next text would go to (0 text, 1 reasoning, 2 tool call). Text held back
     /// as a possible marker prefix is not accounted for: it goes here unless it completes a
     /// marker.
-    pub fn channel(&self) -> u8 {
+    pub fn channel(&self) -> Channel {
         self.channel
     }
 
@@ -220,7 +219,7 @@ impl OutputDecoder {
             }
         }
         let mut out = self.run(true);
-        if self.channel == TOOL_CALL && turn_ends {
+        if self.channel == Channel::ToolCall && turn_ends {
             out.push(Segment::ParseFailure {
                 text: std::mem::take(&mut self.tool_block),
                 error: ToolCallError::NotClosed.to_string(),
@@ -278,15 +277,15 @@ impl OutputDecoder {
     fn active(&self) -> Vec<(&str, Action)> {
         let mut v = Vec::new();
         match self.channel {
-            TEXT => {
+            Channel::Text => {
                 if let Some((open, _)) = &self.markers.think {
-                    v.push((open.as_str(), Action::Open(REASONING)));
+                    v.push((open.as_str(), Action::Open(Channel::Reasoning)));
                 }
                 if let Some((open, _)) = &self.markers.tool_call {
-                    v.push((open.as_str(), Action::Open(TOOL_CALL)));
+                    v.push((open.as_str(), Action::Open(Channel::ToolCall)));
                 }
             }
-            REASONING => {
+            Channel::Reasoning => {
                 if let Some((_, close)) = &self.markers.think {
                     v.push((close.as_str(), Action::Close));
                 }
@@ -335,7 +334,7 @@ impl OutputDecoder {
                     match action {
                         Action::Open(ch) => {
                             self.channel = ch;
-                            if ch == TOOL_CALL {
+                            if ch == Channel::ToolCall {
                                 self.tool_block.clear();
                             }
                             self.emit(&mut pieces, ch, &marker);
@@ -343,11 +342,11 @@ impl OutputDecoder {
                         Action::Close => {
                             let ch = self.channel;
                             self.emit(&mut pieces, ch, &marker);
-                            if ch == TOOL_CALL {
+                            if ch == Channel::ToolCall {
                                 let block = std::mem::take(&mut self.tool_block);
                                 pieces.push(Scanned::Event(self.parse_block(block)));
                             }
-                            self.channel = TEXT;
+                            self.channel = Channel::Text;
                         }
                     }
                 }
@@ -381,13 +380,13 @@ impl OutputDecoder {
 
     /// Append `text` on `channel` to `pieces` (merging with a preceding text piece on the same
     /// channel) and advance `base`.
-    fn emit(&mut self, pieces: &mut Vec<Scanned>, channel: u8, text: &str) {
+    fn emit(&mut self, pieces: &mut Vec<Scanned>, channel: Channel, text: &str) {
         if text.is_empty() {
             return;
         }
         let start = self.base;
         self.base += text.len();
-        if channel == TOOL_CALL {
+        if channel == Channel::ToolCall {
             self.tool_block.push_str(text);
         }
         // What an earlier part of the turn committed is not emitted again (`replayed` is a
@@ -601,7 +600,7 @@ mod tests {
             .flat_map(|s| match s {
                 Segment::Text {
                     channel, tokens, ..
-                } => tokens.iter().map(|&t| (*channel, t)).collect(),
+                } => tokens.iter().map(|&t| (u8::from(*channel), t)).collect(),
                 _ => Vec::new(),
             })
             .collect()
@@ -618,7 +617,7 @@ mod tests {
     fn byte_channels(segs: &[Segment]) -> Vec<u8> {
         segs.iter()
             .flat_map(|s| match s {
-                Segment::Text { channel, text, .. } => vec![*channel; text.len()],
+                Segment::Text { channel, text, .. } => vec![u8::from(*channel); text.len()],
                 _ => Vec::new(),
             })
             .collect()
@@ -641,15 +640,19 @@ mod tests {
     fn plain_text() {
         let segs = run(&["Hello", ",", " world", "!"]);
         check(&segs, "Hello, world!", 4);
-        assert!(segs
-            .iter()
-            .all(|s| matches!(s, Segment::Text { channel: 0, .. })));
+        assert!(segs.iter().all(|s| matches!(
+            s,
+            Segment::Text {
+                channel: Channel::Text,
+                ..
+            }
+        )));
         // No marker prefix: every push comes out at once.
         let mut d = OutputDecoder::new(Markers::qwen(), false);
         assert_eq!(
             d.push(7, b"Hi"),
             vec![Segment::Text {
-                channel: 0,
+                channel: Channel::Text,
                 text: "Hi".into(),
                 tokens: vec![7]
             }]
@@ -698,17 +701,17 @@ mod tests {
             segs,
             vec![
                 Segment::Text {
-                    channel: 1,
+                    channel: Channel::Reasoning,
                     text: "<think>".into(),
                     tokens: vec![0]
                 },
                 Segment::Text {
-                    channel: 1,
+                    channel: Channel::Reasoning,
                     text: "so</think>".into(),
                     tokens: vec![]
                 },
                 Segment::Text {
-                    channel: 0,
+                    channel: Channel::Text,
                     text: "\n\nHi".into(),
                     tokens: vec![1]
                 },
@@ -719,15 +722,15 @@ mod tests {
     #[test]
     fn channel_reports_where_text_goes() {
         let mut d = OutputDecoder::new(Markers::qwen(), false);
-        assert_eq!(d.channel(), 0);
+        assert_eq!(u8::from(d.channel()), 0);
         d.push(0, b"<think>");
-        assert_eq!(d.channel(), 1);
+        assert_eq!(u8::from(d.channel()), 1);
         d.push(1, b"hm</think>");
-        assert_eq!(d.channel(), 0);
+        assert_eq!(u8::from(d.channel()), 0);
         d.push(2, b"<tool_call>");
-        assert_eq!(d.channel(), 2);
+        assert_eq!(u8::from(d.channel()), 2);
         d.push(3, br#"{"name":"f"}</tool_call>"#);
-        assert_eq!(d.channel(), 0);
+        assert_eq!(u8::from(d.channel()), 0);
     }
 
     #[test]
@@ -754,7 +757,7 @@ mod tests {
             .position(|s| matches!(s, Segment::ToolCall { .. }))
             .unwrap();
         assert!(
-            matches!(&segs[pos - 1], Segment::Text { channel: 2, text, .. } if text.ends_with("</tool_call>"))
+            matches!(&segs[pos - 1], Segment::Text { channel: Channel::ToolCall, text, .. } if text.ends_with("</tool_call>"))
         );
     }
 
@@ -853,11 +856,15 @@ mod tests {
                 assert_eq!(events(&segs), want_events, "{marker} split at {k}");
                 // The marker's token is on the marker's channel.
                 let want = if marker.contains("think") {
-                    REASONING
+                    Channel::Reasoning
                 } else {
-                    TOOL_CALL
+                    Channel::ToolCall
                 };
-                assert_eq!(token_channels(&segs)[1], (want, 1), "{marker} split at {k}");
+                assert_eq!(
+                    token_channels(&segs)[1],
+                    (u8::from(want), 1),
+                    "{marker} split at {k}"
+                );
             }
             // Also one byte per token through the whole marker.
             let mut pieces: Vec<&[u8]> = vec![&FULL.as_bytes()[..at]];
@@ -875,7 +882,7 @@ mod tests {
         assert_eq!(
             d.push(0, b"a <thi"),
             vec![Segment::Text {
-                channel: 0,
+                channel: Channel::Text,
                 text: "a ".into(),
                 tokens: vec![]
             }]
@@ -883,7 +890,7 @@ mod tests {
         assert_eq!(
             d.push(1, b"nk>b"),
             vec![Segment::Text {
-                channel: 1,
+                channel: Channel::Reasoning,
                 text: "<think>b".into(),
                 tokens: vec![0, 1]
             }]
@@ -896,7 +903,7 @@ mod tests {
         assert_eq!(
             d.push(3, b"s"),
             vec![Segment::Text {
-                channel: 1,
+                channel: Channel::Reasoning,
                 text: "</this".into(),
                 tokens: vec![2, 3]
             }]
@@ -963,12 +970,12 @@ mod tests {
             segs,
             vec![
                 Segment::Text {
-                    channel: 0,
+                    channel: Channel::Text,
                     text: "日".into(),
                     tokens: vec![0, 1]
                 },
                 Segment::Text {
-                    channel: 1,
+                    channel: Channel::Reasoning,
                     text: "<think>x".into(),
                     tokens: vec![2]
                 },
@@ -1020,7 +1027,11 @@ mod tests {
         check(&segs, "<think>cut here </thi", 1);
         assert_eq!(channels(&segs)[1], "<think>cut here </thi");
         assert!(events(&segs).is_empty());
-        assert_eq!(d.channel(), 1, "a continuation starts in reasoning");
+        assert_eq!(
+            u8::from(d.channel()),
+            1,
+            "a continuation starts in reasoning"
+        );
     }
 
     #[test]

@@ -13,7 +13,7 @@
 //! reason for stopping into the code the log and the client see.
 
 use super::output::{Markers, OutputDecoder, Segment};
-use crate::wire::{finish, Record, Token};
+use crate::wire::{Channel, Finish, Record, Token};
 
 /// A chunk is committed once it holds this many tokens...
 pub const COMMIT_EVERY_TOKENS: usize = 16;
@@ -23,16 +23,16 @@ pub const COMMIT_INTERVAL_MS: u64 = 100;
 /// True when a finish code closes the assistant turn: the model ended it, or
 /// a forced tool call completed its grammar. Any other code (max_tokens, a
 /// cancel, an error) leaves the turn open, and the next Generate continues it.
-pub fn ends_turn(finish_code: u8) -> bool {
-    finish_code == finish::END_OF_TURN || finish_code == finish::GRAMMAR
+pub fn ends_turn(finish: Finish) -> bool {
+    matches!(finish, Finish::EndOfTurn | Finish::Grammar)
 }
 
 /// The finish code of a generation the scheduler stopped with `drawn`: a turn
 /// that ended while a grammar forced a tool call ended by completing that
 /// call (GRAMMAR).
-pub fn reported_finish(drawn: u8, forced_call: bool) -> u8 {
-    if forced_call && drawn == finish::END_OF_TURN {
-        finish::GRAMMAR
+pub fn reported_finish(drawn: Finish, forced_call: bool) -> Finish {
+    if forced_call && drawn == Finish::EndOfTurn {
+        Finish::Grammar
     } else {
         drawn
     }
@@ -40,7 +40,7 @@ pub fn reported_finish(drawn: u8, forced_call: bool) -> u8 {
 
 #[derive(Debug, Default)]
 struct Chunk {
-    channel: u8,
+    channel: Channel,
     text: String,
     span: Vec<Token>,
     first_ms: u64,
@@ -53,11 +53,11 @@ pub struct TurnOutput {
     chunk: Option<Chunk>,
     tokens: u64,
     /// Text decoded since the last `take_fresh`, by channel, in order.
-    fresh: Vec<(u8, String)>,
+    fresh: Vec<(Channel, String)>,
     /// A grammar forces a tool call: the turn's end is reported as GRAMMAR.
     forced_call: bool,
     /// The finish code, once `finish` was called.
-    finished: Option<u8>,
+    finished: Option<Finish>,
 }
 
 impl TurnOutput {
@@ -91,14 +91,14 @@ impl TurnOutput {
     }
 
     /// The finish code `finish` recorded, None before.
-    pub fn finished(&self) -> Option<u8> {
+    pub fn finished(&self) -> Option<Finish> {
         self.finished
     }
 
     /// The text decoded since the last call, as `(channel, text)` pieces in
     /// order: what provisional readers have not seen yet, whether or not it
     /// was cut into a record meanwhile.
-    pub fn take_fresh(&mut self) -> Vec<(u8, String)> {
+    pub fn take_fresh(&mut self) -> Vec<(Channel, String)> {
         std::mem::take(&mut self.fresh)
     }
 
@@ -108,11 +108,11 @@ impl TurnOutput {
     }
 
     /// The text drawn but not yet cut into a record: `(channel, text)`.
-    pub fn provisional(&self) -> Option<(u8, &str)> {
+    pub fn provisional(&self) -> Option<(Channel, &str)> {
         self.chunk.as_ref().map(|c| (c.channel, c.text.as_str()))
     }
 
-    fn cut(&mut self, out: &mut Vec<Record>, finish: u8) {
+    fn cut(&mut self, out: &mut Vec<Record>, finish: Finish) {
         if let Some(c) = self.chunk.take() {
             out.push(Record::Generated {
                 span: c.span,
@@ -138,7 +138,7 @@ impl TurnOutput {
                         }
                     }
                     if self.chunk.as_ref().is_some_and(|c| c.channel != channel) {
-                        self.cut(out, finish::OPEN);
+                        self.cut(out, Finish::Open);
                     }
                     let c = self.chunk.get_or_insert_with(|| Chunk {
                         channel,
@@ -149,11 +149,11 @@ impl TurnOutput {
                     c.span.extend_from_slice(&tokens);
                 }
                 Segment::ToolCall { name, arguments } => {
-                    self.cut(out, finish::OPEN);
+                    self.cut(out, Finish::Open);
                     out.push(Record::ToolUse { name, arguments });
                 }
                 Segment::ParseFailure { text, error } => {
-                    self.cut(out, finish::OPEN);
+                    self.cut(out, Finish::Open);
                     out.push(Record::ToolParseFailure { text, error });
                 }
             }
@@ -181,7 +181,7 @@ impl TurnOutput {
             if c.span.len() >= COMMIT_EVERY_TOKENS
                 || now_ms.saturating_sub(c.first_ms) >= COMMIT_INTERVAL_MS
             {
-                self.cut(&mut out, finish::OPEN);
+                self.cut(&mut out, Finish::Open);
             }
         }
         out
@@ -191,7 +191,7 @@ impl TurnOutput {
     /// back, the last chunk carrying the finish code (see [`reported_finish`];
     /// an empty chunk if nothing was left, so the log records how the turn
     /// ended).
-    pub fn finish(&mut self, drawn: u8, now_ms: u64) -> Vec<Record> {
+    pub fn finish(&mut self, drawn: Finish, now_ms: u64) -> Vec<Record> {
         let mut out = Vec::new();
         let finish_code = reported_finish(drawn, self.forced_call);
         self.finished = Some(finish_code);
@@ -231,9 +231,9 @@ mod tests {
             records.extend(t.push(i, b"x", false, 0));
         }
         assert_eq!(records.len(), 2, "16 + 16 cut, 8 held back");
-        assert_eq!(t.provisional(), Some((0, "xxxxxxxx")));
+        assert_eq!(t.provisional(), Some((Channel::Text, "xxxxxxxx")));
         records.extend(t.push(99, b"", true, 0));
-        records.extend(t.finish(finish::END_OF_TURN, 0));
+        records.extend(t.finish(Finish::EndOfTurn, 0));
         let spans: Vec<Token> = records.iter().flat_map(|r| r.span().to_vec()).collect();
         assert_eq!(spans.len(), 41);
         assert_eq!(
@@ -244,7 +244,10 @@ mod tests {
         assert_eq!(texts(&records), "x".repeat(40));
         assert!(matches!(
             records.last(),
-            Some(Record::Generated { finish: 1, .. })
+            Some(Record::Generated {
+                finish: Finish::EndOfTurn,
+                ..
+            })
         ));
         assert_eq!(t.tokens_generated(), 41);
     }
@@ -278,11 +281,11 @@ mod tests {
         for (i, ch) in text.chars().enumerate() {
             records.extend(t.push(i as u32, ch.to_string().as_bytes(), false, 0));
         }
-        records.extend(t.finish(finish::END_OF_TURN, 0));
+        records.extend(t.finish(Finish::EndOfTurn, 0));
         let channels: Vec<u8> = records
             .iter()
             .filter_map(|r| match r {
-                Record::Generated { channel, .. } => Some(*channel),
+                Record::Generated { channel, .. } => Some(u8::from(*channel)),
                 _ => None,
             })
             .collect();
@@ -297,14 +300,14 @@ mod tests {
     #[test]
     fn finish_without_pending_text_still_records_the_finish() {
         let mut t = TurnOutput::new(Markers::none(), false);
-        let r = t.finish(finish::CANCELLED, 0);
+        let r = t.finish(Finish::Cancelled, 0);
         assert_eq!(
             r,
             vec![Record::Generated {
                 span: vec![],
                 text: String::new(),
-                channel: 0,
-                finish: 4
+                channel: Channel::Text,
+                finish: Finish::Cancelled
             }]
         );
     }

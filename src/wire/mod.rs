@@ -10,6 +10,7 @@
 //! variant below is part of the format: append new variants at the end, never
 //! reorder. docs/protocol.md lists the order.
 
+mod codes;
 pub mod frame;
 mod types;
 pub mod worker;

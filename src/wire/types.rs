@@ -8,6 +8,10 @@
 
 use serde::{Deserialize, Serialize};
 
+pub use super::codes::{
+    Channel, FimMode, Finish, LedgerStatus, QosClass, Role, ToolOutcome, UnknownCode, UnknownStatus,
+};
+
 /// A session id. Sessions count up from 1.
 pub type SessionId = u64;
 /// An event id within a session. Events count up from 0 (the session's
@@ -15,41 +19,6 @@ pub type SessionId = u64;
 pub type EventId = u64;
 /// A token id of the model's vocabulary.
 pub type Token = u32;
-
-/// Roles, as integers on the wire.
-pub mod role {
-    pub const SYSTEM: u8 = 0;
-    pub const USER: u8 = 1;
-    pub const ASSISTANT: u8 = 2;
-    pub const TOOL: u8 = 3;
-    /// The role's name, or None for an unknown role.
-    pub fn name(role: u8) -> Option<&'static str> {
-        match role {
-            SYSTEM => Some("system"),
-            USER => Some("user"),
-            ASSISTANT => Some("assistant"),
-            TOOL => Some("tool"),
-            _ => None,
-        }
-    }
-}
-
-/// Channels of generated text.
-pub mod channel {
-    pub const TEXT: u8 = 0;
-    pub const REASONING: u8 = 1;
-    pub const TOOL_CALL: u8 = 2;
-}
-
-/// Why a generation ended; 0 while its turn is still open.
-pub mod finish {
-    pub const OPEN: u8 = 0;
-    pub const END_OF_TURN: u8 = 1;
-    pub const MAX_TOKENS: u8 = 2;
-    pub const GRAMMAR: u8 = 3;
-    pub const CANCELLED: u8 = 4;
-    pub const ERROR: u8 = 5;
-}
 
 /// Sampling parameters. All five are required; nothing is filled in from the
 /// model's defaults. `temperature` 0 is greedy; `top_k` 0 disables top-k.
@@ -132,7 +101,7 @@ pub enum Record {
         edits: Vec<Edit>,
     },
     Message {
-        role: u8,
+        role: Role,
         text: String,
         span: Vec<Token>,
     },
@@ -143,8 +112,8 @@ pub enum Record {
     Generated {
         span: Vec<Token>,
         text: String,
-        channel: u8,
-        finish: u8,
+        channel: Channel,
+        finish: Finish,
     },
     /// A tool call parsed from the model's output; its event id is the call id.
     ToolUse {
@@ -171,7 +140,7 @@ pub enum Record {
     /// A tool call ended without a result: `outcome` 1 failed, 2 cancelled.
     ToolOutcome {
         call_id: EventId,
-        outcome: u8,
+        outcome: ToolOutcome,
         note: String,
     },
     ToolCancelRequested {
@@ -186,7 +155,7 @@ pub enum Record {
         granted: bool,
     },
     Qos {
-        class: u8,
+        class: QosClass,
         batch_invariant: bool,
     },
     /// The opening system turn declaring tools (`AppendSystem`); `tools` are
@@ -197,14 +166,14 @@ pub enum Record {
         span: Vec<Token>,
     },
     Image {
-        role: u8,
+        role: Role,
         blob: String,
         pre_text: String,
         post_text: String,
         span: Vec<Token>,
     },
     Block {
-        role: u8,
+        role: Role,
         kind: String,
         payload: String,
         span: Vec<Token>,
@@ -534,7 +503,7 @@ pub struct LedgerEntry {
     pub name: String,
     pub arguments: String,
     /// "open", "answered", "failed", "cancelled" or "cancel requested".
-    pub status: String,
+    pub status: LedgerStatus,
     /// The ToolResult's or ToolOutcome's event id.
     pub closed_by: Option<EventId>,
     pub permission: Option<bool>,
@@ -576,7 +545,7 @@ pub enum Response {
     Generated {
         events: u64,
         tokens_generated: u64,
-        finish: u8,
+        finish: Finish,
         warm_prefix: u64,
     },
     Cancelling,
@@ -589,7 +558,7 @@ pub enum Response {
     },
     SubProvisional {
         sub: u64,
-        channel: u8,
+        channel: Channel,
         text: String,
     },
     SubEnded {

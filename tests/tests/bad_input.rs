@@ -5,7 +5,7 @@
 //! own; none of them needs a daemon of its own.
 
 use superfluid::frontend::socket::Client;
-use superfluid::wire::{role, to_postcard, Edit, PurgeMode, Request, Response, SessionId};
+use superfluid::wire::{to_postcard, Edit, PurgeMode, Request, Response, Role, SessionId};
 
 use crate::util::{commit, expect_err, shared_daemon, Raw, TestDaemon};
 
@@ -16,12 +16,12 @@ const UNKNOWN: SessionId = 999_999;
 fn fixture(d: &TestDaemon) -> (Client, SessionId) {
     let mut c = d.client();
     let s = d.create(&mut c);
-    for (r, t) in [(role::USER, "hello"), (role::ASSISTANT, "hi")] {
+    for (r, t) in [(Role::User, "hello"), (Role::Assistant, "hi")] {
         commit(
             &mut c,
             Request::AppendMessage {
                 session: s,
-                role: r,
+                role: r.into(),
                 text: t.into(),
             },
         );
@@ -76,7 +76,7 @@ fn unknown_session() {
                 },
                 Request::AppendMessage {
                     session: UNKNOWN,
-                    role: role::USER,
+                    role: Role::User.into(),
                     text: "x".into(),
                 },
                 Request::Fork {
@@ -195,7 +195,7 @@ fn rebase_edit_empty_range() {
                     vec![Edit::Replace {
                         from: 2,
                         to: 1,
-                        role: role::USER,
+                        role: Role::User.into(),
                         text: "x".into(),
                     }],
                 ),
@@ -359,7 +359,7 @@ fn invalid_utf8_text() {
     let wal = d.wal_bytes();
     let mut bytes = to_postcard(&Request::AppendMessage {
         session: s,
-        role: role::USER,
+        role: Role::User.into(),
         text: "zz".into(),
     })
     .unwrap();
@@ -388,7 +388,7 @@ fn frame_cut_off_mid_body() {
     let wal = d.wal_bytes();
     let full = to_postcard(&Request::AppendMessage {
         session: s,
-        role: role::USER,
+        role: Role::User.into(),
         text: "never sent whole".into(),
     })
     .unwrap();

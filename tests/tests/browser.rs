@@ -20,7 +20,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use superfluid::wire::{finish, Record};
+use superfluid::wire::{Finish, Record};
 
 use crate::util::TestDaemon;
 
@@ -303,13 +303,13 @@ fn browser_runs_the_spec_snippet_in_headless_chromium() {
 
     assert!(!text.trim().is_empty(), "no generated text in the page");
     assert!(
-        finish_code == finish::END_OF_TURN as u64 || finish_code == finish::MAX_TOKENS as u64,
+        finish_code == Finish::EndOfTurn as u64 || finish_code == Finish::MaxTokens as u64,
         "finished with {finish_code}"
     );
     // What the page shows is what the daemon committed: the session's
     // Generated events, in order, and the last one carries the finish.
     let log = d.read_all(1);
-    let generated: Vec<(&str, u8)> = log
+    let generated: Vec<(&str, Finish)> = log
         .iter()
         .filter_map(|e| match &e.body {
             Record::Generated { text, finish, .. } => Some((text.as_str(), *finish)),
@@ -318,7 +318,7 @@ fn browser_runs_the_spec_snippet_in_headless_chromium() {
         .collect();
     let committed: String = generated.iter().map(|(t, _)| *t).collect();
     assert_eq!(text, committed, "the page's text against the session log");
-    assert_eq!(generated.last().unwrap().1 as u64, finish_code);
+    assert_eq!(u8::from(generated.last().unwrap().1) as u64, finish_code);
     match &log[0].body {
         Record::Created { params, .. } => {
             assert_eq!(params.temperature, 0.7);

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use superfluid::store::RECORD_HEADER_LEN;
 use superfluid::wire::{
-    from_postcard, role, Edit, Event, LogRecord, PurgeMode, Record, Request, Response, SessionId,
+    from_postcard, Edit, Event, LogRecord, PurgeMode, Record, Request, Response, Role, SessionId,
 };
 
 use crate::util::{bin, commit, created, params, shared_daemon, wal_records, TestDaemon};
@@ -97,9 +97,12 @@ fn build_tree(d: &TestDaemon) -> SessionId {
             tools: vec![WEATHER_TOOL.into()],
         },
     );
-    commit(&mut c, msg(s1, role::USER, "Is it raining in Paris?"));
-    commit(&mut c, msg(s1, role::ASSISTANT, "Let me check."));
-    commit(&mut c, msg(s1, role::USER, "And in Lyon?"));
+    commit(
+        &mut c,
+        msg(s1, Role::User.into(), "Is it raining in Paris?"),
+    );
+    commit(&mut c, msg(s1, Role::Assistant.into(), "Let me check."));
+    commit(&mut c, msg(s1, Role::User.into(), "And in Lyon?"));
     commit(
         &mut c,
         Request::Append {
@@ -137,7 +140,7 @@ fn build_tree(d: &TestDaemon) -> SessionId {
             params: None,
         },
     );
-    commit(&mut c, msg(f_end, role::USER, "forked at the end"));
+    commit(&mut c, msg(f_end, Role::User.into(), "forked at the end"));
     // Fork in the middle, with its own params.
     let f_mid = created(
         &mut c,
@@ -147,7 +150,10 @@ fn build_tree(d: &TestDaemon) -> SessionId {
             params: Some(params(7)),
         },
     );
-    commit(&mut c, msg(f_mid, role::ASSISTANT, "a different answer"));
+    commit(
+        &mut c,
+        msg(f_mid, Role::Assistant.into(), "a different answer"),
+    );
     // Rebase: drop event 2, replace event 4 with a new user message.
     let rb = created(
         &mut c,
@@ -158,14 +164,14 @@ fn build_tree(d: &TestDaemon) -> SessionId {
                 Edit::Replace {
                     from: 4,
                     to: 5,
-                    role: role::USER,
+                    role: Role::User.into(),
                     text: "And in Nice?".into(),
                 },
             ],
             params: None,
         },
     );
-    commit(&mut c, msg(rb, role::ASSISTANT, "Sunny."));
+    commit(&mut c, msg(rb, Role::Assistant.into(), "Sunny."));
     let tr = created(
         &mut c,
         Request::Trim {
@@ -181,7 +187,7 @@ fn build_tree(d: &TestDaemon) -> SessionId {
             params: params(3),
         },
     );
-    commit(&mut c, msg(under, role::USER, "child"));
+    commit(&mut c, msg(under, Role::User.into(), "child"));
     // Meta.
     match c
         .call(&Request::SetMeta {
@@ -209,7 +215,7 @@ fn build_tree(d: &TestDaemon) -> SessionId {
     }
     // Purge with Cascade: s2 and its fork chain go.
     let s2 = d.create(&mut c);
-    commit(&mut c, msg(s2, role::USER, "to be purged"));
+    commit(&mut c, msg(s2, Role::User.into(), "to be purged"));
     let s2a = created(
         &mut c,
         Request::Fork {
@@ -242,7 +248,7 @@ fn build_tree(d: &TestDaemon) -> SessionId {
     }
     // Purge with Reroot: s3 goes, its fork stays and reads back whole.
     let s3 = d.create(&mut c);
-    commit(&mut c, msg(s3, role::USER, "parent of a survivor"));
+    commit(&mut c, msg(s3, Role::User.into(), "parent of a survivor"));
     let s3a = created(
         &mut c,
         Request::Fork {
@@ -251,7 +257,7 @@ fn build_tree(d: &TestDaemon) -> SessionId {
             params: None,
         },
     );
-    commit(&mut c, msg(s3a, role::ASSISTANT, "I survive"));
+    commit(&mut c, msg(s3a, Role::Assistant.into(), "I survive"));
     let s3_events = d.read_all(s3);
     match c
         .call(&Request::Purge {
@@ -373,7 +379,7 @@ fn restart_reads_back_identically() {
     assert!(d.stdout().contains("epoch 3"), "stdout: {}", d.stdout());
     // New events carry the new epoch: three starts so far.
     let mut c = d.client();
-    let e = commit(&mut c, msg(1, role::USER, "after two restarts"));
+    let e = commit(&mut c, msg(1, Role::User.into(), "after two restarts"));
     assert_eq!(e.epoch, 3);
     assert!(before.iter().any(|(_, r)| matches!(r, Response::Events { events } if events.iter().all(|e| e.epoch == 1) && !events.is_empty())));
 }
@@ -383,11 +389,11 @@ fn torn_tail_at_every_offset() {
     let mut d = TestDaemon::start();
     let mut c = d.client();
     let s = d.create(&mut c);
-    commit(&mut c, msg(s, role::USER, "first"));
-    commit(&mut c, msg(s, role::ASSISTANT, "second"));
+    commit(&mut c, msg(s, Role::User.into(), "first"));
+    commit(&mut c, msg(s, Role::Assistant.into(), "second"));
     let other = d.create(&mut c);
-    commit(&mut c, msg(other, role::USER, "untouched"));
-    commit(&mut c, msg(s, role::USER, "ok"));
+    commit(&mut c, msg(other, Role::User.into(), "untouched"));
+    commit(&mut c, msg(s, Role::User.into(), "ok"));
     drop(c);
     let full_s = d.read_all(s);
     let full_other = d.read_all(other);
@@ -449,9 +455,16 @@ fn flipped_bit_in_non_final_record_refuses_start() {
     let s = d.create(&mut c);
     commit(
         &mut c,
-        msg(s, role::USER, "a message long enough to flip a bit in"),
+        msg(
+            s,
+            Role::User.into(),
+            "a message long enough to flip a bit in",
+        ),
     );
-    commit(&mut c, msg(s, role::ASSISTANT, "and a reply after it"));
+    commit(
+        &mut c,
+        msg(s, Role::Assistant.into(), "and a reply after it"),
+    );
     drop(c);
     d.stop();
     let mut bytes = d.wal_bytes();
@@ -563,8 +576,8 @@ fn inspect_cli() {
     let d = shared_daemon();
     let mut c = d.client();
     let s = d.create(&mut c);
-    commit(&mut c, msg(s, role::USER, "hello\nthere"));
-    commit(&mut c, msg(s, role::ASSISTANT, "hi"));
+    commit(&mut c, msg(s, Role::User.into(), "hello\nthere"));
+    commit(&mut c, msg(s, Role::Assistant.into(), "hi"));
     c.call(&Request::SetMeta {
         session: s,
         expected_version: 0,
@@ -666,11 +679,11 @@ fn sigkill_under_concurrent_appends_loses_nothing_committed() {
                 let mut seen: Vec<Event> = Vec::new();
                 for m in 0..MAX_MESSAGES {
                     let r = if m % 2 == 0 {
-                        role::USER
+                        Role::User
                     } else {
-                        role::ASSISTANT
+                        Role::Assistant
                     };
-                    match c.call(&msg(s, r, &format!("client {i} message {m}"))) {
+                    match c.call(&msg(s, r.into(), &format!("client {i} message {m}"))) {
                         Ok(Response::Committed { event }) => {
                             committed.fetch_add(1, Ordering::SeqCst);
                             seen.push(event)

@@ -3,7 +3,9 @@
 use std::time::Duration;
 
 use superfluid::frontend::socket::Client;
-use superfluid::wire::{finish, role, Event, Params, Record, Request, Response, SessionId, Token};
+use superfluid::wire::{
+    Channel, Event, Finish, Params, Record, Request, Response, Role, SessionId, Token,
+};
 
 use crate::util::{commit, created, expect_err, params, shared_daemon, TestDaemon};
 
@@ -22,7 +24,7 @@ fn asked(c: &mut Client, p: Params, question: &str) -> SessionId {
         c,
         Request::AppendMessage {
             session: s,
-            role: role::SYSTEM,
+            role: Role::System.into(),
             text: "You are a helpful assistant.".into(),
         },
     );
@@ -30,7 +32,7 @@ fn asked(c: &mut Client, p: Params, question: &str) -> SessionId {
         c,
         Request::AppendMessage {
             session: s,
-            role: role::USER,
+            role: Role::User.into(),
             text: question.into(),
         },
     );
@@ -57,7 +59,7 @@ fn generate(c: &mut Client, s: SessionId, max_tokens: u32) -> (Vec<Event>, Respo
 }
 
 /// The finish code of a `Generated` reply, None for any other reply.
-fn finish_of(reply: &Response) -> Option<u8> {
+fn finish_of(reply: &Response) -> Option<Finish> {
     match reply {
         Response::Generated { finish, .. } => Some(*finish),
         _ => None,
@@ -110,7 +112,7 @@ fn answers_a_plain_question() {
     };
     assert_eq!(n as usize, events.len());
     assert!(tokens_generated > 0 && tokens_generated <= 48);
-    assert!(f == finish::END_OF_TURN || f == finish::MAX_TOKENS);
+    assert!(f == Finish::EndOfTurn || f == Finish::MaxTokens);
     let (_, text) = generated(&events);
     assert!(text.contains("Paris"), "answer: {text:?}");
     // Every Delta is in the log, in order.
@@ -151,7 +153,7 @@ fn a_cut_generation_continued_draws_what_the_uncut_one_drew() {
         if matches!(
             last,
             Response::Generated {
-                finish: finish::END_OF_TURN,
+                finish: Finish::EndOfTurn,
                 ..
             }
         ) {
@@ -195,7 +197,7 @@ fn cancel_busy_and_fork_while_generating() {
         &mut other,
         &Request::AppendMessage {
             session: s,
-            role: role::USER,
+            role: Role::User.into(),
             text: "hi".into(),
         },
     );
@@ -216,7 +218,7 @@ fn cancel_busy_and_fork_while_generating() {
     );
     let replies = gen.join().unwrap();
     let last = replies.last().unwrap();
-    assert_eq!(finish_of(last), Some(finish::CANCELLED), "{last:?}");
+    assert_eq!(finish_of(last), Some(Finish::Cancelled), "{last:?}");
     // Nothing is generating now.
     assert!(expect_err(&mut other, &Request::Cancel { session: s }).contains("no generation"));
     // Continued, the cancelled generation draws what the uncut one drew.
@@ -492,12 +494,8 @@ fn reasoning_goes_on_channel_1() {
     };
     // Cut after 3 tokens, inside the thinking block the template opened.
     let (events, last) = generate(&mut c, s, 3);
-    assert_eq!(
-        first_channel(&events),
-        superfluid::wire::channel::REASONING,
-        "{events:?}"
-    );
-    assert_eq!(finish_of(&last), Some(finish::MAX_TOKENS));
+    assert_eq!(first_channel(&events), Channel::Reasoning, "{events:?}");
+    assert_eq!(finish_of(&last), Some(Finish::MaxTokens));
     let Response::Inspection { inspection } = c.call(&Request::Inspect { session: s }).unwrap()
     else {
         panic!()
@@ -508,11 +506,7 @@ fn reasoning_goes_on_channel_1() {
     assert!(!events
         .iter()
         .any(|e| matches!(e.body, Record::GenerationPrompt { .. })));
-    assert_eq!(
-        first_channel(&events),
-        superfluid::wire::channel::REASONING,
-        "{events:?}"
-    );
+    assert_eq!(first_channel(&events), Channel::Reasoning, "{events:?}");
 }
 
 #[test]
@@ -530,7 +524,7 @@ fn forced_tool_call_round_trip() {
     );
     assert!(bad.contains("get_weather"), "{bad}");
     let (events, last) = generate(&mut c, s, 128);
-    assert_eq!(finish_of(&last), Some(finish::GRAMMAR), "{last:?}");
+    assert_eq!(finish_of(&last), Some(Finish::Grammar), "{last:?}");
     let (call_id, arguments) = events
         .iter()
         .find_map(|e| match &e.body {
@@ -543,9 +537,13 @@ fn forced_tool_call_round_trip() {
     assert!(serde_json::from_str::<serde_json::Value>(&arguments)
         .unwrap()
         .is_object());
-    assert!(events
-        .iter()
-        .any(|e| matches!(e.body, Record::Generated { channel: 2, .. })));
+    assert!(events.iter().any(|e| matches!(
+        e.body,
+        Record::Generated {
+            channel: Channel::ToolCall,
+            ..
+        }
+    )));
     let Response::ToolCalls { calls } = c.call(&Request::OpenToolCalls { session: s }).unwrap()
     else {
         panic!()
@@ -627,7 +625,7 @@ fn forced_weather_session(c: &mut Client) -> SessionId {
         c,
         Request::AppendMessage {
             session: s,
-            role: role::USER,
+            role: Role::User.into(),
             text: "Is it raining in Paris?".into(),
         },
     );
@@ -645,7 +643,7 @@ fn a_cut_forced_call_continues_where_it_stopped() {
     let mut c = d.client();
     let whole = forced_weather_session(&mut c);
     let (events, last) = generate(&mut c, whole, 128);
-    assert_eq!(finish_of(&last), Some(finish::GRAMMAR), "{last:?}");
+    assert_eq!(finish_of(&last), Some(Finish::Grammar), "{last:?}");
     let calls = |events: &[Event]| -> Vec<(String, String)> {
         events
             .iter()
@@ -664,7 +662,7 @@ fn a_cut_forced_call_continues_where_it_stopped() {
         let (first, last) = generate(&mut c, s, cut as u32);
         assert_eq!(
             finish_of(&last),
-            Some(finish::MAX_TOKENS),
+            Some(Finish::MaxTokens),
             "cut at {cut}: {last:?}"
         );
         let worker = worker_pid(d.pid());
@@ -675,7 +673,7 @@ fn a_cut_forced_call_continues_where_it_stopped() {
         let (rest, last) = generate(&mut c, s, 128);
         assert_eq!(
             finish_of(&last),
-            Some(finish::GRAMMAR),
+            Some(Finish::Grammar),
             "cut at {cut}: {last:?}"
         );
         let all: Vec<Event> = first.into_iter().chain(rest).collect();
@@ -693,10 +691,10 @@ fn a_call_forced_in_the_middle_of_an_open_turn_starts_there() {
     let s = forced_weather_session(&mut c);
     tool_choice(&mut c, s, "auto");
     let (_, last) = generate(&mut c, s, 3);
-    assert_eq!(finish_of(&last), Some(finish::MAX_TOKENS), "{last:?}");
+    assert_eq!(finish_of(&last), Some(Finish::MaxTokens), "{last:?}");
     tool_choice(&mut c, s, "required");
     let (events, last) = generate(&mut c, s, 128);
-    assert_eq!(finish_of(&last), Some(finish::GRAMMAR), "{last:?}");
+    assert_eq!(finish_of(&last), Some(Finish::Grammar), "{last:?}");
     assert!(
         events
             .iter()
@@ -742,7 +740,7 @@ fn a_subscriber_sees_provisional_text_ahead_of_the_commits() {
                 ids.push(event.event_id);
                 if let Record::Generated { text, finish, .. } = &event.body {
                     committed.push_str(text);
-                    if *finish != finish::OPEN {
+                    if *finish != Finish::Open {
                         break;
                     }
                 }

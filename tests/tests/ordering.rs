@@ -16,7 +16,7 @@ use superfluid::daemon::{replay, ModelRender};
 use superfluid::scheduler::SchedulerState;
 use superfluid::store::{OpenMode, WalWriter};
 use superfluid::wire::worker::WorkerConfig;
-use superfluid::wire::{role, Request, Response};
+use superfluid::wire::{Request, Response, Role};
 
 use crate::util::{model_path, params};
 
@@ -100,7 +100,7 @@ fn no_reply_before_the_fsync_that_covers_it() {
         let arrived_before = gate.arrived();
         let mut reply = actix_rt::spawn(registry.send(Dispatch(Request::AppendMessage {
             session,
-            role: role::USER,
+            role: Role::User.into(),
             text: "held at the fsync".into(),
         })));
         // Wait until the writer is parked at the failpoint: the record is

@@ -13,8 +13,9 @@ use serde::Serialize;
 use serde_json::Value;
 use std::fmt::Debug;
 use superfluid::wire::{
-    from_postcard, to_postcard, Edit, Event, Inspection, LedgerEntry, LogRecord, Params, PurgeMode,
-    Record, Request, Response, SessionSummary,
+    from_postcard, to_postcard, Channel, Edit, Event, Finish, Inspection, LedgerEntry,
+    LedgerStatus, LogRecord, Params, PurgeMode, QosClass, Record, Request, Response, Role,
+    SessionSummary,
 };
 
 // ---------------------------------------------------------------------------
@@ -168,8 +169,8 @@ fn browser_snippet() {
                 Record::Generated {
                     span: vec![45, 7598, 11],
                     text: "The Nile,".into(),
-                    channel: 0,
-                    finish: 0,
+                    channel: Channel::Text,
+                    finish: Finish::Open,
                 },
             ),
         },
@@ -185,7 +186,7 @@ fn browser_snippet() {
         &Response::Generated {
             events: 4,
             tokens_generated: 42,
-            finish: 1,
+            finish: Finish::EndOfTurn,
             warm_prefix: 17,
         },
     );
@@ -205,8 +206,8 @@ fn event_envelope() {
             Record::Generated {
                 span: vec![45, 7598],
                 text: "The Nile".into(),
-                channel: 0,
-                finish: 0,
+                channel: Channel::Text,
+                finish: Finish::Open,
             },
         ),
     );
@@ -246,7 +247,7 @@ fn record_table() {
     snapshot(
         r#"{"Message":{"role":1,"text":"Hi","span":[1,2,3]}}"#,
         &Record::Message {
-            role: 1,
+            role: Role::User,
             text: "Hi".into(),
             span: vec![1, 2, 3],
         },
@@ -443,8 +444,8 @@ fn integers_stay_integers() {
     let generated = serde_json::to_value(Record::Generated {
         span: vec![],
         text: String::new(),
-        channel: 2,
-        finish: 5,
+        channel: Channel::ToolCall,
+        finish: Finish::Error,
     })
     .unwrap();
     assert!(generated["Generated"]["channel"].is_u64());
@@ -452,7 +453,7 @@ fn integers_stay_integers() {
     assert_eq!(generated["Generated"]["finish"], 5);
     let provisional = serde_json::to_value(Response::SubProvisional {
         sub: 1,
-        channel: 1,
+        channel: Channel::Reasoning,
         text: "hm".into(),
     })
     .unwrap();
@@ -460,7 +461,7 @@ fn integers_stay_integers() {
     let done = serde_json::to_value(Response::Generated {
         events: 1,
         tokens_generated: 2,
-        finish: 4,
+        finish: Finish::Cancelled,
         warm_prefix: 0,
     })
     .unwrap();
@@ -727,7 +728,7 @@ fn all_responses() -> Vec<Response> {
     let message = event(
         1,
         Record::Message {
-            role: 1,
+            role: Role::User,
             text: "Hi".into(),
             span: vec![1, 2],
         },
@@ -771,7 +772,7 @@ fn all_responses() -> Vec<Response> {
         Generated {
             events: 3,
             tokens_generated: 42,
-            finish: 2,
+            finish: Finish::MaxTokens,
             warm_prefix: 17,
         },
         Cancelling,
@@ -782,7 +783,7 @@ fn all_responses() -> Vec<Response> {
         },
         SubProvisional {
             sub: 7,
-            channel: 1,
+            channel: Channel::Reasoning,
             text: "thinking".into(),
         },
         SubEnded {
@@ -807,7 +808,7 @@ fn all_responses() -> Vec<Response> {
                 call_id: 6,
                 name: "get_weather".into(),
                 arguments: "{}".into(),
-                status: "answered".into(),
+                status: LedgerStatus::Answered,
                 closed_by: Some(8),
                 permission: Some(true),
             }],
@@ -898,7 +899,7 @@ fn all_records() -> Vec<Record> {
             edits: vec![Edit::Drop { from: 2, to: 3 }],
         },
         Message {
-            role: 1,
+            role: Role::User,
             text: "Hi".into(),
             span: vec![1, 2, 3],
         },
@@ -908,8 +909,8 @@ fn all_records() -> Vec<Record> {
         Generated {
             span: vec![45, 7598],
             text: "The Nile".into(),
-            channel: 0,
-            finish: 1,
+            channel: Channel::Text,
+            finish: Finish::EndOfTurn,
         },
         ToolUse {
             name: "get_weather".into(),
@@ -931,7 +932,7 @@ fn all_records() -> Vec<Record> {
         EpochBump,
         ToolOutcome {
             call_id: 6,
-            outcome: 2,
+            outcome: superfluid::wire::ToolOutcome::Cancelled,
             note: "cancelled by user".into(),
         },
         ToolCancelRequested { call_id: 6 },
@@ -944,7 +945,7 @@ fn all_records() -> Vec<Record> {
             granted: false,
         },
         Qos {
-            class: 1,
+            class: QosClass::Second,
             batch_invariant: false,
         },
         System {
@@ -953,14 +954,14 @@ fn all_records() -> Vec<Record> {
             span: vec![1, 2],
         },
         Image {
-            role: 1,
+            role: Role::User,
             blob: "ab12".into(),
             pre_text: "Look:".into(),
             post_text: String::new(),
             span: vec![5; 4],
         },
         Block {
-            role: 2,
+            role: Role::Assistant,
             kind: "thinking".into(),
             payload: "hmm".into(),
             span: vec![7],

@@ -9,7 +9,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use superfluid::wire::{finish, role, Record, Request, Response};
+use superfluid::wire::{Finish, Record, Request, Response, Role};
 
 use crate::util::{commit, created, params, Raw, TestDaemon};
 
@@ -336,12 +336,12 @@ fn asked(web: &Web, question: &str) -> u64 {
         panic!("Create")
     };
     for (r, text) in [
-        (role::SYSTEM, "You are a helpful assistant."),
-        (role::USER, question),
+        (Role::System, "You are a helpful assistant."),
+        (Role::User, question),
     ] {
         let reply = web.rpc_typed(&Request::AppendMessage {
             session,
-            role: r,
+            role: r.into(),
             text: text.into(),
         });
         assert!(matches!(reply, Response::Committed { .. }), "{reply:?}");
@@ -364,7 +364,7 @@ fn settled(d: &TestDaemon, session: u64) -> Vec<superfluid::wire::Event> {
     }
 }
 
-fn last_finish(events: &[superfluid::wire::Event]) -> u8 {
+fn last_finish(events: &[superfluid::wire::Event]) -> Finish {
     match events.last().map(|e| &e.body) {
         Some(Record::Generated { finish, .. }) => *finish,
         other => panic!("the log ends with {other:?}"),
@@ -574,7 +574,7 @@ fn web_rpc_walkthrough_and_stream() {
     assert!(done["tokens_generated"].as_u64().unwrap() > 0);
     let f = done["finish"].as_u64().unwrap() as u8;
     assert!(
-        f == finish::END_OF_TURN || f == finish::MAX_TOKENS,
+        f == u8::from(Finish::EndOfTurn) || f == u8::from(Finish::MaxTokens),
         "{done}"
     );
     assert!(done["warm_prefix"].is_u64());
@@ -642,7 +642,7 @@ fn web_rpc_walkthrough_and_stream() {
     }
     drop(sock);
     let log = settled(&d, s3);
-    assert_eq!(last_finish(&log), finish::CANCELLED, "{:?}", log.last());
+    assert_eq!(last_finish(&log), Finish::Cancelled, "{:?}", log.last());
 }
 
 #[test]
@@ -676,7 +676,7 @@ fn web_ws_generate_cancelled_through_rpc() {
                 }
             }
             Response::Generated { finish: f, .. } => {
-                assert_eq!(f, finish::CANCELLED);
+                assert_eq!(f, Finish::Cancelled);
                 break;
             }
             other => panic!("{other:?}"),
@@ -738,7 +738,7 @@ fn web_subscribe_resumes_at_a_held_cursor_across_a_restart() {
             c,
             Request::AppendMessage {
                 session: s,
-                role: role::USER,
+                role: Role::User.into(),
                 text: text.into(),
             },
         )
@@ -895,7 +895,7 @@ fn web_a_slow_subscriber_lags_and_a_fast_one_sees_everything() {
             &mut c,
             Request::AppendMessage {
                 session: s,
-                role: role::USER,
+                role: Role::User.into(),
                 text: text.clone(),
             },
         );

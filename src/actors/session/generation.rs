@@ -17,7 +17,7 @@ use crate::scheduler::{Admit, GenEvent, GenId};
 use crate::session::grammar::GrammarError;
 use crate::session::turn::TurnOutput;
 use crate::session::{SessionError, TurnState};
-use crate::wire::{finish, Record, Response};
+use crate::wire::{Channel, Finish, Record, Response};
 
 /// The generation a session actor runs.
 pub(super) struct ActiveGeneration {
@@ -71,7 +71,7 @@ impl SessionActor {
 
     /// Provisional text for the generating client: dropped when its queue
     /// is full (the commits carry the same text), a gone client cancels.
-    fn tell_provisional(&mut self, channel: u8, text: String) {
+    fn tell_provisional(&mut self, channel: Channel, text: String) {
         let gone = match &self.generation {
             Some(g) => matches!(
                 g.reply.try_send(Response::SubProvisional {
@@ -140,7 +140,7 @@ impl SessionActor {
             None => Response::Generated {
                 events: g.events,
                 tokens_generated: g.output.tokens_generated(),
-                finish: g.output.finished().unwrap_or(finish::ERROR),
+                finish: g.output.finished().unwrap_or(Finish::Error),
                 warm_prefix: g.warm_prefix,
             },
         };

@@ -4,7 +4,9 @@
 
 use super::{SessionBook, SessionError, Turn};
 use crate::session::turn::ends_turn;
-use crate::wire::{role, Event, EventId, LedgerEntry, Record, SessionId, Token};
+use crate::wire::{
+    Channel, Event, EventId, LedgerEntry, LedgerStatus, QosClass, Record, Role, SessionId, Token,
+};
 
 /// Where a session's last assistant turn stands, for `Generate`.
 #[derive(Debug, Clone, PartialEq)]
@@ -45,7 +47,7 @@ impl TurnState {
                     }
                     let closed = think_close.is_some_and(|m| text.trim_end().ends_with(m));
                     return TurnState::Open {
-                        in_reasoning: *channel == crate::wire::channel::REASONING && !closed,
+                        in_reasoning: *channel == Channel::Reasoning && !closed,
                     };
                 }
                 _ => return TurnState::Closed,
@@ -72,7 +74,7 @@ pub(super) fn chat_messages(events: &[Event]) -> Vec<Turn> {
             Record::System { text, .. } => {
                 in_assistant = false;
                 out.push(Turn {
-                    role: role::SYSTEM,
+                    role: Role::System,
                     content: text.clone().unwrap_or_default(),
                 })
             }
@@ -93,14 +95,14 @@ pub(super) fn chat_messages(events: &[Event]) -> Vec<Turn> {
             Record::ToolResult { content, .. } => {
                 in_assistant = false;
                 out.push(Turn {
-                    role: role::TOOL,
+                    role: Role::Tool,
                     content: content.clone(),
                 })
             }
             Record::GenerationPrompt { .. } => {
                 in_assistant = true;
                 out.push(Turn {
-                    role: role::ASSISTANT,
+                    role: Role::Assistant,
                     content: String::new(),
                 })
             }
@@ -108,11 +110,11 @@ pub(super) fn chat_messages(events: &[Event]) -> Vec<Turn> {
                 if !in_assistant {
                     in_assistant = true;
                     out.push(Turn {
-                        role: role::ASSISTANT,
+                        role: Role::Assistant,
                         content: String::new(),
                     });
                 }
-                if *channel != crate::wire::channel::REASONING {
+                if *channel != Channel::Reasoning {
                     if let Some(t) = out.last_mut() {
                         t.content.push_str(text);
                     }
@@ -140,7 +142,7 @@ pub(super) fn is_input(r: &Record) -> bool {
 
 /// The QoS of a session with `events`: the last `Qos` record's class and
 /// batch invariance, or class 0.
-pub(super) fn qos_of(events: &[Event]) -> (u8, bool) {
+pub(super) fn qos_of(events: &[Event]) -> (QosClass, bool) {
     events
         .iter()
         .rev()
@@ -151,7 +153,7 @@ pub(super) fn qos_of(events: &[Event]) -> (u8, bool) {
             } => Some((class, batch_invariant)),
             _ => None,
         })
-        .unwrap_or((0, false))
+        .unwrap_or((QosClass::First, false))
 }
 
 /// The tools (name, parameters schema) a generation must call one of, or
@@ -210,13 +212,13 @@ impl SessionBook {
                     call_id: e.event_id,
                     name: name.clone(),
                     arguments: arguments.clone(),
-                    status: "open".into(),
+                    status: LedgerStatus::Open,
                     closed_by: None,
                     permission: None,
                 }),
                 Record::ToolResult { call_id, .. } => {
                     if let Some(x) = entries.iter_mut().find(|x| x.call_id == *call_id) {
-                        x.status = "answered".into();
+                        x.status = LedgerStatus::Answered;
                         x.closed_by = Some(e.event_id);
                     }
                 }
@@ -224,7 +226,7 @@ impl SessionBook {
                     call_id, outcome, ..
                 } => {
                     if let Some(x) = entries.iter_mut().find(|x| x.call_id == *call_id) {
-                        x.status = if *outcome == 1 { "failed" } else { "cancelled" }.into();
+                        x.status = LedgerStatus::from(*outcome);
                         x.closed_by = Some(e.event_id);
                     }
                 }
@@ -233,7 +235,7 @@ impl SessionBook {
                         .iter_mut()
                         .find(|x| x.call_id == *call_id && x.closed_by.is_none())
                     {
-                        x.status = "cancel requested".into();
+                        x.status = LedgerStatus::CancelRequested;
                     }
                 }
                 Record::PermissionResponded {

@@ -177,6 +177,7 @@ impl SessionBook {
             match range {
                 RebaseRange::Keep(a, b) => self.collect(parent, a, b, &mut history),
                 RebaseRange::Replace(role, text) => {
+                    let role = check_role(role)?;
                     let span = self.render_message(&history, role, &text, render)?;
                     let e = self.event(
                         id,

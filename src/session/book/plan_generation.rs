@@ -11,7 +11,7 @@ use crate::session::grammar::{forced_call, SchemaToGrammar};
 use crate::session::output::Markers;
 use crate::session::turn::TurnOutput;
 use crate::session::{Render, SessionError};
-use crate::wire::{Params, Record, SessionId, Token};
+use crate::wire::{Params, QosClass, Record, SessionId, Token};
 
 /// What `Generate` does to a session, from one read of the book.
 #[derive(Debug, Clone, PartialEq)]
@@ -29,7 +29,7 @@ pub struct GenerationPlan {
     pub prompt: Vec<Token>,
     pub params: Params,
     /// The session's QoS class and batch invariance.
-    pub class: u8,
+    pub class: QosClass,
     pub batch_invariant: bool,
     /// The tools (name, parameters schema) a call is forced to, or None
     /// ("auto").

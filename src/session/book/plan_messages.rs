@@ -3,13 +3,11 @@
 
 use super::folds::{chat_messages, declared_tools, is_input};
 use super::{Planned, Render, SessionBook, SessionError, Turn};
-use crate::wire::{role, Event, Record, SessionId, Token};
+use crate::wire::{Event, Record, Role, SessionId, Token};
 
-pub(super) fn check_role(r: u8) -> Result<(), SessionError> {
-    if role::name(r).is_none() {
-        return Err(SessionError::UnknownRole(r));
-    }
-    Ok(())
+/// A request's role, as a [`Role`]: an unknown one is refused.
+pub(super) fn check_role(r: u8) -> Result<Role, SessionError> {
+    Ok(Role::try_from(r)?)
 }
 
 impl SessionBook {
@@ -56,7 +54,7 @@ impl SessionBook {
         render: &dyn Render,
         now: u64,
     ) -> Result<Planned, SessionError> {
-        check_role(role)?;
+        let role = check_role(role)?;
         self.live(s)?;
         let events = self.all_events(s);
         let span = self.render_message(&events, role, &text, render)?;
@@ -66,7 +64,7 @@ impl SessionBook {
     pub(super) fn render_message(
         &self,
         events: &[Event],
-        role: u8,
+        role: Role,
         text: &str,
         render: &dyn Render,
     ) -> Result<Vec<Token>, SessionError> {
@@ -110,7 +108,7 @@ impl SessionBook {
         render: &dyn Render,
         now: u64,
     ) -> Result<Planned, SessionError> {
-        check_role(role)?;
+        let role = check_role(role)?;
         self.live(s)?;
         if kind.is_empty() {
             return Err(SessionError::Invalid("AppendBlock needs a kind".into()));

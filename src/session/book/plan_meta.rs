@@ -1,7 +1,7 @@
 //! Plans of a session's settings and life: SetMeta, Purge, SetQos.
 
 use super::{Planned, SessionBook, SessionError};
-use crate::wire::{PurgeMode, Record, SessionId};
+use crate::wire::{PurgeMode, QosClass, Record, SessionId};
 
 impl SessionBook {
     /// `SetMeta`.
@@ -82,11 +82,11 @@ impl SessionBook {
         batch_invariant: bool,
         now: u64,
     ) -> Result<Planned, SessionError> {
-        if class > 3 {
-            return Err(SessionError::Invalid(format!(
+        let class = QosClass::try_from(class).map_err(|_| {
+            SessionError::Invalid(format!(
                 "QoS class {class} is out of range: classes are 0 to 3"
-            )));
-        }
+            ))
+        })?;
         self.one_event(
             s,
             now,

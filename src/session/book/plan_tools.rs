@@ -3,7 +3,7 @@
 
 use super::folds::declared_tools;
 use super::{Planned, Render, SessionBook, SessionError};
-use crate::wire::{role, EventId, Record, SessionId};
+use crate::wire::{EventId, Record, Role, SessionId, ToolOutcome};
 
 impl SessionBook {
     /// `SetToolChoice`: "auto", "required", or a declared tool's name.
@@ -45,7 +45,7 @@ impl SessionBook {
     ) -> Result<Planned, SessionError> {
         self.open_call(s, call_id)?;
         let events = self.all_events(s);
-        let span = self.render_message(&events, role::TOOL, &content, render)?;
+        let span = self.render_message(&events, Role::Tool, &content, render)?;
         self.one_event(
             s,
             now,
@@ -66,11 +66,11 @@ impl SessionBook {
         note: String,
         now: u64,
     ) -> Result<Planned, SessionError> {
-        if !(1..=2).contains(&outcome) {
-            return Err(SessionError::Invalid(format!(
+        let outcome = ToolOutcome::try_from(outcome).map_err(|_| {
+            SessionError::Invalid(format!(
                 "outcome {outcome} is not 1 (failed) or 2 (cancelled)"
-            )));
-        }
+            ))
+        })?;
         self.open_call(s, call_id)?;
         self.one_event(
             s,

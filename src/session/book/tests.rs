@@ -3,7 +3,10 @@
 
 use super::*;
 use crate::session::RenderError;
-use crate::wire::{finish, role, Edit, LogRecord, Params, PurgeMode, Record, Token};
+use crate::wire::{
+    Channel, Edit, Finish, LedgerStatus, LogRecord, Params, PurgeMode, QosClass, Record, Role,
+    Token,
+};
 
 /// Tokens are bytes; a message renders as `<role>text|`.
 struct Bytes;
@@ -26,7 +29,7 @@ impl Render for Bytes {
         first: bool,
     ) -> Result<Vec<Token>, RenderError> {
         let pre = if first { "^" } else { "" };
-        Ok(self.tokenize(&format!("{pre}<{}>{}|", new.role, new.content)))
+        Ok(self.tokenize(&format!("{pre}<{}>{}|", u8::from(new.role), new.content)))
     }
     fn system_span(&self, text: Option<&str>, tools: &[String]) -> Result<Vec<Token>, RenderError> {
         for t in tools {
@@ -77,7 +80,7 @@ fn create(book: &mut SessionBook) -> SessionId {
 fn say(book: &mut SessionBook, s: SessionId, text: &str) {
     commit!(
         book,
-        book.plan_message(s, role::USER, text.into(), &Bytes, 20)
+        book.plan_message(s, Role::User.into(), text.into(), &Bytes, 20)
     );
 }
 
@@ -166,7 +169,7 @@ fn rebase_drops_and_replaces() {
         Edit::Replace {
             from: 2,
             to: 3,
-            role: role::USER,
+            role: Role::User.into(),
             text: "B".into(),
         },
         Edit::Drop { from: 4, to: 5 },
@@ -182,7 +185,7 @@ fn rebase_drops_and_replaces() {
     let edits = vec![Edit::Replace {
         from: 3,
         to: 6,
-        role: role::USER,
+        role: Role::User.into(),
         text: "C".into(),
     }];
     commit!(b, b.plan_rebase(r2, s, edits, None, &Bytes, 40));
@@ -251,7 +254,7 @@ fn bad_rebase_edits_are_refused() {
                 role: 7,
                 text: "x".into(),
             }],
-            SessionError::UnknownRole(7),
+            SessionError::UnknownCode(Role::try_from(7).unwrap_err()),
         ),
     ] {
         let err = b.plan_rebase(99, s, edits, None, &Bytes, 1).unwrap_err();
@@ -369,7 +372,7 @@ fn replay_of_committed_records_rebuilds_the_same_book() {
     for t in ["a", "b", "c"] {
         log.push(commit!(
             b,
-            b.plan_message(s, role::USER, t.into(), &Bytes, 2)
+            b.plan_message(s, Role::User.into(), t.into(), &Bytes, 2)
         ));
     }
     let f = b.reserve_id();
@@ -428,7 +431,7 @@ fn tool_call_bookkeeping() {
         .plan_tool_result(s, call, "x".into(), &Bytes, 1)
         .unwrap_err();
     assert!(matches!(err, SessionError::CallAnswered { .. }), "{err}");
-    assert_eq!(b.ledger(s).unwrap()[0].status, "answered");
+    assert_eq!(b.ledger(s).unwrap()[0].status, LedgerStatus::Answered);
 
     // Two more calls: one cancelled on request, one failed with a note.
     for name in ["g", "h"] {
@@ -449,7 +452,10 @@ fn tool_call_bookkeeping() {
     }
     let (g, h) = (call + 2, call + 3);
     commit!(b, b.plan_tool_cancel(s, g, 1));
-    assert_eq!(b.ledger(s).unwrap()[1].status, "cancel requested");
+    assert_eq!(
+        b.ledger(s).unwrap()[1].status,
+        LedgerStatus::CancelRequested
+    );
     commit!(b, b.plan_tool_outcome(s, g, 2, "stopped".into(), 1));
     assert!(
         b.plan_tool_outcome(s, h, 7, "x".into(), 1).is_err(),
@@ -468,7 +474,7 @@ fn tool_call_bookkeeping() {
     );
     commit!(b, b.plan_tool_outcome(s, h, 1, "denied".into(), 1));
     let ledger = b.ledger(s).unwrap();
-    let statuses: Vec<&str> = ledger.iter().map(|e| e.status.as_str()).collect();
+    let statuses: Vec<&str> = ledger.iter().map(|e| e.status.name()).collect();
     assert_eq!(statuses, ["answered", "cancelled", "failed"]);
     assert_eq!(ledger[2].permission, Some(false));
     assert!(b.open_tool_calls(s).unwrap().is_empty());
@@ -494,19 +500,32 @@ fn turn_state_follows_the_last_generated_event() {
         channel,
         finish,
     };
-    commit!(b, b.plan_output(s, gen("hmm", 1, 0), 1));
+    commit!(
+        b,
+        b.plan_output(s, gen("hmm", Channel::Reasoning, Finish::Open), 1)
+    );
     assert_eq!(
         b.turn_state(s, Some("</think>")).unwrap(),
         TurnState::Open { in_reasoning: true }
     );
-    commit!(b, b.plan_output(s, gen("ok</think>", 1, 2), 1));
+    commit!(
+        b,
+        b.plan_output(
+            s,
+            gen("ok</think>", Channel::Reasoning, Finish::MaxTokens),
+            1
+        )
+    );
     assert_eq!(
         b.turn_state(s, Some("</think>")).unwrap(),
         TurnState::Open {
             in_reasoning: false
         }
     );
-    commit!(b, b.plan_output(s, gen("done", 0, 1), 1));
+    commit!(
+        b,
+        b.plan_output(s, gen("done", Channel::Text, Finish::EndOfTurn), 1)
+    );
     assert_eq!(b.turn_state(s, None).unwrap(), TurnState::Closed);
     assert_eq!(
         b.input(s).unwrap().len() as u64,
@@ -610,11 +629,11 @@ fn open(b: &mut SessionBook, plan: &GenerationPlan) {
     }
 }
 
-fn generated(text: &str, finish: u8) -> Record {
+fn generated(text: &str, finish: Finish) -> Record {
     Record::Generated {
         span: text.bytes().map(u32::from).collect(),
         text: text.into(),
-        channel: 0,
+        channel: Channel::Text,
         finish,
     }
 }
@@ -646,7 +665,10 @@ fn generation_on_a_closed_turn_opens_one() {
         "the turn begins after its header"
     );
     assert!(p.turn.is_empty());
-    assert_eq!((p.class, p.batch_invariant, p.params), (0, false, P));
+    assert_eq!(
+        (p.class, p.batch_invariant, p.params),
+        (QosClass::First, false, P)
+    );
     assert_eq!((p.forced_tools.clone(), p.grammar.clone()), (None, None));
     assert!(!p.opened_in_reasoning);
     // Committed, the prompt is the session's input.
@@ -684,7 +706,7 @@ fn generation_continues_an_open_turn_of_this_epoch() {
     commit!(b, b.plan_qos(s, 2, true, 1));
     let first = plan(&b, s, &Bytes);
     open(&mut b, &first);
-    commit!(b, b.plan_output(s, generated("ab", finish::MAX_TOKENS), 1));
+    commit!(b, b.plan_output(s, generated("ab", Finish::MaxTokens), 1));
     let p = plan(&b, s, &Bytes);
     assert_eq!(
         p.state,
@@ -699,9 +721,9 @@ fn generation_continues_an_open_turn_of_this_epoch() {
         p.turn,
         vec![(b'a' as u32, b"a".to_vec()), (b'b' as u32, b"b".to_vec())]
     );
-    assert_eq!((p.class, p.batch_invariant), (2, true));
+    assert_eq!((p.class, p.batch_invariant), (QosClass::Third, true));
     // A turn the model ended is closed: the next one opens anew.
-    commit!(b, b.plan_output(s, generated("c", finish::END_OF_TURN), 1));
+    commit!(b, b.plan_output(s, generated("c", Finish::EndOfTurn), 1));
     assert_eq!(plan(&b, s, &Bytes).state, TurnState::Closed);
 }
 
@@ -712,7 +734,7 @@ fn generation_after_an_epoch_change_bumps_the_epoch_first() {
     say(&mut b, s, "q");
     let first = plan(&b, s, &Bytes);
     open(&mut b, &first);
-    commit!(b, b.plan_output(s, generated("ab", finish::CANCELLED), 1));
+    commit!(b, b.plan_output(s, generated("ab", Finish::Cancelled), 1));
     let boot = b.plan_boot(40);
     b.apply(&boot).unwrap();
     let p = plan(&b, s, &Bytes);
@@ -751,15 +773,15 @@ fn generation_with_a_forced_tool_builds_its_grammar() {
     );
     // The finish rule: a forced turn the model ends completed its grammar.
     let mut out = p.output();
-    out.finish(finish::END_OF_TURN, 1);
-    assert_eq!(out.finished(), Some(finish::GRAMMAR));
+    out.finish(Finish::EndOfTurn, 1);
+    assert_eq!(out.finished(), Some(Finish::Grammar));
     // "auto" forces nothing.
     commit!(b, b.plan_tool_choice(s, "auto".into(), 1));
     let p = plan(&b, s, &Bytes);
     assert_eq!((&p.forced_tools, &p.grammar), (&None, &None));
     let mut out = p.output();
-    out.finish(finish::END_OF_TURN, 1);
-    assert_eq!(out.finished(), Some(finish::END_OF_TURN));
+    out.finish(Finish::EndOfTurn, 1);
+    assert_eq!(out.finished(), Some(Finish::EndOfTurn));
 }
 
 #[test]
@@ -783,9 +805,9 @@ fn generation_of_a_turn_opened_in_reasoning() {
     );
     // Cut inside the thinking block, the turn continues there.
     open(&mut b, &p);
-    let mut cut = generated("hm", finish::MAX_TOKENS);
+    let mut cut = generated("hm", Finish::MaxTokens);
     if let Record::Generated { channel, .. } = &mut cut {
-        *channel = crate::wire::channel::REASONING;
+        *channel = Channel::Reasoning;
     }
     commit!(b, b.plan_output(s, cut, 1));
     let p = plan(&b, s, &Thinking);
@@ -797,19 +819,16 @@ fn generation_of_a_turn_opened_in_reasoning() {
 #[test]
 fn the_finish_rule() {
     use crate::session::turn::{ends_turn, reported_finish};
-    assert!(ends_turn(finish::END_OF_TURN) && ends_turn(finish::GRAMMAR));
+    assert!(ends_turn(Finish::EndOfTurn) && ends_turn(Finish::Grammar));
     for open in [
-        finish::OPEN,
-        finish::MAX_TOKENS,
-        finish::CANCELLED,
-        finish::ERROR,
+        Finish::Open,
+        Finish::MaxTokens,
+        Finish::Cancelled,
+        Finish::Error,
     ] {
         assert!(!ends_turn(open));
         assert_eq!(reported_finish(open, true), open);
     }
-    assert_eq!(reported_finish(finish::END_OF_TURN, true), finish::GRAMMAR);
-    assert_eq!(
-        reported_finish(finish::END_OF_TURN, false),
-        finish::END_OF_TURN
-    );
+    assert_eq!(reported_finish(Finish::EndOfTurn, true), Finish::Grammar);
+    assert_eq!(reported_finish(Finish::EndOfTurn, false), Finish::EndOfTurn);
 }
