@@ -122,15 +122,16 @@ impl TestDaemon {
         let (out, err) = self.out_paths(self.starts);
         let mut cmd = Command::new(bin());
         if self.die_with_spawner {
-            // SAFETY: prctl and getppid are async-signal-safe; nothing else
-            // runs between fork and exec.
+            let parent = std::process::id();
+            // SAFETY: prctl, getppid and _exit are async-signal-safe; nothing
+            // else runs between fork and exec.
             unsafe {
-                cmd.pre_exec(|| {
+                cmd.pre_exec(move || {
                     if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
                         return Err(std::io::Error::last_os_error());
                     }
-                    // The spawner died before the prctl: do not serve forever.
-                    if libc::getppid() == 1 {
+                    // The test process died before the prctl: do not serve forever.
+                    if libc::getppid() as u32 != parent {
                         libc::_exit(1);
                     }
                     Ok(())
