@@ -1,8 +1,16 @@
 //! The one harness of the integration tests: `TestDaemon`, a real
 //! `superfluid serve` on the real model's vocabulary, in a temp directory of
 //! its own (sessions dir and socket inside), with kill and restart helpers;
-//! the test models (the default one and those scripts/make-test-models.py
-//! derives from it); request helpers; raw frames; the WAL's record walk.
+//! `shared_daemon`, the one daemon the tests that only read or validate
+//! share; the test models (the default one and those
+//! scripts/make-test-models.py derives from it); request helpers; raw
+//! frames; the WAL's record walk.
+//!
+//! A test that only reads or validates takes `shared_daemon()` and works on
+//! sessions it creates; a test that stops, kills, restarts or needs other
+//! arguments or an empty daemon starts its own `TestDaemon`. To count the
+//! daemons a run starts, set `SUPERFLUID_TEST_SPAWN_LOG` to a file and `wc
+//! -l` it afterwards.
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
