@@ -790,7 +790,7 @@ fn a_reply_cut_by_sigkill_continues_after_restart() {
 
 #[test]
 fn pin_holds_a_deadline_and_zero_clears_it() {
-    let d = TestDaemon::start();
+    let d = shared_daemon();
     let mut c = d.client();
     let s = asked(&mut c, params(1), "hi");
     let now = superfluid::actors::now_ms();

@@ -1,8 +1,16 @@
 //! The one harness of the integration tests: `TestDaemon`, a real
 //! `superfluid serve` on the real model's vocabulary, in a temp directory of
 //! its own (sessions dir and socket inside), with kill and restart helpers;
-//! the test models (the default one and those scripts/make-test-models.py
-//! derives from it); request helpers; raw frames; the WAL's record walk.
+//! `shared_daemon`, the one daemon the tests that only read or validate
+//! share; the test models (the default one and those
+//! scripts/make-test-models.py derives from it); request helpers; raw
+//! frames; the WAL's record walk.
+//!
+//! A test that only reads or validates takes `shared_daemon()` and works on
+//! sessions it creates; a test that stops, kills, restarts or needs other
+//! arguments or an empty daemon starts its own `TestDaemon`. To count the
+//! daemons a run starts, set `SUPERFLUID_TEST_SPAWN_LOG` to a file and `wc
+//! -l` it afterwards.
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
@@ -122,15 +130,16 @@ impl TestDaemon {
         let (out, err) = self.out_paths(self.starts);
         let mut cmd = Command::new(bin());
         if self.die_with_spawner {
-            // SAFETY: prctl and getppid are async-signal-safe; nothing else
-            // runs between fork and exec.
+            let parent = std::process::id();
+            // SAFETY: prctl, getppid and _exit are async-signal-safe; nothing
+            // else runs between fork and exec.
             unsafe {
-                cmd.pre_exec(|| {
+                cmd.pre_exec(move || {
                     if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
                         return Err(std::io::Error::last_os_error());
                     }
-                    // The spawner died before the prctl: do not serve forever.
-                    if libc::getppid() == 1 {
+                    // The test process died before the prctl: do not serve forever.
+                    if libc::getppid() as u32 != parent {
                         libc::_exit(1);
                     }
                     Ok(())

@@ -1,4 +1,4 @@
-//! `wal.log`: the byte format ([`format`]), open + replay with crash
+//! `wal.log`: the byte format ([`mod@format`]), open + replay with crash
 //! recovery ([`recovery`]), and the group-commit writer thread ([`writer`]).
 //! The format is described in `docs/wal-format.md`; the summary:
 //!
