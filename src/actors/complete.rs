@@ -7,7 +7,7 @@
 //! prompt tokens that came from the KV, `expired` the cached tokens this
 //! request dropped (cells that no longer matched, sequences cleared for room).
 
-use super::oneshot;
+use super::stateless::StatelessGen;
 use super::Shared;
 use crate::scheduler::GenEvent;
 use crate::wire::{Params, Response, Token};
@@ -21,13 +21,18 @@ const FIM_PARAMS: Params = Params {
     seed: 0,
 };
 
+/// A FIM mode that is neither PSM nor SPM.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("mode {0} is not 0 (PSM) or 1 (SPM)")]
+pub struct BadFimMode(pub u8);
+
 /// Lays out a FIM prompt. `fim` is `[prefix, suffix, middle]`.
 pub fn fim_prompt(
     fim: [Token; 3],
     prefix: &[Token],
     suffix: &[Token],
     mode: u8,
-) -> Result<Vec<Token>, String> {
+) -> Result<Vec<Token>, BadFimMode> {
     let [pre, suf, mid] = fim;
     let mut out = Vec::with_capacity(prefix.len() + suffix.len() + 3);
     match mode {
@@ -43,7 +48,7 @@ pub fn fim_prompt(
             out.push(pre);
             out.extend_from_slice(prefix);
         }
-        m => return Err(format!("mode {m} is not 0 (PSM) or 1 (SPM)")),
+        m => return Err(BadFimMode(m)),
     }
     out.push(mid);
     Ok(out)
@@ -77,15 +82,18 @@ pub async fn complete(
         mode,
     ) {
         Ok(p) => p,
-        Err(e) => return Response::err(e),
+        Err(e) => return Response::err(e.to_string()),
     };
-    let mut rx =
-        match oneshot::generate_stream(&shared.scheduler, prompt, FIM_PARAMS, max_tokens, None)
-            .await
-        {
-            Ok(rx) => rx,
-            Err(e) => return Response::err(e),
-        };
+    let generation = StatelessGen {
+        prompt,
+        params: FIM_PARAMS,
+        max_tokens,
+        grammar: None,
+    };
+    let mut rx = match generation.start(&shared.scheduler).await {
+        Ok(rx) => rx,
+        Err(e) => return Response::err(e.to_string()),
+    };
     let (mut tokens, mut cached, mut expired) = (Vec::new(), 0, 0);
     while let Some(e) = rx.recv().await {
         match e {
@@ -124,7 +132,7 @@ mod tests {
             fim_prompt(fim, &[1, 2], &[3], 1).unwrap(),
             vec![12, 3, 11, 1, 2, 13]
         );
-        assert!(fim_prompt(fim, &[], &[], 2).is_err());
+        assert_eq!(fim_prompt(fim, &[], &[], 2), Err(BadFimMode(2)));
         assert_eq!(fim_prompt(fim, &[], &[], 0).unwrap(), vec![11, 12, 13]);
     }
 }

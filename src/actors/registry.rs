@@ -158,7 +158,7 @@ fn counters(stats: crate::scheduler::Stats) -> String {
         "superfluid_decode_steps_total",
         "counter",
         "Decode calls made.",
-        stats.steps,
+        stats.decode_calls,
     );
     metric(
         &mut out,
@@ -308,6 +308,7 @@ impl Handler<Dispatch> for Registry {
             }),
             Request::Metrics => {
                 let gauges = self.gauges();
+                let lane = shared.lane.borrow().metrics();
                 Box::pin(async move {
                     let stats = shared
                         .scheduler
@@ -315,7 +316,7 @@ impl Handler<Dispatch> for Registry {
                         .await
                         .unwrap_or_default();
                     Response::Text {
-                        text: format!("{gauges}{}", counters(stats)),
+                        text: format!("{gauges}{lane}{}", counters(stats)),
                     }
                 })
             }

@@ -317,7 +317,8 @@ impl SessionActor {
                 .scheduler
                 .send(AdmitGen { admit, owner })
                 .await
-                .map_err(|e| format!("the scheduler is gone: {e}"))??;
+                .map_err(|e| format!("the scheduler is gone: {e}"))?
+                .map_err(|e| e.to_string())?;
             Ok::<_, String>((prompt_event, opened_in_reasoning, turn, gen, forced))
         };
         ctx.wait(
