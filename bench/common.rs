@@ -4,8 +4,12 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use superfluid::actors::lane::LaneState;
 use superfluid::frontend::socket::Client;
 use superfluid::wire::{Request, Response};
+
+/// How long a started daemon's worker may take to load the model.
+const WORKER_LOAD_TIMEOUT_SECS: u64 = 60;
 
 /// `$SUPERFLUID_TEST_MODEL`, or the default model's cached path.
 pub fn model() -> PathBuf {
@@ -54,8 +58,23 @@ impl Daemon {
             assert!(Instant::now() < deadline, "the daemon did not start");
             std::thread::sleep(Duration::from_millis(20));
         }
-        // Let the worker load before timing anything.
-        std::thread::sleep(Duration::from_millis(500));
+        // Let the worker load before timing anything: wait for the lane to
+        // say it is ready.
+        let ready = format!(
+            "superfluid_lane_state{{state=\"{}\"}} 1",
+            LaneState::Ready.name()
+        );
+        let deadline = Instant::now() + Duration::from_secs(WORKER_LOAD_TIMEOUT_SECS);
+        loop {
+            let mut c = Client::connect(&socket).expect("connect");
+            match c.call(&Request::Metrics) {
+                Ok(Response::Text { text }) if text.contains(&ready) => break,
+                Ok(Response::Text { .. }) => {}
+                other => panic!("Metrics: {other:?}"),
+            }
+            assert!(Instant::now() < deadline, "the worker did not load");
+            std::thread::sleep(Duration::from_millis(20));
+        }
         Daemon { child, socket, dir }
     }
 }

@@ -1,5 +1,5 @@
-//! Decode benchmarks: superfluid through its socket against the raw engine
-//! in process, on the same model, threads and prompt, in pairs measured back
+//! Decode benchmarks: superfluid through its socket against the worker's
+//! engine (`WorkerEngine`) run in this process, on the same model, threads and prompt, in pairs measured back
 //! to back in alternating order (ratios are taken per pair).
 //!
 //! `cargo bench --bench decode` (add `-- --quick` for a smoke run;
@@ -8,11 +8,11 @@
 //!   wall time of the whole request (prefill included, the same prompt on
 //!   both sides), as generated tokens/s. The stream is alone in the KV cache
 //!   on both sides (`--parallel 1`: each new session takes the one
-//!   sequence). Raw engine in process, the daemon with fsynced commits, the
+//!   sequence). The engine in process, the daemon with fsynced commits, the
 //!   daemon with fsync off (`SUPERFLUID_BENCH_NO_FSYNC=1`, benchmarks only),
 //!   and `superfluid worker` driven straight over its pipe with no daemon.
 //! - single stream beside 3 idle sessions kept in the KV cache
-//!   (`--parallel 4`), against the raw engine holding the same 3 sessions'
+//!   (`--parallel 4`), against the in-process engine holding the same 3 sessions'
 //!   tokens in its other sequences: llama.cpp attends over the whole used
 //!   range of its unified cache, so cached idle sessions slow every decode;
 //!   this row shows by how much, on both sides.
@@ -24,7 +24,7 @@
 use std::path::Path;
 use std::time::Instant;
 
-use superfluid::engine::raw::RawEngine;
+use superfluid::engine::exec::WorkerEngine;
 use superfluid::engine::vocab::Vocab;
 use superfluid::frontend::socket::Client;
 use superfluid::wire::worker::{DecodeItem, Sample, WorkerConfig, WorkerRequest, WorkerResponse};
@@ -147,9 +147,9 @@ fn decode_seconds(socket: &Path) -> f64 {
         .expect("superfluid_decode_seconds_total")
 }
 
-/// The same prompt and token count on the raw engine, in process; returns
+/// The same prompt and token count on the engine in process; returns
 /// (seconds, seconds in llama.cpp's decode calls).
-fn raw_run(engine: &mut RawEngine, prompt: &[Token], tokens: u64) -> (f64, f64) {
+fn in_process_run(engine: &mut WorkerEngine, prompt: &[Token], tokens: u64) -> (f64, f64) {
     let start = Instant::now();
     let mut items = vec![DecodeItem {
         seq: 0,
@@ -311,7 +311,7 @@ fn median(mut v: Vec<f64>) -> (f64, f64, f64) {
     (v[v.len() / 2], v[0], v[v.len() - 1])
 }
 
-/// The raw engine runs in this process, the worker in its own; both must
+/// The in-process engine runs in this process, the worker in its own; both must
 /// run llama.cpp's OpenMP threads with the same settings, the worker's
 /// (`GOMP_SPINCOUNT`, which libgomp reads only when it loads). Unless the
 /// environment already sets them, run this benchmark again with them set.
@@ -329,8 +329,8 @@ fn same_openmp_settings_as_the_worker() {
     std::process::exit(status.code().unwrap_or(1));
 }
 
-fn raw_engine(n_seq: u32) -> RawEngine {
-    RawEngine::new(
+fn in_process_engine(n_seq: u32) -> WorkerEngine {
+    WorkerEngine::new(
         &model(),
         &WorkerConfig {
             n_ctx: CTX,
@@ -339,11 +339,11 @@ fn raw_engine(n_seq: u32) -> RawEngine {
             threads: THREADS,
         },
     )
-    .expect("raw engine")
+    .expect("in-process engine")
 }
 
-/// Puts `tokens` into sequence `seq` of the raw engine (an idle session).
-fn fill(engine: &mut RawEngine, seq: u32, tokens: &[Token]) {
+/// Puts `tokens` into sequence `seq` of the in-process engine (an idle session).
+fn fill(engine: &mut WorkerEngine, seq: u32, tokens: &[Token]) {
     engine.handle(&WorkerRequest::KvClear { seq });
     for (k, chunk) in tokens.chunks(512).enumerate() {
         let r = engine.handle(&WorkerRequest::Decode {
@@ -367,19 +367,19 @@ fn main() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(runs);
     let _vocab = Vocab::load(&model()).expect("model");
-    let mut engine = raw_engine(1);
-    let mut shared_engine = raw_engine(4);
+    let mut engine = in_process_engine(1);
+    let mut shared_engine = in_process_engine(4);
     let mut direct = DirectWorker::spawn();
     let alone = start_daemon(false, 1);
     let without_fsync = start_daemon(true, 1);
     let shared = start_daemon(false, 4);
-    // Three sessions on the shared daemon first, mirrored on the raw side.
+    // Three sessions on the shared daemon first, mirrored on the in-process side.
     for k in 0..3 {
         let all = daemon_run(&shared.socket, 3000 + k).3;
         fill(&mut shared_engine, 1 + k as u32, &all);
     }
     let mut rows: [Vec<f64>; 6] = Default::default();
-    let [raw, on, off, direct_r, raw_shared, on_shared] = &mut rows;
+    let [inproc, on, off, direct_r, inproc_shared, on_shared] = &mut rows;
     let (mut on_ratio, mut off_ratio, mut direct_ratio, mut shared_ratio, mut tax) =
         (vec![], vec![], vec![], vec![], vec![]);
     let mut split = vec![];
@@ -390,27 +390,27 @@ fn main() {
         let d0 = decode_seconds(&alone.socket);
         let (prompt, tokens, first_secs, _) = daemon_run(&alone.socket, run);
         let d1 = decode_seconds(&alone.socket);
-        let (raw_secs, raw_decode) = raw_run(&mut engine, &prompt, tokens);
+        let (inproc_secs, inproc_decode) = in_process_run(&mut engine, &prompt, tokens);
         let (o, sf_decode, sf_secs) = if run % 2 == 0 {
             (tokens as f64 / first_secs, d1 - d0, first_secs)
         } else {
-            // Odd runs time the daemon after the raw engine (a new session).
+            // Odd runs time the daemon after the in-process engine (a new session).
             let (_, t, secs, _) = daemon_run(&alone.socket, run + 500);
             (t as f64 / secs, decode_seconds(&alone.socket) - d1, secs)
         };
-        let r = tokens as f64 / raw_secs;
+        let r = tokens as f64 / inproc_secs;
         let (direct_secs, direct_decode) = direct.run(&prompt, tokens);
         let (_, t, secs, _) = daemon_run(&without_fsync.socket, run + 1000);
         let f = t as f64 / secs;
         // The same question beside 3 idle sessions, on both sides.
         let (prompt_s, tokens_s, secs_s, all_s) = daemon_run(&shared.socket, run + 2000);
-        let (raw_s_secs, _) = raw_run(&mut shared_engine, &prompt_s, tokens_s);
+        let (inproc_s_secs, _) = in_process_run(&mut shared_engine, &prompt_s, tokens_s);
         fill(&mut shared_engine, 1 + (run % 3) as u32, &all_s);
-        let (rs, os) = (tokens_s as f64 / raw_s_secs, tokens_s as f64 / secs_s);
+        let (rs, os) = (tokens_s as f64 / inproc_s_secs, tokens_s as f64 / secs_s);
         let ms = |x: f64| x * 1e3 / tokens as f64;
         split.push([
-            ms(raw_decode),
-            ms(raw_secs - raw_decode),
+            ms(inproc_decode),
+            ms(inproc_secs - inproc_decode),
             ms(direct_decode),
             ms(direct_secs - direct_decode),
             ms(sf_decode),
@@ -418,15 +418,15 @@ fn main() {
         ]);
         let dr = tokens as f64 / direct_secs;
         eprintln!(
-            "run {run}: raw {r:.1} socket {o:.1} ({:.3}) fsync off {f:.1} worker alone {dr:.1}; beside 3 idle sessions: raw {rs:.1} socket {os:.1} ({:.3})",
+            "run {run}: in process {r:.1} socket {o:.1} ({:.3}) fsync off {f:.1} worker alone {dr:.1}; beside 3 idle sessions: in process {rs:.1} socket {os:.1} ({:.3})",
             o / r,
             os / rs
         );
-        raw.push(r);
+        inproc.push(r);
         on.push(o);
         off.push(f);
         direct_r.push(dr);
-        raw_shared.push(rs);
+        inproc_shared.push(rs);
         on_shared.push(os);
         on_ratio.push(o / r);
         off_ratio.push(o / f);
@@ -458,9 +458,9 @@ fn main() {
     );
     println!("| workload | tokens/s | ratio |");
     println!("|---|---:|---:|");
-    println!("| raw engine in process, 1 stream | {} | 1.00 |", f(m(raw)));
+    println!("| engine in process, 1 stream | {} | 1.00 |", f(m(inproc)));
     println!(
-        "| superfluid socket, 1 stream, fsynced commits | {} | {} vs raw, per pair |",
+        "| superfluid socket, 1 stream, fsynced commits | {} | {} vs in process, per pair |",
         f(m(on)),
         fr(m(&on_ratio))
     );
@@ -470,17 +470,17 @@ fn main() {
         (1.0 - m(&off_ratio).0) * 100.0
     );
     println!(
-        "| superfluid worker over its pipe, no daemon | {} | {} vs raw, per pair |",
+        "| superfluid worker over its pipe, no daemon | {} | {} vs in process, per pair |",
         f(m(direct_r)),
         fr(m(&direct_ratio))
     );
     println!(
-        "| raw engine, 1 stream beside 3 idle sequences | {} | {} vs alone |",
-        f(m(raw_shared)),
+        "| engine in process, 1 stream beside 3 idle sequences | {} | {} vs alone |",
+        f(m(inproc_shared)),
         fr(m(&tax))
     );
     println!(
-        "| superfluid socket, 1 stream beside 3 idle sessions | {} | {} vs raw beside the same |",
+        "| superfluid socket, 1 stream beside 3 idle sessions | {} | {} vs in process beside the same |",
         f(m(on_shared)),
         fr(m(&shared_ratio))
     );
@@ -492,7 +492,7 @@ fn main() {
     );
     let col = |k: usize| median(split.iter().map(|x| x[k]).collect()).0;
     println!(
-        "\nper generated token, medians, ms in llama.cpp's decode + outside it: raw engine {:.3} + {:.3}; worker alone {:.3} + {:.3}; superfluid {:.3} + {:.3}",
+        "\nper generated token, medians, ms in llama.cpp's decode + outside it: engine in process {:.3} + {:.3}; worker alone {:.3} + {:.3}; superfluid {:.3} + {:.3}",
         col(0),
         col(1),
         col(2),

@@ -7,7 +7,7 @@ use std::sync::{Arc, RwLock};
 
 use actix::prelude::*;
 
-use crate::actors::lane::{LaneActor, LaneConfig, SetListener};
+use crate::actors::lane::{LaneActor, LaneConfig, LaneHealth};
 use crate::actors::registry::Registry;
 use crate::actors::scheduler::SchedulerActor;
 use crate::actors::wal::{Shutdown, WalActor};
@@ -15,11 +15,34 @@ use crate::actors::{now_ms, Shared};
 use crate::engine::render::Renderer;
 use crate::engine::template::{normalize_tool, ChatMessage};
 use crate::engine::vocab::Vocab;
+use crate::engine::EngineError;
+use crate::frontend::socket::SocketError;
+use crate::http::StartError;
 use crate::scheduler::SchedulerState;
 use crate::session::{Render, RenderError, SessionBook, Turn};
-use crate::store::{self, DirLock, OpenMode, WalWriter};
+use crate::store::{self, DirLock, OpenMode, StoreError, WalWriter};
 use crate::wire::worker::WorkerConfig;
 use crate::wire::{from_postcard, LogRecord, Token};
+
+/// Why the daemon did not start. `main` prints it with its sources.
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    #[error(transparent)]
+    Web(#[from] StartError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Socket(#[from] SocketError),
+    #[error(transparent)]
+    Model(#[from] EngineError),
+    #[error("cannot start the wal-writer thread: {0}")]
+    WalWriter(std::io::Error),
+    #[error("cannot record this start in the log: {0}")]
+    Boot(crate::actors::CommitError),
+    /// Signal handlers, the executable's path.
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+}
 
 /// What `superfluid serve` was asked to do.
 #[derive(Debug, Clone)]
@@ -77,7 +100,7 @@ pub struct ModelRender {
 }
 
 impl ModelRender {
-    pub fn load(model: &Path) -> anyhow::Result<ModelRender> {
+    pub fn load(model: &Path) -> Result<ModelRender, EngineError> {
         let vocab = Arc::new(Vocab::load(model)?);
         let renderer = Renderer::new(vocab.clone())?;
         Ok(ModelRender { vocab, renderer })
@@ -156,7 +179,7 @@ impl Render for ModelRender {
 }
 
 /// Replays the log into a new book.
-pub fn replay(dir: &Path, mode: OpenMode) -> anyhow::Result<(store::WalFile, SessionBook)> {
+pub fn replay(dir: &Path, mode: OpenMode) -> Result<(store::WalFile, SessionBook), StoreError> {
     let mut book = SessionBook::new();
     let started = std::time::Instant::now();
     let (file, recovery) = store::open(dir, mode, &mut |offset, payload| {
@@ -181,7 +204,7 @@ pub fn replay(dir: &Path, mode: OpenMode) -> anyhow::Result<(store::WalFile, Ses
 }
 
 /// Runs the daemon until SIGINT or SIGTERM.
-pub fn serve(config: ServeConfig) -> anyhow::Result<()> {
+pub fn serve(config: ServeConfig) -> Result<(), DaemonError> {
     if let Some(web) = &config.web {
         crate::http::check_addr(web.addr)?;
     }
@@ -198,8 +221,7 @@ pub fn serve(config: ServeConfig) -> anyhow::Result<()> {
         OpenMode::Durable
     };
     let (file, book) = replay(&config.sessions, mode)?;
-    let writer = WalWriter::spawn(file, None)
-        .map_err(|e| anyhow::anyhow!("cannot start the wal-writer thread: {e}"))?;
+    let writer = WalWriter::spawn(file, None).map_err(DaemonError::WalWriter)?;
     let system = actix::System::new();
     let result = system.block_on(run(
         config.clone(),
@@ -213,6 +235,54 @@ pub fn serve(config: ServeConfig) -> anyhow::Result<()> {
     result
 }
 
+/// Starts the model lane: its `SchedulerActor` and its `LaneActor`, each born
+/// knowing the other (the scheduler sends the lane its steps, the lane tells
+/// the scheduler when the worker died), and returns the scheduler and the
+/// lane's health. Call inside a running actix system.
+pub fn start_lane(lane: LaneConfig, state: SchedulerState) -> (Addr<SchedulerActor>, LaneHealth) {
+    let mut health = None;
+    let scheduler = SchedulerActor::create(|ctx| {
+        let lane = LaneActor::new(lane, ctx.address().recipient());
+        health = Some(lane.health());
+        SchedulerActor::new(state, lane.start())
+    });
+    let health = health.expect("SchedulerActor::create runs its closure at once");
+    (scheduler, health)
+}
+
+/// Starts the actors every request runs on (the WAL actor, and the model lane
+/// with its scheduler) and returns what they share. `run` builds them here,
+/// and so does the in-process ordering test. `exe` is the `superfluid`
+/// executable the lane starts its worker from. Call inside a running actix
+/// system.
+pub fn start_actors(
+    config: &ServeConfig,
+    exe: PathBuf,
+    book: SessionBook,
+    writer: WalWriter,
+    render: Arc<dyn Render>,
+) -> Shared {
+    let wal = WalActor::new(writer).start();
+    let w = &config.worker;
+    let (scheduler, lane) = start_lane(
+        LaneConfig {
+            model: config.model.clone(),
+            worker: w.clone(),
+            exe,
+        },
+        SchedulerState::new(w.n_ctx, w.n_seq, w.n_batch).with_pin_budget_pct(config.pin_budget_pct),
+    );
+    Shared {
+        book: Arc::new(RwLock::new(book)),
+        render,
+        wal,
+        scheduler,
+        lane,
+        n_ctx: w.n_ctx,
+        bus: crate::actors::bus::Bus::new(config.sub_buffer),
+    }
+}
+
 async fn run(
     config: ServeConfig,
     listener: std::os::unix::net::UnixListener,
@@ -220,36 +290,12 @@ async fn run(
     book: SessionBook,
     writer: WalWriter,
     render: Arc<ModelRender>,
-) -> anyhow::Result<()> {
+) -> Result<(), DaemonError> {
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
-    let wal = WalActor::new(writer).start();
-    let lane = LaneActor::new(LaneConfig {
-        model: config.model.clone(),
-        worker: config.worker.clone(),
-        exe: std::env::current_exe()?,
-    })
-    .start();
-    let w = &config.worker;
-    let scheduler = SchedulerActor::new(
-        SchedulerState::new(w.n_ctx, w.n_seq, w.n_batch).with_pin_budget_pct(config.pin_budget_pct),
-        lane.clone(),
-    )
-    .start();
-    lane.do_send(SetListener(scheduler.clone().recipient()));
-    let shared = Shared {
-        book: Arc::new(RwLock::new(book)),
-        render,
-        wal: wal.clone(),
-        scheduler,
-        n_ctx: w.n_ctx,
-        bus: crate::actors::bus::Bus::new(config.sub_buffer),
-    };
+    let shared = start_actors(&config, std::env::current_exe()?, book, writer, render);
     let boot = shared.read().plan_boot(now_ms());
-    shared
-        .commit(boot)
-        .await
-        .map_err(|e| anyhow::anyhow!("cannot record this start in the log: {e}"))?;
+    shared.commit(boot).await.map_err(DaemonError::Boot)?;
     let registry = Registry::new(shared.clone()).start();
     println!(
         "superfluid: serving {} on {} (sessions in {}, epoch {})",
@@ -266,6 +312,7 @@ async fn run(
                 origins.unwrap_or_default(),
                 &config.sessions,
                 registry.clone(),
+                shared.lane.clone(),
             )?;
             println!(
                 "superfluid: browser transport listening on http://{} (token in {})",
@@ -291,7 +338,7 @@ async fn run(
     }
     socket_task.abort();
     let _ = std::fs::remove_file(&config.socket);
-    let _ = wal.send(Shutdown).await;
+    let _ = shared.wal.send(Shutdown).await;
     System::current().stop();
     Ok(())
 }

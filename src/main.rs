@@ -149,6 +149,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 }),
                 sub_buffer: s.sub_buffer,
             })
+            .map_err(Into::into)
         }
         Command::Worker(w) => superfluid::engine::worker::run(
             &w.model,
@@ -158,7 +159,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 n_batch: w.batch,
                 threads: w.threads,
             },
-        ),
+        )
+        .map_err(Into::into),
         Command::Session(SessionCommand::Inspect {
             session,
             json,

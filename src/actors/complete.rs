@@ -7,10 +7,10 @@
 //! prompt tokens that came from the KV, `expired` the cached tokens this
 //! request dropped (cells that no longer matched, sequences cleared for room).
 
-use super::oneshot;
+use super::stateless::StatelessGen;
 use super::Shared;
 use crate::scheduler::GenEvent;
-use crate::wire::{Params, Response, Token};
+use crate::wire::{FimMode, Params, Response, Token};
 
 /// Greedy: a completion has no sampling parameters.
 const FIM_PARAMS: Params = Params {
@@ -21,32 +21,36 @@ const FIM_PARAMS: Params = Params {
     seed: 0,
 };
 
+/// A FIM mode that is neither PSM nor SPM.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("mode {0} is not 0 (PSM) or 1 (SPM)")]
+pub struct BadFimMode(pub u8);
+
 /// Lays out a FIM prompt. `fim` is `[prefix, suffix, middle]`.
 pub fn fim_prompt(
     fim: [Token; 3],
     prefix: &[Token],
     suffix: &[Token],
-    mode: u8,
-) -> Result<Vec<Token>, String> {
+    mode: FimMode,
+) -> Vec<Token> {
     let [pre, suf, mid] = fim;
     let mut out = Vec::with_capacity(prefix.len() + suffix.len() + 3);
     match mode {
-        0 => {
+        FimMode::Psm => {
             out.push(pre);
             out.extend_from_slice(prefix);
             out.push(suf);
             out.extend_from_slice(suffix);
         }
-        1 => {
+        FimMode::Spm => {
             out.push(suf);
             out.extend_from_slice(suffix);
             out.push(pre);
             out.extend_from_slice(prefix);
         }
-        m => return Err(format!("mode {m} is not 0 (PSM) or 1 (SPM)")),
     }
     out.push(mid);
-    Ok(out)
+    out
 }
 
 /// Runs one `Complete`.
@@ -70,22 +74,25 @@ pub async fn complete(
             shared.n_ctx
         ));
     }
-    let prompt = match fim_prompt(
+    let Ok(mode) = FimMode::try_from(mode) else {
+        return Response::err(BadFimMode(mode).to_string());
+    };
+    let prompt = fim_prompt(
         fim,
         &render.tokenize(&prefix),
         &render.tokenize(&suffix),
         mode,
-    ) {
-        Ok(p) => p,
-        Err(e) => return Response::err(e),
+    );
+    let generation = StatelessGen {
+        prompt,
+        params: FIM_PARAMS,
+        max_tokens,
+        grammar: None,
     };
-    let mut rx =
-        match oneshot::generate_stream(&shared.scheduler, prompt, FIM_PARAMS, max_tokens, None)
-            .await
-        {
-            Ok(rx) => rx,
-            Err(e) => return Response::err(e),
-        };
+    let mut rx = match generation.start(&shared.scheduler).await {
+        Ok(rx) => rx,
+        Err(e) => return Response::err(e.to_string()),
+    };
     let (mut tokens, mut cached, mut expired) = (Vec::new(), 0, 0);
     while let Some(e) = rx.recv().await {
         match e {
@@ -117,14 +124,18 @@ mod tests {
     fn psm_and_spm_layouts() {
         let fim = [11, 12, 13];
         assert_eq!(
-            fim_prompt(fim, &[1, 2], &[3], 0).unwrap(),
+            fim_prompt(fim, &[1, 2], &[3], FimMode::Psm),
             vec![11, 1, 2, 12, 3, 13]
         );
         assert_eq!(
-            fim_prompt(fim, &[1, 2], &[3], 1).unwrap(),
+            fim_prompt(fim, &[1, 2], &[3], FimMode::Spm),
             vec![12, 3, 11, 1, 2, 13]
         );
-        assert!(fim_prompt(fim, &[], &[], 2).is_err());
-        assert_eq!(fim_prompt(fim, &[], &[], 0).unwrap(), vec![11, 12, 13]);
+        assert_eq!(fim_prompt(fim, &[], &[], FimMode::Psm), vec![11, 12, 13]);
+        assert!(FimMode::try_from(2).is_err());
+        assert_eq!(
+            BadFimMode(2).to_string(),
+            "mode 2 is not 0 (PSM) or 1 (SPM)"
+        );
     }
 }

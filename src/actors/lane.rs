@@ -4,11 +4,21 @@
 //! one reply per request, in order), and routes the worker's stderr into the
 //! daemon's log. stdin, stdout and stderr are non-blocking pipes served by
 //! tasks on the actor's own arbiter (no thread hop per frame: a reply wakes
-//! the arbiter straight from epoll). Nothing blocks the arbiter.
+//! the arbiter straight from epoll).
+//!
+//! What blocks the arbiter, and why that is acceptable: reaping a worker.
+//! When the worker's stdout ends, and when a spawn half-fails, the lane
+//! SIGKILLs the child and `wait`s for it (the kernel reaps a killed process
+//! at once, so this is microseconds). When the lane stops (daemon shutdown,
+//! nothing else left to serve) it writes a `Shutdown` frame and polls the
+//! child for up to `SHUTDOWN_GRACE_MS` before killing it, so the worker can
+//! exit cleanly.
 //!
 //! When the worker dies (a crash, SIGKILL, a llama.cpp abort) every request
-//! in flight fails with an Err, the listener (the scheduler) is told so it
-//! forgets the KV, and the worker is spawned again after a short delay.
+//! in flight fails with an Err, the scheduler is told (`LaneReset`) so it
+//! forgets the KV, and the worker is spawned again after a short delay. The
+//! lane publishes its [`LaneState`] (loading, ready, respawning) on a watch
+//! channel ([`LaneHealth`]).
 
 use std::collections::VecDeque;
 use std::os::fd::OwnedFd;
@@ -19,8 +29,9 @@ use std::time::Duration;
 use actix::prelude::*;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
 use tokio::net::unix::pipe;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 
+use crate::wire::frame::encode_frame;
 use crate::wire::worker::{WorkerConfig, WorkerRequest, WorkerResponse};
 use crate::wire::{from_postcard, read_frame, to_postcard};
 
@@ -31,25 +42,92 @@ const RESPAWN_DELAY_MAX_MS: u64 = 5_000;
 /// OpenMP spin iterations before a waiting worker thread sleeps (libgomp's
 /// default is 300,000, a millisecond or so of two busy cores after each step).
 pub const WORKER_SPINCOUNT: &str = "20000";
+/// How long a stopping lane waits for its worker to exit after `Shutdown`,
+/// polling every `SHUTDOWN_POLL_MS`, before it kills it.
+const SHUTDOWN_GRACE_MS: u64 = 200;
+const SHUTDOWN_POLL_MS: u64 = 10;
 /// The largest reply frame accepted from the worker.
 const MAX_WORKER_FRAME_BYTES: usize = 16 << 20;
+
+/// Why the lane could not run a request. The text is what a generation
+/// fails with, and so what its client sees.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum LaneError {
+    /// The worker died with the request in flight, or before it said Ready.
+    #[error("the worker died ({reason}: {status})")]
+    WorkerDied { reason: String, status: String },
+    /// The worker answered its start with an Err instead of Ready.
+    #[error("the worker could not start: {0}")]
+    CouldNotStart(String),
+    #[error("a request of {0} bytes is over the worker's frame limit")]
+    RequestTooLarge(usize),
+    /// The request did not encode.
+    #[error("{0}")]
+    Encode(String),
+    #[error("the worker is not running")]
+    NotRunning,
+    #[error("the model lane stopped")]
+    Stopped,
+}
 
 /// Run requests on the worker, in order: one reply per request, or Err when
 /// the worker died under them. They go into the pipe at once, so the worker
 /// runs them back to back, and two `Exec`s reach it in the order sent.
 #[derive(Message)]
-#[rtype(result = "Result<Vec<WorkerResponse>, String>")]
+#[rtype(result = "Result<Vec<WorkerResponse>, LaneError>")]
 pub struct Exec(pub Vec<WorkerRequest>);
-
-/// Who hears that the worker restarted (its KV is gone).
-#[derive(Message)]
-#[rtype(result = "()")]
-pub struct SetListener(pub Recipient<LaneReset>);
 
 /// The worker died; everything it held is gone.
 #[derive(Message)]
 #[rtype(result = "()")]
-pub struct LaneReset(pub String);
+pub struct LaneReset(pub LaneError);
+
+/// What the lane's worker is doing. The lane publishes it on a watch channel
+/// ([`LaneHealth`]); Metrics and /web/health report it, and tests and
+/// benchmarks wait on it instead of sleeping.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LaneState {
+    /// The first worker is loading the model.
+    Loading,
+    /// The worker said `Ready`: requests go to it at once.
+    Ready,
+    /// The worker died (or could not start) and a new one is on its way;
+    /// requests wait for it.
+    Respawning,
+}
+
+/// The receiving end of the lane's state.
+pub type LaneHealth = watch::Receiver<LaneState>;
+
+impl LaneState {
+    const ALL: [LaneState; 3] = [LaneState::Loading, LaneState::Ready, LaneState::Respawning];
+
+    /// Its name in /web/health and in Metrics.
+    pub fn name(self) -> &'static str {
+        match self {
+            LaneState::Loading => "loading",
+            LaneState::Ready => "ready",
+            LaneState::Respawning => "respawning",
+        }
+    }
+
+    /// Its Metrics lines: `superfluid_lane_state{state="..."}` is 1 for this
+    /// state and 0 for the others.
+    pub fn metrics(self) -> String {
+        let mut out = String::from(
+            "# HELP superfluid_lane_state The model lane's worker: loading (the first start), \
+             ready, or respawning (after a death).\n# TYPE superfluid_lane_state gauge\n",
+        );
+        for s in LaneState::ALL {
+            out.push_str(&format!(
+                "superfluid_lane_state{{state=\"{}\"}} {}\n",
+                s.name(),
+                u8::from(s == self)
+            ));
+        }
+        out
+    }
+}
 
 /// A reply frame read from the worker's stdout.
 #[derive(Message)]
@@ -76,7 +154,7 @@ pub struct LaneConfig {
     pub exe: PathBuf,
 }
 
-type Reply = oneshot::Sender<Result<WorkerResponse, String>>;
+type Reply = oneshot::Sender<Result<WorkerResponse, LaneError>>;
 
 pub struct LaneActor {
     config: LaneConfig,
@@ -94,11 +172,15 @@ pub struct LaneActor {
     ready: bool,
     incarnation: u64,
     failures_in_a_row: u32,
-    listener: Option<Recipient<LaneReset>>,
+    /// Who hears that the worker restarted (its KV is gone): the lane's
+    /// scheduler, which is born knowing the lane (`daemon::start_lane`).
+    listener: Recipient<LaneReset>,
+    /// Where the lane publishes its [`LaneState`].
+    state: watch::Sender<LaneState>,
 }
 
 impl LaneActor {
-    pub fn new(config: LaneConfig) -> LaneActor {
+    pub fn new(config: LaneConfig, listener: Recipient<LaneReset>) -> LaneActor {
         LaneActor {
             config,
             child: None,
@@ -109,8 +191,14 @@ impl LaneActor {
             ready: false,
             incarnation: 0,
             failures_in_a_row: 0,
-            listener: None,
+            listener,
+            state: watch::Sender::new(LaneState::Loading),
         }
+    }
+
+    /// The lane's state, as it changes (take it before starting the actor).
+    pub fn health(&self) -> LaneHealth {
+        self.state.subscribe()
     }
 
     fn spawn_worker(&mut self, ctx: &mut Context<Self>) {
@@ -227,6 +315,7 @@ impl LaneActor {
     }
 
     fn schedule_respawn(&mut self, ctx: &mut Context<Self>) {
+        self.state.send_replace(LaneState::Respawning);
         let shift = self.failures_in_a_row.min(6);
         let delay = (RESPAWN_DELAY_MS << shift).min(RESPAWN_DELAY_MAX_MS);
         self.failures_in_a_row += 1;
@@ -237,29 +326,23 @@ impl LaneActor {
 
     fn send_now(&mut self, request: WorkerRequest, reply: Reply) {
         let frame = match to_postcard(&request) {
-            Ok(body) if body.len() <= crate::wire::MAX_FRAME_BYTES => {
-                // One write per frame: the length prefix, then the body.
-                let mut frame = Vec::with_capacity(4 + body.len());
-                frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
-                frame.extend_from_slice(&body);
-                frame
-            }
-            Ok(body) => {
-                let _ = reply.send(Err(format!(
-                    "a request of {} bytes is over the worker's frame limit",
-                    body.len()
-                )));
-                return;
-            }
+            // One write per frame: the length prefix, then the body.
+            Ok(body) => match encode_frame(&body) {
+                Ok(frame) => frame,
+                Err(_) => {
+                    let _ = reply.send(Err(LaneError::RequestTooLarge(body.len())));
+                    return;
+                }
+            },
             Err(e) => {
-                let _ = reply.send(Err(e.to_string()));
+                let _ = reply.send(Err(LaneError::Encode(e.to_string())));
                 return;
             }
         };
         match &self.to_worker {
             Some(tx) if tx.send(frame).is_ok() => self.in_flight.push_back(reply),
             _ => {
-                let _ = reply.send(Err("the worker is not running".into()));
+                let _ = reply.send(Err(LaneError::NotRunning));
             }
         }
     }
@@ -276,22 +359,18 @@ impl Actor for LaneActor {
         self.to_worker = None;
         // Ask the worker to exit after what it has queued (a small frame: a
         // pipe with room takes it at once; if not, the kill below does).
-        if let (Some(mut f), Ok(body)) = (
-            self.stdin_for_shutdown.take(),
-            to_postcard(&WorkerRequest::Shutdown),
-        ) {
+        let frame = to_postcard(&WorkerRequest::Shutdown).map(|body| encode_frame(&body));
+        if let (Some(mut f), Ok(Ok(frame))) = (self.stdin_for_shutdown.take(), frame) {
             use std::io::Write;
-            let mut frame = (body.len() as u32).to_le_bytes().to_vec();
-            frame.extend_from_slice(&body);
             let _ = f.write_all(&frame);
         }
         if let Some(mut child) = self.child.take() {
             // Give it a moment to exit cleanly, then make sure.
-            for _ in 0..20 {
+            for _ in 0..SHUTDOWN_GRACE_MS / SHUTDOWN_POLL_MS {
                 if let Ok(Some(_)) = child.try_wait() {
                     return;
                 }
-                std::thread::sleep(Duration::from_millis(10));
+                std::thread::sleep(Duration::from_millis(SHUTDOWN_POLL_MS));
             }
             let _ = child.kill();
             let _ = child.wait();
@@ -300,7 +379,7 @@ impl Actor for LaneActor {
 }
 
 impl Handler<Exec> for LaneActor {
-    type Result = ResponseFuture<Result<Vec<WorkerResponse>, String>>;
+    type Result = ResponseFuture<Result<Vec<WorkerResponse>, LaneError>>;
 
     fn handle(&mut self, msg: Exec, _: &mut Context<Self>) -> Self::Result {
         let mut replies = Vec::with_capacity(msg.0.len());
@@ -316,20 +395,10 @@ impl Handler<Exec> for LaneActor {
         Box::pin(async move {
             let mut out = Vec::with_capacity(replies.len());
             for rx in replies {
-                out.push(
-                    rx.await
-                        .unwrap_or_else(|_| Err("the model lane stopped".into()))?,
-                );
+                out.push(rx.await.unwrap_or(Err(LaneError::Stopped))?);
             }
             Ok(out)
         })
-    }
-}
-
-impl Handler<SetListener> for LaneActor {
-    type Result = ();
-    fn handle(&mut self, msg: SetListener, _: &mut Context<Self>) {
-        self.listener = Some(msg.0);
     }
 }
 
@@ -342,10 +411,10 @@ impl Handler<FromWorker> for LaneActor {
         }
         if !self.ready {
             if let WorkerResponse::Err { message } = &msg.response {
-                log::error!("the worker could not start: {message}");
-                let message = format!("the worker could not start: {message}");
+                let error = LaneError::CouldNotStart(message.clone());
+                log::error!("{error}");
                 for (_, reply) in self.held.drain(..) {
-                    let _ = reply.send(Err(message.clone()));
+                    let _ = reply.send(Err(error.clone()));
                 }
                 return;
             }
@@ -358,6 +427,7 @@ impl Handler<FromWorker> for LaneActor {
             );
             self.ready = true;
             self.failures_in_a_row = 0;
+            self.state.send_replace(LaneState::Ready);
             while let Some((request, reply)) = self.held.pop_front() {
                 self.send_now(request, reply);
             }
@@ -390,22 +460,37 @@ impl Handler<WorkerGone> for LaneActor {
             })
             .map(|s| s.to_string())
             .unwrap_or_else(|| "unknown status".into());
-        let message = format!("the worker died ({}: {status})", msg.reason);
-        log::error!("{message}; starting a new one");
+        let error = LaneError::WorkerDied {
+            reason: msg.reason,
+            status,
+        };
+        log::error!("{error}; starting a new one");
         self.to_worker = None;
         self.stdin_for_shutdown = None;
         self.ready = false;
         for reply in self.in_flight.drain(..) {
-            let _ = reply.send(Err(message.clone()));
+            let _ = reply.send(Err(error.clone()));
         }
         // Requests held for a worker that never became ready fail too: a
         // respawn that keeps failing must not leave them waiting forever.
         for (_, reply) in self.held.drain(..) {
-            let _ = reply.send(Err(message.clone()));
+            let _ = reply.send(Err(error.clone()));
         }
-        if let Some(l) = &self.listener {
-            l.do_send(LaneReset(message));
-        }
+        self.listener.do_send(LaneReset(error));
         self.schedule_respawn(ctx);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_state_in_metrics_is_one_gauge_per_state() {
+        let text = LaneState::Respawning.metrics();
+        assert!(text.contains("superfluid_lane_state{state=\"loading\"} 0\n"));
+        assert!(text.contains("superfluid_lane_state{state=\"ready\"} 0\n"));
+        assert!(text.contains("superfluid_lane_state{state=\"respawning\"} 1\n"));
+        assert!(text.contains("# TYPE superfluid_lane_state gauge\n"));
     }
 }

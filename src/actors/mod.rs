@@ -10,17 +10,29 @@
 //!   one at a time, in order, one request family a file under `session/`.
 //! - [`subscription::SubscriptionActor`]: one per `Subscribe`; sends the
 //!   backlog, then what [`bus::Bus`] publishes after each commit.
+//! - [`scheduler::SchedulerActor`]: one per model lane; runs its decode loop
+//!   (`SchedulerState` and `Pipeline`, src/scheduler) and hands each drawn
+//!   token to its generation's owner.
+//! - [`lane::LaneActor`]: one per model lane; spawns, feeds and respawns the
+//!   `superfluid worker` process, and publishes its state (`LaneHealth`).
+//!   It and its scheduler are built together (`daemon::start_lane`).
+//! - [`stateless`]: generation without a session (`StatelessGen`), what
+//!   [`complete`] (fill-in-the-middle `Complete`) runs on.
 //!
-//! **No actor blocks its arbiter**: fsync runs on the WAL writer's thread,
-//! and no lock is held across an await.
+//! **No actor blocks its arbiter while serving**: fsync runs on the WAL
+//! writer's thread, the worker's pipes are non-blocking, and no lock is held
+//! across an await. What does block, on purpose: `WalActor`'s `Shutdown`
+//! joins the writer thread (its last fsync) when the daemon stops; a stopping
+//! `LaneActor` waits up to 200 ms for its worker to exit; and the lane reaps a
+//! worker it killed (`wait` on a SIGKILLed child returns at once).
 
 pub mod bus;
 pub mod complete;
 pub mod lane;
-pub mod oneshot;
 pub mod registry;
 pub mod scheduler;
 pub mod session;
+pub mod stateless;
 pub mod subscription;
 pub mod wal;
 
@@ -43,6 +55,8 @@ pub struct Shared {
     pub wal: Addr<wal::WalActor>,
     /// The model lane's scheduler.
     pub scheduler: Addr<scheduler::SchedulerActor>,
+    /// The model lane's state (loading, ready, respawning).
+    pub lane: lane::LaneHealth,
     /// The lane's context size: the most a generation may ask for.
     pub n_ctx: u32,
     /// Committed events, published to live subscriptions.

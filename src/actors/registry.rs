@@ -154,7 +154,7 @@ fn counters(stats: crate::scheduler::Stats) -> String {
         "superfluid_decode_steps_total",
         "counter",
         "Decode calls made.",
-        stats.steps,
+        stats.decode_calls,
     );
     metric(
         &mut out,
@@ -292,6 +292,7 @@ impl Handler<Dispatch> for Registry {
             }),
             Request::Metrics => {
                 let gauges = self.gauges();
+                let lane = shared.lane.borrow().metrics();
                 Box::pin(async move {
                     let stats = shared
                         .scheduler
@@ -299,7 +300,7 @@ impl Handler<Dispatch> for Registry {
                         .await
                         .unwrap_or_default();
                     Response::Text {
-                        text: format!("{gauges}{}", counters(stats)),
+                        text: format!("{gauges}{lane}{}", counters(stats)),
                     }
                 })
             }

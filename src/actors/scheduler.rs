@@ -1,27 +1,23 @@
-//! `SchedulerActor`: runs a lane's decode loop. Each turn of the loop asks
-//! `SchedulerState` for the next step, sends its KV operations and its one
-//! decode call to the lane, and hands each drawn token to the generation's
-//! owner (a session actor, or a stateless caller). Admissions and cancels
-//! are handled between steps, while a step is in flight.
-//!
-//! Up to two steps are in flight: as soon as a step is sent, the step that
-//! follows it (`SchedulerState::follow`) is sent too, so the worker finds
-//! its next request waiting when it finishes one, and the daemon's own work
-//! on step n's tokens overlaps the worker's decode of step n+1. Replies are
-//! taken strictly in the order the steps were sent; after a failed step the
-//! steps behind it are dropped unread (they fail in the worker too).
+//! `SchedulerActor`: runs a lane's decode loop. It keeps the lane's
+//! `SchedulerState` and `Pipeline` (src/scheduler): on every admission,
+//! cancel and step reply it asks the pipeline which steps to send, sends
+//! their requests to the lane at once (so they reach the worker in the order
+//! planned), feeds each reply back, and hands each event to the generation's
+//! owner (a session actor, or a stateless caller). Up to two steps are in
+//! flight (`PIPELINE_DEPTH`); admissions and cancels are handled between
+//! replies.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 
 use actix::prelude::*;
 
 use super::lane::{Exec, LaneActor, LaneReset};
-use crate::scheduler::{Admit, GenEvent, GenId, SchedulerState, Stats, Step};
-use crate::wire::worker::{Drawn, WorkerResponse};
+use crate::scheduler::pipeline::{Pipeline, StepOutput, StepResult, PIPELINE_DEPTH};
+use crate::scheduler::{Admit, GenEvent, GenId, SchedulerError, SchedulerState, Stats, StepError};
 
 /// Start a generation; its events go to `owner`.
 #[derive(Message)]
-#[rtype(result = "Result<GenId, String>")]
+#[rtype(result = "Result<GenId, SchedulerError>")]
 pub struct AdmitGen {
     pub admit: Admit,
     pub owner: Recipient<GenUpdate>,
@@ -58,45 +54,28 @@ pub struct GetStats;
 #[rtype(result = "()")]
 pub struct GenUpdate(pub GenEvent);
 
-/// The most steps in flight at once (one running, one queued behind it).
-const PIPELINE_DEPTH: usize = 2;
-
-type StepResult = Result<(Vec<Drawn>, u64, u64), String>;
-
-struct InFlight {
-    id: u64,
-    step: Step,
-    /// Sent behind a step that failed: its reply is not read.
-    dropped: bool,
-    result: Option<StepResult>,
-}
-
 pub struct SchedulerActor {
     state: SchedulerState,
+    pipeline: Pipeline,
     lane: Addr<LaneActor>,
     owners: HashMap<GenId, Recipient<GenUpdate>>,
-    in_flight: VecDeque<InFlight>,
-    next_step: u64,
 }
 
 impl SchedulerActor {
     pub fn new(state: SchedulerState, lane: Addr<LaneActor>) -> SchedulerActor {
         SchedulerActor {
             state,
+            pipeline: Pipeline::new(PIPELINE_DEPTH),
             lane,
             owners: HashMap::new(),
-            in_flight: VecDeque::new(),
-            next_step: 0,
         }
     }
 
-    fn dispatch(&mut self, events: Vec<GenEvent>) {
+    /// Hands each event to its generation's owner, and forgets the owner
+    /// of a generation that ended.
+    fn notify_owners(&mut self, events: Vec<GenEvent>) {
         for e in events {
-            let gen = match &e {
-                GenEvent::Started { gen, .. } | GenEvent::Token { gen, .. } => *gen,
-                GenEvent::Finished { gen, .. } | GenEvent::Failed { gen, .. } => *gen,
-            };
-            let done = matches!(e, GenEvent::Finished { .. } | GenEvent::Failed { .. });
+            let (gen, done) = (e.gen(), e.ends());
             if let Some(owner) = self.owners.get(&gen) {
                 owner.do_send(GenUpdate(e));
             }
@@ -106,97 +85,30 @@ impl SchedulerActor {
         }
     }
 
-    /// Starts the next step when nothing is in flight, and queues the step
-    /// that follows the one in flight when there is one to queue.
+    /// Sends the steps the pipeline has room for, and takes each reply when
+    /// it comes.
     fn kick(&mut self, ctx: &mut Context<Self>) {
-        if self.in_flight.is_empty() {
-            self.state.set_clock(super::now_ms());
-            let (step, events) = self.state.plan();
-            self.dispatch(events);
-            if let Some(step) = step {
-                self.send(step, ctx);
-            }
-        }
-        if let Some(last) = self.in_flight.back() {
-            if self.in_flight.len() < PIPELINE_DEPTH && !last.dropped {
-                if let Some(next) = self.state.follow(&last.step) {
-                    self.send(next, ctx);
+        let (sent, events) = self.pipeline.kick(&mut self.state, super::now_ms());
+        self.notify_owners(events);
+        for (id, requests) in sent {
+            let reply = self.lane.send(Exec(requests));
+            ctx.spawn(
+                async move {
+                    match reply.await {
+                        Ok(Ok(replies)) => StepOutput::from_replies(replies),
+                        Ok(Err(e)) => Err(StepError::Failed(e.to_string())),
+                        Err(e) => Err(StepError::Failed(e.to_string())),
+                    }
                 }
-            }
-        }
-    }
-
-    /// Sends a step's requests to the lane now (so they reach the worker in
-    /// the order steps are sent) and takes the reply when it comes.
-    fn send(&mut self, step: Step, ctx: &mut Context<Self>) {
-        let id = self.next_step;
-        self.next_step += 1;
-        let reply = self.lane.send(Exec(step.requests()));
-        ctx.spawn(
-            async move { step_result(reply.await.map_err(|e| e.to_string()).and_then(|r| r)) }
                 .into_actor(self)
-                .map(move |result, this, ctx| this.arrived(id, result, ctx)),
-        );
-        self.in_flight.push_back(InFlight {
-            id,
-            step,
-            dropped: false,
-            result: None,
-        });
-    }
-
-    /// A step's reply: completes every step whose reply is in, in order.
-    fn arrived(&mut self, id: u64, result: StepResult, ctx: &mut Context<Self>) {
-        if let Some(f) = self.in_flight.iter_mut().find(|f| f.id == id) {
-            f.result = Some(result);
-        }
-        while self.in_flight.front().is_some_and(|f| f.result.is_some()) {
-            let Some(InFlight {
-                step,
-                dropped,
-                result: Some(result),
-                ..
-            }) = self.in_flight.pop_front()
-            else {
-                break;
-            };
-            if dropped {
-                continue;
-            }
-            let failed = result.is_err();
-            let result = result.map(|(drawn, tokens, decode_us)| {
-                self.state.note_decode(tokens, decode_us);
-                drawn
-            });
-            let events = self.state.complete(&step, result);
-            if failed {
-                for behind in &mut self.in_flight {
-                    behind.dropped = true;
-                }
-            }
-            self.dispatch(events);
-        }
-        self.kick(ctx);
-    }
-}
-
-/// What a step's worker replies come to: the tokens its decode drew (with
-/// the tokens decoded and the decode time), or the first error.
-fn step_result(replies: Result<Vec<WorkerResponse>, String>) -> StepResult {
-    let mut out = (Vec::new(), 0, 0);
-    for reply in replies? {
-        match reply {
-            WorkerResponse::Done => {}
-            WorkerResponse::Decoded {
-                drawn,
-                tokens,
-                decode_us,
-            } => out = (drawn, u64::from(tokens), decode_us),
-            WorkerResponse::Err { message } => return Err(message),
-            other => return Err(format!("unexpected worker reply {other:?}")),
+                .map(move |result: StepResult, this, ctx| {
+                    let events = this.pipeline.arrived(&mut this.state, id, result);
+                    this.notify_owners(events);
+                    this.kick(ctx);
+                }),
+            );
         }
     }
-    Ok(out)
 }
 
 impl Actor for SchedulerActor {
@@ -204,7 +116,7 @@ impl Actor for SchedulerActor {
 }
 
 impl Handler<AdmitGen> for SchedulerActor {
-    type Result = Result<GenId, String>;
+    type Result = Result<GenId, SchedulerError>;
 
     fn handle(&mut self, msg: AdmitGen, ctx: &mut Context<Self>) -> Self::Result {
         let gen = self.state.admit(msg.admit)?;
@@ -236,7 +148,7 @@ impl Handler<CancelGen> for SchedulerActor {
 
     fn handle(&mut self, msg: CancelGen, ctx: &mut Context<Self>) {
         let events = self.state.cancel(msg.0);
-        self.dispatch(events);
+        self.notify_owners(events);
         self.kick(ctx);
     }
 }
@@ -255,9 +167,9 @@ impl Handler<LaneReset> for SchedulerActor {
     fn handle(&mut self, msg: LaneReset, ctx: &mut Context<Self>) {
         // A step in flight fails by itself (its Exec errs); idle state is
         // forgotten here so nothing trusts the dead worker's KV.
-        if self.in_flight.is_empty() {
-            let events = self.state.fail_all(&msg.0);
-            self.dispatch(events);
+        if self.pipeline.is_empty() {
+            let events = self.state.fail_all(&msg.0.to_string());
+            self.notify_owners(events);
             self.kick(ctx);
         }
     }

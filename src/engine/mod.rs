@@ -12,18 +12,25 @@
 //!
 //! And the worker side:
 //! - [`sample`]: position-indexed sampling, a pure function of logits, params, seed and position;
-//! - [`raw`]: the model and its one context ([`raw::RawEngine`]), executing worker requests;
-//! - [`worker`]: `superfluid worker`, frames on stdin/stdout around a [`raw::RawEngine`].
+//! - [`exec`]: the model and its one context ([`exec::WorkerEngine`]), executing worker requests:
+//!   the sequence table and request checks (`exec/seqs.rs`), grammar state (`exec/grammar.rs`);
+//! - [`worker`]: `superfluid worker`, frames on stdin/stdout around a [`exec::WorkerEngine`].
+//!
+//! Token ids are [`crate::wire::Token`]s, `< n_vocab` once validated by [`vocab::Vocab`] (in the
+//! daemon) or [`exec::seqs::SeqTable`] (in the worker).
 
 pub mod backend;
-pub mod raw;
+pub mod exec;
 pub mod render;
 pub mod sample;
 pub mod template;
 pub mod vocab;
 pub mod worker;
 
-use std::path::PathBuf;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use crate::wire::{FrameError, Token, WireError};
 
 /// Where `scripts/fetch-model.sh` puts the default model (SmolLM2-135M-Instruct
 /// Q4_1): `$HOME/.cache/superfluid/models/`. `$SUPERFLUID_TEST_MODEL` replaces
@@ -36,9 +43,6 @@ pub fn default_model_path() -> Option<PathBuf> {
     let home = std::env::var_os("HOME")?;
     Some(PathBuf::from(home).join(".cache/superfluid/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
 }
-
-/// A token id of the model's vocabulary (always `< n_vocab` once validated by [`vocab::Vocab`]).
-pub type Token = u32;
 
 /// Everything that can go wrong in the engine layer.
 #[derive(Debug, thiserror::Error)]
@@ -94,6 +98,64 @@ pub enum EngineError {
     /// A tool definition that cannot be normalised to the OpenAI function-tool form.
     #[error("invalid tool definition: {0}")]
     InvalidTool(String),
+    /// A worker configuration out of range (context size, sequences, batch, threads).
+    #[error("{0}")]
+    InvalidConfig(String),
+    /// The model's vocabulary has no tokens.
+    #[error("the model has an empty vocabulary")]
+    EmptyVocabulary,
+    /// llama.cpp could not create the worker's context.
+    #[error("cannot create a context (n_ctx {n_ctx}, n_seq {n_seq}, n_batch {n_batch}): {reason}")]
+    Context {
+        n_ctx: u32,
+        n_seq: u32,
+        n_batch: u32,
+        reason: String,
+    },
+    /// The worker could not take its stdout for frames.
+    #[error("cannot set up stdout for frames")]
+    Stdout(#[source] std::io::Error),
+    /// The worker's request stream broke (a frame over the cap, or cut short).
+    #[error("reading a request")]
+    ReadRequest(#[source] FrameError),
+    /// The worker could not write a reply.
+    #[error("writing a reply")]
+    WriteReply(#[source] FrameError),
+    /// The worker could not encode a reply.
+    #[error(transparent)]
+    Encode(#[from] WireError),
+}
+
+/// The four magic bytes every GGUF file starts with.
+const GGUF_MAGIC: &[u8; 4] = b"GGUF";
+
+/// Check that `path` exists and starts with the GGUF magic bytes, before llama.cpp sees it (it
+/// aborts on some bad files): the vocabulary load and the worker's model load both call it.
+pub(crate) fn check_gguf(path: &Path) -> Result<(), EngineError> {
+    let unreadable = |source| EngineError::ModelUnreadable {
+        path: path.to_path_buf(),
+        source,
+    };
+    let meta = match std::fs::metadata(path) {
+        Ok(meta) => meta,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(EngineError::ModelNotFound(path.to_path_buf()))
+        }
+        Err(e) => return Err(unreadable(e)),
+    };
+    if !meta.is_file() {
+        return Err(unreadable(std::io::Error::other("not a regular file")));
+    }
+    let mut magic = [0u8; 4];
+    let mut file = std::fs::File::open(path).map_err(unreadable)?;
+    match file.read_exact(&mut magic) {
+        Ok(()) if &magic == GGUF_MAGIC => Ok(()),
+        Ok(()) => Err(EngineError::NotGguf(path.to_path_buf())),
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+            Err(EngineError::NotGguf(path.to_path_buf()))
+        }
+        Err(e) => Err(unreadable(e)),
+    }
 }
 
 /// llama.cpp's JSON-schema-to-GBNF converter (no model needed): the grammar

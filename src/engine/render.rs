@@ -21,7 +21,8 @@ use serde_json::Value as Json;
 
 use super::template::{ChatMessage, ChatTemplate, ROLE_SYSTEM};
 use super::vocab::Vocab;
-use super::{EngineError, Token};
+use super::EngineError;
+use crate::wire::Token;
 
 /// Renders conversations to token spans with a model's vocabulary and chat template.
 #[derive(Debug)]

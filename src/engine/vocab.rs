@@ -3,14 +3,14 @@
 //! Every token id is checked against `n_vocab` before it is passed to llama.cpp: an out-of-range
 //! id makes llama.cpp abort the whole process.
 
-use std::io::Read;
 use std::path::Path;
 
 use llama_cpp_2::model::params::LlamaModelParams;
 use llama_cpp_2::model::LlamaModel;
 use llama_cpp_2::token::LlamaToken;
 
-use super::{backend, EngineError, Token};
+use super::{backend, check_gguf, EngineError};
+use crate::wire::Token;
 
 /// The fill-in-the-middle control tokens of a model that has them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,9 +40,6 @@ impl std::fmt::Debug for Vocab {
             .finish_non_exhaustive()
     }
 }
-
-/// The four magic bytes every GGUF file starts with.
-const GGUF_MAGIC: &[u8; 4] = b"GGUF";
 
 impl Vocab {
     /// Load the vocabulary of the GGUF model at `path`.
@@ -204,34 +201,6 @@ impl Vocab {
             suf: self.valid_from_llama(vocab.fim_suf())?,
             mid: self.valid_from_llama(vocab.fim_mid())?,
         })
-    }
-}
-
-/// Check that `path` exists and starts with the GGUF magic bytes.
-fn check_gguf(path: &Path) -> Result<(), EngineError> {
-    let unreadable = |source| EngineError::ModelUnreadable {
-        path: path.to_path_buf(),
-        source,
-    };
-    let meta = match std::fs::metadata(path) {
-        Ok(meta) => meta,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(EngineError::ModelNotFound(path.to_path_buf()))
-        }
-        Err(e) => return Err(unreadable(e)),
-    };
-    if !meta.is_file() {
-        return Err(unreadable(std::io::Error::other("not a regular file")));
-    }
-    let mut magic = [0u8; 4];
-    let mut file = std::fs::File::open(path).map_err(unreadable)?;
-    match file.read_exact(&mut magic) {
-        Ok(()) if &magic == GGUF_MAGIC => Ok(()),
-        Ok(()) => Err(EngineError::NotGguf(path.to_path_buf())),
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
-            Err(EngineError::NotGguf(path.to_path_buf()))
-        }
-        Err(e) => Err(unreadable(e)),
     }
 }
 

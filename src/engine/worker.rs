@@ -3,7 +3,7 @@
 //! The daemon's lane spawns it with piped stdin/stdout and talks [`crate::wire::worker`] over
 //! them in length-prefixed postcard frames ([`crate::wire::frame`]):
 //!
-//! 1. The worker loads the model and creates its context ([`RawEngine::new`]), then writes
+//! 1. The worker loads the model and creates its context ([`WorkerEngine::new`]), then writes
 //!    `Ready { config, n_vocab }` as its first frame (`config` as llama.cpp applied it: `n_ctx`
 //!    padded to a multiple of 256, `n_batch` capped at `n_ctx`). If loading fails it writes one
 //!    `Err { message }` frame instead and exits with status 1.
@@ -27,22 +27,21 @@
 use std::io::{BufWriter, Read, Write};
 use std::path::Path;
 
-use anyhow::Context as _;
-
-use super::raw::RawEngine;
+use super::exec::WorkerEngine;
+use super::EngineError;
 use crate::wire::worker::{WorkerConfig, WorkerRequest, WorkerResponse};
 use crate::wire::{
     from_postcard, read_frame_blocking, to_postcard, write_frame_blocking, MAX_FRAME_BYTES,
 };
 
 /// Runs the worker on stdin/stdout until `Shutdown` or EOF.
-pub fn run(model: &Path, config: WorkerConfig) -> anyhow::Result<()> {
-    let frames = take_stdout().context("cannot set up stdout for frames")?;
+pub fn run(model: &Path, config: WorkerConfig) -> Result<(), EngineError> {
+    let frames = take_stdout().map_err(EngineError::Stdout)?;
     let mut out = BufWriter::new(frames);
-    let mut engine = match RawEngine::new(model, &config) {
+    let mut engine = match WorkerEngine::new(model, &config) {
         Ok(engine) => engine,
         Err(e) => {
-            let message = format!("{e:#}");
+            let message = chain(&e);
             let _ = send(&mut out, &WorkerResponse::Err { message });
             return Err(e);
         }
@@ -54,13 +53,13 @@ pub fn run(model: &Path, config: WorkerConfig) -> anyhow::Result<()> {
 
 /// The request loop: one reply frame per request frame, until `Shutdown` or a clean EOF.
 pub fn serve<R: Read, W: Write>(
-    engine: &mut RawEngine,
+    engine: &mut WorkerEngine,
     mut input: R,
     mut output: W,
-) -> anyhow::Result<()> {
+) -> Result<(), EngineError> {
     loop {
         let Some(body) =
-            read_frame_blocking(&mut input, MAX_FRAME_BYTES).context("reading a request")?
+            read_frame_blocking(&mut input, MAX_FRAME_BYTES).map_err(EngineError::ReadRequest)?
         else {
             log::info!("worker: stdin closed, exiting");
             return Ok(());
@@ -81,10 +80,22 @@ pub fn serve<R: Read, W: Write>(
 }
 
 /// Write one reply frame and flush it.
-fn send<W: Write>(out: &mut W, reply: &WorkerResponse) -> anyhow::Result<()> {
+fn send<W: Write>(out: &mut W, reply: &WorkerResponse) -> Result<(), EngineError> {
     let body = to_postcard(reply)?;
-    write_frame_blocking(out, &body).context("writing a reply")?;
+    write_frame_blocking(out, &body).map_err(EngineError::WriteReply)?;
     Ok(())
+}
+
+/// An error and its sources, `: `-separated (what the lane logs, and what a
+/// request held for a worker that could not start fails with).
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(&format!(": {s}"));
+        source = s.source();
+    }
+    out
 }
 
 /// Move stdout's pipe to a new close-on-exec descriptor for the frames, and point descriptor 1

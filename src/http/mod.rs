@@ -21,6 +21,7 @@ use std::time::Instant;
 use actix::Addr;
 use actix_web::{web, App, HttpServer};
 
+use crate::actors::lane::LaneHealth;
 use crate::actors::registry::Registry;
 use crate::frontend::bucket::TokenBucket;
 
@@ -90,6 +91,7 @@ pub fn start(
     origins: Vec<String>,
     sessions: &Path,
     registry: Addr<Registry>,
+    lane: LaneHealth,
 ) -> Result<Web, StartError> {
     let addr = listener.local_addr().map_err(StartError::Server)?;
     let token = token::mint().map_err(StartError::Random)?;
@@ -99,6 +101,7 @@ pub fn start(
     })?;
     let state = web::Data::new(routes::WebState {
         registry,
+        lane,
         policy: auth::Policy::new(token, addr, origins),
         rpc_bucket: Mutex::new(TokenBucket::per_listener(Instant::now())),
     });

@@ -16,6 +16,7 @@ use tokio::sync::mpsc;
 
 use super::auth::{authorize, Policy, Presented, Route, PROTOCOL};
 use super::error::WebError;
+use crate::actors::lane::LaneHealth;
 use crate::actors::registry::{DispatchStream, Registry};
 use crate::actors::session::STREAM_REPLY_CAPACITY;
 use crate::frontend::bucket::TokenBucket;
@@ -29,6 +30,8 @@ pub const MAX_BODY_BYTES: usize = 16 << 20;
 /// What every handler shares.
 pub struct WebState {
     pub registry: Addr<Registry>,
+    /// The model lane's state, reported by /web/health.
+    pub lane: LaneHealth,
     pub policy: Policy,
     /// Meters `Complete` on /web/rpc, for the whole listener.
     pub rpc_bucket: Mutex<TokenBucket>,
@@ -84,9 +87,12 @@ async fn read_body(req: &HttpRequest, mut payload: web::Payload) -> Result<Bytes
     Ok(body.freeze())
 }
 
+/// 200 with `{"ok": true, "lane": "loading" | "ready" | "respawning"}`: the
+/// daemon answers, and what its model lane's worker is doing.
 async fn health(req: HttpRequest, state: web::Data<WebState>) -> Result<HttpResponse, WebError> {
     check(&state, Route::Health, &req)?;
-    Ok(HttpResponse::Ok().json(serde_json::json!({ "ok": true })))
+    let lane = state.lane.borrow().name();
+    Ok(HttpResponse::Ok().json(serde_json::json!({ "ok": true, "lane": lane })))
 }
 
 /// One request, one reply.

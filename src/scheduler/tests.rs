@@ -1,7 +1,12 @@
 //! The scheduler stepped by hand, with a fake worker that draws token 100+n.
 
+use std::collections::VecDeque;
+
+use super::pipeline::{Pipeline, StepId, StepOutput, StepResult};
 use super::*;
-use crate::wire::worker::Drawn;
+use crate::engine::exec::error::RequestError;
+use crate::engine::exec::seqs::SeqTable;
+use crate::wire::worker::{DecodeItem, Drawn};
 
 const P: Params = Params {
     temperature: 0.0,
@@ -42,7 +47,7 @@ fn step_with(s: &mut SchedulerState, draw: impl Fn(u32) -> Token) -> (Option<Ste
                 }
             })
             .collect();
-        events.extend(s.complete(step, Ok(drawn)));
+        events.extend(s.step_done(step, Ok(drawn)));
     }
     (step, events)
 }
@@ -224,7 +229,10 @@ fn failure_fails_everything_and_forgets_the_kv() {
     let mut s = SchedulerState::new(4096, 2, 512);
     let a = s.admit(admit(1, &[1, 2], 5)).unwrap();
     let (step, _) = s.plan();
-    let events = s.complete(&step.unwrap(), Err("worker crashed".into()));
+    let events = s.step_done(
+        &step.unwrap(),
+        Err(StepError::Failed("worker crashed".into())),
+    );
     assert_eq!(
         events,
         vec![GenEvent::Failed {
@@ -342,14 +350,14 @@ fn a_full_cache_evicts_idle_sequences_then_ends_the_youngest() {
     let (step, _) = s.plan();
     let step = step.unwrap();
     // The worker says its cache is full: the idle sequence goes first.
-    let events = s.complete(&step, Err(format!("{KV_FULL}: n_ctx=4096 cells")));
+    let events = s.step_done(&step, Err(StepError::KvFull));
     assert!(events.is_empty());
     let (step, _) = s.plan();
     let step = step.unwrap();
     assert!(step.ops.contains(&WorkerRequest::KvClear { seq: 0 }));
     assert_eq!(step.decode.len(), 2, "both retry");
     // Full again with nothing idle: the youngest ends, the other goes on.
-    let events = s.complete(&step, Err(format!("{KV_FULL}: n_ctx=4096 cells")));
+    let events = s.step_done(&step, Err(StepError::KvFull));
     assert_eq!(
         events,
         vec![GenEvent::Finished {
@@ -395,14 +403,15 @@ fn a_lone_background_generation_runs_at_full_speed() {
     }));
 }
 
-/// A fake worker with the real one's contract: per-sequence KV contents, the
-/// position check, the last draw that `DecodeNext` feeds (forgotten on any KV
-/// change and on any failure), EOG skipped. It draws a function of the whole
-/// sequence, as a model would; `eog_after` tokens drawn in a row end a turn.
-#[derive(Default)]
+/// A fake worker with the real one's contract: per-sequence KV contents, and
+/// the real worker's sequence table (`SeqTable`: lengths, the last draw that
+/// `DecodeNext` feeds, forgotten on any KV change and on any failure, EOG
+/// skipped, and every request checked as the worker checks it). It draws a
+/// function of the whole sequence, as a model would; `eog_at` ends a turn
+/// when a sequence reaches that length.
 struct FakeWorker {
     kv: Vec<Vec<Token>>,
-    last: Vec<Option<Drawn>>,
+    table: SeqTable,
     eog_at: Option<usize>,
     /// DecodeNext requests run.
     follows: usize,
@@ -410,11 +419,15 @@ struct FakeWorker {
     fail_at: Option<usize>,
 }
 
+/// The fake worker's context and vocabulary.
+const FAKE_N_CTX: u32 = 4096;
+const FAKE_N_VOCAB: u32 = 1000;
+
 impl FakeWorker {
     fn new(n_seq: usize) -> FakeWorker {
         FakeWorker {
             kv: vec![vec![]; n_seq],
-            last: vec![None; n_seq],
+            table: SeqTable::new(n_seq as u32, FAKE_N_CTX, FAKE_N_VOCAB),
             eog_at: None,
             follows: 0,
             fail_at: None,
@@ -438,78 +451,81 @@ impl FakeWorker {
         }
     }
 
-    fn decode(&mut self, items: &[(u32, u32, Vec<Token>, bool)]) -> Result<Vec<Drawn>, String> {
-        for (seq, pos, _, _) in items {
-            if *pos as usize != self.kv[*seq as usize].len() {
-                return Err(format!("seq {seq}: position {pos} is not its end"));
-            }
-        }
+    fn decode(&mut self, items: &[DecodeItem]) -> Result<Vec<Drawn>, RequestError> {
+        self.table.validate_decode(items)?;
         let mut drawn = vec![];
-        for (seq, _, tokens, sample) in items {
-            let s = *seq as usize;
-            self.kv[s].extend_from_slice(tokens);
-            self.last[s] = None;
-            if *sample {
+        for item in items {
+            let s = item.seq as usize;
+            self.kv[s].extend_from_slice(&item.tokens);
+            if item.sample.is_some() {
                 drawn.push(self.draw(s));
             }
         }
-        for d in &drawn {
-            self.last[d.seq as usize] = Some(*d);
-        }
+        self.table.decoded(items, &drawn);
         Ok(drawn)
     }
 
-    fn run(&mut self, step: &Step) -> Result<Vec<Drawn>, String> {
-        let r = self.run_inner(step);
-        if r.is_err() {
-            self.last.iter_mut().for_each(|l| *l = None);
-        }
-        r
+    /// Sets what sequence `s` holds after a KV operation.
+    fn kv_op(&mut self, s: usize, tokens: Vec<Token>) {
+        self.table.set_len(s, tokens.len() as u32);
+        self.table.kv_changed(s);
+        self.kv[s] = tokens;
     }
 
-    fn run_inner(&mut self, step: &Step) -> Result<Vec<Drawn>, String> {
+    /// Runs one step's requests, as the lane sends them.
+    fn run(&mut self, requests: &[WorkerRequest]) -> StepResult {
+        let r = self.run_inner(requests);
+        if r.is_err() {
+            self.table.forget_draws();
+        }
+        r.map(|drawn| StepOutput {
+            drawn,
+            ..StepOutput::default()
+        })
+    }
+
+    fn run_inner(&mut self, requests: &[WorkerRequest]) -> Result<Vec<Drawn>, StepError> {
+        let failed = |e: RequestError| StepError::Failed(e.to_string());
         let mut drawn = vec![];
-        for request in step.requests() {
+        for request in requests {
             match request {
                 WorkerRequest::KvTrim { seq, from } => {
-                    self.kv[seq as usize].truncate(from as usize);
-                    self.last[seq as usize] = None;
+                    let s = self.table.check_seq(*seq).map_err(failed)?;
+                    if (*from as usize) < self.kv[s].len() {
+                        let kept = self.kv[s][..*from as usize].to_vec();
+                        self.kv_op(s, kept);
+                    }
                 }
                 WorkerRequest::KvClear { seq } => {
-                    self.kv[seq as usize].clear();
-                    self.last[seq as usize] = None;
+                    let s = self.table.check_seq(*seq).map_err(failed)?;
+                    self.kv_op(s, vec![]);
                 }
                 WorkerRequest::KvCopy { src, dst, len } => {
-                    self.kv[dst as usize] = self.kv[src as usize][..len as usize].to_vec();
-                    self.last[dst as usize] = None;
+                    let (s, d) = self.table.check_copy(*src, *dst, *len).map_err(failed)?;
+                    let copied = self.kv[s][..*len as usize].to_vec();
+                    self.kv_op(d, copied);
                 }
                 WorkerRequest::Decode { items } => {
-                    let items: Vec<_> = items
-                        .into_iter()
-                        .map(|i| (i.seq, i.pos, i.tokens, i.sample.is_some()))
-                        .collect();
-                    drawn = self.decode(&items)?;
+                    drawn = self.decode(items).map_err(failed)?;
                 }
                 WorkerRequest::DecodeNext { items } => {
                     self.follows += 1;
-                    for i in &items {
-                        if self.last[i.seq as usize].is_none() {
-                            return Err(format!("seq {}: no draw to follow", i.seq));
-                        }
-                    }
+                    self.table.validate_next(items).map_err(failed)?;
                     let before: Vec<usize> = self.kv.iter().map(Vec::len).collect();
                     for j in 0..items.iter().map(|i| i.steps).max().unwrap_or(0) {
-                        let mut plain = vec![];
-                        for i in items.iter().filter(|i| j < i.steps) {
-                            let d = self.last[i.seq as usize].unwrap();
-                            if !d.eog {
-                                let pos = self.kv[i.seq as usize].len() as u32;
-                                if j == 0 && pos != i.pos {
-                                    return Err(format!("seq {}: not at {}", i.seq, i.pos));
-                                }
-                                plain.push((i.seq, pos, vec![d.token], true));
-                            }
-                        }
+                        let plain: Vec<DecodeItem> = items
+                            .iter()
+                            .filter(|i| j < i.steps)
+                            .filter_map(|i| {
+                                let d = self.table.next_input(i.seq)?;
+                                Some(DecodeItem {
+                                    seq: i.seq,
+                                    pos: self.table.len(i.seq)?,
+                                    tokens: vec![d.token],
+                                    sample: Some(i.sample.clone()),
+                                })
+                            })
+                            .collect();
                         if plain.is_empty() {
                             break;
                         }
@@ -518,10 +534,11 @@ impl FakeWorker {
                             self.fail_at = None;
                             for (seq, kv) in self.kv.iter_mut().enumerate() {
                                 kv.truncate(before[seq]);
+                                self.table.set_len(seq, before[seq] as u32);
                             }
-                            return Err(format!("{KV_FULL}: fake"));
+                            return Err(StepError::KvFull);
                         }
-                        drawn.extend(self.decode(&plain)?);
+                        drawn.extend(self.decode(&plain).map_err(failed)?);
                     }
                 }
                 WorkerRequest::Shutdown => {}
@@ -531,9 +548,10 @@ impl FakeWorker {
     }
 }
 
-/// Drives a scheduler as the actor does, with `depth` steps in flight; the
-/// worker runs each step when it is sent, replies are taken in order.
-/// `between(k, s)` runs before the k-th reply is taken. Returns every event.
+/// Drives a scheduler through the actor's own `Pipeline`, with `depth` steps
+/// in flight; the worker runs each step when it is sent, and its replies
+/// come back in order. `between(k, s)` runs before the k-th reply is taken.
+/// Returns every event.
 fn drive(
     s: &mut SchedulerState,
     w: &mut FakeWorker,
@@ -541,35 +559,21 @@ fn drive(
     mut between: impl FnMut(usize, &mut SchedulerState) -> Vec<GenEvent>,
 ) -> Vec<GenEvent> {
     let mut events = vec![];
-    let mut in_flight: std::collections::VecDeque<(Step, Result<Vec<Drawn>, String>)> =
-        Default::default();
+    let mut pipeline = Pipeline::new(depth);
+    let mut replies: VecDeque<(StepId, StepResult)> = VecDeque::new();
     for k in 0..10_000 {
-        if in_flight.is_empty() {
-            let (step, ev) = s.plan();
-            events.extend(ev);
-            match step {
-                Some(step) => {
-                    let r = w.run(&step);
-                    in_flight.push_back((step, r));
-                }
-                None => return events,
-            }
+        let (sent, planned) = pipeline.kick(s, 0);
+        events.extend(planned);
+        for (id, requests) in sent {
+            replies.push_back((id, w.run(&requests)));
         }
-        while in_flight.len() < depth {
-            let Some(next) = s.follow(&in_flight.back().unwrap().0) else {
-                break;
-            };
-            let r = w.run(&next);
-            in_flight.push_back((next, r));
-        }
+        let Some((id, r)) = replies.pop_front() else {
+            return events;
+        };
         events.extend(between(k, s));
-        let (step, r) = in_flight.pop_front().unwrap();
         let failed = r.is_err();
-        events.extend(s.complete(&step, r));
-        if failed {
-            in_flight.clear();
-        }
-        if in_flight.is_empty() && !failed {
+        events.extend(pipeline.arrived(s, id, r));
+        if pipeline.is_empty() && !failed {
             for seq in 0..w.kv.len() {
                 assert_eq!(
                     s.resident(seq as u32),
@@ -776,8 +780,8 @@ fn a_failed_step_drops_the_step_behind_it() {
     let next = s.follow(&step).unwrap();
     // The worker's cache was full for the first step: it rolls back, and the
     // step behind it has no draw to follow.
-    let events = s.complete(&step, Err(format!("{KV_FULL}: no room")));
-    assert!(w.run(&next).is_err());
+    let events = s.step_done(&step, Err(StepError::KvFull));
+    assert!(w.run(&next.requests()).is_err());
     // The generation lived on (there was nothing idle to evict, so the
     // youngest, itself, ended) or retries: either way the state is
     // consistent with the worker, and nothing waits on a dropped step.
@@ -800,9 +804,9 @@ fn a_full_cache_on_a_following_step_falls_back_to_single_steps() {
         token: 100,
         eog: false,
     }];
-    assert_eq!(tokens_of(&s.complete(&step, Ok(drawn)), g), [100]);
+    assert_eq!(tokens_of(&s.step_done(&step, Ok(drawn)), g), [100]);
     // The 4 cells the following step asked for are not there: nothing ends.
-    let events = s.complete(&next, Err(format!("{KV_FULL}: no room")));
+    let events = s.step_done(&next, Err(StepError::KvFull));
     assert!(events.is_empty(), "{events:?}");
     // One token at a time now, and no following step until room is freed.
     let single = s.plan().0.unwrap();
@@ -810,6 +814,6 @@ fn a_full_cache_on_a_following_step_falls_back_to_single_steps() {
     assert_eq!(single.decode[0].tokens, [100]);
     assert!(s.follow(&single).is_none());
     // When even one token does not fit, the youngest generation ends.
-    let events = s.complete(&single, Err(format!("{KV_FULL}: no room")));
+    let events = s.step_done(&single, Err(StepError::KvFull));
     assert_eq!(finish_of(&events, g), Some(Finish::Error));
 }

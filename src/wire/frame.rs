@@ -20,14 +20,98 @@ pub enum FrameError {
     Io(#[from] io::Error),
 }
 
-/// The state of reading one frame's header and body, shared by the blocking
-/// and the async readers.
-fn check_len(header: [u8; 4], max: usize) -> Result<usize, FrameError> {
-    let len = u32::from_le_bytes(header) as usize;
-    if len > max {
-        return Err(FrameError::TooLarge { len, max });
+/// Reading one frame, whatever does the reading: the header, then the body.
+/// A reader reads into [`FrameReader::buf`] and reports what it got to
+/// [`FrameReader::filled`], until that gives the frame (or the clean EOF).
+struct FrameReader {
+    max: usize,
+    header: [u8; 4],
+    /// The body, once the header is in.
+    body: Option<Vec<u8>>,
+    /// Bytes of the header, then of the body, read so far.
+    got: usize,
+}
+
+/// Where a [`FrameReader`] stands.
+enum Progress {
+    /// More bytes are needed.
+    More,
+    /// The frame is whole, or (None) the stream ended cleanly before it began.
+    Done(Option<Vec<u8>>),
+}
+
+impl FrameReader {
+    fn new(max: usize) -> FrameReader {
+        FrameReader {
+            max,
+            header: [0; 4],
+            body: None,
+            got: 0,
+        }
     }
-    Ok(len)
+
+    /// Where the next bytes go (never empty).
+    fn buf(&mut self) -> &mut [u8] {
+        match &mut self.body {
+            None => &mut self.header[self.got..],
+            Some(body) => &mut body[self.got..],
+        }
+    }
+
+    /// `n` bytes were read into [`buf`](Self::buf); 0 is the end of the
+    /// stream. The length is checked against the cap before the body is
+    /// allocated.
+    fn filled(&mut self, n: usize) -> Result<Progress, FrameError> {
+        let got = self.got;
+        if n == 0 {
+            return match &self.body {
+                None if got == 0 => Ok(Progress::Done(None)),
+                None => Err(FrameError::Truncated { expected: 4, got }),
+                Some(body) => Err(FrameError::Truncated {
+                    expected: body.len(),
+                    got,
+                }),
+            };
+        }
+        self.got += n;
+        match &mut self.body {
+            None if self.got == 4 => {
+                let len = u32::from_le_bytes(self.header) as usize;
+                if len > self.max {
+                    return Err(FrameError::TooLarge { len, max: self.max });
+                }
+                self.got = 0;
+                if len == 0 {
+                    return Ok(Progress::Done(Some(Vec::new())));
+                }
+                self.body = Some(vec![0u8; len]);
+            }
+            Some(body) if self.got == body.len() => {
+                return Ok(Progress::Done(Some(std::mem::take(body))));
+            }
+            _ => {}
+        }
+        Ok(Progress::More)
+    }
+}
+
+/// The length prefix of a frame holding `body`; Err over [`MAX_FRAME_BYTES`].
+fn header(body: &[u8]) -> Result<[u8; 4], FrameError> {
+    if body.len() > MAX_FRAME_BYTES {
+        return Err(FrameError::TooLarge {
+            len: body.len(),
+            max: MAX_FRAME_BYTES,
+        });
+    }
+    Ok((body.len() as u32).to_le_bytes())
+}
+
+/// A whole frame (the length prefix, then `body`) in one buffer, for one write.
+pub fn encode_frame(body: &[u8]) -> Result<Vec<u8>, FrameError> {
+    let mut frame = Vec::with_capacity(4 + body.len());
+    frame.extend_from_slice(&header(body)?);
+    frame.extend_from_slice(body);
+    Ok(frame)
 }
 
 /// Reads one frame. `Ok(None)` is a clean EOF before the first byte of a frame.
@@ -35,41 +119,18 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
     r: &mut R,
     max: usize,
 ) -> Result<Option<Vec<u8>>, FrameError> {
-    let mut header = [0u8; 4];
-    let mut got = 0;
-    while got < 4 {
-        let n = r.read(&mut header[got..]).await?;
-        if n == 0 {
-            return if got == 0 {
-                Ok(None)
-            } else {
-                Err(FrameError::Truncated { expected: 4, got })
-            };
+    let mut reader = FrameReader::new(max);
+    loop {
+        let n = r.read(reader.buf()).await?;
+        if let Progress::Done(frame) = reader.filled(n)? {
+            return Ok(frame);
         }
-        got += n;
     }
-    let len = check_len(header, max)?;
-    let mut body = vec![0u8; len];
-    let mut got = 0;
-    while got < len {
-        let n = r.read(&mut body[got..]).await?;
-        if n == 0 {
-            return Err(FrameError::Truncated { expected: len, got });
-        }
-        got += n;
-    }
-    Ok(Some(body))
 }
 
 /// Writes one frame and flushes it.
 pub async fn write_frame<W: AsyncWrite + Unpin>(w: &mut W, body: &[u8]) -> Result<(), FrameError> {
-    if body.len() > MAX_FRAME_BYTES {
-        return Err(FrameError::TooLarge {
-            len: body.len(),
-            max: MAX_FRAME_BYTES,
-        });
-    }
-    w.write_all(&(body.len() as u32).to_le_bytes()).await?;
+    w.write_all(&header(body)?).await?;
     w.write_all(body).await?;
     w.flush().await?;
     Ok(())
@@ -77,41 +138,18 @@ pub async fn write_frame<W: AsyncWrite + Unpin>(w: &mut W, body: &[u8]) -> Resul
 
 /// Blocking twin of [`read_frame`], for the worker pipe and CLI clients.
 pub fn read_frame_blocking<R: Read>(r: &mut R, max: usize) -> Result<Option<Vec<u8>>, FrameError> {
-    let mut header = [0u8; 4];
-    let mut got = 0;
-    while got < 4 {
-        let n = r.read(&mut header[got..])?;
-        if n == 0 {
-            return if got == 0 {
-                Ok(None)
-            } else {
-                Err(FrameError::Truncated { expected: 4, got })
-            };
+    let mut reader = FrameReader::new(max);
+    loop {
+        let n = r.read(reader.buf())?;
+        if let Progress::Done(frame) = reader.filled(n)? {
+            return Ok(frame);
         }
-        got += n;
     }
-    let len = check_len(header, max)?;
-    let mut body = vec![0u8; len];
-    let mut got = 0;
-    while got < len {
-        let n = r.read(&mut body[got..])?;
-        if n == 0 {
-            return Err(FrameError::Truncated { expected: len, got });
-        }
-        got += n;
-    }
-    Ok(Some(body))
 }
 
 /// Blocking twin of [`write_frame`].
 pub fn write_frame_blocking<W: Write>(w: &mut W, body: &[u8]) -> Result<(), FrameError> {
-    if body.len() > MAX_FRAME_BYTES {
-        return Err(FrameError::TooLarge {
-            len: body.len(),
-            max: MAX_FRAME_BYTES,
-        });
-    }
-    w.write_all(&(body.len() as u32).to_le_bytes())?;
+    w.write_all(&header(body)?)?;
     w.write_all(body)?;
     w.flush()?;
     Ok(())
@@ -158,6 +196,26 @@ mod tests {
             Err(FrameError::TooLarge { len, .. }) => assert_eq!(len, u32::MAX as usize),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn a_frame_read_a_byte_at_a_time() {
+        struct Trickle<'a>(&'a [u8]);
+        impl Read for Trickle<'_> {
+            fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+                let n = buf.len().min(self.0.len()).min(1);
+                buf[..n].copy_from_slice(&self.0[..n]);
+                self.0 = &self.0[n..];
+                Ok(n)
+            }
+        }
+        let mut bytes = frame(b"hello");
+        bytes.extend(encode_frame(b"").unwrap());
+        let mut r = Trickle(&bytes);
+        assert_eq!(read_frame_blocking(&mut r, 100).unwrap().unwrap(), b"hello");
+        assert_eq!(read_frame_blocking(&mut r, 100).unwrap().unwrap(), b"");
+        assert!(read_frame_blocking(&mut r, 100).unwrap().is_none());
+        assert_eq!(encode_frame(b"hello").unwrap(), frame(b"hello"));
     }
 
     #[tokio::test]

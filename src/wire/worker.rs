@@ -12,10 +12,6 @@ use serde::{Deserialize, Serialize};
 
 use super::{Params, Token};
 
-/// How a worker's `Err` begins when its KV cache had no room for a Decode
-/// (which it rolled back): the scheduler then makes room and retries.
-pub const KV_FULL: &str = "KV cache full";
-
 /// How the daemon starts a worker (passed as command-line flags, echoed in
 /// `Ready`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -128,5 +124,13 @@ pub enum WorkerResponse {
     Done,
     Err {
         message: String,
+    },
+    /// The KV cache had no room for a `Decode` or `DecodeNext` (`tokens`
+    /// more tokens in a context of `n_ctx` cells). Like `Err`, the request
+    /// was rolled back and every last draw forgotten; the scheduler makes
+    /// room and retries.
+    KvFull {
+        n_ctx: u32,
+        tokens: u32,
     },
 }

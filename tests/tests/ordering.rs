@@ -1,19 +1,18 @@
 //! The ordering invariant, in process: **no reply carrying an event leaves
 //! before the fsync that covers it**. The WAL writer's failpoint holds the
 //! fsync; while it is held, neither the Committed reply nor a Read may show
-//! the event.
+//! the event. The actors are the daemon's own, built by
+//! `daemon::start_actors`.
 
-use std::sync::{Arc, Condvar, Mutex, RwLock};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use actix::prelude::*;
-use superfluid::actors::lane::{LaneActor, LaneConfig};
+use superfluid::actors::bus::SUB_BUFFER_EVENTS;
+use superfluid::actors::lane::LaneState;
 use superfluid::actors::registry::{Dispatch, Registry};
-use superfluid::actors::scheduler::SchedulerActor;
-use superfluid::actors::wal::WalActor;
-use superfluid::actors::Shared;
-use superfluid::daemon::{replay, ModelRender};
-use superfluid::scheduler::SchedulerState;
+use superfluid::daemon::{replay, start_actors, ModelRender, ServeConfig};
+use superfluid::scheduler::DEFAULT_PIN_BUDGET_PCT;
 use superfluid::store::{OpenMode, WalWriter};
 use superfluid::wire::worker::WorkerConfig;
 use superfluid::wire::{Request, Response, Role};
@@ -46,6 +45,12 @@ impl Gate {
     }
 }
 
+/// How long the lane's worker may take to load the model.
+const WORKER_LOAD_TIMEOUT_SECS: u64 = 60;
+
+/// How long a Read sent while the fsync is held is watched for an answer.
+const READ_WAIT_MS: u64 = 100;
+
 #[test]
 fn no_reply_before_the_fsync_that_covers_it() {
     let dir = tempfile::tempdir().unwrap();
@@ -59,29 +64,23 @@ fn no_reply_before_the_fsync_that_covers_it() {
 
     let w = writer.clone();
     actix::System::new().block_on(async move {
-        let wal = WalActor::new(w.clone()).start();
-        // The lane is not used here, but every Shared has one.
-        let worker = WorkerConfig {
-            n_ctx: 512,
-            n_seq: 1,
-            n_batch: 512,
-            threads: 1,
-        };
-        let lane = LaneActor::new(LaneConfig {
+        // The daemon's own actors; the lane is not used here.
+        let config = ServeConfig {
             model: model_path(),
-            worker: worker.clone(),
-            exe: crate::util::bin().into(),
-        })
-        .start();
-        let scheduler = SchedulerActor::new(SchedulerState::new(512, 1, 512), lane).start();
-        let shared = Shared {
-            book: Arc::new(RwLock::new(book)),
-            render,
-            wal,
-            scheduler,
-            n_ctx: worker.n_ctx,
-            bus: Default::default(),
+            sessions: dir.path().to_path_buf(),
+            socket: dir.path().join("unused.sock"),
+            sessions_cache: false,
+            worker: WorkerConfig {
+                n_ctx: 512,
+                n_seq: 1,
+                n_batch: 512,
+                threads: 1,
+            },
+            pin_budget_pct: DEFAULT_PIN_BUDGET_PCT,
+            web: None,
+            sub_buffer: SUB_BUFFER_EVENTS,
         };
+        let shared = start_actors(&config, crate::util::bin().into(), book, w.clone(), render);
         let registry = Registry::new(shared.clone()).start();
         let session = match registry
             .send(Dispatch(Request::Create {
@@ -118,19 +117,17 @@ fn no_reply_before_the_fsync_that_covers_it() {
         assert!(std::fs::metadata(&wal_path).unwrap().len() > durable_before);
         // The book does not show the event...
         assert_eq!(shared.read().read(session, 0).unwrap().len(), 1);
-        // ...and a Read through the registry from another task neither
-        // (it queues behind the append, or answers without the event).
+        // ...and a Read through the registry from another task neither: a
+        // session runs its requests in order, so the Read queues behind the
+        // append, answers only after the fsync, and then shows the event.
         let mut read =
             actix_rt::spawn(registry.send(Dispatch(Request::Read { session, cursor: 0 })));
-        if let Ok(r) = tokio::time::timeout(Duration::from_millis(100), &mut read).await {
-            match r.unwrap().unwrap() {
-                Response::Events { events } => {
-                    assert_eq!(events.len(), 1, "a Read saw an event before its fsync")
-                }
-                other => panic!("{other:?}"),
-            }
-        }
-
+        assert!(
+            tokio::time::timeout(Duration::from_millis(READ_WAIT_MS), &mut read)
+                .await
+                .is_err(),
+            "a Read answered while an append before it waited for its fsync"
+        );
         gate.set(false);
         let event = match reply.await.unwrap().unwrap() {
             Response::Committed { event } => event,
@@ -144,12 +141,27 @@ fn no_reply_before_the_fsync_that_covers_it() {
             w.durable_len()
         );
         assert_eq!(shared.read().read(session, 0).unwrap().len(), 2);
-        if !read.is_finished() {
-            match read.await.unwrap().unwrap() {
-                Response::Events { events } => assert!(events.len() <= 2),
-                other => panic!("{other:?}"),
-            }
-        }
+        let events = match read.await.unwrap().unwrap() {
+            Response::Events { events } => events,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            events.len(),
+            2,
+            "a Read queued behind the append answered without its event"
+        );
+        // The lane built beside them publishes its state: its worker loads,
+        // and the lane says it is ready.
+        let mut lane = shared.lane.clone();
+        let ready = tokio::time::timeout(
+            Duration::from_secs(WORKER_LOAD_TIMEOUT_SECS),
+            lane.wait_for(|s| *s == LaneState::Ready),
+        )
+        .await;
+        assert!(
+            matches!(ready, Ok(Ok(_))),
+            "the lane never said it was ready"
+        );
         System::current().stop();
     });
     writer.shutdown();

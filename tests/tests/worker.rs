@@ -454,15 +454,16 @@ fn a_killed_worker_reads_as_eof() {
     assert!(err.is_err(), "writing to a dead worker must fail");
 }
 
-/// Decode speed through the pipe vs RawEngine in process, 128-token greedy generations,
-/// alternated. Run with `cargo test --test tests -- --ignored --nocapture worker::bench`.
+/// Decode speed through the pipe vs the same `WorkerEngine` in process, 128-token greedy
+/// generations, alternated. Run with
+/// `cargo test --test tests -- --ignored --nocapture worker::bench`.
 #[test]
 #[ignore]
-fn bench_pipe_vs_raw() {
-    use superfluid::engine::raw::RawEngine;
+fn bench_pipe_vs_in_process() {
+    use superfluid::engine::exec::WorkerEngine;
     let mut w = Worker::spawn();
     let config = w.config.clone();
-    let mut raw = RawEngine::new(&model_path(), &config).expect("engine");
+    let mut in_process = WorkerEngine::new(&model_path(), &config).expect("engine");
     let p = prompt();
     let n = 128usize;
     let rounds: usize = std::env::var("BENCH_ROUNDS")
@@ -470,7 +471,7 @@ fn bench_pipe_vs_raw() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(5);
     let mut pipe_tps = Vec::new();
-    let mut raw_tps = Vec::new();
+    let mut in_process_tps = Vec::new();
     // Generate with a closure over "call": prefill the prompt, then n-1 single-token steps.
     fn run(call: &mut dyn FnMut(&WorkerRequest) -> WorkerResponse, p: &[u32], n: usize) -> f64 {
         assert_eq!(
@@ -507,17 +508,17 @@ fn bench_pipe_vs_raw() {
     }
     for _ in 0..rounds {
         pipe_tps.push(run(&mut |r| w.call(r), &p, n));
-        raw_tps.push(run(&mut |r| raw.handle(r), &p, n));
+        in_process_tps.push(run(&mut |r| in_process.handle(r), &p, n));
     }
     let median = |v: &mut Vec<f64>| {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
     eprintln!("pipe tok/s: {pipe_tps:.1?}");
-    eprintln!("raw  tok/s: {raw_tps:.1?}");
+    eprintln!("in-process tok/s: {in_process_tps:.1?}");
     eprintln!(
-        "median decode tok/s over {rounds} rounds of {n} tokens: pipe {:.1}, raw {:.1}",
+        "median decode tok/s over {rounds} rounds of {n} tokens: pipe {:.1}, in process {:.1}",
         median(&mut pipe_tps),
-        median(&mut raw_tps)
+        median(&mut in_process_tps)
     );
 }

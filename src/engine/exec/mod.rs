@@ -1,16 +1,22 @@
 //! The model and its one llama.cpp context, executing [`WorkerRequest`]s in process.
 //!
-//! [`RawEngine`] is everything `superfluid worker` does except the frames: the worker is a loop of
-//! `read frame -> RawEngine::handle -> write frame` around it (see [`super::worker`]), and the
-//! benchmarks call it directly to measure what the pipe costs.
+//! [`WorkerEngine`] is everything `superfluid worker` does except the frames: the worker is a loop
+//! of `read frame -> WorkerEngine::handle -> write frame` around it (see [`super::worker`]), and
+//! the decode benchmark runs it in process as its baseline, to measure what the pipe and the
+//! daemon cost.
+//!
+//! - [`seqs`]: the sequence table (lengths, last draws) and the checks of every request;
+//! - [`grammar`]: each sequence's grammar state;
+//! - [`error`]: `RequestError`, why a request was refused or failed.
 //!
 //! # What keeps llama.cpp from aborting the process
 //!
-//! Every request is validated in Rust before llama.cpp sees any of it: sequence ids (`< n_seq`),
-//! token ids (`< n_vocab`), positions (each item must start exactly where its sequence's KV ends,
-//! as tracked here), sizes (a batch never exceeds the context's `n_batch`/`n_ubatch`; a request
-//! never carries more than `n_ctx` tokens, nor takes a sequence past `n_ctx` positions), and a
-//! grammar is parsed before anything is decoded. Bad input is an `Err` reply; nothing is touched.
+//! Every request is validated in Rust before llama.cpp sees any of it ([`seqs::SeqTable`]):
+//! sequence ids (`< n_seq`), token ids (`< n_vocab`), positions (each item must start exactly
+//! where its sequence's KV ends, as tracked here), sizes (a batch never exceeds the context's
+//! `n_batch`/`n_ubatch`; a request never carries more than `n_ctx` tokens, nor takes a sequence
+//! past `n_ctx` positions), and a grammar is parsed before anything is decoded. Bad input is an
+//! `Err` reply; nothing is touched.
 //!
 //! # Decode semantics
 //!
@@ -21,8 +27,8 @@
 //!
 //! A Decode is all or nothing: if llama.cpp fails (KV cache full, ...) or a grammar dead-ends after
 //! some batches went in, every sequence the request touched is trimmed back to its length before
-//! the request, its grammar state is dropped, and the reply is `Err`. The tracked lengths are then
-//! re-read from the KV cache (`kv_cache_seq_pos_max`).
+//! the request, its grammar state is dropped, and the reply is `Err` (`KvFull` when the cache had
+//! no room). The tracked lengths are then re-read from the KV cache (`kv_cache_seq_pos_max`).
 //!
 //! # DecodeNext
 //!
@@ -34,115 +40,110 @@
 //! request before is still running, so the worker never waits on the daemon between steps and
 //! writes one reply per `steps` tokens. It is all or nothing like `Decode`: a failure in any
 //! call trims every sequence it named back to its length before the request.
-//!
-//! # Grammars
-//!
-//! A sequence keeps one grammar sampler (`LlamaSampler::grammar(model, gbnf, "root")`) while the
-//! same GBNF text and prefix (`Sample::grammar_prefix`, the tokens it has governed so far) are
-//! asked for; each drawn token is accepted into it (end-of-generation tokens are not: llama.cpp
-//! aborts on accepting EOG where the grammar is not complete, and there is nothing left to
-//! accept). Otherwise it is rebuilt and fed the prefix, so its state is always a function of
-//! (grammar, prefix): a forced call cut and continued on another sequence or after a worker
-//! restart goes on where it stopped. A prefix the grammar rejects (the turn was not written under
-//! it: the tool choice changed while the turn was open) makes the grammar start at the draw, and
-//! the state then counts that prefix as governed, so the next draws keep it. The state is
-//! dropped when the sequence is trimmed, cleared, copied into, or asked to sample without a
-//! grammar. `DecodeNext` takes no grammar.
+
+pub mod error;
+mod grammar;
+pub mod seqs;
 
 use std::path::Path;
 use std::time::Instant;
 
-use anyhow::Context as _;
 use llama_cpp_2::context::params::LlamaContextParams;
 use llama_cpp_2::context::LlamaContext;
 use llama_cpp_2::llama_batch::LlamaBatch;
 use llama_cpp_2::model::params::LlamaModelParams;
 use llama_cpp_2::model::LlamaModel;
-use llama_cpp_2::sampling::LlamaSampler;
-use llama_cpp_2::token::data::LlamaTokenData;
-use llama_cpp_2::token::data_array::LlamaTokenDataArray;
 use llama_cpp_2::token::LlamaToken;
 use llama_cpp_2::DecodeError;
 
-use super::{backend, sample, EngineError};
+use super::{backend, check_gguf, sample, EngineError};
 use crate::wire::worker::{
     DecodeItem, Drawn, NextItem, Sample, WorkerConfig, WorkerRequest, WorkerResponse,
-    MAX_NEXT_STEPS,
 };
+use error::RequestError;
+use grammar::Grammars;
+use seqs::SeqTable;
 
 /// llama.cpp's `LLAMA_MAX_SEQ`: more sequences make context creation fail.
 pub const MAX_SEQ: u32 = 256;
 
-/// A grammar a draw asks for: its GBNF text and the tokens it already governed.
-type GrammarAsk<'a> = (&'a str, &'a [u32]);
+/// What a decode brought: the draws, the tokens decoded, and the time
+/// llama.cpp's decode calls took.
+#[derive(Debug, Default)]
+struct Decoded {
+    drawn: Vec<Drawn>,
+    tokens: u32,
+    decode_us: u64,
+}
 
-/// The grammar state of one sequence.
-struct SeqGrammar {
-    gbnf: String,
-    sampler: LlamaSampler,
-    /// The tokens accepted since it was built.
-    accepted: Vec<u32>,
+impl Decoded {
+    fn reply(self) -> WorkerResponse {
+        WorkerResponse::Decoded {
+            drawn: self.drawn,
+            tokens: self.tokens,
+            decode_us: self.decode_us,
+        }
+    }
 }
 
 /// A loaded model with one context (unified KV, `n_seq` sequences), executing worker requests.
 ///
 /// Not `Sync`: llama.cpp's context belongs to one thread at a time. `Send`.
-pub struct RawEngine {
+pub struct WorkerEngine {
     // Field order is drop order: everything that points into the model (grammar samplers hold
     // its vocabulary, the context its weights) is declared before `model`.
-    grammars: Vec<Option<SeqGrammar>>,
+    grammars: Grammars,
     batch: LlamaBatch<'static>,
-    /// Borrows `*model`; the `'static` is a lie kept inside this struct (see [`RawEngine::new`]).
+    /// Borrows `*model`; the `'static` is a lie kept inside this struct (see [`WorkerEngine::new`]).
     ctx: LlamaContext<'static>,
     model: Box<LlamaModel>,
     /// The configuration as llama.cpp applied it (`n_ctx` padded, `n_batch` capped).
     config: WorkerConfig,
     n_vocab: u32,
-    /// Per sequence, the number of positions its KV holds (`0..len`).
-    lens: Vec<u32>,
+    /// Per sequence: its length and its last draw.
+    seqs: SeqTable,
     /// The logits row being sampled (a copy, so the context is free again).
     row: Vec<f32>,
     /// The grammar's verdict on each token id, for the row being sampled.
     mask: Vec<bool>,
-    /// Per sequence, the token last drawn for it, while its KV has not changed since: what a
-    /// `DecodeNext` feeds. Every failed request clears them all.
-    last: Vec<Option<Drawn>>,
 }
 
-impl std::fmt::Debug for RawEngine {
+impl std::fmt::Debug for WorkerEngine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RawEngine")
+        f.debug_struct("WorkerEngine")
             .field("config", &self.config)
             .field("n_vocab", &self.n_vocab)
-            .field("lens", &self.lens)
+            .field("lens", &self.seqs.lens())
             .finish_non_exhaustive()
     }
 }
 
-impl RawEngine {
+impl WorkerEngine {
     /// Load the model at `path` (all layers on the CPU) and create its context: `n_ctx` cells of
     /// unified KV shared by `n_seq` sequences, batches of `n_batch` tokens (`n_ubatch` the same),
     /// `threads` threads for decode and prefill.
-    pub fn new(path: &Path, config: &WorkerConfig) -> anyhow::Result<RawEngine> {
+    pub fn new(path: &Path, config: &WorkerConfig) -> Result<WorkerEngine, EngineError> {
         let WorkerConfig {
             n_ctx,
             n_seq,
             n_batch,
             threads,
         } = *config;
-        anyhow::ensure!(
-            (1..=i32::MAX as u32 / 2).contains(&n_ctx),
-            "invalid context size {n_ctx}"
-        );
-        anyhow::ensure!(
-            (1..=MAX_SEQ).contains(&n_seq),
-            "invalid number of sequences {n_seq} (1..={MAX_SEQ})"
-        );
-        anyhow::ensure!(n_batch >= 1, "invalid batch size {n_batch}");
-        anyhow::ensure!(
-            (1..=1024).contains(&threads),
-            "invalid thread count {threads}"
-        );
+        let invalid = |what: String| Err(EngineError::InvalidConfig(what));
+        if !(1..=i32::MAX as u32 / 2).contains(&n_ctx) {
+            return invalid(format!("invalid context size {n_ctx}"));
+        }
+        if !(1..=MAX_SEQ).contains(&n_seq) {
+            return invalid(format!(
+                "invalid number of sequences {n_seq} (1..={MAX_SEQ})"
+            ));
+        }
+        if n_batch < 1 {
+            return invalid(format!("invalid batch size {n_batch}"));
+        }
+        if !(1..=1024).contains(&threads) {
+            return invalid(format!("invalid thread count {threads}"));
+        }
         check_gguf(path)?;
         let backend = backend::backend()?;
         let params = LlamaModelParams::default().with_n_gpu_layers(0);
@@ -154,7 +155,9 @@ impl RawEngine {
         })?;
         let model = Box::new(model);
         let n_vocab = u32::try_from(model.vocab().n_tokens()).unwrap_or(0);
-        anyhow::ensure!(n_vocab > 0, "the model has an empty vocabulary");
+        if n_vocab == 0 {
+            return Err(EngineError::EmptyVocabulary);
+        }
 
         let cparams = LlamaContextParams::default()
             .with_n_ctx(std::num::NonZeroU32::new(n_ctx))
@@ -168,9 +171,14 @@ impl RawEngine {
         // is dropped after the context (field order). The context never leaves the engine.
         let model_ref: &'static LlamaModel =
             unsafe { &*std::ptr::from_ref::<LlamaModel>(model.as_ref()) };
-        let ctx = model_ref.new_context(backend, cparams).with_context(|| {
-            format!("cannot create a context (n_ctx {n_ctx}, n_seq {n_seq}, n_batch {n_batch})")
-        })?;
+        let ctx = model_ref
+            .new_context(backend, cparams)
+            .map_err(|e| EngineError::Context {
+                n_ctx,
+                n_seq,
+                n_batch,
+                reason: e.to_string(),
+            })?;
         let step = ctx.n_batch().min(ctx.n_ubatch()).max(1);
         let effective = WorkerConfig {
             n_ctx: ctx.n_ctx(),
@@ -187,17 +195,16 @@ impl RawEngine {
             step,
             threads
         );
-        Ok(RawEngine {
-            grammars: (0..n_seq).map(|_| None).collect(),
+        Ok(WorkerEngine {
+            grammars: Grammars::new(n_seq),
             batch: LlamaBatch::new(step as usize, 1),
             ctx,
             model,
+            seqs: SeqTable::new(n_seq, effective.n_ctx, n_vocab),
             config: effective,
             n_vocab,
-            lens: vec![0; n_seq as usize],
             row: Vec::with_capacity(n_vocab as usize),
             mask: Vec::new(),
-            last: vec![None; n_seq as usize],
         })
     }
 
@@ -222,7 +229,7 @@ impl RawEngine {
 
     /// The positions sequence `seq` holds (`0..len`), or None for a sequence out of range.
     pub fn seq_len(&self, seq: u32) -> Option<u32> {
-        self.lens.get(seq as usize).copied()
+        self.seqs.len(seq)
     }
 
     /// Whether `token` ends generation. False for an invalid id.
@@ -231,70 +238,43 @@ impl RawEngine {
     }
 
     /// Execute one request and return its one reply. `Shutdown` answers `Done` (the caller
-    /// stops). Never panics on bad input: it answers `Err`.
+    /// stops). Never panics on bad input: it answers `Err` (or `KvFull`).
     pub fn handle(&mut self, request: &WorkerRequest) -> WorkerResponse {
         let result = match request {
-            WorkerRequest::Decode { items } => self.decode(items),
+            WorkerRequest::Decode { items } => self.decode(items).map(Decoded::reply),
             WorkerRequest::KvTrim { seq, from } => self.kv_trim(*seq, *from),
             WorkerRequest::KvCopy { src, dst, len } => self.kv_copy(*src, *dst, *len),
             WorkerRequest::KvClear { seq } => self.kv_clear(*seq),
             WorkerRequest::Shutdown => Ok(WorkerResponse::Done),
-            WorkerRequest::DecodeNext { items } => self.decode_next(items),
+            WorkerRequest::DecodeNext { items } => self.decode_next(items).map(Decoded::reply),
         };
-        result.unwrap_or_else(|message| {
-            log::debug!("request failed: {message}");
+        result.unwrap_or_else(|error| {
+            log::debug!("request failed: {error}");
             // A DecodeNext queued behind a failed request must not run on a stale draw.
-            self.last.iter_mut().for_each(|l| *l = None);
-            WorkerResponse::Err { message }
+            self.seqs.forget_draws();
+            match error {
+                RequestError::KvFull { n_ctx, tokens } => WorkerResponse::KvFull { n_ctx, tokens },
+                other => WorkerResponse::Err {
+                    message: other.to_string(),
+                },
+            }
         })
     }
 
     /// `DecodeNext`: steps of the items' sequences, each fed the draw before.
-    fn decode_next(&mut self, next: &[NextItem]) -> Result<WorkerResponse, String> {
-        let mut seen = vec![false; self.lens.len()];
-        for (k, n) in next.iter().enumerate() {
-            let s = self
-                .check_seq(n.seq)
-                .map_err(|e| format!("item {k}: {e}"))?;
-            if std::mem::replace(&mut seen[s], true) {
-                return Err(format!("item {k}: sequence {} appears twice", n.seq));
-            }
-            if n.sample.grammar.is_some() {
-                return Err(format!("item {k}: DecodeNext takes no grammar"));
-            }
-            if !(1..=MAX_NEXT_STEPS).contains(&n.steps) {
-                return Err(format!(
-                    "item {k}: {} steps asked, the range is 1..={MAX_NEXT_STEPS}",
-                    n.steps
-                ));
-            }
-            match self.last[s] {
-                None => {
-                    return Err(format!(
-                        "item {k}: sequence {} has no drawn token to continue from",
-                        n.seq
-                    ))
-                }
-                Some(d) if !d.eog && n.pos != self.lens[s] => {
-                    return Err(format!(
-                        "item {k}: sequence {} holds positions 0..{}, not 0..{}",
-                        n.seq, self.lens[s], n.pos
-                    ))
-                }
-                Some(_) => {}
-            }
-        }
-        let before = self.lens.clone();
-        let (mut drawn, mut tokens, mut decode_us) = (Vec::new(), 0u32, 0u64);
+    fn decode_next(&mut self, next: &[NextItem]) -> Result<Decoded, RequestError> {
+        self.seqs.validate_next(next)?;
+        let before = self.seqs.lens().to_vec();
+        let mut out = Decoded::default();
         for j in 0..next.iter().map(|n| n.steps).max().unwrap_or(0) {
             let items: Vec<DecodeItem> = next
                 .iter()
                 .filter(|n| j < n.steps)
                 .filter_map(|n| {
-                    let d = self.last[n.seq as usize].filter(|d| !d.eog)?;
+                    let d = self.seqs.next_input(n.seq)?;
                     Some(DecodeItem {
                         seq: n.seq,
-                        pos: self.lens[n.seq as usize],
+                        pos: self.seqs.len(n.seq)?,
                         tokens: vec![d.token],
                         sample: Some(Sample {
                             draw_pos: n.sample.draw_pos + u64::from(j),
@@ -307,252 +287,124 @@ impl RawEngine {
                 break;
             }
             match self.decode(&items) {
-                Ok(WorkerResponse::Decoded {
-                    drawn: d,
-                    tokens: t,
-                    decode_us: us,
-                }) => {
-                    drawn.extend(d);
-                    tokens += t;
-                    decode_us += us;
+                Ok(d) => {
+                    out.drawn.extend(d.drawn);
+                    out.tokens += d.tokens;
+                    out.decode_us += d.decode_us;
                 }
-                Ok(other) => return Err(format!("internal error: decode replied {other:?}")),
-                Err(message) => {
+                Err(error) => {
                     // All or nothing: the steps before this one go too.
                     for n in next {
                         let s = n.seq as usize;
                         let _ = self
                             .ctx
                             .kv_cache_seq_rm(n.seq as i32, Some(before[s]), None);
-                        self.grammars[s] = None;
+                        self.grammars.drop_state(s);
                     }
                     self.resync_all();
-                    return Err(message);
+                    return Err(error);
                 }
             }
         }
-        Ok(WorkerResponse::Decoded {
-            drawn,
-            tokens,
-            decode_us,
-        })
-    }
-
-    fn check_seq(&self, seq: u32) -> Result<usize, String> {
-        if seq < self.config.n_seq {
-            Ok(seq as usize)
-        } else {
-            Err(format!(
-                "sequence {seq} out of range: the worker has {} sequences",
-                self.config.n_seq
-            ))
-        }
+        Ok(out)
     }
 
     /// Re-read the length of `seq` from the KV cache.
     fn resync(&mut self, seq: usize) {
         let max = self.ctx.kv_cache_seq_pos_max(seq as i32);
-        self.lens[seq] = u32::try_from(max.saturating_add(1)).unwrap_or(0);
+        self.seqs
+            .set_len(seq, u32::try_from(max.saturating_add(1)).unwrap_or(0));
     }
 
     fn resync_all(&mut self) {
-        for seq in 0..self.lens.len() {
+        for seq in 0..self.seqs.n_seq() as usize {
             self.resync(seq);
         }
     }
 
-    fn kv_trim(&mut self, seq: u32, from: u32) -> Result<WorkerResponse, String> {
-        let s = self.check_seq(seq)?;
-        if from < self.lens[s] {
+    /// The KV of `seq` changed other than by a decode: no grammar state, no
+    /// draw to follow, and its length as llama.cpp has it.
+    fn changed(&mut self, seq: usize) {
+        self.grammars.drop_state(seq);
+        self.seqs.kv_changed(seq);
+        self.resync(seq);
+    }
+
+    fn kv_trim(&mut self, seq: u32, from: u32) -> Result<WorkerResponse, RequestError> {
+        let s = self.seqs.check_seq(seq)?;
+        if from < self.seqs.lens()[s] {
             let res = self.ctx.kv_cache_seq_rm(seq as i32, Some(from), None);
-            self.grammars[s] = None;
-            self.last[s] = None;
-            self.resync(s);
-            res.map_err(|e| format!("cannot trim sequence {seq} from {from}: {e}"))?;
+            self.changed(s);
+            res.map_err(|e| RequestError::Trim {
+                seq,
+                from,
+                reason: e.to_string(),
+            })?;
         }
         Ok(WorkerResponse::Done)
     }
 
-    fn kv_copy(&mut self, src: u32, dst: u32, len: u32) -> Result<WorkerResponse, String> {
-        let s = self.check_seq(src)?;
-        let d = self.check_seq(dst)?;
-        if len > self.lens[s] {
-            return Err(format!(
-                "cannot copy {len} positions of sequence {src}: it holds {}",
-                self.lens[s]
-            ));
-        }
+    fn kv_copy(&mut self, src: u32, dst: u32, len: u32) -> Result<WorkerResponse, RequestError> {
+        let (s, d) = self.seqs.check_copy(src, dst, len)?;
         if s == d {
             return self.kv_trim(src, len);
         }
         let rm = self.ctx.kv_cache_seq_rm(dst as i32, None, None);
-        self.grammars[d] = None;
-        self.last[d] = None;
         let cp = if len > 0 && rm.is_ok() {
             self.ctx
                 .kv_cache_seq_cp(src as i32, dst as i32, Some(0), Some(len))
         } else {
             Ok(())
         };
-        self.resync(d);
-        rm.map_err(|e| format!("cannot clear sequence {dst}: {e}"))?;
-        cp.map_err(|e| format!("cannot copy sequence {src} to {dst}: {e}"))?;
+        self.changed(d);
+        rm.map_err(|e| RequestError::Clear {
+            seq: dst,
+            reason: e.to_string(),
+        })?;
+        cp.map_err(|e| RequestError::Copy {
+            src,
+            dst,
+            reason: e.to_string(),
+        })?;
         Ok(WorkerResponse::Done)
     }
 
-    fn kv_clear(&mut self, seq: u32) -> Result<WorkerResponse, String> {
-        let s = self.check_seq(seq)?;
+    fn kv_clear(&mut self, seq: u32) -> Result<WorkerResponse, RequestError> {
+        let s = self.seqs.check_seq(seq)?;
         let res = self.ctx.kv_cache_seq_rm(seq as i32, None, None);
-        self.grammars[s] = None;
-        self.last[s] = None;
-        self.resync(s);
-        res.map_err(|e| format!("cannot clear sequence {seq}: {e}"))?;
+        self.changed(s);
+        res.map_err(|e| RequestError::Clear {
+            seq,
+            reason: e.to_string(),
+        })?;
         Ok(WorkerResponse::Done)
     }
 
-    /// Check a Decode completely, without touching llama.cpp.
-    fn validate(&self, items: &[DecodeItem]) -> Result<(), String> {
-        let n_ctx = u64::from(self.config.n_ctx);
-        let mut ends: Vec<u64> = self.lens.iter().map(|&l| u64::from(l)).collect();
-        let mut total = 0u64;
-        for (k, item) in items.iter().enumerate() {
-            let s = self
-                .check_seq(item.seq)
-                .map_err(|e| format!("item {k}: {e}"))?;
-            if item.tokens.is_empty() {
-                return Err(format!("item {k}: no tokens"));
-            }
-            if let Some(&bad) = item.tokens.iter().find(|&&t| t >= self.n_vocab) {
-                return Err(format!(
-                    "item {k}: invalid token id {bad}: the vocabulary has {} tokens",
-                    self.n_vocab
-                ));
-            }
-            if u64::from(item.pos) != ends[s] {
-                return Err(format!(
-                    "item {k}: sequence {} holds positions 0..{}, so the next token is at {}, not {}",
-                    item.seq, ends[s], ends[s], item.pos
-                ));
-            }
-            let n = item.tokens.len() as u64;
-            ends[s] += n;
-            total += n;
-            if ends[s] > n_ctx {
-                return Err(format!(
-                    "item {k}: sequence {} would reach {} positions, more than n_ctx={} cells",
-                    item.seq, ends[s], n_ctx
-                ));
-            }
-        }
-        if total > n_ctx {
-            return Err(format!(
-                "the request carries {total} tokens, more than n_ctx={n_ctx} cells"
-            ));
-        }
-        Ok(())
-    }
-
-    /// Build (or keep) the grammar state every sampling item asks for; a grammar that does not
-    /// parse fails the request before anything is decoded.
-    fn prepare_grammars(&mut self, items: &[DecodeItem]) -> Result<(), String> {
-        // Per sequence: the grammar (GBNF, prefix) its draw asks for, if any.
-        let mut wanted: Vec<(usize, Option<GrammarAsk>)> = Vec::new();
-        for item in items {
-            if let Some(sample) = &item.sample {
-                let s = item.seq as usize;
-                wanted.retain(|w| w.0 != s);
-                let grammar = sample
-                    .grammar
-                    .as_deref()
-                    .map(|g| (g, sample.grammar_prefix.as_slice()));
-                wanted.push((s, grammar));
-            }
-        }
-        let mut built: Vec<(usize, Option<SeqGrammar>)> = Vec::new();
-        for (s, grammar) in wanted {
-            match grammar {
-                None => built.push((s, None)),
-                Some((g, prefix)) => {
-                    if self.grammars[s]
-                        .as_ref()
-                        .is_some_and(|cur| cur.gbnf == g && cur.accepted == prefix)
-                    {
-                        continue;
-                    }
-                    let build = || {
-                        LlamaSampler::grammar(&self.model, g, "root")
-                            .map_err(|e| format!("grammar for sequence {s} does not parse: {e}"))
-                    };
-                    let mut sampler = build()?;
-                    if let Some(&bad) = prefix.iter().find(|&&t| t >= self.n_vocab) {
-                        return Err(format!("grammar prefix: invalid token id {bad}"));
-                    }
-                    let rejected = prefix.iter().copied().find(|&t| {
-                        !self.is_eog(t) && sampler.try_accept(LlamaToken(t as i32)).is_err()
-                    });
-                    if let Some(t) = rejected {
-                        // The turn so far was not written under this grammar (the tool
-                        // choice changed while the turn was open): it governs from here on.
-                        log::info!(
-                            "sequence {s}: the turn so far does not fit its grammar (token {t}); \
-                             the grammar starts at this draw"
-                        );
-                        sampler = build()?;
-                    }
-                    let accepted = prefix.to_vec();
-                    built.push((
-                        s,
-                        Some(SeqGrammar {
-                            gbnf: g.to_owned(),
-                            sampler,
-                            accepted,
-                        }),
-                    ));
-                }
-            }
-        }
-        for (s, g) in built {
-            self.grammars[s] = g;
-        }
-        Ok(())
-    }
-
-    fn decode(&mut self, items: &[DecodeItem]) -> Result<WorkerResponse, String> {
-        self.validate(items)?;
-        self.prepare_grammars(items)?;
-        let before = self.lens.clone();
+    fn decode(&mut self, items: &[DecodeItem]) -> Result<Decoded, RequestError> {
+        self.seqs.validate_decode(items)?;
+        self.grammars.prepare(&self.model, &self.seqs, items)?;
+        let before = self.seqs.lens().to_vec();
         match self.decode_items(items) {
-            Ok(reply) => {
-                for item in items {
-                    let s = item.seq as usize;
-                    self.lens[s] = item.pos + item.tokens.len() as u32;
-                    self.last[s] = None;
-                }
-                if let WorkerResponse::Decoded { drawn, .. } = &reply {
-                    for d in drawn {
-                        self.last[d.seq as usize] = Some(*d);
-                    }
-                }
-                Ok(reply)
+            Ok(out) => {
+                self.seqs.decoded(items, &out.drawn);
+                Ok(out)
             }
-            Err(message) => {
+            Err(error) => {
                 // All or nothing: put every touched sequence back where it was.
                 for item in items {
                     let s = item.seq as usize;
                     let _ = self.ctx.kv_cache_seq_rm(s as i32, Some(before[s]), None);
-                    self.grammars[s] = None;
+                    self.grammars.drop_state(s);
                 }
                 self.resync_all();
-                Err(message)
+                Err(error)
             }
         }
     }
 
-    fn decode_items(&mut self, items: &[DecodeItem]) -> Result<WorkerResponse, String> {
+    fn decode_items(&mut self, items: &[DecodeItem]) -> Result<Decoded, RequestError> {
         let step = self.config.n_batch as usize;
-        let mut drawn = Vec::new();
-        let mut tokens = 0u32;
-        let mut decode_us = 0u64;
+        let mut out = Decoded::default();
         // (item index, batch index) of the logits the current batch will produce.
         let mut pending: Vec<(usize, i32)> = Vec::new();
         self.batch.clear();
@@ -563,23 +415,19 @@ impl RawEngine {
                 let pos = (item.pos as usize + j) as i32;
                 self.batch
                     .add(LlamaToken(token as i32), pos, &[item.seq as i32], logits)
-                    .map_err(|e| format!("batch: {e}"))?;
+                    .map_err(|e| RequestError::Batch(e.to_string()))?;
                 if logits {
                     pending.push((k, self.batch.n_tokens() - 1));
                 }
                 if self.batch.n_tokens() as usize == step {
-                    self.run_batch(items, &mut pending, &mut drawn, &mut tokens, &mut decode_us)?;
+                    self.run_batch(items, &mut pending, &mut out)?;
                 }
             }
         }
         if self.batch.n_tokens() > 0 {
-            self.run_batch(items, &mut pending, &mut drawn, &mut tokens, &mut decode_us)?;
+            self.run_batch(items, &mut pending, &mut out)?;
         }
-        Ok(WorkerResponse::Decoded {
-            drawn,
-            tokens,
-            decode_us,
-        })
+        Ok(out)
     }
 
     /// Decode the batch built so far, draw the tokens it was built for, and clear it.
@@ -587,79 +435,49 @@ impl RawEngine {
         &mut self,
         items: &[DecodeItem],
         pending: &mut Vec<(usize, i32)>,
-        drawn: &mut Vec<Drawn>,
-        tokens: &mut u32,
-        decode_us: &mut u64,
-    ) -> Result<(), String> {
+        out: &mut Decoded,
+    ) -> Result<(), RequestError> {
         let n = self.batch.n_tokens();
         let start = Instant::now();
         let res = self.ctx.decode(&mut self.batch);
-        *decode_us += start.elapsed().as_micros() as u64;
+        out.decode_us += start.elapsed().as_micros() as u64;
         self.batch.clear();
         res.map_err(|e| match e {
-            DecodeError::NoKvCacheSlot => format!(
-                "{}: n_ctx={} cells cannot hold {n} more tokens",
-                crate::wire::worker::KV_FULL,
-                self.config.n_ctx
-            ),
-            DecodeError::NTokensZero => {
-                format!("llama.cpp rejected the batch of {n} tokens as invalid")
-            }
-            other => format!("llama_decode failed: {other}"),
+            DecodeError::NoKvCacheSlot => RequestError::KvFull {
+                n_ctx: self.config.n_ctx,
+                tokens: n as u32,
+            },
+            DecodeError::NTokensZero => RequestError::BatchRejected(n),
+            other => RequestError::Decode(other.to_string()),
         })?;
-        *tokens += n as u32;
+        out.tokens += n as u32;
         for (k, i) in pending.drain(..) {
-            drawn.push(self.draw(&items[k], i)?);
+            out.drawn.push(self.draw(&items[k], i)?);
         }
         Ok(())
     }
 
     /// Draw the token for `item` from the logits at batch index `i`.
-    fn draw(&mut self, item: &DecodeItem, i: i32) -> Result<Drawn, String> {
+    fn draw(&mut self, item: &DecodeItem, i: i32) -> Result<Drawn, RequestError> {
         let Some(sample) = &item.sample else {
-            return Err("internal error: no sample asked".into());
+            return Err(RequestError::Internal("no sample asked".into()));
         };
         self.row.clear();
         self.row.extend_from_slice(self.ctx.get_logits_ith(i));
-        let s = item.seq as usize;
-        let token = match self.grammars[s].as_mut() {
+        let token = match self.grammars.get_mut(item.seq as usize) {
             Some(g) if sample.grammar.is_some() => {
-                let mut arr = LlamaTokenDataArray::new(
-                    self.row
-                        .iter()
-                        .enumerate()
-                        .map(|(id, &l)| LlamaTokenData::new(LlamaToken(id as i32), l, 0.0))
-                        .collect(),
-                    false,
-                );
-                g.sampler.apply(&mut arr);
-                self.mask.clear();
-                self.mask.resize(self.row.len(), false);
-                let mut any = false;
-                for d in &arr.data {
-                    if let Ok(id) = usize::try_from(d.id().0) {
-                        if id < self.mask.len() && d.logit() > f32::NEG_INFINITY {
-                            self.mask[id] = true;
-                            any = true;
-                        }
-                    }
-                }
-                if !any {
-                    return Err(format!(
-                        "the grammar of sequence {} allows no token at position {}",
-                        item.seq, sample.draw_pos
-                    ));
+                if !g.allowed(&self.row, &mut self.mask) {
+                    return Err(RequestError::GrammarDeadEnd {
+                        seq: item.seq,
+                        pos: sample.draw_pos,
+                    });
                 }
                 let mask = &self.mask;
                 let allowed = |t: u32| mask.get(t as usize).copied().unwrap_or(false);
                 let token =
                     sample::draw(&self.row, &sample.params, sample.draw_pos, Some(&allowed));
-                if !self.model.vocab().is_eog(LlamaToken(token as i32)) {
-                    g.sampler
-                        .try_accept(LlamaToken(token as i32))
-                        .map_err(|e| format!("grammar rejected token {token}: {e}"))?;
-                }
-                g.accepted.push(token);
+                let eog = self.model.vocab().is_eog(LlamaToken(token as i32));
+                g.accept(token, eog)?;
                 token
             }
             _ => sample::draw(&self.row, &sample.params, sample.draw_pos, None),
@@ -672,41 +490,10 @@ impl RawEngine {
     }
 }
 
-/// Check that `path` exists and starts with the GGUF magic bytes, before llama.cpp sees it.
-///
-/// The same check as the vocabulary load's (`vocab::check_gguf`, private there).
-fn check_gguf(path: &Path) -> Result<(), EngineError> {
-    use std::io::Read;
-    let unreadable = |source| EngineError::ModelUnreadable {
-        path: path.to_path_buf(),
-        source,
-    };
-    let meta = std::fs::metadata(path).map_err(|e| {
-        if e.kind() == std::io::ErrorKind::NotFound {
-            EngineError::ModelNotFound(path.to_path_buf())
-        } else {
-            unreadable(e)
-        }
-    })?;
-    if !meta.is_file() {
-        return Err(unreadable(std::io::Error::other("not a regular file")));
-    }
-    let mut magic = [0u8; 4];
-    let mut file = std::fs::File::open(path).map_err(unreadable)?;
-    match file.read_exact(&mut magic) {
-        Ok(()) if &magic == b"GGUF" => Ok(()),
-        Ok(()) => Err(EngineError::NotGguf(path.to_path_buf())),
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
-            Err(EngineError::NotGguf(path.to_path_buf()))
-        }
-        Err(e) => Err(unreadable(e)),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::wire::worker::Sample;
+    use crate::wire::worker::{Sample, MAX_NEXT_STEPS};
     use crate::wire::Params;
 
     fn model() -> std::path::PathBuf {
@@ -736,13 +523,13 @@ mod tests {
             n_batch: 32,
             threads: 1,
         };
-        let err = RawEngine::new(Path::new("/nonexistent.gguf"), &config).unwrap_err();
+        let err = WorkerEngine::new(Path::new("/nonexistent.gguf"), &config).unwrap_err();
         assert!(err.to_string().contains("not found"), "{err}");
         let bad = WorkerConfig {
             n_seq: MAX_SEQ + 1,
             ..config
         };
-        assert!(RawEngine::new(&model(), &bad).is_err());
+        assert!(WorkerEngine::new(&model(), &bad).is_err());
     }
 
     /// DecodeNext feeds the last draw: it draws what a Decode of that token draws; it skips a
@@ -755,9 +542,9 @@ mod tests {
             n_batch: 64,
             threads: 2,
         };
-        let mut e = RawEngine::new(&model(), &config).expect("engine");
+        let mut e = WorkerEngine::new(&model(), &config).expect("engine");
         let prompt: Vec<u32> = (0..20).map(|i| 200 + i * 13).collect();
-        let first = |e: &mut RawEngine, seq| match e.handle(&WorkerRequest::Decode {
+        let first = |e: &mut WorkerEngine, seq| match e.handle(&WorkerRequest::Decode {
             items: vec![DecodeItem {
                 seq,
                 pos: 0,
@@ -846,21 +633,27 @@ mod tests {
         }
         assert_eq!(e.seq_len(1), Some(24));
         // A last draw that ended the turn is skipped.
-        e.last[1] = Some(Drawn {
-            seq: 1,
-            token: 2,
-            eog: true,
-        });
+        e.seqs.set_last_draw(
+            1,
+            Some(Drawn {
+                seq: 1,
+                token: 2,
+                eog: true,
+            }),
+        );
         assert!(matches!(
             e.handle(&next(24)),
             WorkerResponse::Decoded { tokens: 0, ref drawn, .. } if drawn.is_empty()
         ));
         // A wrong position is refused.
-        e.last[1] = Some(Drawn {
-            seq: 1,
-            token: 300,
-            eog: false,
-        });
+        e.seqs.set_last_draw(
+            1,
+            Some(Drawn {
+                seq: 1,
+                token: 300,
+                eog: false,
+            }),
+        );
         assert!(matches!(e.handle(&next(99)), WorkerResponse::Err { .. }));
         assert_eq!(e.seq_len(1), Some(24));
     }
@@ -876,7 +669,7 @@ mod tests {
             n_batch: 64,
             threads: 2,
         };
-        let mut e = RawEngine::new(&model(), &config).expect("engine");
+        let mut e = WorkerEngine::new(&model(), &config).expect("engine");
         let gbnf = r#"root ::= "The capital of France is Paris.""#;
         let prompt: Vec<u32> = (0..20).map(|i| 200 + i * 13).collect();
         let with = |draw_pos, prefix: &[u32]| {
@@ -885,7 +678,7 @@ mod tests {
             s.grammar_prefix = prefix.to_vec();
             Some(s)
         };
-        let draw = |e: &mut RawEngine, seq, pos, tokens: Vec<u32>, sample| match e.handle(
+        let draw = |e: &mut WorkerEngine, seq, pos, tokens: Vec<u32>, sample| match e.handle(
             &WorkerRequest::Decode {
                 items: vec![DecodeItem {
                     seq,
@@ -930,7 +723,7 @@ mod tests {
             n_batch: 32,
             threads: 2,
         };
-        let mut e = RawEngine::new(&model(), &config).expect("engine");
+        let mut e = WorkerEngine::new(&model(), &config).expect("engine");
         assert_eq!(e.config().n_ctx, 256);
         assert_eq!(e.config().n_batch, 32);
         let tokens = |n: usize| {
@@ -955,12 +748,10 @@ mod tests {
         let r = e.handle(&WorkerRequest::Decode {
             items: vec![item(1, 0, 100, greedy(100))],
         });
-        match r {
-            WorkerResponse::Err { message } => {
-                assert!(message.contains("KV cache full"), "{message}")
-            }
-            other => panic!("{other:?}"),
-        }
+        assert!(
+            matches!(r, WorkerResponse::KvFull { n_ctx: 256, .. }),
+            "{r:?}"
+        );
         assert_eq!(e.seq_len(0), Some(200));
         assert_eq!(e.seq_len(1), Some(0));
         // All 56 free cells are usable again.

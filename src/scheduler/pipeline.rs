@@ -1,0 +1,183 @@
+//! `Pipeline`: the steps a lane has in flight, and their replies.
+//!
+//! Up to [`PIPELINE_DEPTH`] steps are in flight: as soon as a step is sent,
+//! the step that follows it ([`SchedulerState::follow`]) is sent too, so the
+//! worker finds its next request waiting when it finishes one, and the
+//! daemon's own work on step n's tokens overlaps the worker's decode of step
+//! n+1. Replies are taken strictly in the order the steps were sent; after a
+//! failed step the steps behind it are dropped unread (they fail in the
+//! worker too: a failed request leaves no draw to follow).
+//!
+//! Plain data: the scheduler actor sends the requests [`Pipeline::kick`]
+//! hands it and feeds each reply to [`Pipeline::arrived`]; the tests drive
+//! the same code against a fake worker.
+
+use std::collections::VecDeque;
+
+use super::{GenEvent, SchedulerState, Step, StepError};
+use crate::wire::worker::{Drawn, WorkerRequest, WorkerResponse};
+
+/// The most steps in flight at once (one running, one queued behind it).
+pub const PIPELINE_DEPTH: usize = 2;
+
+/// Names a step sent to the worker, in the order steps were sent.
+pub type StepId = u64;
+
+/// What a step's worker replies came to: the tokens its decode drew, the
+/// tokens decoded (prompt and drawn) and the time its decode calls took.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StepOutput {
+    pub drawn: Vec<Drawn>,
+    pub tokens: u64,
+    pub decode_us: u64,
+}
+
+/// A step's outcome.
+pub type StepResult = Result<StepOutput, StepError>;
+
+impl StepOutput {
+    /// Reads the worker's replies to one step's requests: the `Decoded` one,
+    /// or the first failure.
+    pub fn from_replies(replies: Vec<WorkerResponse>) -> StepResult {
+        let mut out = StepOutput::default();
+        for reply in replies {
+            match reply {
+                WorkerResponse::Done => {}
+                WorkerResponse::Decoded {
+                    drawn,
+                    tokens,
+                    decode_us,
+                } => {
+                    out = StepOutput {
+                        drawn,
+                        tokens: u64::from(tokens),
+                        decode_us,
+                    }
+                }
+                WorkerResponse::Err { message } => return Err(StepError::Failed(message)),
+                WorkerResponse::KvFull { .. } => return Err(StepError::KvFull),
+                other => {
+                    return Err(StepError::Failed(format!(
+                        "unexpected worker reply {other:?}"
+                    )))
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+struct InFlight {
+    id: StepId,
+    step: Step,
+    /// Sent behind a step that failed: its reply is not read.
+    dropped: bool,
+    result: Option<StepResult>,
+}
+
+/// The steps in flight, oldest first.
+pub struct Pipeline {
+    depth: usize,
+    in_flight: VecDeque<InFlight>,
+    next_id: StepId,
+}
+
+impl Pipeline {
+    /// At most `depth` steps in flight (1: lockstep).
+    pub fn new(depth: usize) -> Pipeline {
+        Pipeline {
+            depth: depth.max(1),
+            in_flight: VecDeque::new(),
+            next_id: 0,
+        }
+    }
+
+    /// No step is in flight.
+    pub fn is_empty(&self) -> bool {
+        self.in_flight.is_empty()
+    }
+
+    /// The steps to send now, in order, and the events planning raised
+    /// (admissions): when nothing is in flight, the next planned step (the
+    /// state's clock set to `now_ms` first); then, while there is room and
+    /// the last step sent is not dropped, the steps that follow it.
+    pub fn kick(
+        &mut self,
+        state: &mut SchedulerState,
+        now_ms: u64,
+    ) -> (Vec<(StepId, Vec<WorkerRequest>)>, Vec<GenEvent>) {
+        let mut sent = Vec::new();
+        let mut events = Vec::new();
+        if self.in_flight.is_empty() {
+            state.set_clock(now_ms);
+            let (step, planned) = state.plan();
+            events = planned;
+            if let Some(step) = step {
+                sent.push(self.push(step));
+            }
+        }
+        while self.in_flight.len() < self.depth {
+            let Some(last) = self.in_flight.back().filter(|l| !l.dropped) else {
+                break;
+            };
+            let Some(next) = state.follow(&last.step) else {
+                break;
+            };
+            sent.push(self.push(next));
+        }
+        (sent, events)
+    }
+
+    fn push(&mut self, step: Step) -> (StepId, Vec<WorkerRequest>) {
+        let id = self.next_id;
+        self.next_id += 1;
+        let requests = step.requests();
+        self.in_flight.push_back(InFlight {
+            id,
+            step,
+            dropped: false,
+            result: None,
+        });
+        (id, requests)
+    }
+
+    /// A step's reply: takes every step whose reply is in, in order, into
+    /// the state, and returns the events that raised.
+    pub fn arrived(
+        &mut self,
+        state: &mut SchedulerState,
+        id: StepId,
+        result: StepResult,
+    ) -> Vec<GenEvent> {
+        if let Some(f) = self.in_flight.iter_mut().find(|f| f.id == id) {
+            f.result = Some(result);
+        }
+        let mut events = Vec::new();
+        while self.in_flight.front().is_some_and(|f| f.result.is_some()) {
+            let Some(InFlight {
+                step,
+                dropped,
+                result: Some(result),
+                ..
+            }) = self.in_flight.pop_front()
+            else {
+                break;
+            };
+            if dropped {
+                continue;
+            }
+            let failed = result.is_err();
+            let result = result.map(|out| {
+                state.note_decode(out.tokens, out.decode_us);
+                out.drawn
+            });
+            events.extend(state.step_done(&step, result));
+            if failed {
+                for behind in &mut self.in_flight {
+                    behind.dropped = true;
+                }
+            }
+        }
+        events
+    }
+}

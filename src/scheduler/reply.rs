@@ -1,0 +1,231 @@
+//! Taking a step's reply: the tokens drawn, handed to their generations in
+//! order until one finishes; a full KV cache (evict idle sequences, or end
+//! the youngest generation); a failure (every generation fails, the KV is
+//! forgotten).
+
+use super::{GenEvent, GenId, SchedulerState, Seq, Step, StepError};
+use crate::wire::worker::{Drawn, WorkerRequest};
+use crate::wire::{Finish, Token};
+
+impl SchedulerState {
+    /// Counts decode calls that advanced `items` sequences each.
+    fn count_calls(&mut self, items: impl IntoIterator<Item = usize>) {
+        for n in items.into_iter().filter(|&n| n > 0) {
+            self.stats.decode_calls += 1;
+            self.stats.seq_steps += n as u64;
+            self.stats.max_seqs_per_step = self.stats.max_seqs_per_step.max(n as u64);
+        }
+    }
+
+    /// What the worker reported of a step: tokens decoded (prompt and
+    /// drawn) and the time its llama.cpp decode calls took.
+    pub fn note_decode(&mut self, tokens: u64, decode_us: u64) {
+        self.stats.decoded_tokens += tokens;
+        self.stats.decode_us += decode_us;
+    }
+
+    /// Takes a step's result.
+    ///
+    /// Steps complete in the order they were planned. When a step fails, the
+    /// steps sent after it fail in the worker too (a failed request leaves no
+    /// draw to follow) and their results must not be passed here.
+    pub fn step_done(
+        &mut self,
+        step: &Step,
+        result: Result<Vec<Drawn>, StepError>,
+    ) -> Vec<GenEvent> {
+        let drawn = match result {
+            Ok(d) => d,
+            Err(e) => {
+                // Nothing in flight survives a failure.
+                for g in self.gens.values_mut() {
+                    g.inflight = 0;
+                }
+                return match e {
+                    StepError::KvFull => self.kv_full(step),
+                    StepError::Failed(message) => self.fail_all(&message),
+                };
+            }
+        };
+        let mut events = Vec::new();
+        // Decode calls: one for a planned step; for a following one, as
+        // many as the most draws a sequence got, each advancing those that
+        // had a draw left.
+        if step.next.is_empty() {
+            self.count_calls([step.decode.len()]);
+        } else {
+            let per_seq: Vec<usize> = step
+                .next
+                .iter()
+                .map(|n| drawn.iter().filter(|d| d.seq == n.seq).count())
+                .collect();
+            let calls = per_seq.iter().copied().max().unwrap_or(0);
+            self.count_calls((0..calls).map(|j| per_seq.iter().filter(|&&c| c > j).count()));
+        }
+        for (item, gen) in step.decode.iter().zip(&step.gens) {
+            let seq = item.seq as usize;
+            self.seqs[seq].resident.extend_from_slice(&item.tokens);
+            if item.sample.is_none() {
+                continue;
+            }
+            let d = drawn.iter().find(|d| d.seq == item.seq).copied();
+            self.seqs[seq].last_draw = d;
+            if let Some(g) = self.gens.get_mut(gen) {
+                g.inflight = g.inflight.saturating_sub(1);
+            }
+            events.extend(self.take_draws(*gen, d.as_slice()));
+        }
+        for (item, gen) in step.next.iter().zip(&step.gens) {
+            let seq = item.seq as usize;
+            // The worker fed the last draw, then each of its draws but the
+            // last; it skipped the item if the last draw ended the turn.
+            let ours: Vec<Drawn> = drawn
+                .iter()
+                .filter(|d| d.seq == item.seq)
+                .copied()
+                .collect();
+            match self.seqs[seq].last_draw {
+                Some(d) if !d.eog => self.seqs[seq].resident.push(d.token),
+                _ => continue,
+            }
+            if let Some((_, fed)) = ours.split_last() {
+                let fed: Vec<Token> = fed.iter().map(|d| d.token).collect();
+                self.seqs[seq].resident.extend_from_slice(&fed);
+            }
+            self.seqs[seq].last_draw = ours.last().copied();
+            if let Some(g) = self.gens.get_mut(gen) {
+                g.inflight = g.inflight.saturating_sub(item.steps);
+            }
+            events.extend(self.take_draws(*gen, &ours));
+        }
+        // Cancelled generations still prefilling stop too.
+        let cancelled: Vec<GenId> = self
+            .gens
+            .iter()
+            .filter(|(_, g)| g.cancelled && g.seq.is_some())
+            .map(|(id, _)| *id)
+            .collect();
+        for gen in cancelled {
+            events.extend(self.finish_gen(gen, Some(Finish::Cancelled), ""));
+        }
+        events
+    }
+
+    /// Hands a generation the tokens drawn for it in a step, in order, until
+    /// one finishes it; the rest are dropped (a cancel ends it after the
+    /// first). Nothing drawn for a running generation fails it.
+    fn take_draws(&mut self, gen: GenId, draws: &[Drawn]) -> Vec<GenEvent> {
+        let mut events = Vec::new();
+        if draws.is_empty() {
+            if self.gens.contains_key(&gen) {
+                events.extend(self.finish_gen(gen, None, "the worker drew no token"));
+            }
+            return events;
+        }
+        for d in draws {
+            // Gone: it finished (a cancel) while this step ran.
+            let Some(g) = self.gens.get_mut(&gen) else {
+                break;
+            };
+            g.tokens.push(d.token);
+            g.produced += 1;
+            self.stats.drawn += 1;
+            events.push(GenEvent::Token {
+                gen,
+                token: d.token,
+            });
+            let total = g.tokens.len() as u64;
+            let finish = if d.eog {
+                Some(Finish::EndOfTurn)
+            } else if g.produced >= g.admit.max_tokens {
+                Some(Finish::MaxTokens)
+            } else if g.cancelled {
+                Some(Finish::Cancelled)
+            } else if total + 1 > self.n_ctx as u64 {
+                Some(Finish::Error)
+            } else {
+                None
+            };
+            if let Some(f) = finish {
+                events.extend(self.finish_gen(gen, Some(f), "the context is full"));
+            }
+        }
+        events
+    }
+
+    fn finish_gen(&mut self, gen: GenId, finish: Option<Finish>, why: &str) -> Vec<GenEvent> {
+        let Some(g) = self.gens.remove(&gen) else {
+            return vec![];
+        };
+        self.kv_tight = false;
+        if let Some(seq) = g.seq {
+            self.seqs[seq as usize].active = None;
+        }
+        match finish {
+            Some(finish) => {
+                if finish == Finish::Error {
+                    log::warn!("generation {gen} ended: {why}");
+                }
+                vec![GenEvent::Finished { gen, finish }]
+            }
+            None => vec![GenEvent::Failed {
+                gen,
+                message: why.to_string(),
+            }],
+        }
+    }
+
+    /// The worker's cache had no room for the step (it rolled the step back,
+    /// so every sequence holds what it held before). Our count of cells is
+    /// conservative (copied prefixes share cells in llama.cpp), so the worker
+    /// is the judge: evict the idle sequences, or if there are none, end the
+    /// youngest generation of the step; the rest retry on the next step.
+    fn kv_full(&mut self, step: &Step) -> Vec<GenEvent> {
+        let idle: Vec<usize> = (0..self.seqs.len())
+            .filter(|&i| self.seqs[i].active.is_none() && !self.seqs[i].resident.is_empty())
+            .collect();
+        if !idle.is_empty() {
+            for i in idle {
+                self.pending_ops
+                    .push(WorkerRequest::KvClear { seq: i as u32 });
+                self.seqs[i] = Seq::default();
+            }
+            return vec![];
+        }
+        if !step.next.is_empty() {
+            // A following step asks several cells per sequence: step one
+            // token at a time, through `plan`, until room is freed, and end
+            // a generation only if even that does not fit.
+            self.kv_tight = true;
+            return vec![];
+        }
+        let youngest = step
+            .gens
+            .iter()
+            .copied()
+            .filter(|g| self.gens.contains_key(g))
+            .max_by_key(|g| self.gens[g].arrival);
+        match youngest {
+            Some(gen) => self.finish_gen(gen, Some(Finish::Error), "the KV cache is full"),
+            None => vec![],
+        }
+    }
+
+    /// The lane failed (a decode error or a worker crash): every generation
+    /// fails and no sequence's contents can be trusted.
+    pub fn fail_all(&mut self, message: &str) -> Vec<GenEvent> {
+        let gens: Vec<GenId> = self.gens.keys().copied().collect();
+        for s in &mut self.seqs {
+            *s = Seq::default();
+        }
+        self.dirty = true;
+        gens.into_iter()
+            .filter_map(|gen| {
+                self.gens.remove(&gen).map(|_| GenEvent::Failed {
+                    gen,
+                    message: message.to_string(),
+                })
+            })
+            .collect()
+    }
+}
