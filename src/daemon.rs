@@ -13,13 +13,13 @@ use crate::actors::scheduler::SchedulerActor;
 use crate::actors::wal::{Shutdown, WalActor};
 use crate::actors::{now_ms, Shared};
 use crate::engine::render::Renderer;
-use crate::engine::template::{normalize_tool, ChatMessage};
+use crate::engine::template::normalize_tool;
 use crate::engine::vocab::Vocab;
 use crate::engine::EngineError;
 use crate::frontend::socket::SocketError;
 use crate::http::StartError;
 use crate::scheduler::SchedulerState;
-use crate::session::{Render, RenderError, SessionBook, Turn};
+use crate::session::{ChatMessage, Render, RenderError, SessionBook};
 use crate::store::{self, DirLock, OpenMode, StoreError, WalWriter};
 use crate::wire::worker::WorkerConfig;
 use crate::wire::{from_postcard, LogRecord, Token};
@@ -107,16 +107,6 @@ impl ModelRender {
     }
 }
 
-fn messages(turns: &[Turn]) -> Vec<ChatMessage> {
-    turns
-        .iter()
-        .map(|t| ChatMessage {
-            role: t.role.into(),
-            content: t.content.clone(),
-        })
-        .collect()
-}
-
 fn tools(tools: &[String]) -> Result<Vec<serde_json::Value>, RenderError> {
     tools
         .iter()
@@ -136,14 +126,13 @@ impl Render for ModelRender {
     }
     fn message_span(
         &self,
-        history: &[Turn],
+        history: &[ChatMessage],
         tool_list: &[String],
-        new: &Turn,
+        new: &ChatMessage,
         first: bool,
     ) -> Result<Vec<Token>, RenderError> {
-        let new = &messages(std::slice::from_ref(new))[0];
         self.renderer
-            .message_span(&messages(history), &tools(tool_list)?, new, first)
+            .message_span(history, &tools(tool_list)?, new, first)
             .map_err(|e| RenderError(e.to_string()))
     }
     fn system_span(
@@ -157,11 +146,11 @@ impl Render for ModelRender {
     }
     fn generation_prompt_span(
         &self,
-        history: &[Turn],
+        history: &[ChatMessage],
         tool_list: &[String],
     ) -> Result<Vec<Token>, RenderError> {
         self.renderer
-            .generation_prompt_span(&messages(history), &tools(tool_list)?)
+            .generation_prompt_span(history, &tools(tool_list)?)
             .map_err(|e| RenderError(e.to_string()))
     }
     fn piece(&self, token: Token) -> Vec<u8> {

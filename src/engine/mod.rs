@@ -47,6 +47,9 @@ pub fn default_model_path() -> Option<PathBuf> {
 /// Everything that can go wrong in the engine layer.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
+    /// llama.cpp's JSON-schema-to-grammar converter refused a schema.
+    #[error("{0}")]
+    SchemaToGrammar(String),
     /// llama.cpp's backend could not be initialised.
     #[error("cannot initialise the llama.cpp backend: {0}")]
     Backend(String),
@@ -92,9 +95,6 @@ pub enum EngineError {
     /// Rendering with more messages did not extend the shorter rendering, so no delta exists.
     #[error("chat template rendering is not incremental: {0}")]
     TemplateNotIncremental(String),
-    /// A role number outside 0..=3.
-    #[error("invalid chat role {0} (expected 0 system, 1 user, 2 assistant, 3 tool)")]
-    InvalidRole(u8),
     /// A tool definition that cannot be normalised to the OpenAI function-tool form.
     #[error("invalid tool definition: {0}")]
     InvalidTool(String),
@@ -160,6 +160,7 @@ pub(crate) fn check_gguf(path: &Path) -> Result<(), EngineError> {
 
 /// llama.cpp's JSON-schema-to-GBNF converter (no model needed): the grammar
 /// that forces a tool call's arguments to follow the tool's schema.
-pub fn json_schema_grammar(schema: &str) -> Result<String, String> {
-    llama_cpp_2::json_schema_to_grammar(schema).map_err(|e| e.to_string())
+pub fn json_schema_grammar(schema: &str) -> Result<String, EngineError> {
+    llama_cpp_2::json_schema_to_grammar(schema)
+        .map_err(|e| EngineError::SchemaToGrammar(e.to_string()))
 }

@@ -19,9 +19,10 @@ use std::sync::Arc;
 
 use serde_json::Value as Json;
 
-use super::template::{ChatMessage, ChatTemplate, ROLE_SYSTEM};
+use super::template::{ChatMessage, ChatTemplate};
 use super::vocab::Vocab;
 use super::EngineError;
+use crate::wire::Role;
 use crate::wire::Token;
 
 /// Renders conversations to token spans with a model's vocabulary and chat template.
@@ -166,7 +167,7 @@ impl Renderer {
         text: Option<&str>,
         tools: &[Json],
     ) -> Result<Vec<Token>, EngineError> {
-        let msg = ChatMessage::new(ROLE_SYSTEM, text.unwrap_or_default());
+        let msg = ChatMessage::new(Role::System, text.unwrap_or_default());
         self.message_span(&[], tools, &msg, true)
     }
 }
@@ -183,7 +184,7 @@ fn prepend_bos(tokens: &mut Vec<Token>, bos: Option<Token>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::template::{normalize_tool, ROLE_ASSISTANT, ROLE_USER};
+    use crate::engine::template::normalize_tool;
     use crate::engine::vocab::tests::smol;
 
     const SMOL_SYSTEM: &str =
@@ -194,7 +195,7 @@ mod tests {
     }
 
     fn user(s: &str) -> ChatMessage {
-        ChatMessage::new(ROLE_USER, s)
+        ChatMessage::new(Role::User, s)
     }
 
     #[test]
@@ -229,7 +230,7 @@ mod tests {
         let v = r.vocab();
         let history = [
             user("hi"),
-            ChatMessage::new(ROLE_ASSISTANT, "Hello! How can I help?"),
+            ChatMessage::new(Role::Assistant, "Hello! How can I help?"),
         ];
         let new = user("What is 2+2? Ünïcode too.");
         let span = r.message_span(&history, &[], &new, false).unwrap();
@@ -335,7 +336,7 @@ mod tests {
             .detokenize(&span)
             .starts_with("<|im_start|>system\n# Tools\n<tools>\n"));
         // A user turn after the tool declaration is incremental.
-        let sys = ChatMessage::new(ROLE_SYSTEM, "Be brief.");
+        let sys = ChatMessage::new(Role::System, "Be brief.");
         let span = r
             .message_span(&[sys], &tools, &user("time?"), false)
             .unwrap();

@@ -10,49 +10,7 @@ use serde_json::{json, Map, Value as Json};
 
 use super::EngineError;
 
-/// Role number of a system message.
-pub const ROLE_SYSTEM: u8 = 0;
-/// Role number of a user message.
-pub const ROLE_USER: u8 = 1;
-/// Role number of an assistant message.
-pub const ROLE_ASSISTANT: u8 = 2;
-/// Role number of a tool-result message.
-pub const ROLE_TOOL: u8 = 3;
-
-/// One chat message. `role`: 0 system, 1 user, 2 assistant, 3 tool.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ChatMessage {
-    /// 0 system, 1 user, 2 assistant, 3 tool (see the `ROLE_*` constants).
-    pub role: u8,
-    /// The message text.
-    pub content: String,
-}
-
-impl ChatMessage {
-    /// A message with the given role number and content.
-    pub fn new(role: u8, content: impl Into<String>) -> Self {
-        Self {
-            role,
-            content: content.into(),
-        }
-    }
-
-    /// The role's name as chat templates expect it: "system", "user", "assistant" or "tool".
-    pub fn role_name(&self) -> Result<&'static str, EngineError> {
-        role_name(self.role)
-    }
-}
-
-/// The template name of a role number.
-pub fn role_name(role: u8) -> Result<&'static str, EngineError> {
-    match role {
-        ROLE_SYSTEM => Ok("system"),
-        ROLE_USER => Ok("user"),
-        ROLE_ASSISTANT => Ok("assistant"),
-        ROLE_TOOL => Ok("tool"),
-        other => Err(EngineError::InvalidRole(other)),
-    }
-}
+pub use crate::session::ChatMessage;
 
 /// A compiled chat template.
 pub struct ChatTemplate {
@@ -100,7 +58,7 @@ impl ChatTemplate {
     ) -> Result<String, EngineError> {
         let msgs = messages
             .iter()
-            .map(|m| Ok(json!({"role": m.role_name()?, "content": m.content})))
+            .map(|m| Ok(json!({"role": m.role.name(), "content": m.content})))
             .collect::<Result<Vec<_>, EngineError>>()?;
         let mut ctx = Map::new();
         ctx.insert("messages".into(), Json::Array(msgs));
@@ -345,6 +303,7 @@ pub fn normalize_tool(json: &str) -> Result<Json, EngineError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::wire::Role;
 
     const CHATML_TOOLS: &str = r##"{%- if tools %}
 {{- '<|im_start|>system\n' }}
@@ -372,8 +331,8 @@ mod tests {
         )
         .unwrap();
         let msgs = [
-            ChatMessage::new(ROLE_SYSTEM, "Be brief."),
-            ChatMessage::new(ROLE_USER, "  weather in Paris?  "),
+            ChatMessage::new(Role::System, "Be brief."),
+            ChatMessage::new(Role::User, "  weather in Paris?  "),
         ];
         let out = t.render(&msgs, &[tool], true).unwrap();
         let expected = "<|im_start|>system\nBe brief.\n\n# Tools\n\n<tools>\n\
@@ -396,7 +355,7 @@ mod tests {
                    {{ {'a': 1} | tojson(indent=2) }}";
         let t = ChatTemplate::new(src, "<s>", "</s>").unwrap();
         let out = t
-            .render(&[ChatMessage::new(ROLE_USER, "hello")], &[], false)
+            .render(&[ChatMessage::new(Role::User, "hello")], &[], false)
             .unwrap();
         assert_eq!(
             out,
@@ -410,11 +369,10 @@ mod tests {
             Err(EngineError::TemplateSyntax(_))
         ));
         let t = ChatTemplate::new("{{ messages[0].role }}", "", "").unwrap();
-        assert!(matches!(
-            t.render(&[ChatMessage::new(9, "x")], &[], false),
-            Err(EngineError::InvalidRole(9))
-        ));
-        let roles: Vec<_> = (0..4).map(|r| role_name(r).unwrap()).collect();
+        let roles: Vec<_> = Role::ALL
+            .iter()
+            .map(|&r| t.render(&[ChatMessage::new(r, "x")], &[], false).unwrap())
+            .collect();
         assert_eq!(roles, ["system", "user", "assistant", "tool"]);
     }
 

@@ -138,6 +138,17 @@ async fn connection(stream: UnixStream, registry: Addr<Registry>) {
     }
 }
 
+/// Why a [`Client`] call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error(transparent)]
+    Wire(#[from] crate::wire::WireError),
+    #[error(transparent)]
+    Frame(#[from] crate::wire::FrameError),
+    #[error("the daemon closed the connection")]
+    Closed,
+}
+
 /// A blocking client for the socket, for the CLI and tests.
 pub struct Client {
     stream: std::os::unix::net::UnixStream,
@@ -152,9 +163,8 @@ impl Client {
 
     /// Sends a Generate and reads its replies: every `Delta`, then the
     /// last (`Generated` or `Err`).
-    pub fn generate(&mut self, request: &Request) -> Result<Vec<Response>, String> {
-        let bytes = to_postcard(request).map_err(|e| e.to_string())?;
-        crate::wire::write_frame_blocking(&mut self.stream, &bytes).map_err(|e| e.to_string())?;
+    pub fn generate(&mut self, request: &Request) -> Result<Vec<Response>, ClientError> {
+        self.send(request)?;
         let mut out = Vec::new();
         loop {
             let r = self.read()?;
@@ -167,22 +177,22 @@ impl Client {
     }
 
     /// Reads one reply.
-    pub fn read(&mut self) -> Result<Response, String> {
-        match crate::wire::read_frame_blocking(&mut self.stream, MAX_FRAME_BYTES) {
-            Ok(Some(frame)) => from_postcard(&frame).map_err(|e| e.to_string()),
-            Ok(None) => Err("the daemon closed the connection".into()),
-            Err(e) => Err(e.to_string()),
+    pub fn read(&mut self) -> Result<Response, ClientError> {
+        match crate::wire::read_frame_blocking(&mut self.stream, MAX_FRAME_BYTES)? {
+            Some(frame) => Ok(from_postcard(&frame)?),
+            None => Err(ClientError::Closed),
         }
     }
 
     /// Sends one request and reads its reply.
-    pub fn call(&mut self, request: &Request) -> Result<Response, String> {
-        let bytes = to_postcard(request).map_err(|e| e.to_string())?;
-        crate::wire::write_frame_blocking(&mut self.stream, &bytes).map_err(|e| e.to_string())?;
-        match crate::wire::read_frame_blocking(&mut self.stream, MAX_FRAME_BYTES) {
-            Ok(Some(frame)) => from_postcard(&frame).map_err(|e| e.to_string()),
-            Ok(None) => Err("the daemon closed the connection".into()),
-            Err(e) => Err(e.to_string()),
-        }
+    pub fn call(&mut self, request: &Request) -> Result<Response, ClientError> {
+        self.send(request)?;
+        self.read()
+    }
+
+    fn send(&mut self, request: &Request) -> Result<(), ClientError> {
+        let bytes = to_postcard(request)?;
+        crate::wire::write_frame_blocking(&mut self.stream, &bytes)?;
+        Ok(())
     }
 }

@@ -12,9 +12,9 @@
 //! - [`output`]: the output decoder (text, reasoning and tool-call channels).
 //! - [`grammar`]: the grammar that forces a tool call.
 //!
-//! "Turn" means an assistant turn (`TurnState`, `TurnOutput`), except for
-//! [`Turn`], one chat message as the template sees it (the engine's
-//! `ChatMessage` is its twin).
+//! "Turn" always means an assistant turn (`TurnState`, `TurnOutput`); one
+//! message as the chat template sees it is a [`ChatMessage`] (the engine's
+//! template renders this same type).
 
 mod book;
 pub mod grammar;
@@ -27,9 +27,18 @@ use crate::wire::{LedgerStatus, Role, Token, UnknownCode};
 
 /// One message as the chat template sees it.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Turn {
+pub struct ChatMessage {
     pub role: Role,
     pub content: String,
+}
+
+impl ChatMessage {
+    pub fn new(role: Role, content: impl Into<String>) -> ChatMessage {
+        ChatMessage {
+            role,
+            content: content.into(),
+        }
+    }
 }
 
 /// Turns text into the exact tokens it puts on the model's input.
@@ -45,9 +54,9 @@ pub trait Render: Send + Sync {
     /// the session's input yet (a BOS may be due).
     fn message_span(
         &self,
-        history: &[Turn],
+        history: &[ChatMessage],
         tools: &[String],
-        new: &Turn,
+        new: &ChatMessage,
         first: bool,
     ) -> Result<Vec<Token>, RenderError>;
     /// The opening system turn declaring `tools`.
@@ -55,7 +64,7 @@ pub trait Render: Send + Sync {
     /// The assistant header that opens a generated turn after `history`.
     fn generation_prompt_span(
         &self,
-        history: &[Turn],
+        history: &[ChatMessage],
         tools: &[String],
     ) -> Result<Vec<Token>, RenderError>;
     /// A token's raw bytes (possibly part of a UTF-8 character).

@@ -7,11 +7,10 @@ use std::path::Path;
 use std::sync::Arc;
 
 use superfluid::engine::render::Renderer;
-use superfluid::engine::template::{
-    normalize_tool, ChatMessage, ROLE_SYSTEM, ROLE_TOOL, ROLE_USER,
-};
+use superfluid::engine::template::{normalize_tool, ChatMessage};
 use superfluid::engine::vocab::{FimTokens, Vocab};
 use superfluid::session::output::{Markers, OutputDecoder, Segment};
+use superfluid::wire::Role;
 
 const TOOLS_THINK: &str = "SmolLM2-135M-tools-think.gguf";
 const FIM: &str = "SmolLM2-135M-fim.gguf";
@@ -58,7 +57,7 @@ fn tools_think_template_and_generation_prompt() {
     assert_eq!(Markers::from_template(&template), Markers::qwen());
 
     let renderer = Renderer::new(vocab.clone()).expect("the template compiles");
-    let user = ChatMessage::new(ROLE_USER, "Is it raining in Paris?");
+    let user = ChatMessage::new(Role::User, "Is it raining in Paris?");
     let prompt = renderer
         .generation_prompt_span(std::slice::from_ref(&user), &[])
         .expect("a generation prompt");
@@ -97,10 +96,10 @@ fn tools_think_declares_tools_and_renders_results() {
     );
 
     let history = [
-        ChatMessage::new(ROLE_SYSTEM, "Answer with the tools."),
-        ChatMessage::new(ROLE_USER, "Is it raining in Paris?"),
+        ChatMessage::new(Role::System, "Answer with the tools."),
+        ChatMessage::new(Role::User, "Is it raining in Paris?"),
     ];
-    let result = ChatMessage::new(ROLE_TOOL, "{\"rain\": true}");
+    let result = ChatMessage::new(Role::Tool, "{\"rain\": true}");
     let span = renderer
         .message_span(&history, &tools, &result, false)
         .expect("a tool result span");
@@ -110,7 +109,7 @@ fn tools_think_declares_tools_and_renders_results() {
     );
     // Without tools, the template is SmolLM2's ChatML with its default system prompt.
     let span = renderer
-        .message_span(&[], &[], &ChatMessage::new(ROLE_USER, "Hi"), true)
+        .message_span(&[], &[], &ChatMessage::new(Role::User, "Hi"), true)
         .expect("a user span");
     assert_eq!(
         vocab.detokenize(&span),

@@ -2,7 +2,7 @@
 //! declared and forced tools, the QoS, where the last turn stands, the input,
 //! and the tool-call ledger.
 
-use super::{SessionBook, SessionError, Turn};
+use super::{ChatMessage, SessionBook, SessionError};
 use crate::session::turn::ends_turn;
 use crate::wire::{
     Channel, Event, EventId, LedgerEntry, LedgerStatus, QosClass, Record, Role, SessionId, Token,
@@ -66,42 +66,42 @@ pub(super) fn input_of(events: &[Event]) -> Vec<Token> {
 }
 
 /// Folds a session's events into the messages a chat template sees.
-pub(super) fn chat_messages(events: &[Event]) -> Vec<Turn> {
-    let mut out: Vec<Turn> = Vec::new();
+pub(super) fn chat_messages(events: &[Event]) -> Vec<ChatMessage> {
+    let mut out: Vec<ChatMessage> = Vec::new();
     let mut in_assistant = false;
     for e in events {
         match &e.body {
             Record::System { text, .. } => {
                 in_assistant = false;
-                out.push(Turn {
+                out.push(ChatMessage {
                     role: Role::System,
                     content: text.clone().unwrap_or_default(),
                 })
             }
             Record::Message { role, text, .. } => {
                 in_assistant = false;
-                out.push(Turn {
+                out.push(ChatMessage {
                     role: *role,
                     content: text.clone(),
                 })
             }
             Record::Block { role, payload, .. } => {
                 in_assistant = false;
-                out.push(Turn {
+                out.push(ChatMessage {
                     role: *role,
                     content: payload.clone(),
                 })
             }
             Record::ToolResult { content, .. } => {
                 in_assistant = false;
-                out.push(Turn {
+                out.push(ChatMessage {
                     role: Role::Tool,
                     content: content.clone(),
                 })
             }
             Record::GenerationPrompt { .. } => {
                 in_assistant = true;
-                out.push(Turn {
+                out.push(ChatMessage {
                     role: Role::Assistant,
                     content: String::new(),
                 })
@@ -109,7 +109,7 @@ pub(super) fn chat_messages(events: &[Event]) -> Vec<Turn> {
             Record::Generated { text, channel, .. } => {
                 if !in_assistant {
                     in_assistant = true;
-                    out.push(Turn {
+                    out.push(ChatMessage {
                         role: Role::Assistant,
                         content: String::new(),
                     });

@@ -17,7 +17,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use super::{Render, SessionError, Turn};
+use super::{ChatMessage, Render, SessionError};
 use crate::wire::{
     Event, EventId, Inspection, LogRecord, Params, PurgeMode, Record, SessionId, SessionSummary,
 };

@@ -2,7 +2,7 @@
 //! system turn, blocks.
 
 use super::folds::{chat_messages, declared_tools, is_input};
-use super::{Planned, Render, SessionBook, SessionError, Turn};
+use super::{ChatMessage, Planned, Render, SessionBook, SessionError};
 use crate::wire::{Event, Record, Role, SessionId, Token};
 
 /// A request's role, as a [`Role`]: an unknown one is refused.
@@ -69,7 +69,7 @@ impl SessionBook {
         render: &dyn Render,
     ) -> Result<Vec<Token>, SessionError> {
         let first = events.iter().all(|e| e.body.span().is_empty());
-        let new = Turn {
+        let new = ChatMessage {
             role,
             content: text.to_string(),
         };

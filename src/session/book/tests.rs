@@ -23,9 +23,9 @@ impl Render for Bytes {
     }
     fn message_span(
         &self,
-        _: &[Turn],
+        _: &[ChatMessage],
         _: &[String],
-        new: &Turn,
+        new: &ChatMessage,
         first: bool,
     ) -> Result<Vec<Token>, RenderError> {
         let pre = if first { "^" } else { "" };
@@ -37,7 +37,11 @@ impl Render for Bytes {
         }
         Ok(self.tokenize(&format!("<sys>{}{}|", text.unwrap_or(""), tools.join(","))))
     }
-    fn generation_prompt_span(&self, _: &[Turn], _: &[String]) -> Result<Vec<Token>, RenderError> {
+    fn generation_prompt_span(
+        &self,
+        _: &[ChatMessage],
+        _: &[String],
+    ) -> Result<Vec<Token>, RenderError> {
         Ok(self.tokenize("<2>"))
     }
     fn piece(&self, token: Token) -> Vec<u8> {
@@ -583,9 +587,9 @@ impl Render for Thinking {
     }
     fn message_span(
         &self,
-        history: &[Turn],
+        history: &[ChatMessage],
         tools: &[String],
-        new: &Turn,
+        new: &ChatMessage,
         first: bool,
     ) -> Result<Vec<Token>, RenderError> {
         Bytes.message_span(history, tools, new, first)
@@ -593,7 +597,11 @@ impl Render for Thinking {
     fn system_span(&self, text: Option<&str>, tools: &[String]) -> Result<Vec<Token>, RenderError> {
         Bytes.system_span(text, tools)
     }
-    fn generation_prompt_span(&self, _: &[Turn], _: &[String]) -> Result<Vec<Token>, RenderError> {
+    fn generation_prompt_span(
+        &self,
+        _: &[ChatMessage],
+        _: &[String],
+    ) -> Result<Vec<Token>, RenderError> {
         Ok(self.tokenize("<2><think>\n"))
     }
     fn piece(&self, token: Token) -> Vec<u8> {
