@@ -3,15 +3,22 @@
 //! A local LLM daemon whose sessions are durable event logs.
 //!
 //! ## Layout
-//! - [`wire`]: every type that crosses a process boundary, and its framing.
+//! - [`wire`]: every type that crosses a process boundary, its framing, and
+//!   the small codes (roles, channels, finish reasons...) as types.
 //! - [`store`]: the write-ahead log on disk (wal.log) and the directory lock.
-//! - [`session`]: sessions as plain data, rebuilt from the log.
-//! - [`engine`]: the only code that calls llama.cpp.
-//! - [`actors`]: the actix actors: WAL writer, registry, one per session.
+//! - [`session`]: sessions as plain data, rebuilt from the log; requests
+//!   become typed plans from one read of the book.
+//! - [`scheduler`]: which generations run in a lane's next decode step, and
+//!   the steps in flight; plain data.
+//! - [`engine`]: the only code that calls llama.cpp (the daemon's vocabulary
+//!   and chat template, and the worker's `WorkerEngine`).
+//! - [`actors`]: the actix actors: the WAL writer, the registry, one per
+//!   session, one per subscription, and each lane's scheduler and worker.
 //! - [`frontend`]: the unix socket in front of the registry, and the
 //!   connection loop it shares with /web/ws.
 //! - [`http`]: the browser transport (`--web`): JSON over HTTP and WebSocket.
 //! - [`daemon`]: start-up and shutdown of `superfluid serve`.
+//! - [`logging`]: the runtime-adjustable logger and the worker's log lines.
 //!
 //! ARCHITECTURE.md has the bird's-eye view and the invariants.
 
