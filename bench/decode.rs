@@ -36,13 +36,7 @@ const CTX: u32 = 4096;
 const QUESTION: &str = "Write a short story about a lighthouse keeper and a storm.";
 
 fn greedy() -> Params {
-    Params {
-        temperature: 0.0,
-        top_p: 1.0,
-        min_p: 0.0,
-        top_k: 0,
-        seed: 1,
-    }
+    Params::greedy(1)
 }
 
 #[path = "common.rs"]

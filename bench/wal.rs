@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use superfluid::store::wal::RECORD_HEADER_LEN;
 use superfluid::store::{open, OpenMode, WalWriter};
 
 const MB: f64 = 1024.0 * 1024.0;
@@ -96,7 +97,7 @@ fn replay_bench(base: &Path, total: usize, size: usize) {
     let dir = tempfile::tempdir_in(base).expect("temp dir");
     let (file, _) = open(dir.path(), OpenMode::Durable, &mut |_, _| Ok(())).expect("open");
     let w = WalWriter::spawn(file, None).expect("wal-writer");
-    let records = total / (size + 12);
+    let records = total / (size + RECORD_HEADER_LEN);
     let payload: Vec<u8> = (0..size).map(|i| (i * 31) as u8).collect();
     let mut left = records;
     while left > 0 {

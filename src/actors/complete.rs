@@ -13,13 +13,7 @@ use crate::scheduler::GenEvent;
 use crate::wire::{FimMode, Params, Response, Token};
 
 /// Greedy: a completion has no sampling parameters.
-const FIM_PARAMS: Params = Params {
-    temperature: 0.0,
-    top_p: 1.0,
-    min_p: 0.0,
-    top_k: 0,
-    seed: 0,
-};
+const FIM_PARAMS: Params = Params::greedy(0);
 
 /// A FIM mode that is neither PSM nor SPM.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

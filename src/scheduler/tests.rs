@@ -8,13 +8,7 @@ use crate::engine::exec::error::RequestError;
 use crate::engine::exec::seqs::SeqTable;
 use crate::wire::worker::{DecodeItem, Drawn};
 
-const P: Params = Params {
-    temperature: 0.0,
-    top_p: 1.0,
-    min_p: 0.0,
-    top_k: 0,
-    seed: 1,
-};
+const P: Params = Params::greedy(1);
 const EOG: Token = 2;
 
 fn admit(session: SessionId, prompt: &[Token], max_tokens: u32) -> Admit {

@@ -32,6 +32,20 @@ pub struct Params {
     pub seed: u64,
 }
 
+impl Params {
+    /// Greedy decoding (temperature 0, no top-p, min-p or top-k cut) with
+    /// `seed`: what completions, tests and benchmarks run.
+    pub const fn greedy(seed: u64) -> Params {
+        Params {
+            temperature: 0.0,
+            top_p: 1.0,
+            min_p: 0.0,
+            top_k: 0,
+            seed,
+        }
+    }
+}
+
 /// One edit of a `Rebase`: a half-open range `[from, to)` of the parent's
 /// event ids, dropped, or replaced by one message.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -43,13 +43,7 @@ pub fn bin() -> &'static str {
 
 /// Greedy params with a fixed seed.
 pub fn params(seed: u64) -> Params {
-    Params {
-        temperature: 0.0,
-        top_p: 1.0,
-        min_p: 0.0,
-        top_k: 0,
-        seed,
-    }
+    Params::greedy(seed)
 }
 
 /// What a daemon expected to fail left behind.

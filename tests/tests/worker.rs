@@ -28,13 +28,7 @@ fn prompt() -> Vec<u32> {
     vocab().tokenize(PROMPT, true)
 }
 
-const GREEDY: Params = Params {
-    temperature: 0.0,
-    top_p: 1.0,
-    min_p: 0.0,
-    top_k: 0,
-    seed: 0,
-};
+const GREEDY: Params = Params::greedy(0);
 
 const SAMPLED: Params = Params {
     temperature: 0.9,

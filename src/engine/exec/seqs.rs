@@ -210,13 +210,7 @@ mod tests {
 
     fn sample(draw_pos: u64) -> Sample {
         Sample {
-            params: Params {
-                temperature: 0.0,
-                top_p: 1.0,
-                min_p: 0.0,
-                top_k: 0,
-                seed: 0,
-            },
+            params: Params::greedy(0),
             draw_pos,
             grammar: None,
             grammar_prefix: vec![],
