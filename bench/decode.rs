@@ -1,6 +1,7 @@
 //! Decode benchmarks: superfluid through its socket against the worker's
-//! engine (`WorkerEngine`) run in this process, on the same model, threads and prompt, in pairs measured back
-//! to back in alternating order (ratios are taken per pair).
+//! engine (`WorkerEngine`) run in this process, on the same model, threads
+//! and prompt, in pairs measured back to back in alternating order (ratios
+//! are taken per pair).
 //!
 //! `cargo bench --bench decode` (add `-- --quick` for a smoke run;
 //! `DECODE_RUNS=n` sets the number of pairs). Rows:
@@ -12,10 +13,10 @@
 //!   daemon with fsync off (`SUPERFLUID_BENCH_NO_FSYNC=1`, benchmarks only),
 //!   and `superfluid worker` driven straight over its pipe with no daemon.
 //! - single stream beside 3 idle sessions kept in the KV cache
-//!   (`--parallel 4`), against the in-process engine holding the same 3 sessions'
-//!   tokens in its other sequences: llama.cpp attends over the whole used
-//!   range of its unified cache, so cached idle sessions slow every decode;
-//!   this row shows by how much, on both sides.
+//!   (`--parallel 4`), against the engine in process holding the same 3
+//!   sessions' tokens in its other sequences: llama.cpp attends over the
+//!   whole used range of its unified cache, so cached idle sessions slow
+//!   every decode; this row shows by how much, on both sides.
 //! - 4 sessions generating at once: aggregate generated tokens/s.
 //!
 //! Every run's prompt starts with its run number, so no run finds another's
