@@ -2,7 +2,9 @@
 //!
 //! `Request` and `Response` are the session API (docs/protocol.md); `Event`
 //! and `Record` are what a session's log holds; `LogRecord` is one entry of
-//! wal.log. The same types travel as postcard on the unix socket and the
+//! wal.log; `codes` holds the small codes they carry (roles, channels,
+//! finish reasons, ...) as types; `worker` is the worker pipe's requests and
+//! replies. The same types travel as postcard on the unix socket and the
 //! worker pipe, and as JSON on the browser transport. **Only this module
 //! defines what crosses a process boundary.**
 //!

@@ -2,6 +2,7 @@
 //! chat template.
 
 use super::*;
+use crate::session::grammar::GrammarError;
 use crate::session::RenderError;
 use crate::wire::{
     Channel, Edit, Finish, LedgerStatus, LogRecord, Params, PurgeMode, QosClass, Record, Role,
@@ -619,7 +620,7 @@ impl Render for Thinking {
 }
 
 /// A schema converter that accepts anything.
-fn any_schema(_: &str) -> Result<String, crate::session::grammar::GrammarError> {
+fn any_schema(_: &str) -> Result<String, GrammarError> {
     Ok("root ::= \"{}\"\n".into())
 }
 
@@ -790,6 +791,27 @@ fn generation_with_a_forced_tool_builds_its_grammar() {
     let mut out = p.output();
     out.finish(Finish::EndOfTurn, 1);
     assert_eq!(out.finished(), Some(Finish::EndOfTurn));
+}
+
+/// A forced call whose grammar cannot be built is refused before anything is
+/// planned for commit: no header is left in the log to be "continued" later.
+#[test]
+fn a_forced_call_without_a_grammar_commits_nothing() {
+    let mut b = SessionBook::new();
+    let s = create(&mut b);
+    let tool = r#"{"name":"f","parameters":{"type":"object"}}"#;
+    commit!(b, b.plan_system(s, None, vec![tool.into()], &Bytes, 1));
+    say(&mut b, s, "q");
+    commit!(b, b.plan_tool_choice(s, "required".into(), 1));
+    let refuse =
+        |_: &str| -> Result<String, GrammarError> { Err(GrammarError::Convert("no".into())) };
+    let len = b.len(s).unwrap();
+    assert_eq!(
+        b.plan_generation(s, 10, N_CTX, &Bytes, &refuse, 30).err(),
+        Some(SessionError::Grammar(GrammarError::Convert("no".into())))
+    );
+    assert_eq!(b.len(s).unwrap(), len);
+    assert_eq!(b.turn_state(s, None).unwrap(), TurnState::Closed);
 }
 
 #[test]
