@@ -282,7 +282,7 @@ impl Handler<Dispatch> for Registry {
                 reply.unwrap_or_else(|e| Response::err(e.to_string()))
             }),
             Request::List => reply(Response::Sessions {
-                ids: shared.read().list(),
+                ids: shared.read().list_shown(),
             }),
             Request::Sessions { include_archived } => reply(Response::SessionList {
                 sessions: shared.read().summaries(include_archived),

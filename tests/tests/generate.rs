@@ -7,7 +7,10 @@ use superfluid::wire::{
     Channel, Event, Finish, Params, Record, Request, Response, Role, SessionId, Token,
 };
 
-use crate::util::{commit, created, expect_err, params, shared_daemon, TestDaemon};
+use crate::util::{
+    commit, created, expect_err, forced_weather_session, params, shared_daemon, tool_choice,
+    tools_think_daemon, TestDaemon,
+};
 
 /// A session with a system message and one user message. (SmolLM2-135M
 /// answers its own default system prompt poorly: "What is the capital of
@@ -467,17 +470,6 @@ fn complete_on_a_model_without_fim_tokens_is_a_clear_err() {
     assert!(msg.contains("fill-in-the-middle"), "{msg}");
 }
 
-const WEATHER: &str = r#"{"type":"function","function":{"name":"get_weather","description":"Current weather","parameters":{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}}}"#;
-
-/// A daemon on the test model whose template declares tools and opens each
-/// assistant turn inside a `<think>` block.
-fn tools_think_daemon() -> TestDaemon {
-    let mut d = TestDaemon::new();
-    d.model = crate::util::derived_model("SmolLM2-135M-tools-think.gguf");
-    d.spawn_and_wait();
-    d
-}
-
 #[test]
 fn reasoning_goes_on_channel_1() {
     let d = tools_think_daemon();
@@ -591,46 +583,6 @@ fn forced_tool_call_round_trip() {
     let (events, last) = generate(&mut c, s, 32);
     assert!(matches!(events[0].body, Record::GenerationPrompt { .. }));
     assert!(matches!(last, Response::Generated { .. }), "{last:?}");
-}
-
-/// `SetToolChoice`, committed.
-fn tool_choice(c: &mut Client, s: SessionId, choice: &str) {
-    commit(
-        c,
-        Request::SetToolChoice {
-            session: s,
-            choice: choice.into(),
-        },
-    );
-}
-
-/// A session on the tools model asked about the weather, with the call forced.
-fn forced_weather_session(c: &mut Client) -> SessionId {
-    let s = created(
-        c,
-        Request::Create {
-            parent: None,
-            params: params(1),
-        },
-    );
-    commit(
-        c,
-        Request::AppendSystem {
-            session: s,
-            text: Some("Answer with the tools.".into()),
-            tools: vec![WEATHER.into()],
-        },
-    );
-    commit(
-        c,
-        Request::AppendMessage {
-            session: s,
-            role: Role::User.into(),
-            text: "Is it raining in Paris?".into(),
-        },
-    );
-    tool_choice(c, s, "required");
-    s
 }
 
 /// A forced call cut by max_tokens, its worker killed (the KV and the

@@ -6,10 +6,11 @@
 //! Modules: `daemon` (the daemon as a process: durability, SIGKILL, torn
 //! tails, corruption, locks), `bad_input` (refused requests), `ordering`
 //! (no reply before its fsync), `generate` (generation on the real model),
-//! `web` and `browser` (the HTTP transport), `spec_json` (the wire types
-//! against the spec: JSON examples, every variant, postcard goldens), `worker`
-//! (`superfluid worker` over its pipe), `test_models` (the derived test
-//! models' metadata).
+//! `web` and `browser` (the HTTP transport), `surface` (the tool-call
+//! ledger, `AppendBlock`, archived sessions, SessionBusy, flags refused
+//! together), `spec_json` (the wire types against the spec: JSON examples,
+//! every variant, postcard goldens), `worker` (`superfluid worker` over its
+//! pipe), `test_models` (the derived test models' metadata).
 
 mod bad_input;
 mod browser;
@@ -17,6 +18,7 @@ mod daemon;
 mod generate;
 mod ordering;
 mod spec_json;
+mod surface;
 mod test_models;
 mod util;
 mod web;

@@ -4,7 +4,7 @@
 //! `shared_daemon`, the one daemon the tests that only read or validate
 //! share; the test models (the default one and those
 //! scripts/make-test-models.py derives from it); request helpers; raw
-//! frames; the WAL's record walk.
+//! frames; the WAL's record walk; a forced tool call on the tools model.
 //!
 //! A test that only reads or validates takes `shared_daemon()` and works on
 //! sessions it creates; a test that stops, kills, restarts or needs other
@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use superfluid::frontend::socket::Client;
 use superfluid::store::{FILE_HEADER_LEN, RECORD_HEADER_LEN, WAL_MAGIC};
 use superfluid::wire::{
-    read_frame_blocking, to_postcard, write_frame_blocking, Event, Params, Request, Response,
+    read_frame_blocking, to_postcard, write_frame_blocking, Event, Params, Request, Response, Role,
     SessionId, MAX_FRAME_BYTES,
 };
 
@@ -519,4 +519,57 @@ pub fn derived_model(name: &str) -> PathBuf {
         path.display()
     );
     path
+}
+
+// ---- tool calls on the tools model -----------------------------------------
+
+const WEATHER: &str = r#"{"type":"function","function":{"name":"get_weather","description":"Current weather","parameters":{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}}}"#;
+
+/// A daemon on the test model whose template declares tools and opens each
+/// assistant turn inside a `<think>` block.
+pub fn tools_think_daemon() -> TestDaemon {
+    let mut d = TestDaemon::new();
+    d.model = derived_model("SmolLM2-135M-tools-think.gguf");
+    d.spawn_and_wait();
+    d
+}
+
+/// `SetToolChoice`, committed.
+pub fn tool_choice(c: &mut Client, s: SessionId, choice: &str) {
+    commit(
+        c,
+        Request::SetToolChoice {
+            session: s,
+            choice: choice.into(),
+        },
+    );
+}
+
+/// A session on the tools model asked about the weather, with the call forced.
+pub fn forced_weather_session(c: &mut Client) -> SessionId {
+    let s = created(
+        c,
+        Request::Create {
+            parent: None,
+            params: params(1),
+        },
+    );
+    commit(
+        c,
+        Request::AppendSystem {
+            session: s,
+            text: Some("Answer with the tools.".into()),
+            tools: vec![WEATHER.into()],
+        },
+    );
+    commit(
+        c,
+        Request::AppendMessage {
+            session: s,
+            role: Role::User.into(),
+            text: "Is it raining in Paris?".into(),
+        },
+    );
+    tool_choice(c, s, "required");
+    s
 }

@@ -57,6 +57,13 @@ struct Session {
     updated_unix_ms: u64,
 }
 
+impl Session {
+    /// In `List` and `Tree`: neither purged nor archived.
+    fn shown(&self) -> bool {
+        !self.purged && !self.archived
+    }
+}
+
 /// What a plan commits; the actor replies from it once it is applied.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Planned {
@@ -234,11 +241,21 @@ impl SessionBook {
         self.next_event(s, now, body).map(Planned::Event)
     }
 
-    /// `List`: the ids of every session not purged.
+    /// The ids of every session not purged, archived ones included (the
+    /// sessions gauge, the replay's count).
     pub fn list(&self) -> Vec<SessionId> {
         self.sessions
             .iter()
             .filter(|(_, s)| !s.purged)
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
+    /// `List`: the ids of every session shown, neither purged nor archived.
+    pub fn list_shown(&self) -> Vec<SessionId> {
+        self.sessions
+            .iter()
+            .filter(|(_, s)| s.shown())
             .map(|(id, _)| *id)
             .collect()
     }
@@ -267,11 +284,14 @@ impl SessionBook {
         }
     }
 
-    /// `Tree`: `[id, parent, fork_at]` for every session not purged.
+    /// `Tree`: `[id, parent, fork_at]` for every session shown, neither
+    /// purged nor archived. Archiving hides only the session itself: its
+    /// children stay, and name it as their parent (as `Sessions` does), so
+    /// a node's parent may be missing from the nodes.
     pub fn tree(&self) -> Vec<(SessionId, Option<SessionId>, Option<EventId>)> {
         self.sessions
             .iter()
-            .filter(|(_, s)| !s.purged)
+            .filter(|(_, s)| s.shown())
             .map(|(id, s)| {
                 let parent = self.shown_parent(s);
                 (*id, parent, parent.and(s.fork_at))

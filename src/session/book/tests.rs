@@ -323,6 +323,59 @@ fn meta_and_purge_guards() {
     ));
 }
 
+/// Archiving hides the session from List, Tree and Sessions (unless asked),
+/// and only it: a child stays, naming it as its parent; unarchiving shows it
+/// again; it still reads, forks and takes appends.
+#[test]
+fn archived_sessions_are_hidden_from_list_and_tree() {
+    let mut b = SessionBook::new();
+    let s = create(&mut b);
+    say(&mut b, s, "a");
+    let f = b.reserve_id();
+    commit!(b, b.plan_fork(f, s, 2, None, 1));
+    let g = b.reserve_id();
+    commit!(b, b.plan_fork(g, f, 3, None, 1));
+    let other = create(&mut b);
+    commit!(b, b.plan_meta(f, 0, None, Some(true), 1));
+    assert_eq!(b.list_shown(), vec![s, g, other]);
+    assert_eq!(b.list(), vec![s, f, g, other], "archived is still live");
+    assert_eq!(
+        b.tree(),
+        vec![(s, None, None), (g, Some(f), Some(3)), (other, None, None)]
+    );
+    let summaries = |all| -> Vec<(SessionId, Option<SessionId>)> {
+        b.summaries(all)
+            .iter()
+            .map(|x| (x.session, x.parent))
+            .collect()
+    };
+    assert_eq!(
+        summaries(false),
+        vec![(s, None), (g, Some(f)), (other, None)]
+    );
+    assert_eq!(
+        summaries(true),
+        vec![(s, None), (f, Some(s)), (g, Some(f)), (other, None)]
+    );
+    // Everything is kept.
+    assert_eq!(texts(&b, f), ["Created", "a", "Forked"]);
+    assert_eq!(b.inspect(s).unwrap().children, vec![f]);
+    say(&mut b, f, "still open");
+    // Archiving the root too hides both; unarchiving f shows it again.
+    commit!(b, b.plan_meta(s, 0, None, Some(true), 1));
+    assert_eq!(b.list_shown(), vec![g, other]);
+    commit!(b, b.plan_meta(f, 1, None, Some(false), 1));
+    assert_eq!(b.list_shown(), vec![f, g, other]);
+    assert_eq!(
+        b.tree(),
+        vec![
+            (f, Some(s), Some(2)),
+            (g, Some(f), Some(3)),
+            (other, None, None)
+        ]
+    );
+}
+
 #[test]
 fn purge_cascade_and_reroot() {
     let mut b = SessionBook::new();
