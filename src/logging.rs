@@ -23,21 +23,20 @@ static FILTER: RwLock<Option<env_filter::Filter>> = RwLock::new(None);
 
 struct Dynamic;
 
+/// llama-cpp-2's tracing spans ("init;", "load_from_file;") are noise
+/// below `warn`, whatever the directives say.
+fn noise(m: &log::Metadata) -> bool {
+    let noisy = m.target().starts_with("tracing::") || m.target().starts_with("llama_cpp_2");
+    noisy && m.level() > log::Level::Warn
+}
+
 impl log::Log for Dynamic {
     fn enabled(&self, m: &log::Metadata) -> bool {
-        // llama-cpp-2's tracing spans ("init;", "load_from_file;") are noise.
-        let noisy = m.target().starts_with("tracing::") || m.target().starts_with("llama_cpp_2");
-        if noisy && m.level() > log::Level::Warn {
-            return false;
-        }
-        read_filter().as_ref().is_some_and(|f| f.enabled(m))
+        !noise(m) && read_filter().as_ref().is_some_and(|f| f.enabled(m))
     }
     fn log(&self, record: &log::Record) {
-        if !self.enabled(record.metadata()) {
-            return;
-        }
-        // `matches` also applies a directive's `/regex` to the message.
-        if !read_filter().as_ref().is_some_and(|f| f.matches(record)) {
+        // `matches` is `enabled` plus a directive's `/regex` on the message.
+        if noise(record.metadata()) || !read_filter().as_ref().is_some_and(|f| f.matches(record)) {
             return;
         }
         if let Some(inner) = LOGGER.get() {
