@@ -1,26 +1,46 @@
-//! Logging: env_logger behind a level that `SetLogLevel` can change while
-//! the daemon runs. `RUST_LOG` sets the start (default `info`).
+//! Logging: env_logger's output behind one filter of env_logger directives
+//! (`superfluid::store=debug,info`) that `SetLogLevel` replaces while the
+//! daemon runs. `RUST_LOG` sets the start (default `info`); both are parsed
+//! by env_logger's own parser (the `env_filter` crate), and a directive it
+//! refuses is refused whole: the old filter stays.
 
-use std::sync::OnceLock;
+use std::sync::{OnceLock, RwLock};
 
+/// The longest directive `SetLogLevel` (or `RUST_LOG`) takes, in bytes,
+/// checked before parsing: a directive names a few targets, and its
+/// optional `/regex` is compiled for every filter swap.
+pub const MAX_DIRECTIVE_BYTES: usize = 1024;
+
+/// The directive when `RUST_LOG` is unset, empty or refused.
+const DEFAULT_DIRECTIVE: &str = "info";
+
+/// Formats and writes a record; passes everything, [`FILTER`] decides.
 static LOGGER: OnceLock<env_logger::Logger> = OnceLock::new();
+
+/// The directives in force, read for every record that passes
+/// `log::max_level`; `None` until [`init`].
+static FILTER: RwLock<Option<env_filter::Filter>> = RwLock::new(None);
 
 struct Dynamic;
 
+/// llama-cpp-2's tracing spans ("init;", "load_from_file;") are noise
+/// below `warn`, whatever the directives say.
+fn noise(m: &log::Metadata) -> bool {
+    let noisy = m.target().starts_with("tracing::") || m.target().starts_with("llama_cpp_2");
+    noisy && m.level() > log::Level::Warn
+}
+
 impl log::Log for Dynamic {
     fn enabled(&self, m: &log::Metadata) -> bool {
-        // llama-cpp-2's tracing spans ("init;", "load_from_file;") are noise.
-        let noisy = m.target().starts_with("tracing::") || m.target().starts_with("llama_cpp_2");
-        if noisy && m.level() > log::Level::Warn {
-            return false;
-        }
-        m.level() <= log::max_level()
+        !noise(m) && read_filter().as_ref().is_some_and(|f| f.enabled(m))
     }
     fn log(&self, record: &log::Record) {
-        if self.enabled(record.metadata()) {
-            if let Some(inner) = LOGGER.get() {
-                inner.log(record);
-            }
+        // `matches` is `enabled` plus a directive's `/regex` on the message.
+        if noise(record.metadata()) || !read_filter().as_ref().is_some_and(|f| f.matches(record)) {
+            return;
+        }
+        if let Some(inner) = LOGGER.get() {
+            inner.log(record);
         }
     }
     fn flush(&self) {
@@ -28,6 +48,57 @@ impl log::Log for Dynamic {
             inner.flush();
         }
     }
+}
+
+/// A panic while the lock was held cannot leave a half-written `Option`:
+/// the poisoned value is still whole.
+fn read_filter() -> std::sync::RwLockReadGuard<'static, Option<env_filter::Filter>> {
+    FILTER.read().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Parses `directive` with env_logger's parser: a level (`debug`), targets
+/// with levels (`superfluid::store=debug,warn`), a bare target (that target
+/// at `trace`, env_logger's rule), and an optional `/regex` on the message.
+/// Refuses an empty directive, one over [`MAX_DIRECTIVE_BYTES`], and any the
+/// parser reports an error for (`superfluid=loud`, `===`), naming it.
+pub fn parse_directive(directive: &str) -> Result<env_filter::Filter, String> {
+    if directive.len() > MAX_DIRECTIVE_BYTES {
+        return Err(format!(
+            "log directive is {} bytes; at most {MAX_DIRECTIVE_BYTES}",
+            directive.len()
+        ));
+    }
+    // env_logger reads no directive at all as `error`: say so instead.
+    if directive.split(',').all(|part| part.trim().is_empty()) {
+        return Err(
+            "empty log directive: use a level (error, warn, info, debug, trace, off) \
+             or env_logger directives such as \"superfluid::store=debug,info\""
+                .into(),
+        );
+    }
+    let mut builder = env_filter::Builder::new();
+    match builder.try_parse(directive) {
+        Ok(b) => Ok(b.build()),
+        Err(e) => Err(format!(
+            "invalid log directive {directive:?}: {e}; use a level (error, warn, info, debug, \
+             trace, off) or env_logger directives such as \"superfluid::store=debug,info\""
+        )),
+    }
+}
+
+/// `SetLogLevel`: replaces the filter with `directive`'s, or leaves the old
+/// one in force and says why not.
+pub fn set_directive(directive: &str) -> Result<(), String> {
+    install(parse_directive(directive)?);
+    Ok(())
+}
+
+/// Swaps the filter in, then lets the `log` macros through up to its most
+/// verbose directive (they skip the logger entirely above `max_level`).
+fn install(filter: env_filter::Filter) {
+    let level = filter.filter();
+    *FILTER.write().unwrap_or_else(|e| e.into_inner()) = Some(filter);
+    log::set_max_level(level);
 }
 
 /// Installs the logger once; later calls do nothing.
@@ -48,13 +119,29 @@ pub fn parse_worker_line(line: &str) -> Option<(log::Level, &str, &str)> {
     Some((level, parts.next()?, parts.next()?))
 }
 
+/// `RUST_LOG`'s filter, or `info`'s and the reason `RUST_LOG` was refused.
+fn start_filter(rust_log: Option<&str>) -> (env_filter::Filter, Option<String>) {
+    match rust_log.filter(|d| !d.trim().is_empty()) {
+        None => (default_filter(), None),
+        Some(d) => match parse_directive(d) {
+            Ok(filter) => (filter, None),
+            Err(e) => (
+                default_filter(),
+                Some(format!("RUST_LOG: {e}; logging at info")),
+            ),
+        },
+    }
+}
+
+fn default_filter() -> env_filter::Filter {
+    parse_directive(DEFAULT_DIRECTIVE).expect("the default directive parses")
+}
+
 fn init_with(worker: bool) {
     use std::io::Write;
-    let env = env_logger::Env::default().default_filter_or("info");
-    let mut builder = env_logger::Builder::from_env(env);
-    let start = builder.build();
-    let level = start.filter();
-    // The inner logger passes everything: the dynamic level decides.
+    let rust_log = std::env::var("RUST_LOG").ok();
+    let (filter, refused) = start_filter(rust_log.as_deref());
+    // The inner logger passes everything: the dynamic filter decides.
     let mut inner = env_logger::Builder::new();
     inner.filter_level(log::LevelFilter::Trace);
     if worker {
@@ -67,6 +154,116 @@ fn init_with(worker: bool) {
     }
     let inner = inner.build();
     if LOGGER.set(inner).is_ok() && log::set_logger(&Dynamic).is_ok() {
-        log::set_max_level(level);
+        install(filter);
+        if let Some(reason) = refused {
+            log::warn!("{reason}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use log::{Level, LevelFilter, Metadata};
+
+    fn enabled(f: &env_filter::Filter, target: &str, level: Level) -> bool {
+        f.enabled(&Metadata::builder().target(target).level(level).build())
+    }
+
+    #[test]
+    fn a_plain_level_is_a_global_directive() {
+        let f = parse_directive("debug").unwrap();
+        assert_eq!(f.filter(), LevelFilter::Debug);
+        assert!(enabled(&f, "superfluid::actors::session", Level::Debug));
+        assert!(!enabled(&f, "superfluid::store", Level::Trace));
+        assert_eq!(parse_directive("off").unwrap().filter(), LevelFilter::Off);
+        assert_eq!(
+            parse_directive(" WARN ").unwrap().filter(),
+            LevelFilter::Warn
+        );
+    }
+
+    #[test]
+    fn per_target_levels_do_not_collapse_into_one() {
+        let f = parse_directive("superfluid::store=debug,warn").unwrap();
+        assert_eq!(
+            f.filter(),
+            LevelFilter::Debug,
+            "max_level is the most verbose"
+        );
+        assert!(enabled(&f, "superfluid::store", Level::Debug));
+        assert!(enabled(&f, "superfluid::store::wal::writer", Level::Debug));
+        assert!(!enabled(&f, "superfluid::store::wal::writer", Level::Trace));
+        assert!(!enabled(&f, "superfluid::actors::session", Level::Debug));
+        assert!(!enabled(&f, "superfluid::actors::session", Level::Info));
+        assert!(enabled(&f, "superfluid::actors::session", Level::Warn));
+        // A directive list without a bare level logs nothing elsewhere.
+        let only = parse_directive("superfluid::store=info").unwrap();
+        assert!(!enabled(&only, "superfluid::http", Level::Error));
+    }
+
+    #[test]
+    fn garbage_is_refused_naming_the_directive() {
+        for bad in [
+            "superfluid=loud",
+            "===",
+            "a=b=c",
+            "info/x/y",
+            "superfluid::store=debug,x=9",
+        ] {
+            let e = parse_directive(bad).unwrap_err();
+            assert!(e.contains(&format!("{bad:?}")), "{bad}: {e}");
+            assert!(e.starts_with("invalid log directive"), "{bad}: {e}");
+        }
+        assert!(parse_directive("")
+            .unwrap_err()
+            .starts_with("empty log directive"));
+        assert!(parse_directive(" , ")
+            .unwrap_err()
+            .starts_with("empty log directive"));
+        assert!(
+            parse_directive("info,,").is_ok(),
+            "empty parts are skipped, as in RUST_LOG"
+        );
+    }
+
+    #[test]
+    fn the_length_is_capped_before_parsing() {
+        let long = "a".repeat(MAX_DIRECTIVE_BYTES + 1);
+        let e = parse_directive(&long).unwrap_err();
+        assert_eq!(
+            e,
+            format!("log directive is {} bytes; at most 1024", long.len())
+        );
+        assert!(!e.contains("aaaa"), "an overlong directive is not echoed");
+        assert!(parse_directive(&"a".repeat(MAX_DIRECTIVE_BYTES)).is_ok());
+    }
+
+    #[test]
+    fn rust_log_falls_back_to_info() {
+        let (f, why) = start_filter(None);
+        assert_eq!((f.filter(), why), (LevelFilter::Info, None));
+        let (f, why) = start_filter(Some(""));
+        assert_eq!((f.filter(), why), (LevelFilter::Info, None));
+        let (f, why) = start_filter(Some("superfluid::store=debug,warn"));
+        assert_eq!((f.filter(), why), (LevelFilter::Debug, None));
+        assert!(!enabled(&f, "superfluid::http", Level::Info));
+        let (f, why) = start_filter(Some("superfluid=loud"));
+        assert_eq!(f.filter(), LevelFilter::Info);
+        assert!(why.unwrap().contains("\"superfluid=loud\""));
+    }
+
+    /// The one test that touches the process-wide filter.
+    #[test]
+    fn a_refused_directive_leaves_the_old_filter() {
+        set_directive("superfluid::store=debug,warn").unwrap();
+        assert_eq!(log::max_level(), LevelFilter::Debug);
+        assert!(set_directive("superfluid=loud").is_err());
+        let now = read_filter();
+        let f = now.as_ref().unwrap();
+        assert!(enabled(f, "superfluid::store", Level::Debug));
+        assert!(!enabled(f, "superfluid::actors", Level::Info));
+        drop(now);
+        assert_eq!(log::max_level(), LevelFilter::Debug);
     }
 }

@@ -330,16 +330,11 @@ impl Handler<Dispatch> for Registry {
     }
 }
 
-/// `SetLogLevel`: a level name (`error`, `warn`, `info`, `debug`, `trace`,
-/// `off`) for the whole daemon.
+/// `SetLogLevel`: env_logger directives for the whole daemon
+/// (`crate::logging::parse_directive` says which).
 fn set_log_level(directive: &str) -> Response {
-    match directive.trim().parse::<log::LevelFilter>() {
-        Ok(level) => {
-            log::set_max_level(level);
-            Response::Ack
-        }
-        Err(_) => Response::err(format!(
-            "unknown log level {directive:?}: use error, warn, info, debug, trace or off"
-        )),
+    match crate::logging::set_directive(directive) {
+        Ok(()) => Response::Ack,
+        Err(message) => Response::err(message),
     }
 }

@@ -6,16 +6,18 @@
 //! Modules: `daemon` (the daemon as a process: durability, SIGKILL, torn
 //! tails, corruption, locks), `bad_input` (refused requests), `ordering`
 //! (no reply before its fsync), `generate` (generation on the real model),
-//! `web` and `browser` (the HTTP transport), `surface` (the tool-call
-//! ledger, `AppendBlock`, archived sessions, SessionBusy, flags refused
-//! together), `spec_json` (the wire types against the spec: JSON examples,
-//! every variant, postcard goldens), `worker` (`superfluid worker` over its
-//! pipe), `test_models` (the derived test models' metadata).
+//! `logging` (`RUST_LOG` and `SetLogLevel` directives), `web` and `browser`
+//! (the HTTP transport), `surface` (the tool-call ledger, `AppendBlock`,
+//! archived sessions, SessionBusy, flags refused together), `spec_json` (the
+//! wire types against the spec: JSON examples, every variant, postcard
+//! goldens), `worker` (`superfluid worker` over its pipe), `test_models` (the
+//! derived test models' metadata).
 
 mod bad_input;
 mod browser;
 mod daemon;
 mod generate;
+mod logging;
 mod ordering;
 mod spec_json;
 mod surface;

@@ -64,6 +64,8 @@ pub struct TestDaemon {
     pub extra_args: Vec<String>,
     /// The model `serve` loads (the default model unless a test sets another).
     pub model: PathBuf,
+    /// `RUST_LOG` of `serve` (`info` unless a test sets another).
+    pub rust_log: String,
     /// SIGKILL the daemon when the thread that spawned it exits (the shared
     /// daemon, which no `Drop` ever stops).
     die_with_spawner: bool,
@@ -86,6 +88,7 @@ impl TestDaemon {
             starts: 0,
             extra_args: Vec::new(),
             model: model_path(),
+            rust_log: "info".into(),
             die_with_spawner: false,
         }
     }
@@ -148,7 +151,7 @@ impl TestDaemon {
             .arg("--socket")
             .arg(socket)
             .args(extra)
-            .env("RUST_LOG", "info")
+            .env("RUST_LOG", &self.rust_log)
             .stdin(Stdio::null())
             .stdout(std::fs::File::create(&out).unwrap())
             .stderr(std::fs::File::create(&err).unwrap())

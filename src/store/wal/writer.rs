@@ -231,6 +231,12 @@ fn commit(
         });
     match result {
         Ok(()) => {
+            log::debug!(
+                "group commit: {} records, {} bytes at offset {}",
+                group.len(),
+                buf.len(),
+                file.end
+            );
             file.end += buf.len() as u64;
             shared.durable_len.store(file.end, Ordering::Release);
             shared
