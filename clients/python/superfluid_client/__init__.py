@@ -432,7 +432,7 @@ class Client:
         return s
 
     def list(self) -> List[int]:
-        """Every live session's id (``List``)."""
+        """The id of every session neither purged nor archived (``List``)."""
         return self._expect("Sessions", "List")["ids"]
 
     def sessions(self, include_archived: bool = False) -> List[Dict[str, Any]]:
