@@ -335,6 +335,6 @@ impl Handler<Dispatch> for Registry {
 fn set_log_level(directive: &str) -> Response {
     match crate::logging::set_directive(directive) {
         Ok(()) => Response::Ack,
-        Err(message) => Response::err(message),
+        Err(e) => Response::err(e.to_string()),
     }
 }
