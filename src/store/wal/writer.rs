@@ -415,7 +415,10 @@ mod tests {
         let ro = File::open(f.path()).unwrap();
         let f = WalFile { file: ro, ..f };
         let w = WalWriter::spawn(f, None).unwrap();
+        assert!(!w.stats().failed);
         let first = w.append(b"x".to_vec()).blocking_recv().unwrap();
+        // The health Metrics reports as superfluid_wal_failed.
+        assert!(w.stats().failed);
         assert!(
             matches!(first, Err(StoreError::WriterFailed(_))),
             "{first:?}"
