@@ -19,6 +19,13 @@ if [ ! -x /usr/bin/chromium ]; then
   $sudo apt-get update -qq >&2
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq chromium >&2
 fi
+# promtool (Debian's prometheus package) for tests/tests/metrics.rs: `promtool check metrics`.
+if ! command -v promtool >/dev/null; then
+  sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  echo "setup: installing prometheus (promtool)" >&2
+  $sudo apt-get update -qq >&2
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq prometheus >&2
+fi
 model=$("$(dirname "$0")/fetch-model.sh")
 # Test models derived from the default one by rewriting GGUF metadata (tools + thinking template,
 # FIM token ids): see make-test-models.py. Their paths go to stderr; the last line stays the model's.

@@ -5,6 +5,7 @@
 //! so the next request starts a fresh one.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
@@ -13,7 +14,8 @@ use super::session::{commit, name, Busy, SessionActor, SessionRequest, SessionSt
 use super::subscription::{self, SubscriptionActor};
 use super::{now_ms, Shared};
 use crate::session::SessionError;
-use crate::wire::{Request, Response, SessionId};
+use crate::store::WalStats;
+use crate::wire::{Finish, Request, Response, SessionId};
 
 /// How long a session actor may sit idle before it is stopped.
 pub const SESSION_IDLE_STOP_SECS: u64 = 60;
@@ -146,9 +148,81 @@ impl Registry {
     }
 }
 
+/// Generations ended in this process, by finish. Counted where a
+/// generation ends: the session actor's last reply and the forwarder of a
+/// generation without a session.
+pub struct Generations([AtomicU64; Finish::ALL.len()]);
+
+/// The daemon's generation counts (one daemon per process).
+pub static GENERATIONS: Generations = Generations([const { AtomicU64::new(0) }; Finish::ALL.len()]);
+
+impl Generations {
+    /// Counts one generation that ended with `finish`.
+    pub fn count(&self, finish: Finish) {
+        self.0[u8::from(finish) as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// `superfluid_generations_total{finish="..."}`, one line per finish.
+    fn metrics(&self) -> String {
+        let mut out = String::from(
+            "# HELP superfluid_generations_total Generations ended, by why they ended.\n\
+             # TYPE superfluid_generations_total counter\n",
+        );
+        for &f in Finish::ALL {
+            out.push_str(&format!(
+                "superfluid_generations_total{{finish=\"{}\"}} {}\n",
+                f.name().replace(' ', "_"),
+                self.0[u8::from(f) as usize].load(Ordering::Relaxed)
+            ));
+        }
+        out
+    }
+}
+
+/// The WAL writer's health and counters.
+fn wal_metrics(stats: WalStats) -> String {
+    let mut out = String::new();
+    metric(
+        &mut out,
+        "superfluid_wal_failed",
+        "gauge",
+        "1 once a write or fdatasync of the log failed (every commit is refused since), else 0.",
+        u8::from(stats.failed),
+    );
+    metric(
+        &mut out,
+        "superfluid_wal_records_total",
+        "counter",
+        "Records made durable.",
+        stats.records,
+    );
+    metric(
+        &mut out,
+        "superfluid_wal_fsyncs_total",
+        "counter",
+        "fdatasync calls of the log that completed (one per group commit).",
+        stats.fsyncs,
+    );
+    metric(
+        &mut out,
+        "superfluid_wal_bytes_total",
+        "counter",
+        "Bytes made durable, record headers included.",
+        stats.bytes,
+    );
+    out
+}
+
 /// The scheduler's counters, in the Prometheus exposition format.
 fn counters(stats: crate::scheduler::Stats) -> String {
     let mut out = String::new();
+    metric(
+        &mut out,
+        "superfluid_kv_cells_used",
+        "gauge",
+        "KV cells in use: tokens resident across the lane's sequences.",
+        stats.kv_cells_used,
+    );
     metric(
         &mut out,
         "superfluid_decode_steps_total",
@@ -293,14 +367,24 @@ impl Handler<Dispatch> for Registry {
             Request::Metrics => {
                 let gauges = self.gauges();
                 let lane = shared.lane.borrow().metrics();
+                let generations = GENERATIONS.metrics();
                 Box::pin(async move {
                     let stats = shared
                         .scheduler
                         .send(super::scheduler::GetStats)
                         .await
                         .unwrap_or_default();
+                    let wal = shared
+                        .wal
+                        .send(super::wal::GetWalStats)
+                        .await
+                        .unwrap_or_default();
                     Response::Text {
-                        text: format!("{gauges}{lane}{}", counters(stats)),
+                        text: format!(
+                            "{gauges}{lane}{}{generations}{}",
+                            counters(stats),
+                            wal_metrics(wal)
+                        ),
                     }
                 })
             }

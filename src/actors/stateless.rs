@@ -9,9 +9,10 @@
 use actix::prelude::*;
 use tokio::sync::mpsc;
 
+use super::registry::GENERATIONS;
 use super::scheduler::{AdmitGen, CancelGen, GenUpdate, SchedulerActor};
 use crate::scheduler::{Admit, GenEvent, SchedulerError};
-use crate::wire::{Params, QosClass, Token};
+use crate::wire::{Finish, Params, QosClass, Token};
 
 /// The scheduler's session id for generations without a session.
 pub const NO_SESSION: u64 = 0;
@@ -89,6 +90,11 @@ impl Handler<GenUpdate> for Forwarder {
 
     fn handle(&mut self, msg: GenUpdate, ctx: &mut Context<Self>) {
         let (gen, done) = (msg.0.gen(), msg.0.ends());
+        match &msg.0 {
+            GenEvent::Finished { finish, .. } => GENERATIONS.count(*finish),
+            GenEvent::Failed { .. } => GENERATIONS.count(Finish::Error),
+            _ => {}
+        }
         if self.tx.try_send(msg.0).is_err() && !self.cancelled {
             self.cancelled = true;
             self.scheduler.do_send(CancelGen(gen));

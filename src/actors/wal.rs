@@ -5,7 +5,7 @@
 
 use actix::prelude::*;
 
-use crate::store::{Durable, StoreError, WalWriter, WriterFailure};
+use crate::store::{Durable, StoreError, WalStats, WalWriter, WriterFailure};
 
 /// Append one encoded record; resolves once it is durable.
 #[derive(Message)]
@@ -16,6 +16,12 @@ pub struct Commit(pub Vec<u8>);
 #[derive(Message)]
 #[rtype(result = "()")]
 pub struct Shutdown;
+
+/// The writer thread's counters and health (for Metrics); the default
+/// once it is shut down.
+#[derive(Message)]
+#[rtype(result = "WalStats")]
+pub struct GetWalStats;
 
 pub struct WalActor {
     writer: Option<WalWriter>,
@@ -65,5 +71,18 @@ impl Handler<Shutdown> for WalActor {
         if let Some(w) = self.writer.take() {
             w.shutdown();
         }
+    }
+}
+
+impl Handler<GetWalStats> for WalActor {
+    type Result = MessageResult<GetWalStats>;
+
+    fn handle(&mut self, _: GetWalStats, _: &mut Context<Self>) -> Self::Result {
+        MessageResult(
+            self.writer
+                .as_ref()
+                .map(WalWriter::stats)
+                .unwrap_or_default(),
+        )
     }
 }

@@ -186,6 +186,9 @@ pub struct Stats {
     /// llama.cpp decode calls took, in microseconds.
     pub decoded_tokens: u64,
     pub decode_us: u64,
+    /// KV cells in use: tokens resident across sequences, as the scheduler
+    /// models them (filled in by `stats`, not counted).
+    pub kv_cells_used: u64,
 }
 
 /// The scheduler of one lane.
@@ -327,7 +330,10 @@ impl SchedulerState {
     }
 
     pub fn stats(&self) -> Stats {
-        self.stats
+        Stats {
+            kv_cells_used: self.seqs.iter().map(|s| s.resident.len() as u64).sum(),
+            ..self.stats
+        }
     }
 
     /// What a sequence holds (for tests and metrics).

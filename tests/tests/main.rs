@@ -6,7 +6,8 @@
 //! Modules: `daemon` (the daemon as a process: durability, SIGKILL, torn
 //! tails, corruption, locks), `bad_input` (refused requests), `ordering`
 //! (no reply before its fsync), `generate` (generation on the real model),
-//! `logging` (`RUST_LOG` and `SetLogLevel` directives), `web` and `browser`
+//! `logging` (`RUST_LOG` and `SetLogLevel` directives), `metrics` (the
+//! `Metrics` text, checked by promtool), `web` and `browser`
 //! (the HTTP transport), `surface` (the tool-call ledger, `AppendBlock`,
 //! archived sessions, SessionBusy, flags refused together), `spec_json` (the
 //! wire types against the spec: JSON examples, every variant, postcard
@@ -18,6 +19,7 @@ mod browser;
 mod daemon;
 mod generate;
 mod logging;
+mod metrics;
 mod ordering;
 mod spec_json;
 mod surface;

@@ -135,6 +135,11 @@ impl SessionActor {
         let Some(g) = self.generation.take() else {
             return;
         };
+        let finish = match g.failed {
+            Some(_) => Finish::Error,
+            None => g.output.finished().unwrap_or(Finish::Error),
+        };
+        crate::actors::registry::GENERATIONS.count(finish);
         let last = match g.failed {
             Some(message) => Response::Err { message },
             None => Response::Generated {

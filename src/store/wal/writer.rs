@@ -5,7 +5,7 @@
 //! past a failure. [`WalWriter::append`] never blocks its caller.
 
 use std::os::unix::fs::FileExt;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 
@@ -36,6 +36,8 @@ pub struct WalStats {
     pub fsyncs: u64,
     /// Bytes made durable (record headers included).
     pub bytes: u64,
+    /// A write or fdatasync failed: the writer refuses every append since.
+    pub failed: bool,
 }
 
 type Reply = oneshot::Sender<Result<Durable, StoreError>>;
@@ -53,6 +55,7 @@ struct Shared {
     records: AtomicU64,
     fsyncs: AtomicU64,
     bytes: AtomicU64,
+    failed: AtomicBool,
 }
 
 /// Cheap, cloneable handle to the `wal-writer` thread.
@@ -108,6 +111,7 @@ impl WalWriter {
             records: self.shared.records.load(Ordering::Relaxed),
             fsyncs: self.shared.fsyncs.load(Ordering::Relaxed),
             bytes: self.shared.bytes.load(Ordering::Relaxed),
+            failed: self.shared.failed.load(Ordering::Relaxed),
         }
     }
 
@@ -250,6 +254,7 @@ fn commit(
         }
         Err(reason) => {
             log::error!("WAL writer failed; refusing all further appends: {reason}");
+            shared.failed.store(true, Ordering::Relaxed);
             // The group was refused, so its bytes must not come back on the
             // next start: cut them off again, as far as the disk lets us.
             if file
@@ -410,7 +415,10 @@ mod tests {
         let ro = File::open(f.path()).unwrap();
         let f = WalFile { file: ro, ..f };
         let w = WalWriter::spawn(f, None).unwrap();
+        assert!(!w.stats().failed);
         let first = w.append(b"x".to_vec()).blocking_recv().unwrap();
+        // The health Metrics reports as superfluid_wal_failed.
+        assert!(w.stats().failed);
         assert!(
             matches!(first, Err(StoreError::WriterFailed(_))),
             "{first:?}"

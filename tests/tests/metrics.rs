@@ -1,0 +1,211 @@
+//! The `Metrics` text: generations by finish, KV cells in use, the WAL
+//! writer's health, and a text `promtool check metrics` accepts.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::Write;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use superfluid::frontend::socket::Client;
+use superfluid::wire::{Finish, Params, Record, Request, Response, Role, SessionId};
+
+use crate::util::{commit, created, params, TestDaemon};
+
+fn asked(c: &mut Client, p: Params) -> SessionId {
+    let s = created(
+        c,
+        Request::Create {
+            parent: None,
+            params: p,
+        },
+    );
+    commit(
+        c,
+        Request::AppendMessage {
+            session: s,
+            role: Role::User.into(),
+            text: "Write a long story about a lighthouse keeper and a storm.".into(),
+        },
+    );
+    s
+}
+
+fn metrics(d: &TestDaemon) -> String {
+    match d.call(&Request::Metrics) {
+        Response::Text { text } => text,
+        other => panic!("Metrics answered {other:?}"),
+    }
+}
+
+/// Every sample line as (name with labels, value); panics on a line the
+/// exposition format does not allow, or a sample whose family has no TYPE.
+fn samples(text: &str) -> BTreeMap<String, f64> {
+    let mut typed = BTreeSet::new();
+    let mut out = BTreeMap::new();
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = rest.split_once(' ').expect(line);
+            assert!(["counter", "gauge"].contains(&kind), "{line}");
+            assert!(typed.insert(name.to_string()), "TYPE twice: {line}");
+            continue;
+        }
+        if line.starts_with("# HELP ") {
+            continue;
+        }
+        let (series, value) = line.rsplit_once(' ').expect(line);
+        let family = series.split('{').next().unwrap();
+        assert!(typed.contains(family), "no TYPE before {line}");
+        assert!(
+            family
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_'),
+            "{line}"
+        );
+        let value: f64 = value.parse().unwrap_or_else(|_| panic!("{line}"));
+        assert!(out.insert(series.to_string(), value).is_none(), "{line}");
+    }
+    out
+}
+
+fn value(s: &BTreeMap<String, f64>, series: &str) -> f64 {
+    *s.get(series)
+        .unwrap_or_else(|| panic!("{series} missing in {s:?}"))
+}
+
+fn finish_label(f: Finish) -> String {
+    f.name().replace(' ', "_")
+}
+
+/// The generations counted so far, by finish label.
+fn by_finish(s: &BTreeMap<String, f64>) -> BTreeMap<String, f64> {
+    Finish::ALL
+        .iter()
+        .map(|&f| {
+            let label = finish_label(f);
+            let v = value(
+                s,
+                &format!("superfluid_generations_total{{finish=\"{label}\"}}"),
+            );
+            (label, v)
+        })
+        .collect()
+}
+
+#[test]
+fn generations_by_finish_kv_cells_and_wal_health() {
+    // The model with FIM tokens, so `Complete` runs a generation without a session.
+    let mut d = TestDaemon::new();
+    d.model = crate::util::derived_model("SmolLM2-135M-fim.gguf");
+    d.spawn_and_wait();
+    let mut c = d.client();
+    let before = samples(&metrics(&d));
+    assert!(by_finish(&before).values().all(|&v| v == 0.0), "{before:?}");
+    assert_eq!(value(&before, "superfluid_wal_failed"), 0.0);
+    let fsyncs_before = value(&before, "superfluid_wal_fsyncs_total");
+
+    // One generation cut by max_tokens.
+    let s = asked(&mut c, params(1));
+    let replies = c
+        .generate(&Request::Generate {
+            session: s,
+            max_tokens: 3,
+        })
+        .unwrap();
+    let Some(Response::Generated { finish, .. }) = replies.last() else {
+        panic!("{replies:?}")
+    };
+    assert_eq!(*finish, Finish::MaxTokens);
+
+    // One cancelled once its first chunk is committed.
+    let s = asked(&mut c, params(2));
+    let socket = d.socket.clone();
+    let gen = std::thread::spawn(move || {
+        let mut c = Client::connect(&socket).unwrap();
+        c.generate(&Request::Generate {
+            session: s,
+            max_tokens: 400,
+        })
+        .unwrap()
+    });
+    while !d
+        .read_all(s)
+        .iter()
+        .any(|e| matches!(e.body, Record::Generated { .. }))
+    {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let cancel = c.call(&Request::Cancel { session: s }).unwrap();
+    let replies = gen.join().unwrap();
+    let Some(Response::Generated { finish: second, .. }) = replies.last() else {
+        panic!("{replies:?}")
+    };
+    assert_eq!(cancel, Response::Cancelling);
+    assert_eq!(*second, Finish::Cancelled);
+
+    // One without a session.
+    let reply = c
+        .call(&Request::Complete {
+            prefix: "def add(a, b):\n    return ".into(),
+            suffix: "\n".into(),
+            mode: 0,
+            max_tokens: 2,
+        })
+        .unwrap();
+    assert!(matches!(reply, Response::Completion { .. }), "{reply:?}");
+
+    let text = metrics(&d);
+    let after = samples(&text);
+    let counts = by_finish(&after);
+    let mut expected: BTreeMap<String, f64> = Finish::ALL
+        .iter()
+        .map(|&f| (finish_label(f), 0.0))
+        .collect();
+    *expected.get_mut("max_tokens").unwrap() += 1.0;
+    *expected.get_mut("cancelled").unwrap() += 1.0;
+    // The completion ended somehow: one more generation, on some finish.
+    let total: f64 = counts.values().sum();
+    assert_eq!(total, 3.0, "{text}");
+    for (label, want) in &expected {
+        assert!(counts[label] >= *want, "{label}: {text}");
+    }
+    assert!(value(&after, "superfluid_kv_cells_used") > 0.0, "{text}");
+    assert_eq!(value(&after, "superfluid_wal_failed"), 0.0, "{text}");
+    assert!(
+        value(&after, "superfluid_wal_fsyncs_total") > fsyncs_before,
+        "{text}"
+    );
+    assert_eq!(
+        value(&after, "superfluid_lane_state{state=\"ready\"}"),
+        1.0,
+        "{text}"
+    );
+    promtool_accepts(&text);
+}
+
+/// `promtool check metrics` (Debian's `prometheus` package; scripts/setup.sh
+/// installs it) accepts the text, lint included.
+fn promtool_accepts(text: &str) {
+    let mut child = match Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+    {
+        Ok(c) => c,
+        Err(e) => panic!("promtool did not start ({e}); run scripts/setup.sh"),
+    };
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "promtool check metrics: {}{}\n{text}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
