@@ -269,6 +269,7 @@ pub fn start_actors(
         lane,
         n_ctx: w.n_ctx,
         bus: crate::actors::bus::Bus::new(config.sub_buffer),
+        generations: Arc::default(),
     }
 }
 

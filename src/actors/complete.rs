@@ -83,7 +83,10 @@ pub async fn complete(
         max_tokens,
         grammar: None,
     };
-    let mut rx = match generation.start(&shared.scheduler).await {
+    let mut rx = match generation
+        .start(&shared.scheduler, shared.generations.clone())
+        .await
+    {
         Ok(rx) => rx,
         Err(e) => return Response::err(e.to_string()),
     };

@@ -61,6 +61,9 @@ pub struct Shared {
     pub n_ctx: u32,
     /// Committed events, published to live subscriptions.
     pub bus: bus::Bus,
+    /// Generations ended, by finish (the `superfluid_generations_total`
+    /// metric).
+    pub generations: Arc<registry::Generations>,
 }
 
 /// Why a record was not committed.

@@ -148,13 +148,11 @@ impl Registry {
     }
 }
 
-/// Generations ended in this process, by finish. Counted where a
-/// generation ends: the session actor's last reply and the forwarder of a
-/// generation without a session.
+/// Generations ended, by finish (in `Shared`). Counted where a generation
+/// ends: the session actor's last reply and the forwarder of a generation
+/// without a session.
+#[derive(Default)]
 pub struct Generations([AtomicU64; Finish::ALL.len()]);
-
-/// The daemon's generation counts (one daemon per process).
-pub static GENERATIONS: Generations = Generations([const { AtomicU64::new(0) }; Finish::ALL.len()]);
 
 impl Generations {
     /// Counts one generation that ended with `finish`.
@@ -367,7 +365,7 @@ impl Handler<Dispatch> for Registry {
             Request::Metrics => {
                 let gauges = self.gauges();
                 let lane = shared.lane.borrow().metrics();
-                let generations = GENERATIONS.metrics();
+                let generations = shared.generations.metrics();
                 Box::pin(async move {
                     let stats = shared
                         .scheduler

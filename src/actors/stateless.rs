@@ -6,10 +6,12 @@
 //! Such generations run as session 0 ([`NO_SESSION`]) in the scheduler, so
 //! they share sequences, and so cached prefixes, with one another.
 
+use std::sync::Arc;
+
 use actix::prelude::*;
 use tokio::sync::mpsc;
 
-use super::registry::GENERATIONS;
+use super::registry::Generations;
 use super::scheduler::{AdmitGen, CancelGen, GenUpdate, SchedulerActor};
 use crate::scheduler::{Admit, GenEvent, SchedulerError};
 use crate::wire::{Finish, Params, QosClass, Token};
@@ -42,6 +44,7 @@ impl StatelessGen {
     pub async fn start(
         self,
         scheduler: &Addr<SchedulerActor>,
+        generations: Arc<Generations>,
     ) -> Result<mpsc::Receiver<GenEvent>, StatelessError> {
         // Every event fits: at most one per token, plus Started and the end.
         let (tx, rx) = mpsc::channel(self.max_tokens as usize + 4);
@@ -49,6 +52,7 @@ impl StatelessGen {
             tx,
             cancelled: false,
             scheduler: scheduler.clone(),
+            generations,
         }
         .start();
         let admit = Admit {
@@ -79,6 +83,8 @@ struct Forwarder {
     tx: mpsc::Sender<GenEvent>,
     cancelled: bool,
     scheduler: Addr<SchedulerActor>,
+    /// Where its end is counted.
+    generations: Arc<Generations>,
 }
 
 impl Actor for Forwarder {
@@ -91,8 +97,8 @@ impl Handler<GenUpdate> for Forwarder {
     fn handle(&mut self, msg: GenUpdate, ctx: &mut Context<Self>) {
         let (gen, done) = (msg.0.gen(), msg.0.ends());
         match &msg.0 {
-            GenEvent::Finished { finish, .. } => GENERATIONS.count(*finish),
-            GenEvent::Failed { .. } => GENERATIONS.count(Finish::Error),
+            GenEvent::Finished { finish, .. } => self.generations.count(*finish),
+            GenEvent::Failed { .. } => self.generations.count(Finish::Error),
             _ => {}
         }
         if self.tx.try_send(msg.0).is_err() && !self.cancelled {

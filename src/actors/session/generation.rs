@@ -139,7 +139,7 @@ impl SessionActor {
             Some(_) => Finish::Error,
             None => g.output.finished().unwrap_or(Finish::Error),
         };
-        crate::actors::registry::GENERATIONS.count(finish);
+        self.shared.generations.count(finish);
         let last = match g.failed {
             Some(message) => Response::Err { message },
             None => Response::Generated {
