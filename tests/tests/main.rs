@@ -11,8 +11,9 @@
 //! (the HTTP transport), `surface` (the tool-call ledger, `AppendBlock`,
 //! archived sessions, SessionBusy, flags refused together), `spec_json` (the
 //! wire types against the spec: JSON examples, every variant, postcard
-//! goldens), `worker` (`superfluid worker` over its pipe), `test_models` (the
-//! derived test models' metadata).
+//! goldens), `surface_more` (`Throttled` on the socket, /web/ws and
+//! /web/rpc's 429; /web/health open to any Host), `worker` (`superfluid
+//! worker` over its pipe), `test_models` (the derived test models' metadata).
 
 mod bad_input;
 mod browser;
@@ -23,6 +24,7 @@ mod metrics;
 mod ordering;
 mod spec_json;
 mod surface;
+mod surface_more;
 mod test_models;
 mod util;
 mod web;
