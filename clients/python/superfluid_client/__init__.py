@@ -496,10 +496,8 @@ class Stream:
     With ``provisional`` (the default of :meth:`Session.stream`) text arrives
     token by token ahead of its commit; committed text then fills in what the
     provisional text had not shown, so the chunks add up to the committed
-    text when the provisional lines are complete. (The daemon currently
-    leaves out of the provisional lines the token at which each commit is
-    cut; that token is shown when its commit arrives, which can be after
-    later provisional text. ``reply.text`` is always the committed text.)
+    text (every drawn token's text arrives provisionally first).
+    ``reply.text`` is always the committed text.
     ``committed`` lists every committed event received so far
     (also after a broken connection), ``reply`` is the :class:`Reply` once the
     stream ended. Closing the stream early (``close()``, leaving a ``for``
