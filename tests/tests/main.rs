@@ -19,6 +19,7 @@ mod bad_input;
 mod browser;
 mod daemon;
 mod generate;
+mod http;
 mod logging;
 mod metrics;
 mod ordering;

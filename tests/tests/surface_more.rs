@@ -2,13 +2,13 @@
 //! transport (the socket, /web/ws, and /web/rpc's `429` with `Retry-After`),
 //! and /web/health open to any Host while every other route refuses one.
 
-use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
 use serde_json::Value;
 use superfluid::wire::{Request, Response};
 
+use crate::http::{request, Reply};
 use crate::util::{derived_model, Raw, TestDaemon};
 
 const ORIGIN: &str = "http://localhost:5173";
@@ -109,65 +109,9 @@ fn burst() -> Vec<Request> {
     requests
 }
 
-// ---- a minimal HTTP/1.1 client (Connection: close, read to EOF) -------------
-
-struct Reply {
-    status: u16,
-    headers: Vec<(String, String)>,
-    body: Vec<u8>,
-}
-
-impl Reply {
-    fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(n, _)| n.eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.as_str())
-    }
-}
-
-fn http(port: u16, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Reply {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
-    let mut req = format!("{method} {path} HTTP/1.1\r\n");
-    if !headers.iter().any(|(n, _)| n.eq_ignore_ascii_case("host")) {
-        req.push_str(&format!("Host: 127.0.0.1:{port}\r\n"));
-    }
-    for (n, v) in headers {
-        req.push_str(&format!("{n}: {v}\r\n"));
-    }
-    if !headers
-        .iter()
-        .any(|(n, _)| n.eq_ignore_ascii_case("connection"))
-    {
-        req.push_str("Connection: close\r\n");
-    }
-    req.push_str(&format!("Content-Length: {}\r\n\r\n", body.len()));
-    s.write_all(req.as_bytes()).unwrap();
-    s.write_all(body).unwrap();
-    let mut raw = Vec::new();
-    let _ = s.read_to_end(&mut raw);
-    let end = raw
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .unwrap_or_else(|| panic!("no head: {}", String::from_utf8_lossy(&raw)));
-    let head = String::from_utf8_lossy(&raw[..end]).into_owned();
-    let mut lines = head.split("\r\n");
-    let status = lines.next().unwrap().split(' ').nth(1).unwrap().parse();
-    let headers = lines
-        .filter_map(|l| l.split_once(':'))
-        .map(|(n, v)| (n.trim().to_string(), v.trim().to_string()))
-        .collect();
-    Reply {
-        status: status.unwrap(),
-        headers,
-        body: raw[end + 4..].to_vec(),
-    }
-}
-
-fn rpc(port: u16, token: &str, request: &Request) -> Reply {
+fn rpc(port: u16, token: &str, req: &Request) -> Reply {
     let auth = format!("Bearer {token}");
-    http(
+    request(
         port,
         "POST",
         "/web/rpc",
@@ -176,7 +120,7 @@ fn rpc(port: u16, token: &str, request: &Request) -> Reply {
             ("Authorization", &auth),
             ("X-Superfluid-CSRF", token),
         ],
-        serde_json::to_string(request).unwrap().as_bytes(),
+        serde_json::to_string(req).unwrap().as_bytes(),
     )
 }
 
@@ -295,7 +239,7 @@ fn health_answers_any_host_and_every_other_route_refuses_a_foreign_one() {
         Some("rebound.example"),
     ] {
         let headers: Vec<(&str, &str)> = host.iter().map(|h| ("Host", *h)).collect();
-        let reply = http(port, "GET", "/web/health", &headers, b"");
+        let reply = request(port, "GET", "/web/health", &headers, b"");
         assert_eq!(reply.status, 200, "Host {host:?}");
         let body: Value = serde_json::from_slice(&reply.body).unwrap();
         assert_eq!(body["ok"], Value::Bool(true), "{body}");
@@ -312,7 +256,7 @@ fn health_answers_any_host_and_every_other_route_refuses_a_foreign_one() {
         ]
     };
     for path in ["/web/rpc", "/web/stream"] {
-        let reply = http(
+        let reply = request(
             port,
             "POST",
             path,
@@ -323,7 +267,7 @@ fn health_answers_any_host_and_every_other_route_refuses_a_foreign_one() {
     }
     let good = rpc(port, &token, &Request::List);
     assert_eq!(good.status, 200);
-    let ws = http(
+    let ws = request(
         port,
         "GET",
         "/web/ws",

@@ -3,7 +3,7 @@
 //! written by hand over `TcpStream` (HTTP/1.1, `Connection: close`), so the
 //! tests see and send exact bytes; the WebSocket client is tungstenite's.
 
-use std::io::{Read, Write};
+use std::io::Read;
 use std::net::TcpStream;
 use std::os::unix::fs::PermissionsExt;
 use std::time::{Duration, Instant};
@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use superfluid::wire::{Finish, Record, Request, Response, Role};
 
+use crate::http::{connect, read_head, request, send_request, Reply};
 use crate::util::{commit, created, params, Raw, TestDaemon};
 
 const ORIGIN: &str = "http://localhost:5173";
@@ -48,149 +49,6 @@ fn web_of(d: &TestDaemon) -> Web {
         .unwrap();
     let token = std::fs::read_to_string(d.sessions.join("web-token")).unwrap();
     Web { port, token }
-}
-
-// ---- a minimal HTTP/1.1 client ---------------------------------------------
-
-struct Reply {
-    status: u16,
-    headers: Vec<(String, String)>,
-    body: Vec<u8>,
-}
-
-impl Reply {
-    fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(n, _)| n.eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.as_str())
-    }
-    fn json(&self) -> Value {
-        serde_json::from_slice(&self.body)
-            .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&self.body)))
-    }
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.body).into_owned()
-    }
-}
-
-fn connect(port: u16) -> TcpStream {
-    let s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
-    s
-}
-
-/// Writes a request; `headers` replace the default Host when they name one.
-fn send_request(
-    s: &mut TcpStream,
-    port: u16,
-    method: &str,
-    path: &str,
-    headers: &[(&str, &str)],
-    body: &[u8],
-) {
-    let mut req = format!("{method} {path} HTTP/1.1\r\n");
-    if !headers.iter().any(|(n, _)| n.eq_ignore_ascii_case("host")) {
-        req.push_str(&format!("Host: 127.0.0.1:{port}\r\n"));
-    }
-    for (n, v) in headers {
-        req.push_str(&format!("{n}: {v}\r\n"));
-    }
-    if method == "POST"
-        && !headers
-            .iter()
-            .any(|(n, _)| n.eq_ignore_ascii_case("content-length"))
-    {
-        req.push_str(&format!("Content-Length: {}\r\n", body.len()));
-    }
-    req.push_str("Connection: close\r\n\r\n");
-    s.write_all(req.as_bytes()).unwrap();
-    s.write_all(body).unwrap();
-}
-
-/// Reads the status line and headers; returns them and the bytes after.
-fn read_head(s: &mut TcpStream) -> (u16, Vec<(String, String)>, Vec<u8>) {
-    let mut buf = Vec::new();
-    let mut b = [0u8; 4096];
-    let end = loop {
-        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            break i;
-        }
-        let n = s.read(&mut b).unwrap();
-        assert!(
-            n > 0,
-            "closed before the headers: {}",
-            String::from_utf8_lossy(&buf)
-        );
-        buf.extend_from_slice(&b[..n]);
-    };
-    let head = String::from_utf8(buf[..end].to_vec()).unwrap();
-    let mut lines = head.split("\r\n");
-    let status = lines
-        .next()
-        .unwrap()
-        .split(' ')
-        .nth(1)
-        .unwrap()
-        .parse()
-        .unwrap();
-    let headers = lines
-        .filter_map(|l| l.split_once(':'))
-        .map(|(n, v)| (n.trim().to_string(), v.trim().to_string()))
-        .collect();
-    (status, headers, buf[end + 4..].to_vec())
-}
-
-fn dechunk(mut raw: &[u8]) -> Vec<u8> {
-    let mut out = Vec::new();
-    loop {
-        let Some(i) = raw.windows(2).position(|w| w == b"\r\n") else {
-            return out;
-        };
-        let size =
-            usize::from_str_radix(std::str::from_utf8(&raw[..i]).unwrap().trim(), 16).unwrap();
-        if size == 0 {
-            return out;
-        }
-        out.extend_from_slice(&raw[i + 2..i + 2 + size]);
-        raw = &raw[i + 2 + size + 2..];
-    }
-}
-
-fn request(port: u16, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Reply {
-    let mut s = connect(port);
-    send_request(&mut s, port, method, path, headers, body);
-    let (status, headers, mut rest) = read_head(&mut s);
-    let chunked = headers
-        .iter()
-        .any(|(n, v)| n.eq_ignore_ascii_case("transfer-encoding") && v.contains("chunked"));
-    let length = headers
-        .iter()
-        .find(|(n, _)| n.eq_ignore_ascii_case("content-length"))
-        .map(|(_, v)| v.parse::<usize>().unwrap());
-    // Read what the headers announce rather than to EOF: a server closes
-    // a connection whose request body it did not read only after a delay.
-    let mut b = [0u8; 8192];
-    loop {
-        let complete = match length {
-            Some(n) => rest.len() >= n,
-            None => chunked && rest.ends_with(b"0\r\n\r\n"),
-        };
-        if complete {
-            break;
-        }
-        let n = s.read(&mut b).unwrap();
-        if n == 0 {
-            break;
-        }
-        rest.extend_from_slice(&b[..n]);
-    }
-    let body = if chunked { dechunk(&rest) } else { rest };
-    Reply {
-        status,
-        headers,
-        body,
-    }
 }
 
 impl Web {
