@@ -186,16 +186,7 @@ fn cancel_busy_and_fork_while_generating() {
     });
     // Wait for the first committed chunk, then poke it from a second connection.
     let mut other = d.client();
-    loop {
-        let events = d.read_all(s);
-        if events
-            .iter()
-            .any(|e| matches!(e.body, Record::Generated { .. }))
-        {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    d.until_generated(s);
     let busy = expect_err(
         &mut other,
         &Request::AppendMessage {
@@ -294,15 +285,7 @@ fn worker_killed_mid_generation() {
         })
         .unwrap()
     });
-    loop {
-        if d.read_all(s)
-            .iter()
-            .any(|e| matches!(e.body, Record::Generated { .. }))
-        {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    d.until_generated(s);
     let worker = worker_pid(d.pid());
     unsafe { libc::kill(worker as i32, libc::SIGKILL) };
     let replies = gen.join().unwrap();

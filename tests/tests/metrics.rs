@@ -4,10 +4,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 use std::process::{Command, Stdio};
-use std::time::Duration;
 
 use superfluid::frontend::socket::Client;
-use superfluid::wire::{Finish, Params, Record, Request, Response, Role, SessionId};
+use superfluid::wire::{Finish, Params, Request, Response, Role, SessionId};
 
 use crate::util::{commit, created, params, TestDaemon};
 
@@ -127,13 +126,7 @@ fn generations_by_finish_kv_cells_and_wal_health() {
         })
         .unwrap()
     });
-    while !d
-        .read_all(s)
-        .iter()
-        .any(|e| matches!(e.body, Record::Generated { .. }))
-    {
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    d.until_generated(s);
     let cancel = c.call(&Request::Cancel { session: s }).unwrap();
     let replies = gen.join().unwrap();
     let Some(Response::Generated { finish: second, .. }) = replies.last() else {

@@ -8,8 +8,6 @@
 //! session at its end once per case: every fork shares the same `ToolUse`
 //! (same call id) and keeps a ledger of its own.
 
-use std::time::Duration;
-
 use serde_json::json;
 use superfluid::frontend::socket::Client;
 use superfluid::wire::{
@@ -658,13 +656,7 @@ fn a_second_generate_is_refused_while_the_first_runs() {
             .unwrap()
     });
     // The first generation has committed a chunk: it runs.
-    while !d
-        .read_all(s)
-        .iter()
-        .any(|e| matches!(e.body, Record::Generated { .. }))
-    {
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    d.until_generated(s);
     let mut other = d.client();
     let second = other
         .generate(&Request::Generate {

@@ -300,6 +300,23 @@ impl TestDaemon {
         }
     }
 
+    /// Waits until session `s` has committed a `Generated` chunk: its
+    /// generation runs. Panics after a minute.
+    pub fn until_generated(&self, s: SessionId) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while !self
+            .read_all(s)
+            .iter()
+            .any(|e| matches!(e.body, superfluid::wire::Record::Generated { .. }))
+        {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "session {s} committed no Generated chunk"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    }
+
     pub fn read_all(&self, s: SessionId) -> Vec<Event> {
         match self.call(&Request::Read {
             session: s,
