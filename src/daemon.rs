@@ -17,7 +17,8 @@ use crate::engine::template::normalize_tool;
 use crate::engine::vocab::Vocab;
 use crate::engine::EngineError;
 use crate::frontend::socket::SocketError;
-use crate::http::StartError;
+use crate::http::compat::ModelInfo;
+use crate::http::{StartError, WebConfig};
 use crate::scheduler::SchedulerState;
 use crate::session::{ChatMessage, Render, RenderError, SessionBook};
 use crate::store::{self, DirLock, OpenMode, StoreError, WalWriter};
@@ -296,18 +297,35 @@ async fn run(
     );
     let web = match web_listener {
         Some(l) => {
-            let origins = config.web.as_ref().map(|w| w.origins.clone());
+            let web_config = config.web.clone().unwrap_or_else(|| WebConfig {
+                addr: l.local_addr().unwrap_or_else(|_| ([127, 0, 0, 1], 0).into()),
+                origins: Vec::new(),
+                api_key: None,
+            });
+            let model = ModelInfo::from_path(&config.model, now_ms() / 1000);
             let web = crate::http::start(
                 l,
-                origins.unwrap_or_default(),
+                &web_config,
                 &config.sessions,
                 registry.clone(),
-                shared.lane.clone(),
+                shared.clone(),
+                model.clone(),
             )?;
+            let key = if web_config.api_key.is_some() {
+                format!("--api-key, or the token in {}", web.token_path.display())
+            } else {
+                format!("the token in {}", web.token_path.display())
+            };
             println!(
                 "superfluid: browser transport listening on http://{} (token in {})",
                 web.addr,
                 web.token_path.display()
+            );
+            println!(
+                "superfluid: OpenAI API at http://{addr}/v1 , Anthropic API at http://{addr} , \
+                 Prometheus metrics at http://{addr}/metrics (model {:?}; key: {key})",
+                model.id,
+                addr = web.addr,
             );
             Some(web)
         }

@@ -91,6 +91,11 @@ struct Serve {
     /// request sends one), e.g. http://localhost:5173. Repeatable.
     #[arg(long, value_name = "ORIGIN", requires = "web")]
     web_origin: Vec<String>,
+    /// A stable key the OpenAI and Anthropic routes and /metrics accept
+    /// besides the web token (which changes at every start), as
+    /// `Authorization: Bearer KEY` or `x-api-key: KEY`.
+    #[arg(long, value_name = "KEY", env = "SUPERFLUID_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
     /// Events a subscription may have queued towards a slow client before
     /// it is ended as lagged.
     #[arg(long, value_name = "EVENTS", default_value_t = superfluid::actors::bus::SUB_BUFFER_EVENTS)]
@@ -146,6 +151,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 web: s.web.map(|addr| superfluid::http::WebConfig {
                     addr,
                     origins: s.web_origin,
+                    api_key: s.api_key,
                 }),
                 sub_buffer: s.sub_buffer,
             })

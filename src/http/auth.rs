@@ -13,6 +13,11 @@
 //!   /web/rpc and /web/stream one that is present must be listed.
 //! - **CSRF** (403): /web/rpc and /web/stream also need the token again as
 //!   `X-Superfluid-CSRF`, a header no cross-site form can set.
+//! - **The compatible routes** (/v1/*, /api/*, /metrics: `Route::Api`): the
+//!   token or the `--api-key` value, as `Authorization: Bearer` (OpenAI's
+//!   SDK) or `x-api-key` (Anthropic's); an `Origin` that is present must be
+//!   listed (a web page must not drive the model with the user's key); no
+//!   CSRF header (the SDKs send none, and the Origin rule covers browsers).
 
 use super::token;
 
@@ -27,6 +32,8 @@ pub enum Route {
     Post,
     Ws,
     Health,
+    /// The OpenAI, Anthropic and metrics routes.
+    Api,
 }
 
 /// What the listener accepts.
@@ -37,6 +44,8 @@ pub struct Policy {
     pub hosts: Vec<String>,
     /// `--web-origin`, as given.
     pub origins: Vec<String>,
+    /// `--api-key`: a stable key the compatible routes also accept.
+    pub api_key: Option<String>,
 }
 
 impl Policy {
@@ -48,7 +57,14 @@ impl Policy {
                 .into_iter()
                 .map(|o| o.trim_end_matches('/').to_string())
                 .collect(),
+            api_key: None,
         }
+    }
+
+    /// Also accept `key` on the compatible routes.
+    pub fn with_api_key(mut self, key: Option<String>) -> Policy {
+        self.api_key = key.filter(|k| !k.is_empty());
+        self
     }
 }
 
@@ -60,6 +76,8 @@ pub struct Presented<'a> {
     pub origin: Option<&'a str>,
     pub authorization: Option<&'a str>,
     pub csrf: Option<&'a str>,
+    /// `x-api-key` (the compatible routes).
+    pub api_key: Option<&'a str>,
     /// Every `Sec-WebSocket-Protocol` entry.
     pub protocols: Vec<&'a str>,
 }
@@ -99,9 +117,18 @@ pub fn authorize(policy: &Policy, route: Route, p: &Presented) -> Result<(), Den
     };
     let presented = match route {
         Route::Ws => bearer.or_else(from_protocol),
+        Route::Api => bearer.or(p.api_key.map(str::trim)),
         _ => bearer,
     };
-    if !presented.is_some_and(|t| token::matches(&policy.token, t)) {
+    let accepted = |t: &str| {
+        token::matches(&policy.token, t)
+            || (route == Route::Api
+                && policy
+                    .api_key
+                    .as_deref()
+                    .is_some_and(|k| token::matches(k, t)))
+    };
+    if !presented.is_some_and(accepted) {
         return Err(Denied::Token);
     }
     let listed = |o: &str| {
@@ -111,7 +138,9 @@ pub fn authorize(policy: &Policy, route: Route, p: &Presented) -> Result<(), Den
             .any(|ok| ok.eq_ignore_ascii_case(o.trim_end_matches('/')))
     };
     match (route, p.origin) {
-        (Route::Ws, Some(o)) | (Route::Post, Some(o)) if !listed(o) => return Err(Denied::Origin),
+        (Route::Ws, Some(o)) | (Route::Post, Some(o)) | (Route::Api, Some(o)) if !listed(o) => {
+            return Err(Denied::Origin)
+        }
         (Route::Ws, None) => return Err(Denied::Origin),
         _ => {}
     }
@@ -145,8 +174,62 @@ mod tests {
             origin: (route == Route::Ws).then_some("http://localhost:5173"),
             authorization: Some("Bearer 0123abcd"),
             csrf: Some(T),
+            api_key: None,
             protocols: vec![],
         }
+    }
+
+    #[test]
+    fn api_routes_take_the_token_or_the_api_key_by_either_header() {
+        let p = policy().with_api_key(Some("stable-key".into()));
+        let base = Presented {
+            host: Some("localhost:8455"),
+            ..Presented::default()
+        };
+        let with = |authorization, api_key| Presented {
+            authorization,
+            api_key,
+            ..base.clone()
+        };
+        for ok in [
+            with(Some("Bearer stable-key"), None),
+            with(Some("Bearer 0123abcd"), None),
+            with(None, Some("stable-key")),
+            with(None, Some(T)),
+        ] {
+            assert_eq!(authorize(&p, Route::Api, &ok), Ok(()), "{ok:?}");
+        }
+        assert_eq!(
+            authorize(&p, Route::Api, &with(None, Some("nope"))),
+            Err(Denied::Token)
+        );
+        assert_eq!(authorize(&p, Route::Api, &base), Err(Denied::Token));
+        // The API key is for the compatible routes only.
+        assert_eq!(
+            authorize(
+                &p,
+                Route::Post,
+                &Presented {
+                    csrf: Some("stable-key"),
+                    ..with(Some("Bearer stable-key"), None)
+                }
+            ),
+            Err(Denied::Token)
+        );
+        // An Origin that is present must be listed; none is needed.
+        let page = Presented {
+            origin: Some("http://evil.example"),
+            ..with(None, Some("stable-key"))
+        };
+        assert_eq!(authorize(&p, Route::Api, &page), Err(Denied::Origin));
+        let foreign = Presented {
+            host: Some("evil.example:8455"),
+            ..with(None, Some("stable-key"))
+        };
+        assert_eq!(
+            authorize(&p, Route::Api, &foreign),
+            Err(Denied::ForeignHost)
+        );
     }
 
     #[test]

@@ -7,8 +7,11 @@
 //! - [`error`]: `WebError`, the one place errors become HTTP statuses.
 //! - [`routes`]: /web/rpc, /web/stream (server-sent events), /web/ws, /web/health.
 //! - [`token`]: minting the token and writing `<sessions>/web-token`.
+//! - [`compat`]: the OpenAI and Anthropic routes and /metrics, on the same
+//!   listener (docs/compat.md).
 
 pub mod auth;
+pub mod compat;
 pub mod error;
 pub mod routes;
 pub mod token;
@@ -21,8 +24,8 @@ use std::time::Instant;
 use actix::Addr;
 use actix_web::{web, App, HttpServer};
 
-use crate::actors::lane::LaneHealth;
 use crate::actors::registry::Registry;
+use crate::actors::Shared;
 use crate::frontend::bucket::TokenBucket;
 
 /// HTTP worker threads: the work is in the actors, these only move bytes.
@@ -33,6 +36,8 @@ const WEB_WORKERS: usize = 1;
 pub struct WebConfig {
     pub addr: SocketAddr,
     pub origins: Vec<String>,
+    /// `--api-key`: also accepted by the compatible routes.
+    pub api_key: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -88,10 +93,11 @@ pub struct Web {
 /// inside the actix system.
 pub fn start(
     listener: TcpListener,
-    origins: Vec<String>,
+    config: &WebConfig,
     sessions: &Path,
     registry: Addr<Registry>,
-    lane: LaneHealth,
+    shared: Shared,
+    model: compat::ModelInfo,
 ) -> Result<Web, StartError> {
     let addr = listener.local_addr().map_err(StartError::Server)?;
     let token = token::mint().map_err(StartError::Random)?;
@@ -101,14 +107,18 @@ pub fn start(
     })?;
     let state = web::Data::new(routes::WebState {
         registry,
-        lane,
-        policy: auth::Policy::new(token, addr, origins),
+        lane: shared.lane.clone(),
+        policy: auth::Policy::new(token, addr, config.origins.clone())
+            .with_api_key(config.api_key.clone()),
+        shared,
+        model,
         rpc_bucket: Mutex::new(TokenBucket::per_listener(Instant::now())),
     });
     let server = HttpServer::new(move || {
         App::new()
             .app_data(state.clone())
             .configure(routes::configure)
+            .configure(compat::configure)
     })
     .workers(WEB_WORKERS)
     .disable_signals()

@@ -35,6 +35,10 @@ pub struct WebState {
     pub policy: Policy,
     /// Meters `Complete` on /web/rpc, for the whole listener.
     pub rpc_bucket: Mutex<TokenBucket>,
+    /// What the compatible routes generate with.
+    pub shared: crate::actors::Shared,
+    /// The model they serve.
+    pub model: super::compat::ModelInfo,
 }
 
 pub fn configure(cfg: &mut web::ServiceConfig) {
@@ -44,7 +48,7 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
         .route("/web/health", web::get().to(health));
 }
 
-fn check(state: &WebState, route: Route, req: &HttpRequest) -> Result<(), WebError> {
+pub(super) fn check(state: &WebState, route: Route, req: &HttpRequest) -> Result<(), WebError> {
     let h = req.headers();
     let text = |name: &str| h.get(name).and_then(|v| v.to_str().ok());
     let presented = Presented {
@@ -52,6 +56,7 @@ fn check(state: &WebState, route: Route, req: &HttpRequest) -> Result<(), WebErr
         origin: text("origin"),
         authorization: text("authorization"),
         csrf: text("x-superfluid-csrf"),
+        api_key: text("x-api-key"),
         protocols: h
             .get_all(header::SEC_WEBSOCKET_PROTOCOL)
             .filter_map(|v| v.to_str().ok())
@@ -64,22 +69,32 @@ fn check(state: &WebState, route: Route, req: &HttpRequest) -> Result<(), WebErr
 
 /// Reads the body, refusing one over the cap before reading it when it says
 /// its length, and as soon as it passes the cap when it does not.
-async fn read_body(req: &HttpRequest, mut payload: web::Payload) -> Result<Bytes, WebError> {
-    let too_large = WebError::TooLarge {
-        max: MAX_BODY_BYTES,
-    };
+pub(super) async fn read_body(
+    req: &HttpRequest,
+    payload: web::Payload,
+) -> Result<Bytes, WebError> {
+    read_body_capped(req, payload, MAX_BODY_BYTES).await
+}
+
+/// [`read_body`] with another cap.
+pub(super) async fn read_body_capped(
+    req: &HttpRequest,
+    mut payload: web::Payload,
+    max: usize,
+) -> Result<Bytes, WebError> {
+    let too_large = WebError::TooLarge { max };
     let declared = req
         .headers()
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > MAX_BODY_BYTES as u64) {
+    if declared.is_some_and(|n| n > max as u64) {
         return Err(too_large);
     }
     let mut body = BytesMut::new();
     while let Some(chunk) = payload.next().await {
         let chunk = chunk.map_err(|e| WebError::Body(e.to_string()))?;
-        if body.len() + chunk.len() > MAX_BODY_BYTES {
+        if body.len() + chunk.len() > max {
             return Err(too_large);
         }
         body.extend_from_slice(&chunk);

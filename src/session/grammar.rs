@@ -86,6 +86,26 @@ fn call_schema(tools: &[(String, Value)], any_arguments: bool) -> Value {
     }
 }
 
+/// `grammar` with its start rule `root` renamed to `name`, so that another
+/// root can put it after something; `None` when it has no root rule.
+pub fn rename_root(grammar: &str, name: &str) -> Option<String> {
+    let mut renamed = String::new();
+    let mut found = false;
+    for line in grammar.lines() {
+        match line.strip_prefix("root ::=") {
+            Some(rest) if !found => {
+                found = true;
+                renamed.push_str(name);
+                renamed.push_str(" ::=");
+                renamed.push_str(rest);
+            }
+            _ => renamed.push_str(line),
+        }
+        renamed.push('\n');
+    }
+    found.then_some(renamed)
+}
+
 /// The grammar forcing one call to one of `tools` (name and parameters
 /// schema). `close_reasoning` is the thinking block's closing marker when the
 /// turn is inside one: the grammar closes it first.
@@ -107,22 +127,7 @@ pub fn forced_call(
         }
     };
     // The converter's start rule becomes `call-object`, under our own root.
-    let mut renamed = String::new();
-    let mut found = false;
-    for line in body.lines() {
-        match line.strip_prefix("root ::=") {
-            Some(rest) if !found => {
-                found = true;
-                renamed.push_str("call-object ::=");
-                renamed.push_str(rest);
-            }
-            _ => renamed.push_str(line),
-        }
-        renamed.push('\n');
-    }
-    if !found {
-        return Err(GrammarError::NoRootRule);
-    }
+    let renamed = rename_root(&body, "call-object").ok_or(GrammarError::NoRootRule)?;
     let open = match close_reasoning {
         Some(close) => format!("{} ", literal(&format!("{close}\n\n"))),
         None => String::new(),

@@ -1,0 +1,275 @@
+//! Runs one stateless generation for a compatible route and decodes its
+//! tokens into what both APIs stream: text, reasoning, tool calls, and why
+//! it ended. Stop sequences are applied here (on the text channel), and a
+//! matched one cancels the generation. Dropping the receiver (a client that
+//! went away) cancels it too: the pump's next send fails, it drops the
+//! scheduler's channel, and the forwarder cancels.
+
+use std::sync::Arc;
+
+use tokio::sync::mpsc;
+
+use super::chat::StopMatcher;
+use crate::actors::stateless::{StatelessError, StatelessGen};
+use crate::actors::Shared;
+use crate::scheduler::GenEvent;
+use crate::session::output::{Markers, OutputDecoder, Segment};
+use crate::session::turn::ends_turn;
+use crate::session::Render;
+use crate::wire::{Channel, Finish, Params, Token};
+
+/// One generation to run.
+#[derive(Debug, Clone)]
+pub struct Spec {
+    pub prompt: Vec<Token>,
+    pub params: Params,
+    pub max_tokens: u32,
+    pub grammar: Option<String>,
+    pub stops: StopMatcher,
+    pub markers: Markers,
+    /// The generation prompt opened a thinking block.
+    pub in_reasoning: bool,
+    /// Drop the text channel's leading whitespace (chat replies; what follows
+    /// a thinking block starts with blank lines). Off for raw completions.
+    pub trim_leading: bool,
+}
+
+/// Why a generation ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum End {
+    /// The model ended its turn (or completed a forced call).
+    Turn,
+    MaxTokens,
+    /// A stop sequence matched; the text before it was emitted.
+    Stop(String),
+    Cancelled,
+}
+
+/// What a generation gives, in order: pieces, then exactly one `Ended` or
+/// `Failed`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Out {
+    /// Text on the text channel, or reasoning (markers removed).
+    Text { reasoning: bool, text: String },
+    /// A complete tool call; `arguments` is compact JSON.
+    Call { name: String, arguments: String },
+    Ended { end: End, generated: u32 },
+    Failed(String),
+}
+
+/// A started generation: how many prompt tokens came from the cache, and
+/// its output.
+pub struct Run {
+    pub warm: u64,
+    pub out: mpsc::Receiver<Out>,
+}
+
+/// Why a generation did not start.
+#[derive(Debug, thiserror::Error)]
+pub enum DriveError {
+    #[error(transparent)]
+    Refused(#[from] StatelessError),
+    /// The lane failed it before it started (the worker is down).
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// Admits the generation and waits until it has a sequence.
+pub async fn start(shared: &Shared, spec: Spec) -> Result<Run, DriveError> {
+    let Spec {
+        prompt,
+        params,
+        max_tokens,
+        grammar,
+        stops,
+        markers,
+        in_reasoning,
+        trim_leading,
+    } = spec;
+    let generation = StatelessGen {
+        prompt,
+        params,
+        max_tokens,
+        grammar,
+    };
+    let mut events = generation
+        .start(&shared.scheduler, shared.generations.clone())
+        .await?;
+    let warm = match events.recv().await {
+        Some(GenEvent::Started { warm_prefix, .. }) => warm_prefix,
+        Some(GenEvent::Failed { message, .. }) => return Err(DriveError::Failed(message)),
+        Some(_) | None => {
+            return Err(DriveError::Failed(
+                "the generation ended before it started".into(),
+            ))
+        }
+    };
+    let (tx, out) = mpsc::channel(64);
+    let pump = Pump {
+        render: shared.render.clone(),
+        decoder: OutputDecoder::new(markers.clone(), in_reasoning),
+        think: markers.think.clone(),
+        stops,
+        tx,
+        generated: 0,
+        text_started: !trim_leading,
+    };
+    actix_rt::spawn(pump.run(events));
+    Ok(Run { warm, out })
+}
+
+struct Pump {
+    render: Arc<dyn Render>,
+    decoder: OutputDecoder,
+    think: Option<(String, String)>,
+    stops: StopMatcher,
+    tx: mpsc::Sender<Out>,
+    generated: u32,
+    /// Leading whitespace of the text channel (after a thinking block) is
+    /// dropped until the first other character.
+    text_started: bool,
+}
+
+impl Pump {
+    async fn run(mut self, mut events: mpsc::Receiver<GenEvent>) {
+        while let Some(event) = events.recv().await {
+            let ended = match event {
+                GenEvent::Started { .. } => continue,
+                GenEvent::Token { token, .. } => {
+                    self.generated += 1;
+                    if self.render.is_eog(token) {
+                        continue;
+                    }
+                    let piece = self.render.piece(token);
+                    let segments = self.decoder.push(token, &piece);
+                    match self.emit(segments).await {
+                        Ok(None) => continue,
+                        Ok(Some(stop)) => Out::Ended {
+                            end: End::Stop(stop),
+                            generated: self.generated,
+                        },
+                        // The client went away: dropping `events` cancels.
+                        Err(()) => return,
+                    }
+                }
+                GenEvent::Finished { finish, .. } => {
+                    let segments = self.decoder.finish(ends_turn(finish));
+                    let stopped = match self.emit(segments).await {
+                        Ok(s) => s,
+                        Err(()) => return,
+                    };
+                    let rest = self.stops.finish();
+                    if stopped.is_none() && self.send_text(false, rest).await.is_err() {
+                        return;
+                    }
+                    let end = match (stopped, finish) {
+                        (Some(s), _) => End::Stop(s),
+                        (None, Finish::MaxTokens) => End::MaxTokens,
+                        (None, Finish::Cancelled) => End::Cancelled,
+                        (None, _) => End::Turn,
+                    };
+                    Out::Ended {
+                        end,
+                        generated: self.generated,
+                    }
+                }
+                GenEvent::Failed { message, .. } => Out::Failed(message),
+            };
+            let _ = self.tx.send(ended).await;
+            return;
+        }
+        let _ = self
+            .tx
+            .send(Out::Failed("the lane dropped the generation".into()))
+            .await;
+    }
+
+    /// Sends what `segments` make certain; the stop sequence that matched,
+    /// if one did. `Err` when the receiver is gone.
+    async fn emit(&mut self, segments: Vec<Segment>) -> Result<Option<String>, ()> {
+        for s in segments {
+            match s {
+                Segment::Text {
+                    channel: Channel::Reasoning,
+                    text,
+                    ..
+                } => {
+                    let text = match &self.think {
+                        Some((open, close)) => text.replace(open.as_str(), "").replace(close, ""),
+                        None => text,
+                    };
+                    self.send_text(true, text).await?;
+                }
+                // A call's markup: the call itself follows as a `ToolCall`.
+                Segment::Text {
+                    channel: Channel::ToolCall,
+                    ..
+                } => {}
+                Segment::Text { text, .. } | Segment::ParseFailure { text, .. } => {
+                    let m = self.stops.push(&text);
+                    self.send_text(false, m.emit).await?;
+                    if m.stopped.is_some() {
+                        return Ok(m.stopped);
+                    }
+                }
+                Segment::ToolCall { name, arguments } => {
+                    self.tx
+                        .send(Out::Call { name, arguments })
+                        .await
+                        .map_err(|_| ())?;
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    async fn send_text(&mut self, reasoning: bool, mut text: String) -> Result<(), ()> {
+        if !reasoning && !self.text_started {
+            let trimmed = text.trim_start();
+            if trimmed.is_empty() {
+                return Ok(());
+            }
+            text = trimmed.to_owned();
+            self.text_started = true;
+        }
+        if text.is_empty() {
+            return Ok(());
+        }
+        self.tx
+            .send(Out::Text { reasoning, text })
+            .await
+            .map_err(|_| ())
+    }
+}
+
+/// What a whole generation gave, for the non-streamed replies.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Collected {
+    pub text: String,
+    pub reasoning: String,
+    pub calls: Vec<(String, String)>,
+    pub end: Option<End>,
+    pub generated: u32,
+}
+
+/// Reads a run to its end. `Err` with the lane's message when it failed.
+pub async fn collect(mut out: mpsc::Receiver<Out>) -> Result<Collected, String> {
+    let mut c = Collected::default();
+    while let Some(o) = out.recv().await {
+        match o {
+            Out::Text {
+                reasoning: true,
+                text,
+            } => c.reasoning.push_str(&text),
+            Out::Text { text, .. } => c.text.push_str(&text),
+            Out::Call { name, arguments } => c.calls.push((name, arguments)),
+            Out::Ended { end, generated } => {
+                c.end = Some(end);
+                c.generated = generated;
+                return Ok(c);
+            }
+            Out::Failed(message) => return Err(message),
+        }
+    }
+    Err("the generation ended without a reason".into())
+}

@@ -1,0 +1,459 @@
+//! The compatible routes: OpenAI's (`/v1/chat/completions`,
+//! `/v1/completions`, `/v1/models`), Anthropic's (`/v1/messages`,
+//! `/v1/messages/count_tokens`) and `/metrics`, on the `--web` listener.
+//! Each request runs as a fresh, stateless generation (never written to the
+//! session log) on the lane's shared prefix cache. docs/compat.md is the
+//! user's guide.
+//!
+//! - [`chat`]: sans-IO — a conversation to prompt tokens, stop sequences.
+//! - [`drive`]: one generation, decoded into text, reasoning and tool calls.
+//! - [`openai`], [`anthropic`]: each API's request and reply shapes.
+//! - [`error`]: `ApiError`, each family's error shape and status.
+//!
+//! Who may call: `auth::Route::Api` (the token or `--api-key`, by
+//! `Authorization: Bearer` or `x-api-key`; a listed Origin or none).
+
+pub mod anthropic;
+pub mod chat;
+pub mod drive;
+pub mod error;
+pub mod openai;
+
+use std::time::Instant;
+
+use actix_web::web::{self, Bytes};
+use actix_web::{HttpRequest, HttpResponse, HttpResponseBuilder};
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+use tokio::sync::mpsc;
+
+use self::chat::{ChatError, StopMatcher};
+use self::drive::{DriveError, Out, Spec};
+use self::error::{ApiError, Family, Kind};
+use super::auth::Route;
+use super::error::WebError;
+use super::routes::{check, read_body, WebState};
+use crate::actors::lane::LaneState;
+use crate::actors::stateless::StatelessError;
+use crate::scheduler::SchedulerError;
+use crate::session::grammar::GrammarError;
+use crate::session::output::Markers;
+use crate::frontend::conn::dispatch;
+use crate::wire::{Params, Request, Response, Token};
+
+/// The header that reports how many prompt tokens came from the cache.
+pub const WARM_HEADER: &str = "x-superfluid-warm";
+
+/// The model the routes serve, as `/v1/models` lists it.
+#[derive(Debug, Clone)]
+pub struct ModelInfo {
+    /// The GGUF's file stem, e.g. `SmolLM2-135M-Instruct.Q4_1`.
+    pub id: String,
+    /// When the daemon started (Unix seconds).
+    pub created: u64,
+}
+
+impl ModelInfo {
+    pub fn from_path(path: &std::path::Path, created: u64) -> ModelInfo {
+        let id = path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "default".into());
+        ModelInfo { id, created }
+    }
+
+    /// Whether a request's `model` names this model: its id, its file name,
+    /// or `default`.
+    pub fn answers_to(&self, name: &str) -> bool {
+        name == self.id || name == "default" || name == format!("{}.gguf", self.id)
+    }
+}
+
+pub fn configure(cfg: &mut web::ServiceConfig) {
+    cfg.route(
+        "/v1/chat/completions",
+        web::post().to(openai::chat_completions),
+    )
+    .route("/v1/completions", web::post().to(openai::completions))
+    .route("/v1/models", web::get().to(openai::models))
+    .route("/v1/models/{id}", web::get().to(openai::model))
+    .route("/v1/messages", web::post().to(anthropic::messages))
+    .route(
+        "/v1/messages/count_tokens",
+        web::post().to(anthropic::count_tokens),
+    )
+    .route("/metrics", web::get().to(metrics));
+}
+
+/// Authorizes a request of the compatible routes and reads its JSON body.
+pub(crate) async fn accept<T: DeserializeOwned>(
+    state: &WebState,
+    family: Family,
+    req: &HttpRequest,
+    payload: web::Payload,
+) -> Result<T, ApiError> {
+    authorize(state, family, req)?;
+    let body = read_body(req, payload).await.map_err(|e| web_error(family, e))?;
+    parse(family, &body)
+}
+
+pub(crate) fn authorize(
+    state: &WebState,
+    family: Family,
+    req: &HttpRequest,
+) -> Result<(), ApiError> {
+    check(state, Route::Api, req).map_err(|e| web_error(family, e))
+}
+
+fn web_error(family: Family, e: WebError) -> ApiError {
+    match e {
+        WebError::Denied(d) => ApiError::denied(family, d),
+        WebError::TooLarge { .. } => ApiError::new(family, Kind::TooLarge, e.to_string()),
+        other => ApiError::invalid(family, other.to_string()),
+    }
+}
+
+/// The body as `T`; serde's message names the field at fault.
+pub(crate) fn parse<T: DeserializeOwned>(family: Family, body: &Bytes) -> Result<T, ApiError> {
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid(family, format!("the body is not JSON: {e}")))?;
+    if !value.is_object() {
+        return Err(ApiError::invalid(family, "the body must be a JSON object"));
+    }
+    serde_json::from_value(value).map_err(|e| ApiError::invalid(family, e.to_string()))
+}
+
+/// 404 unless `name` is the served model.
+pub(crate) fn check_model(state: &WebState, family: Family, name: &str) -> Result<(), ApiError> {
+    if state.model.answers_to(name) {
+        Ok(())
+    } else {
+        Err(ApiError::new(
+            family,
+            Kind::NoModel,
+            format!(
+                "the model {name:?} does not exist; this daemon serves {:?}",
+                state.model.id
+            ),
+        )
+        .with_param("model"))
+    }
+}
+
+/// 503 unless the lane's worker is up.
+pub(crate) fn check_lane(state: &WebState, family: Family) -> Result<(), ApiError> {
+    // A loading lane is waited for; a worker that died is reported.
+    match *state.lane.borrow() {
+        LaneState::Ready | LaneState::Loading => Ok(()),
+        other => Err(ApiError::new(
+            family,
+            Kind::Unavailable,
+            format!("the model's worker is not ready ({})", other.name()),
+        )),
+    }
+}
+
+/// The prompt must leave room for at least one token, and `max_tokens`
+/// (when asked) must be at least 1 and fit beside it. Returns the
+/// generation's `max_tokens`: what was asked, or the rest of the context.
+pub(crate) fn budget(
+    state: &WebState,
+    family: Family,
+    prompt: usize,
+    asked: Option<u32>,
+    param: &'static str,
+) -> Result<u32, ApiError> {
+    let n_ctx = state.shared.n_ctx as usize;
+    if prompt >= n_ctx {
+        return Err(ApiError::new(
+            family,
+            Kind::ContextLength,
+            format!(
+                "the prompt is {prompt} tokens, and this model's context is {n_ctx} tokens \
+                 (--ctx-size): it must be shorter to leave room for a reply"
+            ),
+        )
+        .with_param("messages"));
+    }
+    match asked {
+        Some(0) => Err(ApiError::invalid(family, format!("{param} must be at least 1")).with_param(param)),
+        Some(n) if prompt + n as usize > n_ctx => Err(ApiError::new(
+            family,
+            Kind::ContextLength,
+            format!(
+                "the prompt ({prompt} tokens) and {param} ({n}) add up to more than this \
+                 model's context of {n_ctx} tokens (--ctx-size)"
+            ),
+        )
+        .with_param(param)),
+        Some(n) => Ok(n),
+        None => Ok((n_ctx - prompt) as u32),
+    }
+}
+
+/// A conversation's error as the route's error.
+pub(crate) fn chat_error(family: Family, e: ChatError) -> ApiError {
+    let param = match e {
+        ChatError::Stops => "stop",
+        ChatError::TooManyTools { .. } => "tools",
+        _ => "messages",
+    };
+    ApiError::invalid(family, e.to_string()).with_param(param)
+}
+
+/// A generation that did not start, as the route's error.
+pub(crate) fn drive_error(family: Family, e: DriveError) -> ApiError {
+    match e {
+        DriveError::Refused(StatelessError::Refused(SchedulerError::DoesNotFit {
+            tokens,
+            n_ctx,
+        })) => ApiError::new(
+            family,
+            Kind::ContextLength,
+            format!("the prompt ({tokens} tokens) does not fit the context ({n_ctx} tokens)"),
+        ),
+        DriveError::Refused(StatelessError::Refused(other)) => {
+            ApiError::invalid(family, other.to_string())
+        }
+        DriveError::Refused(StatelessError::SchedulerGone(e)) => {
+            ApiError::new(family, Kind::Unavailable, e.to_string())
+        }
+        DriveError::Failed(message) => ApiError::new(family, Kind::Unavailable, message),
+    }
+}
+
+/// The grammar for a JSON schema, after the thinking block is closed when
+/// the generation opens inside one.
+pub(crate) fn json_grammar(
+    family: Family,
+    schema: &Value,
+    close_reasoning: Option<&str>,
+) -> Result<String, ApiError> {
+    let bad = |e: GrammarError| {
+        ApiError::invalid(family, format!("the JSON schema has no grammar: {e}"))
+            .with_param("response_format")
+    };
+    let body = crate::engine::json_schema_grammar(&schema.to_string())
+        .map_err(|e| bad(GrammarError::Convert(e.to_string())))?;
+    match close_reasoning {
+        None => Ok(body),
+        Some(close) => {
+            let renamed = crate::session::grammar::rename_root(&body, "answer")
+                .ok_or(GrammarError::NoRootRule)
+                .map_err(bad)?;
+            let open = serde_json::to_string(&format!("{close}\n\n")).unwrap_or_default();
+            Ok(format!("root ::= {open} answer\n{renamed}"))
+        }
+    }
+}
+
+/// The markers of the served template, and whether a generation prompt
+/// `header` opens a thinking block.
+pub(crate) fn markers(state: &WebState, header: &[Token]) -> (Markers, bool) {
+    let render = &state.shared.render;
+    let markers = Markers::from_template(&render.template_source());
+    let opens = markers.think.as_ref().is_some_and(|(open, _)| {
+        render
+            .detokenize(header)
+            .trim_end()
+            .ends_with(open.as_str())
+    });
+    (markers, opens)
+}
+
+/// Sampling parameters with the APIs' documented defaults (temperature 1,
+/// top_p 1, no top-k or min-p) and a fresh seed when none is given.
+pub(crate) fn params(
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    top_k: Option<u32>,
+    min_p: Option<f32>,
+    seed: Option<u64>,
+    family: Family,
+) -> Result<Params, ApiError> {
+    let temperature = temperature.unwrap_or(1.0);
+    let top_p = top_p.unwrap_or(1.0);
+    let min_p = min_p.unwrap_or(0.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(ApiError::invalid(family, "temperature must be between 0 and 2")
+            .with_param("temperature"));
+    }
+    if !(0.0..=1.0).contains(&top_p) {
+        return Err(ApiError::invalid(family, "top_p must be between 0 and 1").with_param("top_p"));
+    }
+    if !(0.0..=1.0).contains(&min_p) {
+        return Err(ApiError::invalid(family, "min_p must be between 0 and 1").with_param("min_p"));
+    }
+    let seed = seed.unwrap_or_else(|| {
+        let mut b = [0u8; 8];
+        let _ = getrandom::fill(&mut b);
+        u64::from_le_bytes(b)
+    });
+    Ok(Params {
+        temperature,
+        top_p,
+        min_p,
+        top_k: top_k.unwrap_or(0),
+        seed,
+    })
+}
+
+/// What a chat request asks to generate, before it runs.
+pub(crate) struct Prepared {
+    pub prompt: Vec<Token>,
+    pub max_tokens: u32,
+    pub grammar: Option<String>,
+    pub markers: Markers,
+    pub in_reasoning: bool,
+}
+
+/// Starts the `n` generations of one request; the first's warm prefix is
+/// the request's. Identical prompts admitted together prefill once: the
+/// scheduler seeds the others from the first (its waiter rule).
+pub(crate) async fn start_all(
+    state: &WebState,
+    family: Family,
+    p: &Prepared,
+    n: u32,
+    base: crate::wire::Params,
+    stop: &[String],
+    trim_leading: bool,
+) -> Result<(u64, Vec<mpsc::Receiver<Out>>), ApiError> {
+    let stops = StopMatcher::new(stop.to_vec()).map_err(|e| chat_error(family, e))?;
+    let mut runs = Vec::new();
+    let mut warm = 0;
+    let starts = (0..n).map(|i| {
+        let mut params = base;
+        params.seed = base.seed.wrapping_add(u64::from(i));
+        let spec = Spec {
+            prompt: p.prompt.clone(),
+            params,
+            max_tokens: p.max_tokens,
+            grammar: p.grammar.clone(),
+            stops: stops.clone(),
+            markers: p.markers.clone(),
+            in_reasoning: p.in_reasoning,
+            trim_leading,
+        };
+        drive::start(&state.shared, spec)
+    });
+    for (i, run) in futures_util::future::join_all(starts).await.into_iter().enumerate() {
+        let run = run.map_err(|e| drive_error(family, e))?;
+        if i == 0 {
+            warm = run.warm;
+        }
+        runs.push(run.out);
+    }
+    Ok((warm, runs))
+}
+
+/// One line per request of the compatible routes, never its content.
+pub(crate) struct Access {
+    pub method: &'static str,
+    pub path: &'static str,
+    pub model: String,
+    pub prompt: usize,
+    pub cached: u64,
+    pub generated: u64,
+    pub started: Instant,
+}
+
+impl Access {
+    pub fn new(path: &'static str, model: &str, started: Instant) -> Access {
+        Access {
+            method: "POST",
+            path,
+            model: model.to_owned(),
+            prompt: 0,
+            cached: 0,
+            generated: 0,
+            started,
+        }
+    }
+
+    pub fn log(&self, status: u16) {
+        log::info!(
+            target: "superfluid::access",
+            "{} {} {} model={} prompt={} cached={} generated={} wall_ms={}",
+            self.method,
+            self.path,
+            status,
+            self.model,
+            self.prompt,
+            self.cached,
+            self.generated,
+            self.started.elapsed().as_millis()
+        );
+    }
+}
+
+/// A reply builder with the warm header set.
+pub(crate) fn ok_with_warm(warm: u64) -> HttpResponseBuilder {
+    let mut r = HttpResponse::Ok();
+    r.insert_header((WARM_HEADER, warm.to_string()));
+    r
+}
+
+/// Logs a failed request and passes its error on.
+pub(crate) fn logged(access: &Access, e: ApiError) -> ApiError {
+    use actix_web::ResponseError;
+    access.log(e.status_code().as_u16());
+    e
+}
+
+/// One server-sent event: `data: <json>` (and `event: <name>` when named).
+pub(crate) fn sse(event: Option<&str>, data: &Value) -> Bytes {
+    let mut s = String::new();
+    if let Some(e) = event {
+        s.push_str("event: ");
+        s.push_str(e);
+        s.push('\n');
+    }
+    s.push_str("data: ");
+    s.push_str(&data.to_string());
+    s.push_str("\n\n");
+    Bytes::from(s)
+}
+
+/// A streamed reply: server-sent events from `rx`, with the warm header.
+pub(crate) fn event_stream(
+    warm: u64,
+    rx: tokio::sync::mpsc::Receiver<Bytes>,
+) -> HttpResponse {
+    let body = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|b| (Ok::<_, std::convert::Infallible>(b), rx))
+    });
+    ok_with_warm(warm)
+        .insert_header(("content-type", "text/event-stream"))
+        .insert_header(("cache-control", "no-cache"))
+        .streaming(body)
+}
+
+/// `GET /metrics`: the Prometheus text of the `Metrics` request.
+async fn metrics(req: HttpRequest, state: web::Data<WebState>) -> Result<HttpResponse, ApiError> {
+    authorize(&state, Family::OpenAi, &req)?;
+    match dispatch(&state.registry, Request::Metrics).await {
+        Response::Text { text } => Ok(HttpResponse::Ok()
+            .insert_header(("content-type", "text/plain; version=0.0.4; charset=utf-8"))
+            .body(text)),
+        other => Err(ApiError::new(
+            Family::OpenAi,
+            Kind::Internal,
+            format!("unexpected reply to Metrics: {other:?}"),
+        )),
+    }
+}
+
+/// Milliseconds → seconds since the Unix epoch.
+pub(crate) fn now_secs() -> u64 {
+    crate::actors::now_ms() / 1000
+}
+
+/// A random hex id with a prefix (`chatcmpl-…`, `msg_…`, `call_…`).
+pub(crate) fn new_id(prefix: &str) -> String {
+    let mut b = [0u8; 12];
+    let _ = getrandom::fill(&mut b);
+    format!("{prefix}{}", hex::encode(b))
+}

@@ -1,0 +1,766 @@
+//! OpenAI's routes: `POST /v1/chat/completions`, `POST /v1/completions`,
+//! `GET /v1/models` and `GET /v1/models/{id}`, streamed (server-sent
+//! events, ending with `data: [DONE]`) and not.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use actix_web::web::{self, Bytes};
+use actix_web::{HttpRequest, HttpResponse};
+use futures_util::StreamExt;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+use super::chat::{prompt_tokens, Call, Msg};
+use super::drive::{self, Collected, End, Out};
+use super::error::{ApiError, Family, Kind};
+use super::{
+    accept, authorize, budget, chat_error, check_lane, check_model, event_stream,
+    json_grammar, logged, markers, new_id, now_secs, ok_with_warm, params, start_all, Access,
+    Prepared,
+};
+use crate::actors::complete::fim_prompt;
+use crate::http::routes::WebState;
+use crate::session::grammar::{forced_call, tool_signature, GrammarError};
+use crate::session::output::Markers;
+use crate::wire::{FimMode, Role, Token};
+
+const F: Family = Family::OpenAi;
+/// The most choices one request may ask for (`n`).
+pub const MAX_N: u32 = 16;
+/// The most `logit_bias` entries.
+pub const MAX_LOGIT_BIAS: usize = 1024;
+
+#[derive(Debug, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// The fields of a chat completion request superfluid reads; others are
+/// ignored, as OpenAI-compatible servers do.
+#[derive(Debug, Deserialize)]
+pub struct ChatRequest {
+    pub model: String,
+    pub messages: Vec<Value>,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    pub max_tokens: Option<u32>,
+    pub max_completion_tokens: Option<u32>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<u32>,
+    pub min_p: Option<f32>,
+    pub seed: Option<u64>,
+    pub stop: Option<Value>,
+    pub n: Option<u32>,
+    pub tools: Option<Vec<Value>>,
+    pub tool_choice: Option<Value>,
+    pub parallel_tool_calls: Option<bool>,
+    pub response_format: Option<Value>,
+    pub logprobs: Option<bool>,
+    pub top_logprobs: Option<u8>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub logit_bias: Option<HashMap<String, f32>>,
+}
+
+/// A message's content: a string, null, or a list of parts of which only
+/// text is served (no vision projector is loaded yet).
+fn content_text(v: Option<&Value>) -> Result<String, ApiError> {
+    match v {
+        None | Some(Value::Null) => Ok(String::new()),
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(parts)) => {
+            let mut texts = Vec::new();
+            for p in parts {
+                match p.get("type").and_then(Value::as_str) {
+                    Some("text") => texts.push(
+                        p.get("text")
+                            .and_then(Value::as_str)
+                            .ok_or_else(|| {
+                                ApiError::invalid(F, "a text part needs a string `text`")
+                                    .with_param("messages")
+                            })?
+                            .to_owned(),
+                    ),
+                    Some(t @ ("image_url" | "input_image" | "input_audio" | "file")) => {
+                        return Err(ApiError::invalid(
+                            F,
+                            format!(
+                                "this model has no vision or audio projector, so a `{t}` \
+                                 part cannot be read; send text only"
+                            ),
+                        )
+                        .with_param("messages"))
+                    }
+                    other => {
+                        return Err(ApiError::invalid(
+                            F,
+                            format!("unknown content part type {other:?}"),
+                        )
+                        .with_param("messages"))
+                    }
+                }
+            }
+            Ok(texts.join("\n"))
+        }
+        Some(_) => Err(ApiError::invalid(F, "content must be a string or a list of parts")
+            .with_param("messages")),
+    }
+}
+
+/// OpenAI's messages as superfluid's.
+fn messages(raw: &[Value]) -> Result<Vec<Msg>, ApiError> {
+    let bad = |m: String| ApiError::invalid(F, m).with_param("messages");
+    raw.iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let role = m
+                .get("role")
+                .and_then(Value::as_str)
+                .ok_or_else(|| bad(format!("messages[{i}] has no role")))?;
+            let role = match role {
+                "system" | "developer" => Role::System,
+                "user" => Role::User,
+                "assistant" => Role::Assistant,
+                "tool" | "function" => Role::Tool,
+                other => return Err(bad(format!("messages[{i}] has an unknown role {other:?}"))),
+            };
+            let mut msg = Msg::new(role, content_text(m.get("content"))?);
+            if role == Role::Assistant {
+                for c in m
+                    .get("tool_calls")
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten()
+                {
+                    let f = c.get("function");
+                    let name = f.and_then(|f| f.get("name")).and_then(Value::as_str);
+                    let Some(name) = name else {
+                        return Err(bad(format!("messages[{i}] has a tool call without a name")));
+                    };
+                    let arguments = match f.and_then(|f| f.get("arguments")) {
+                        Some(Value::String(s)) => s.clone(),
+                        Some(other) => other.to_string(),
+                        None => "{}".into(),
+                    };
+                    msg.calls.push(Call {
+                        id: c
+                            .get("id")
+                            .and_then(Value::as_str)
+                            .unwrap_or_default()
+                            .to_owned(),
+                        name: name.to_owned(),
+                        arguments,
+                    });
+                }
+            }
+            if role == Role::Tool {
+                let id = m.get("tool_call_id").and_then(Value::as_str);
+                let Some(id) = id else {
+                    return Err(bad(format!("messages[{i}] (a tool result) has no tool_call_id")));
+                };
+                msg.answers = Some(id.to_owned());
+            }
+            Ok(msg)
+        })
+        .collect()
+}
+
+/// `stop`: a string or a list of strings.
+fn stops(v: Option<&Value>) -> Result<Vec<String>, ApiError> {
+    let bad = || ApiError::invalid(F, "stop must be a string or a list of strings").with_param("stop");
+    match v {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::String(s)) => Ok(vec![s.clone()]),
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|s| s.as_str().map(str::to_owned).ok_or_else(bad))
+            .collect(),
+        Some(_) => Err(bad()),
+    }
+}
+
+fn prepare_chat(state: &WebState, r: &ChatRequest) -> Result<Prepared, ApiError> {
+    check_model(state, F, &r.model)?;
+    let msgs = messages(&r.messages)?;
+    let raw_tools = r.tools.clone().unwrap_or_default();
+    let choice = r.tool_choice.clone().unwrap_or(Value::Null);
+    // "none": the model is not told of the tools (and no call is parsed).
+    let none = choice.as_str() == Some("none");
+    let tools: Vec<String> = if none {
+        Vec::new()
+    } else {
+        raw_tools.iter().map(Value::to_string).collect()
+    };
+    let sigs: Vec<(String, Value)> = tools
+        .iter()
+        .map(|t| {
+            tool_signature(t).ok_or_else(|| {
+                ApiError::invalid(F, "each tool needs a function with a name").with_param("tools")
+            })
+        })
+        .collect::<Result<_, _>>()?;
+    let render = state.shared.render.as_ref();
+    let prompt = prompt_tokens(render, &msgs, &tools).map_err(|e| chat_error(F, e))?;
+    let (mut markers, in_reasoning) = markers(state, prompt.header());
+    let prompt = prompt.tokens;
+    if none {
+        markers.tool_call = None;
+    }
+    let close = markers
+        .think
+        .as_ref()
+        .filter(|_| in_reasoning)
+        .map(|(_, c)| c.clone());
+    let convert = |schema: &str| {
+        crate::engine::json_schema_grammar(schema).map_err(|e| GrammarError::Convert(e.to_string()))
+    };
+    let forced: Option<Vec<(String, Value)>> = match &choice {
+        Value::Null => None,
+        Value::String(s) if s == "auto" || s == "none" => None,
+        Value::String(s) if s == "required" => Some(sigs.clone()),
+        Value::Object(o) => {
+            let name = o
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .and_then(Value::as_str)
+                .ok_or_else(|| {
+                    ApiError::invalid(F, "tool_choice names no function").with_param("tool_choice")
+                })?;
+            let one: Vec<_> = sigs.iter().filter(|(n, _)| n == name).cloned().collect();
+            if one.is_empty() {
+                return Err(ApiError::invalid(
+                    F,
+                    format!("tool_choice names {name:?}, which is not among the tools"),
+                )
+                .with_param("tool_choice"));
+            }
+            Some(one)
+        }
+        other => {
+            return Err(
+                ApiError::invalid(F, format!("tool_choice {other} is not auto, none, required or a function"))
+                    .with_param("tool_choice"),
+            )
+        }
+    };
+    let grammar = match (forced, &r.response_format) {
+        (Some(tools), _) => Some(
+            forced_call(&tools, close.as_deref(), &convert)
+                .map_err(|e| ApiError::invalid(F, e.to_string()).with_param("tool_choice"))?,
+        ),
+        (None, Some(format)) => response_grammar(format, close.as_deref())?,
+        (None, None) => None,
+    };
+    let asked = r.max_completion_tokens.or(r.max_tokens);
+    let param = if r.max_completion_tokens.is_some() {
+        "max_completion_tokens"
+    } else {
+        "max_tokens"
+    };
+    let max_tokens = budget(state, F, prompt.len(), asked, param)?;
+    Ok(Prepared {
+        prompt,
+        max_tokens,
+        grammar,
+        markers,
+        in_reasoning,
+    })
+}
+
+/// `response_format`: text (none), `json_object`, or `json_schema`.
+fn response_grammar(format: &Value, close: Option<&str>) -> Result<Option<String>, ApiError> {
+    let bad = |m: &str| ApiError::invalid(F, m.to_owned()).with_param("response_format");
+    match format.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => json_grammar(F, &json!({"type": "object"}), close).map(Some),
+        Some("json_schema") => {
+            let schema = format
+                .get("json_schema")
+                .and_then(|s| s.get("schema"))
+                .ok_or_else(|| bad("json_schema needs a `schema`"))?;
+            json_grammar(F, schema, close).map(Some)
+        }
+        _ => Err(bad("response_format.type must be text, json_object or json_schema")),
+    }
+}
+
+/// `n`, checked.
+fn choices(n: Option<u32>) -> Result<u32, ApiError> {
+    match n.unwrap_or(1) {
+        0 => Err(ApiError::invalid(F, "n must be at least 1").with_param("n")),
+        n if n > MAX_N => Err(ApiError::invalid(F, format!("n must be at most {MAX_N}")).with_param("n")),
+        n => Ok(n),
+    }
+}
+
+/// Requests superfluid cannot honour yet are refused, not ignored.
+fn refuse_unserved(r: &ChatRequest) -> Result<(), ApiError> {
+    let unserved = [
+        ("logprobs", r.logprobs == Some(true) || r.top_logprobs.is_some_and(|n| n > 0)),
+        ("presence_penalty", r.presence_penalty.is_some_and(|p| p != 0.0)),
+        ("frequency_penalty", r.frequency_penalty.is_some_and(|p| p != 0.0)),
+        ("logit_bias", r.logit_bias.as_ref().is_some_and(|b| !b.is_empty())),
+    ];
+    for (param, asked) in unserved {
+        if asked {
+            return Err(ApiError::invalid(F, format!("{param} is not served by this daemon yet"))
+                .with_param(param));
+        }
+    }
+    Ok(())
+}
+
+fn finish_reason(c: &Collected) -> &'static str {
+    if !c.calls.is_empty() {
+        return "tool_calls";
+    }
+    match c.end {
+        Some(End::MaxTokens) => "length",
+        _ => "stop",
+    }
+}
+
+fn usage(prompt: usize, warm: u64, generated: u64) -> Value {
+    json!({
+        "prompt_tokens": prompt,
+        "completion_tokens": generated,
+        "total_tokens": prompt as u64 + generated,
+        "prompt_tokens_details": {"cached_tokens": warm},
+    })
+}
+
+fn tool_call_json(index: usize, name: &str, arguments: &str) -> Value {
+    json!({
+        "index": index,
+        "id": new_id("call_"),
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    })
+}
+
+/// `POST /v1/chat/completions`.
+pub async fn chat_completions(
+    req: HttpRequest,
+    payload: web::Payload,
+    state: web::Data<WebState>,
+) -> Result<HttpResponse, ApiError> {
+    let mut access = Access::new("/v1/chat/completions", "", Instant::now());
+    let r: ChatRequest = accept(&state, F, &req, payload)
+        .await
+        .map_err(|e| logged(&access, e))?;
+    access.model = r.model.clone();
+    let run = async {
+        check_lane(&state, F)?;
+        refuse_unserved(&r)?;
+        let n = choices(r.n)?;
+        let p = prepare_chat(&state, &r)?;
+        let params = params(r.temperature, r.top_p, r.top_k, r.min_p, r.seed, F)?;
+        let stop = stops(r.stop.as_ref())?;
+        let (warm, runs) = start_all(&state, F, &p, n, params, &stop, true).await?;
+        Ok::<_, ApiError>((p, warm, runs))
+    };
+    let (p, warm, runs) = run.await.map_err(|e| logged(&access, e))?;
+    access.prompt = p.prompt.len();
+    access.cached = warm;
+    let id = new_id("chatcmpl-");
+    let created = now_secs();
+    let model = state.model.id.clone();
+    if r.stream {
+        let include_usage = r.stream_options.as_ref().is_some_and(|o| o.include_usage);
+        let (tx, rx) = mpsc::channel(64);
+        actix_rt::spawn(stream_chat(
+            runs,
+            tx,
+            ChunkHead {
+                id,
+                created,
+                model,
+                object: "chat.completion.chunk",
+            },
+            include_usage,
+            access,
+        ));
+        return Ok(event_stream(warm, rx));
+    }
+    let mut out = Vec::new();
+    let mut generated = 0u64;
+    for (i, rx) in runs.into_iter().enumerate() {
+        let c = drive::collect(rx)
+            .await
+            .map_err(|m| logged(&access, ApiError::new(F, Kind::Unavailable, m)))?;
+        generated += u64::from(c.generated);
+        let calls: Vec<Value> = c
+            .calls
+            .iter()
+            .enumerate()
+            .map(|(k, (name, args))| {
+                let mut v = tool_call_json(k, name, args);
+                if let Some(o) = v.as_object_mut() {
+                    o.remove("index");
+                }
+                v
+            })
+            .collect();
+        let mut message = json!({
+            "role": "assistant",
+            "content": if c.text.is_empty() && !calls.is_empty() { Value::Null } else { Value::String(c.text.clone()) },
+        });
+        if !c.reasoning.is_empty() {
+            message["reasoning_content"] = Value::String(c.reasoning.clone());
+        }
+        if !calls.is_empty() {
+            message["tool_calls"] = Value::Array(calls);
+        }
+        out.push(json!({
+            "index": i,
+            "message": message,
+            "logprobs": null,
+            "finish_reason": finish_reason(&c),
+        }));
+    }
+    access.generated = generated;
+    access.log(200);
+    Ok(ok_with_warm(warm).json(json!({
+        "id": id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": out,
+        "usage": usage(access.prompt, warm, generated),
+        "system_fingerprint": "superfluid",
+    })))
+}
+
+/// What every chunk of one streamed reply repeats.
+struct ChunkHead {
+    id: String,
+    created: u64,
+    model: String,
+    object: &'static str,
+}
+
+impl ChunkHead {
+    fn chunk(&self, choices: Value) -> Value {
+        json!({
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": "superfluid",
+            "choices": choices,
+        })
+    }
+}
+
+/// Merges the choices' outputs into chat completion chunks. A send that
+/// fails (the client went away) ends it, which drops every run: their
+/// generations are cancelled.
+async fn stream_chat(
+    runs: Vec<mpsc::Receiver<Out>>,
+    tx: mpsc::Sender<Bytes>,
+    head: ChunkHead,
+    include_usage: bool,
+    mut access: Access,
+) {
+    let data = |v: &Value| super::sse(None, v);
+    let n = runs.len();
+    for i in 0..n {
+        let first = head.chunk(json!([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]));
+        if tx.send(data(&first)).await.is_err() {
+            access.log(499);
+            return;
+        }
+    }
+    let mut merged = futures_util::stream::select_all(runs.into_iter().enumerate().map(|(i, rx)| {
+        futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|o| (o, rx)) })
+            .map(move |o| (i, o))
+            .boxed()
+    }));
+    let mut calls = vec![0usize; n];
+    let mut generated = 0u64;
+    let mut failed = None;
+    while let Some((i, o)) = merged.next().await {
+        let delta = match o {
+            Out::Text { reasoning: true, text } => json!({"reasoning_content": text}),
+            Out::Text { text, .. } => json!({"content": text}),
+            Out::Call { name, arguments } => {
+                calls[i] += 1;
+                json!({"tool_calls": [tool_call_json(calls[i] - 1, &name, &arguments)]})
+            }
+            Out::Ended { end, generated: g } => {
+                generated += u64::from(g);
+                let reason = if calls[i] > 0 {
+                    "tool_calls"
+                } else if end == End::MaxTokens {
+                    "length"
+                } else {
+                    "stop"
+                };
+                let c = head.chunk(json!([{"index": i, "delta": {}, "logprobs": null, "finish_reason": reason}]));
+                if tx.send(data(&c)).await.is_err() {
+                    access.log(499);
+                    return;
+                }
+                continue;
+            }
+            Out::Failed(message) => {
+                failed = Some(message);
+                break;
+            }
+        };
+        let c = head.chunk(json!([{"index": i, "delta": delta, "logprobs": null, "finish_reason": null}]));
+        if tx.send(data(&c)).await.is_err() {
+            access.log(499);
+            return;
+        }
+    }
+    access.generated = generated;
+    if let Some(message) = failed {
+        let e = ApiError::new(F, Kind::Unavailable, message);
+        let _ = tx.send(data(&e.body())).await;
+        access.log(503);
+        return;
+    }
+    if include_usage {
+        let mut u = head.chunk(json!([]));
+        u["usage"] = usage(access.prompt, access.cached, generated);
+        let _ = tx.send(data(&u)).await;
+    }
+    let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+    access.log(200);
+}
+
+/// The fields of a (legacy) completion request.
+#[derive(Debug, Deserialize)]
+pub struct CompletionRequest {
+    pub model: String,
+    pub prompt: Value,
+    pub suffix: Option<String>,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    pub max_tokens: Option<u32>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<u32>,
+    pub min_p: Option<f32>,
+    pub seed: Option<u64>,
+    pub stop: Option<Value>,
+    pub n: Option<u32>,
+    #[serde(default)]
+    pub echo: bool,
+    pub logprobs: Option<u8>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub logit_bias: Option<HashMap<String, f32>>,
+}
+
+/// The prompt of a completion: a string, or token ids (one prompt only).
+fn completion_prompt(state: &WebState, r: &CompletionRequest) -> Result<Vec<Token>, ApiError> {
+    let render = &state.shared.render;
+    let bad = |m: &str| ApiError::invalid(F, m.to_owned()).with_param("prompt");
+    let ids = |a: &[Value]| -> Option<Vec<Token>> { a.iter().map(|t| t.as_u64().and_then(|t| Token::try_from(t).ok())).collect() };
+    let prompt = match &r.prompt {
+        Value::String(s) => render.tokenize(s),
+        Value::Array(a) if a.len() == 1 && a[0].is_string() => {
+            render.tokenize(a[0].as_str().unwrap_or_default())
+        }
+        Value::Array(a) if a.len() == 1 && a[0].is_array() => {
+            ids(a[0].as_array().map(Vec::as_slice).unwrap_or_default())
+                .ok_or_else(|| bad("a prompt of token ids must be a list of integers"))?
+        }
+        Value::Array(a) if a.iter().all(Value::is_number) && !a.is_empty() => {
+            ids(a).ok_or_else(|| bad("a prompt of token ids must be a list of integers"))?
+        }
+        Value::Array(_) => return Err(bad("one prompt per request: a string or a list of token ids")),
+        _ => return Err(bad("prompt must be a string or a list of token ids")),
+    };
+    let n_vocab = render.n_vocab();
+    if let Some(t) = prompt.iter().find(|&&t| t >= n_vocab) {
+        return Err(bad(&format!("token id {t} is not below the vocabulary's size {n_vocab}")));
+    }
+    if prompt.is_empty() {
+        return Err(bad("the prompt is empty"));
+    }
+    match &r.suffix {
+        None => Ok(prompt),
+        Some(suffix) => {
+            let fim = render.fim().ok_or_else(|| {
+                ApiError::invalid(
+                    F,
+                    "this model has no fill-in-the-middle tokens (its GGUF names no \
+                     tokenizer.ggml.fim_pre/suf/mid_token_id), so `suffix` cannot be served",
+                )
+                .with_param("suffix")
+            })?;
+            Ok(fim_prompt(fim, &prompt, &render.tokenize(suffix), FimMode::Psm))
+        }
+    }
+}
+
+/// `POST /v1/completions`.
+pub async fn completions(
+    req: HttpRequest,
+    payload: web::Payload,
+    state: web::Data<WebState>,
+) -> Result<HttpResponse, ApiError> {
+    let mut access = Access::new("/v1/completions", "", Instant::now());
+    let r: CompletionRequest = accept(&state, F, &req, payload)
+        .await
+        .map_err(|e| logged(&access, e))?;
+    access.model = r.model.clone();
+    let run = async {
+        check_lane(&state, F)?;
+        check_model(&state, F, &r.model)?;
+        let unserved = [
+            ("logprobs", r.logprobs.is_some_and(|n| n > 0)),
+            ("echo", r.echo),
+            ("presence_penalty", r.presence_penalty.is_some_and(|p| p != 0.0)),
+            ("frequency_penalty", r.frequency_penalty.is_some_and(|p| p != 0.0)),
+            ("logit_bias", r.logit_bias.as_ref().is_some_and(|b| !b.is_empty())),
+        ];
+        if let Some((param, _)) = unserved.iter().find(|(_, asked)| *asked) {
+            return Err(ApiError::invalid(F, format!("{param} is not served by this daemon yet"))
+                .with_param(param));
+        }
+        let n = choices(r.n)?;
+        let prompt = completion_prompt(&state, &r)?;
+        let max_tokens = budget(&state, F, prompt.len(), Some(r.max_tokens.unwrap_or(16)), "max_tokens")?;
+        let p = Prepared {
+            prompt,
+            max_tokens,
+            grammar: None,
+            markers: Markers::none(),
+            in_reasoning: false,
+        };
+        let params = params(r.temperature, r.top_p, r.top_k, r.min_p, r.seed, F)?;
+        let stop = stops(r.stop.as_ref())?;
+        let (warm, runs) = start_all(&state, F, &p, n, params, &stop, false).await?;
+        Ok((p, warm, runs))
+    };
+    let (p, warm, runs) = run.await.map_err(|e| logged(&access, e))?;
+    access.prompt = p.prompt.len();
+    access.cached = warm;
+    let id = new_id("cmpl-");
+    let created = now_secs();
+    let model = state.model.id.clone();
+    if r.stream {
+        let include_usage = r.stream_options.as_ref().is_some_and(|o| o.include_usage);
+        let (tx, rx) = mpsc::channel(64);
+        actix_rt::spawn(stream_completion(
+            runs,
+            tx,
+            ChunkHead {
+                id,
+                created,
+                model,
+                object: "text_completion",
+            },
+            include_usage,
+            access,
+        ));
+        return Ok(event_stream(warm, rx));
+    }
+    let mut out = Vec::new();
+    let mut generated = 0u64;
+    for (i, rx) in runs.into_iter().enumerate() {
+        let c = drive::collect(rx)
+            .await
+            .map_err(|m| logged(&access, ApiError::new(F, Kind::Unavailable, m)))?;
+        generated += u64::from(c.generated);
+        out.push(json!({
+            "index": i,
+            "text": c.text,
+            "logprobs": null,
+            "finish_reason": finish_reason(&c),
+        }));
+    }
+    access.generated = generated;
+    access.log(200);
+    Ok(ok_with_warm(warm).json(json!({
+        "id": id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": out,
+        "usage": usage(access.prompt, warm, generated),
+        "system_fingerprint": "superfluid",
+    })))
+}
+
+async fn stream_completion(
+    runs: Vec<mpsc::Receiver<Out>>,
+    tx: mpsc::Sender<Bytes>,
+    head: ChunkHead,
+    include_usage: bool,
+    mut access: Access,
+) {
+    let data = |v: &Value| super::sse(None, v);
+    let mut merged = futures_util::stream::select_all(runs.into_iter().enumerate().map(|(i, rx)| {
+        futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|o| (o, rx)) })
+            .map(move |o| (i, o))
+            .boxed()
+    }));
+    let mut generated = 0u64;
+    while let Some((i, o)) = merged.next().await {
+        let (text, reason) = match o {
+            Out::Text { text, .. } => (text, Value::Null),
+            Out::Call { .. } => continue,
+            Out::Ended { end, generated: g } => {
+                generated += u64::from(g);
+                let r = if end == End::MaxTokens { "length" } else { "stop" };
+                (String::new(), Value::String(r.into()))
+            }
+            Out::Failed(message) => {
+                let e = ApiError::new(F, Kind::Unavailable, message);
+                let _ = tx.send(data(&e.body())).await;
+                access.log(503);
+                return;
+            }
+        };
+        let c = head.chunk(json!([{"index": i, "text": text, "logprobs": null, "finish_reason": reason}]));
+        if tx.send(data(&c)).await.is_err() {
+            access.log(499);
+            return;
+        }
+    }
+    access.generated = generated;
+    if include_usage {
+        let mut u = head.chunk(json!([]));
+        u["usage"] = usage(access.prompt, access.cached, generated);
+        let _ = tx.send(data(&u)).await;
+    }
+    let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+    access.log(200);
+}
+
+fn model_json(state: &WebState) -> Value {
+    json!({
+        "id": state.model.id,
+        "object": "model",
+        "created": state.model.created,
+        "owned_by": "superfluid",
+    })
+}
+
+/// `GET /v1/models`.
+pub async fn models(req: HttpRequest, state: web::Data<WebState>) -> Result<HttpResponse, ApiError> {
+    authorize(&state, F, &req)?;
+    Ok(HttpResponse::Ok().json(json!({"object": "list", "data": [model_json(&state)]})))
+}
+
+/// `GET /v1/models/{id}`.
+pub async fn model(
+    req: HttpRequest,
+    path: web::Path<String>,
+    state: web::Data<WebState>,
+) -> Result<HttpResponse, ApiError> {
+    authorize(&state, F, &req)?;
+    check_model(&state, F, &path)?;
+    Ok(HttpResponse::Ok().json(model_json(&state)))
+}
