@@ -305,6 +305,9 @@ pub(crate) struct Prepared {
     pub grammar: Option<String>,
     pub markers: Markers,
     pub in_reasoning: bool,
+    /// An Anthropic breakpoint: the prompt's first `len` tokens are pinned
+    /// for `ttl` ms once the request finishes.
+    pub pin: Option<(usize, u64)>,
 }
 
 /// Starts the `n` generations of one request; the first's warm prefix is

@@ -269,6 +269,7 @@ fn prepare_chat(state: &WebState, r: &ChatRequest) -> Result<Prepared, ApiError>
         grammar,
         markers,
         in_reasoning,
+        pin: None,
     })
 }
 
@@ -637,6 +638,7 @@ pub async fn completions(
             grammar: None,
             markers: Markers::none(),
             in_reasoning: false,
+            pin: None,
         };
         let params = params(r.temperature, r.top_p, r.top_k, r.min_p, r.seed, F)?;
         let stop = stops(r.stop.as_ref())?;
