@@ -3,7 +3,8 @@
 The binary is SUPERFLUID_BIN, else $CARGO_TARGET_DIR/debug/superfluid, else
 ~/.cache/superfluid/target/debug/superfluid; the model SUPERFLUID_TEST_MODEL,
 else the default SmolLM2. A module may set ``MODEL = "<file name>"`` to run on
-a derived test model beside the default one (e.g. the tools-think model).
+a derived test model beside the default one (e.g. the tools-think model), and
+``EXTRA_ARGS = [...]`` to pass more flags to ``superfluid serve``.
 """
 
 import os
@@ -30,7 +31,7 @@ def daemon(request):
     model = module_model(request.module)
     if not os.path.exists(model):
         pytest.skip("no model at {} (run scripts/setup.sh)".format(model))
-    d = Daemon(model=model)
+    d = Daemon(model=model, extra_args=getattr(request.module, "EXTRA_ARGS", None))
     d.start()
     yield d
     d.cleanup()

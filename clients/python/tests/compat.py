@@ -1,0 +1,65 @@
+"""Helpers for the tests of the OpenAI and Anthropic routes: SDK clients of a
+test daemon, its Prometheus metrics, and raw HTTP for what an SDK will not
+send (malformed JSON, a foreign Origin, a huge body)."""
+
+import http.client
+import json
+import re
+
+import anthropic
+import openai
+
+KEY = "test-api-key-0123"
+
+
+def oai(daemon, key=KEY):
+    return openai.OpenAI(base_url=daemon.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def ant(daemon, key=KEY):
+    return anthropic.Anthropic(base_url=daemon.url, api_key=key, max_retries=0, timeout=120)
+
+
+def metrics(daemon, key=KEY):
+    """The Prometheus text of GET /metrics, as {series: value}."""
+    status, _, body = raw(daemon, "GET", "/metrics", None, {"Authorization": "Bearer " + key})
+    assert status == 200, body
+    out = {}
+    for line in body.decode().splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def raw(daemon, method, path, body, headers=None):
+    """One HTTP request; (status, headers, body bytes)."""
+    conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=120)
+    data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+    h = {"Content-Type": "application/json"}
+    h.update(headers or {})
+    conn.request(method, path, body=data, headers=h)
+    r = conn.getresponse()
+    out = (r.status, dict((k.lower(), v) for k, v in r.getheaders()), r.read())
+    conn.close()
+    return out
+
+
+def access_lines(daemon):
+    return [l for l in daemon.log().splitlines() if "superfluid::access" in l]
+
+
+def words(n, seed=0):
+    """n distinct-ish words, so prompts do not share prefixes by accident."""
+    base = ["river", "stone", "maple", "cloud", "ember", "harbor", "quartz", "meadow", "lantern", "falcon"]
+    return " ".join("{}{}".format(base[(i * 7 + seed) % len(base)], (i + seed) % 97) for i in range(n))
+
+
+def cached_field(usage):
+    return usage.prompt_tokens_details.cached_tokens
+
+
+def number(pattern, text):
+    m = re.search(pattern, text)
+    assert m, (pattern, text)
+    return int(m.group(1))

@@ -1,0 +1,115 @@
+"""The Anthropic routes, driven by the official `anthropic` SDK on the default
+model: messages (streamed and not), count_tokens, a cache_control breakpoint
+that pins its prefix against KV pressure, and the error cases. The daemon has
+a small KV pool (two sequences of 1024 cells) so that pressure is cheap."""
+
+import json
+
+import anthropic
+import pytest
+
+from compat import KEY, ant, metrics, raw, words
+
+EXTRA_ARGS = ["--api-key", KEY, "--ctx-size", "2048", "--parallel", "2"]
+GREEDY = {"temperature": 0}
+
+
+def ask(client, content, **kw):
+    args = dict(model="default", max_tokens=16, messages=[{"role": "user", "content": content}],
+                extra_body=GREEDY)
+    args.update(kw)
+    return client.messages.create(**args)
+
+
+def test_message_and_stream_agree(daemon):
+    a = ant(daemon)
+    m = ask(a, "Name a fruit.")
+    assert m.role == "assistant" and m.content[0].type == "text" and m.content[0].text
+    assert m.stop_reason in ("end_turn", "max_tokens") and m.usage.output_tokens > 0
+    with a.messages.stream(model="default", max_tokens=16, extra_body=GREEDY,
+                           messages=[{"role": "user", "content": "Name a fruit."}]) as s:
+        types = [ev.type for ev in s]
+        final = s.get_final_message()
+    assert final.content[0].text == m.content[0].text and final.stop_reason == m.stop_reason
+    assert types[0] == "message_start" and types[-1] == "message_stop"
+    assert "content_block_start" in types and "content_block_stop" in types and "message_delta" in types
+    # Streamed replies reuse the non-streamed one's prefix.
+    assert final.usage.cache_read_input_tokens > 0
+
+
+def test_count_tokens_matches_usage(daemon):
+    a = ant(daemon)
+    msgs = [{"role": "user", "content": "How many tokens is this?"}]
+    n = a.messages.count_tokens(model="default", system="Be brief.", messages=msgs).input_tokens
+    m = a.messages.create(model="default", max_tokens=4, system="Be brief.", messages=msgs, extra_body=GREEDY)
+    u = m.usage
+    assert n == u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens
+
+
+def test_stop_sequences(daemon):
+    a = ant(daemon)
+    full = ask(a, "Write a sentence about snow.", max_tokens=40).content[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 5]
+    m = ask(a, "Write a sentence about snow.", max_tokens=40, stop_sequences=[stop])
+    assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
+    assert m.content[0].text == full[:full.index(stop)]
+
+
+def test_a_breakpoint_pins_its_prefix_against_pressure(daemon):
+    a = ant(daemon)
+    system = [{"type": "text", "text": "Reference: " + words(250, seed=21),
+               "cache_control": {"type": "ephemeral"}}]
+    first = a.messages.create(model="default", max_tokens=4, system=system, extra_body=GREEDY,
+                              messages=[{"role": "user", "content": "Question one?"}])
+    written = first.usage.cache_creation_input_tokens
+    assert written > 250, first.usage
+    # Unrelated requests that need the whole pool between them.
+    for i in range(4):
+        ask(a, words(700, seed=40 + i), max_tokens=4)
+    second = a.messages.create(model="default", max_tokens=4, system=system, extra_body=GREEDY,
+                               messages=[{"role": "user", "content": "Question two?"}])
+    assert second.usage.cache_read_input_tokens >= written, (first.usage, second.usage)
+    assert second.usage.cache_creation_input_tokens == 0
+
+
+def test_unpinned_prefix_is_evicted_by_the_same_pressure(daemon):
+    """The control for the test above: without a breakpoint the same
+    pressure evicts the prefix, so the pin is what kept it."""
+    a = ant(daemon)
+    system = "Reference: " + words(250, seed=22)
+    a.messages.create(model="default", max_tokens=4, system=system, extra_body=GREEDY,
+                      messages=[{"role": "user", "content": "Question one?"}])
+    for i in range(4):
+        ask(a, words(700, seed=50 + i), max_tokens=4)
+    second = a.messages.create(model="default", max_tokens=4, system=system, extra_body=GREEDY,
+                               messages=[{"role": "user", "content": "Question two?"}])
+    assert second.usage.cache_read_input_tokens < 50, second.usage
+
+
+def test_errors_in_anthropic_shape(daemon):
+    a = ant(daemon)
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        ask(ant(daemon, key="wrong"), "x")
+    assert e.value.body["error"]["type"] == "authentication_error"
+    with pytest.raises(anthropic.NotFoundError):
+        a.messages.create(model="claude-nope", max_tokens=4, messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(anthropic.BadRequestError) as e:
+        a.messages.create(model="default", max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_none", "content": "42"}]}])
+    assert "toolu_none" in str(e.value)
+    with pytest.raises(anthropic.BadRequestError) as e:
+        a.messages.create(model="default", max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}])
+    assert "projector" in str(e.value)
+    with pytest.raises(anthropic.BadRequestError) as e:
+        ask(a, "x", max_tokens=5000)
+    assert "2048" in str(e.value)
+    auth = {"x-api-key": KEY}
+    status, _, body = raw(daemon, "POST", "/v1/messages",
+                          {"model": "default", "messages": [{"role": "user", "content": "x"}]}, auth)
+    assert status == 400 and json.loads(body)["error"]["type"] == "invalid_request_error"
+    assert "max_tokens" in json.loads(body)["error"]["message"]
+    status, _, body = raw(daemon, "POST", "/v1/messages", b"[1,", auth)
+    assert status == 400 and json.loads(body)["type"] == "error"
+    assert metrics(daemon)["superfluid_generated_tokens_total"] > 0
+    assert ask(a, "Still there?", max_tokens=3).usage.output_tokens == 3

@@ -1,0 +1,195 @@
+"""The OpenAI routes, driven by the official `openai` SDK on the default model:
+chat (streamed and not), the prefix cache across turns, n forks sharing one
+prefill, stop sequences, JSON schema output, completions, models, metrics,
+every error case, and a client that goes away mid-stream."""
+
+import json
+import time
+
+import openai
+import pytest
+
+from compat import KEY, access_lines, cached_field, metrics, number, oai, raw, words
+
+EXTRA_ARGS = ["--api-key", KEY]
+GREEDY = {"temperature": 0, "seed": 7}
+
+
+def chat(client, content, **kw):
+    args = dict(model="default", messages=[{"role": "user", "content": content}], max_tokens=24)
+    args.update(GREEDY)
+    args.update(kw)
+    return client.chat.completions.create(**args)
+
+
+def test_chat_not_streamed_and_streamed_agree(daemon):
+    c = oai(daemon)
+    r = chat(c, "Name a colour.")
+    text = r.choices[0].message.content
+    assert text and r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens > 0 and r.usage.prompt_tokens > 10
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    chunks = list(chat(c, "Name a colour.", stream=True, stream_options={"include_usage": True}))
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert streamed == text
+    finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finishes == [r.choices[0].finish_reason]
+    usage = chunks[-1].usage
+    assert usage.prompt_tokens == r.usage.prompt_tokens and usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_second_turn_of_a_resent_conversation_is_served_from_the_cache(daemon):
+    c = oai(daemon)
+    history = [{"role": "system", "content": "You are brief. " + words(120, seed=3)},
+               {"role": "user", "content": "Tell me about rivers."}]
+    first = c.chat.completions.with_raw_response.create(model="default", messages=history, max_tokens=16, **GREEDY)
+    r1 = first.parse()
+    assert int(first.headers["x-superfluid-warm"]) == cached_field(r1.usage) < 20
+    before = metrics(daemon)["superfluid_warm_prefix_tokens_total"]
+    history += [{"role": "assistant", "content": r1.choices[0].message.content},
+                {"role": "user", "content": "And mountains?"}]
+    second = c.chat.completions.with_raw_response.create(model="default", messages=history, max_tokens=8, **GREEDY)
+    r2 = second.parse()
+    cached = cached_field(r2.usage)
+    # Everything the first request's prompt held is reused.
+    assert cached >= r1.usage.prompt_tokens - 1, (cached, r1.usage)
+    assert int(second.headers["x-superfluid-warm"]) == cached
+    assert metrics(daemon)["superfluid_warm_prefix_tokens_total"] - before >= cached
+    line = access_lines(daemon)[-1]
+    assert "POST /v1/chat/completions 200" in line and "cached={}".format(cached) in line
+    assert "prompt={}".format(r2.usage.prompt_tokens) in line and "rivers" not in line
+
+
+def test_n_forks_share_one_prefill(daemon):
+    c = oai(daemon)
+    before = metrics(daemon)
+    r = c.chat.completions.create(model="default", messages=[{"role": "user", "content": words(300, seed=11)}],
+                                  max_tokens=6, n=3, temperature=0.9, seed=5)
+    after = metrics(daemon)
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    prefilled = after["superfluid_prefill_tokens_total"] - before["superfluid_prefill_tokens_total"]
+    p = r.usage.prompt_tokens
+    assert p > 300
+    # One prefill of the prompt, not three.
+    assert prefilled < 1.5 * p, (prefilled, p)
+    assert 3 <= r.usage.completion_tokens <= 18
+
+
+def test_stop_sequence_split_across_tokens_ends_the_reply(daemon):
+    c = oai(daemon)
+    full = chat(c, "Write one sentence about the sea.", max_tokens=40).choices[0].message.content
+    assert len(full) > 20
+    # A stop string that starts mid-token and spans several tokens.
+    cut = len(full) // 2
+    stop = full[cut:cut + 6]
+    expect = full[:full.index(stop)]
+    r = chat(c, "Write one sentence about the sea.", max_tokens=40, stop=[stop, "zzzz-never"])
+    assert r.choices[0].message.content == expect and r.choices[0].finish_reason == "stop"
+    chunks = list(chat(c, "Write one sentence about the sea.", max_tokens=40, stop=stop, stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == expect
+    assert r.usage.completion_tokens < 40
+
+
+def test_json_schema_output_parses(daemon):
+    c = oai(daemon)
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    r = chat(c, "Describe a person as JSON.", max_tokens=80,
+             response_format={"type": "json_schema", "json_schema": {"name": "person", "strict": True, "schema": schema}})
+    v = json.loads(r.choices[0].message.content)
+    assert set(v) == {"name", "age"} and isinstance(v["age"], int)
+    r = chat(c, "Any JSON object.", max_tokens=60, response_format={"type": "json_object"})
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_completions_models_and_metrics(daemon):
+    c = oai(daemon)
+    r = c.completions.create(model="default", prompt="The capital of France is", max_tokens=5, **GREEDY)
+    assert r.choices[0].text and r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+    ids = c.completions.create(model="default", prompt=[[504, 3575, 282]], max_tokens=3, **GREEDY)
+    assert ids.usage.prompt_tokens == 3
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model="default", prompt="The capital of France is", max_tokens=5, stream=True, **GREEDY) if ch.choices)
+    assert streamed == r.choices[0].text
+    models = c.models.list().data
+    assert len(models) == 1 and c.models.retrieve(models[0].id).id == models[0].id
+    m = metrics(daemon)
+    assert m["superfluid_generated_tokens_total"] > 0
+
+
+def test_suffix_without_fim_tokens_is_a_clear_400(daemon):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai(daemon).completions.create(model="default", prompt="def f(", suffix="\n", max_tokens=4)
+    assert "fill-in-the-middle" in str(e.value)
+
+
+def error_of(excinfo):
+    return excinfo.value.body if isinstance(excinfo.value.body, dict) else json.loads(excinfo.value.body)
+
+
+def test_errors_in_openai_shape(daemon):
+    c = oai(daemon)
+    with pytest.raises(openai.NotFoundError) as e:
+        c.chat.completions.create(model="gpt-nope", messages=[{"role": "user", "content": "x"}])
+    assert e.value.code == "model_not_found"
+    with pytest.raises(openai.AuthenticationError):
+        oai(daemon, key="wrong").models.list()
+    # The daemon's web token works as well as --api-key.
+    assert oai(daemon, key=daemon.token()).models.list().data
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(c, "x", max_tokens=0)
+    assert e.value.param == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(c, "x", max_tokens=9000)
+    assert e.value.code == "context_length_exceeded" and "8192" in str(e.value) and "9000" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(c, words(9000))
+    assert e.value.code == "context_length_exceeded"
+    prompt = number(r"the prompt is (\d+) tokens", str(e.value))
+    assert prompt > 8192 and "8192" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="default", messages=[
+            {"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "call_none", "content": "42"}])
+    assert "call_none" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="default", messages=[{"role": "user", "content": [
+            {"type": "text", "text": "what is this?"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}])
+    assert "projector" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="default", messages=[{"role": "user", "content": "x"}], n=0)
+    auth = {"Authorization": "Bearer " + KEY}
+    status, _, body = raw(daemon, "POST", "/v1/chat/completions", b"{not json", auth)
+    assert status == 400 and json.loads(body)["error"]["type"] == "invalid_request_error"
+    status, _, body = raw(daemon, "POST", "/v1/chat/completions", {"model": "default"}, auth)
+    assert status == 400 and "messages" in json.loads(body)["error"]["message"]
+    status, _, body = raw(daemon, "POST", "/v1/chat/completions", b"x" * (17 << 20), auth)
+    assert status == 413 and "error" in json.loads(body)
+    status, _, body = raw(daemon, "POST", "/v1/chat/completions",
+                          {"model": "default", "messages": [{"role": "user", "content": "x"}]},
+                          dict(auth, Origin="http://evil.example"))
+    assert status == 403 and "error" in json.loads(body)
+    status, _, _ = raw(daemon, "GET", "/v1/models", None, dict(auth, Host="evil.example"))
+    assert status == 403
+    # Nothing a bad request did harmed the lane.
+    assert chat(c, "Still there?", max_tokens=3).usage.completion_tokens == 3
+
+
+def test_a_client_that_disconnects_cancels_its_generation(daemon):
+    c = oai(daemon)
+    before = metrics(daemon)['superfluid_generations_total{finish="cancelled"}']
+    stream = c.chat.completions.create(model="default", messages=[{"role": "user", "content": "Write a long story."}],
+                                       max_tokens=4000, temperature=1.0, seed=3, stream=True)
+    got = 0
+    for ch in stream:
+        got += 1
+        if got == 4:
+            break
+    stream.close()
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        if metrics(daemon)['superfluid_generations_total{finish="cancelled"}'] > before:
+            break
+        time.sleep(0.1)
+    assert metrics(daemon)['superfluid_generations_total{finish="cancelled"}'] == before + 1
+    assert chat(c, "Hello", max_tokens=3).usage.completion_tokens == 3
