@@ -182,6 +182,9 @@ pub struct Stats {
     pub drawn: u64,
     /// Prompt tokens taken from the KV instead of a prefill.
     pub warm_tokens: u64,
+    /// Prompt tokens the worker decoded (prefill; drawn tokens fed back
+    /// are not counted).
+    pub prefilled_tokens: u64,
     /// Tokens the worker decoded (prompt and drawn), and the time its
     /// llama.cpp decode calls took, in microseconds.
     pub decoded_tokens: u64,

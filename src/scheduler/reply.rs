@@ -65,6 +65,12 @@ impl SchedulerState {
         for (item, gen) in step.decode.iter().zip(&step.gens) {
             let seq = item.seq as usize;
             self.seqs[seq].resident.extend_from_slice(&item.tokens);
+            // Prompt tokens among them were prefill; the rest were draws fed.
+            if let Some(g) = self.gens.get(gen) {
+                let pos = item.pos as usize;
+                let end = (pos + item.tokens.len()).min(g.admit.prompt.len());
+                self.stats.prefilled_tokens += end.saturating_sub(pos) as u64;
+            }
             if item.sample.is_none() {
                 continue;
             }

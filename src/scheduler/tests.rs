@@ -74,6 +74,8 @@ fn second_turn_prefills_only_new_tokens() {
     }));
     // The KV holds the prompt and the first two drawn tokens (the third was never fed).
     assert_eq!(s.resident(0), &[1, 2, 3, 4, 100, 100]);
+    // Prefill was the prompt; the drawn tokens fed back are not counted.
+    assert_eq!(s.stats().prefilled_tokens, 4);
     // Turn 2: history + the last drawn token + a new message.
     let g2 = s
         .admit(admit(1, &[1, 2, 3, 4, 100, 100, 100, 7, 8], 1))
@@ -87,6 +89,7 @@ fn second_turn_prefills_only_new_tokens() {
     let step = step.unwrap();
     assert_eq!(step.decode[0].pos, 6);
     assert_eq!(step.decode[0].tokens, vec![100, 7, 8]);
+    assert_eq!(s.stats().prefilled_tokens, 4 + 3);
 }
 
 #[test]
