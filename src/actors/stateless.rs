@@ -17,7 +17,7 @@ use crate::scheduler::{Admit, GenEvent, SchedulerError};
 use crate::wire::{Finish, Params, QosClass, Token};
 
 /// The scheduler's session id for generations without a session.
-pub const NO_SESSION: u64 = 0;
+pub use crate::scheduler::NO_SESSION;
 
 /// Why a generation without a session did not start. The text is what the
 /// client sees.

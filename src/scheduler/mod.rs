@@ -47,6 +47,10 @@ use crate::wire::{Finish, Params, QosClass, SessionId, Token};
 /// `--pin-budget-pct` default.
 pub const DEFAULT_PIN_BUDGET_PCT: u32 = 50;
 
+/// The session id of generations without a session (the stateless routes):
+/// their idle sequences are the prefix cache.
+pub const NO_SESSION: SessionId = 0;
+
 /// Identifies one generation within a lane.
 pub type GenId = u64;
 

@@ -3,7 +3,7 @@
 //! the KV budget), the next step (`plan`), and the step that follows one in
 //! flight (`follow`).
 
-use super::{GenEvent, GenId, SchedulerState, Seq, Step, FOLLOW_STEPS};
+use super::{GenEvent, GenId, SchedulerState, Seq, Step, FOLLOW_STEPS, NO_SESSION};
 use crate::wire::worker::{DecodeItem, NextItem, Sample, WorkerRequest};
 use crate::wire::QosClass;
 use crate::wire::Token;
@@ -38,6 +38,15 @@ impl SchedulerState {
         out
     }
 
+    /// The order idle sequences are taken and evicted in, lowest first:
+    /// unprotected before protected; within each, cached prefixes of
+    /// generations without a session before sessions' sequences; then
+    /// least recently used first.
+    fn eviction_rank(&self, protected: &[bool], i: usize) -> (bool, bool, u64) {
+        let s = &self.seqs[i];
+        (protected[i], s.owner != Some(NO_SESSION), s.last_used)
+    }
+
     fn resident_total(&self, except: usize) -> u64 {
         self.seqs
             .iter()
@@ -62,23 +71,32 @@ impl SchedulerState {
             let idle = |s: &Seq| s.active.is_none();
             // Unprotected sequences are taken (and evicted) first.
             let protected = self.protected();
-            // The sequence to run on: the session's own, else a free one,
-            // else the least recently used idle one.
-            let own = self
-                .seqs
-                .iter()
-                .position(|s| idle(s) && s.owner == Some(session));
+            // The sequence to run on: the session's own (for a generation
+            // without a session, the unprotected cached prefix it extends
+            // most), else a free one, else the first idle one in eviction
+            // order. A protected prefix is copied, not taken.
+            let own = if session == NO_SESSION {
+                self.seqs
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, s)| idle(s) && s.owner == Some(NO_SESSION) && !protected[*i])
+                    .map(|(i, s)| (lcp(&s.resident, &prompt), i))
+                    .filter(|&(n, _)| n > 0)
+                    .max()
+                    .map(|(_, i)| i)
+            } else {
+                self.seqs
+                    .iter()
+                    .position(|s| idle(s) && s.owner == Some(session))
+            };
             let dst = own.or_else(|| {
                 self.seqs
                     .iter()
                     .position(|s| idle(s) && s.owner.is_none())
                     .or_else(|| {
-                        self.seqs
-                            .iter()
-                            .enumerate()
-                            .filter(|(_, s)| idle(s))
-                            .min_by_key(|(i, s)| (protected[*i], s.last_used))
-                            .map(|(i, _)| i)
+                        (0..self.seqs.len())
+                            .filter(|&i| idle(&self.seqs[i]))
+                            .min_by_key(|&i| self.eviction_rank(&protected, i))
                     })
             });
             let Some(dst) = dst else { break };
@@ -120,6 +138,8 @@ impl SchedulerState {
                     len: keep as u32,
                 });
                 self.seqs[dst].resident = self.seqs[src].resident[..keep].to_vec();
+                // A cache hit keeps the source warm.
+                self.seqs[src].last_used = self.steps_planned;
             } else {
                 if self.seqs[dst].resident.len() > own_keep {
                     ops.push(WorkerRequest::KvTrim {
@@ -131,16 +151,15 @@ impl SchedulerState {
             }
             let warm = self.seqs[dst].resident.len() as u64;
             let mut evicted = (old.len() - lcp(&old, &self.seqs[dst].resident)) as u64;
-            // Make room: evict idle sequences, least recently used first.
+            // Make room: evict idle sequences, in eviction order.
             let need = prompt.len() as u64 + 1 - warm;
             while self.resident_total(usize::MAX) + need > self.n_ctx as u64 {
-                let victim = self
-                    .seqs
-                    .iter()
-                    .enumerate()
-                    .filter(|(i, s)| *i != dst && idle(s) && !s.resident.is_empty())
-                    .min_by_key(|(i, s)| (protected[*i], s.last_used))
-                    .map(|(i, _)| i);
+                let victim = (0..self.seqs.len())
+                    .filter(|&i| {
+                        let s = &self.seqs[i];
+                        i != dst && idle(s) && !s.resident.is_empty()
+                    })
+                    .min_by_key(|&i| self.eviction_rank(&protected, i));
                 let Some(v) = victim else { break };
                 evicted += self.seqs[v].resident.len() as u64;
                 ops.push(WorkerRequest::KvClear { seq: v as u32 });

@@ -814,3 +814,40 @@ fn a_full_cache_on_a_following_step_falls_back_to_single_steps() {
     let events = s.step_done(&single, Err(StepError::KvFull));
     assert_eq!(finish_of(&events, g), Some(Finish::Error));
 }
+
+fn stateless(prompt: &[Token], max_tokens: u32) -> Admit {
+    admit(NO_SESSION, prompt, max_tokens)
+}
+
+#[test]
+fn cached_prefixes_are_evicted_before_sessions() {
+    // 32 cells, 3 sequences: a session's idle sequence (the older one) and
+    // a cached prefix (the newer one).
+    let mut s = SchedulerState::new(32, 3, 512);
+    s.admit(admit(1, &[1; 10], 1)).unwrap();
+    run_to_end(&mut s);
+    s.admit(stateless(&[2; 10], 1)).unwrap();
+    run_to_end(&mut s);
+    // A new session needs 16 cells: one of the two must go, and it is the
+    // cached prefix, though it was used last.
+    s.admit(admit(3, &[3; 15], 1)).unwrap();
+    let (step, _) = step_with(&mut s, |_| 5);
+    let step = step.unwrap();
+    assert!(step.ops.contains(&WorkerRequest::KvClear { seq: 1 }));
+    assert!(!step.ops.contains(&WorkerRequest::KvClear { seq: 0 }));
+    run_to_end(&mut s);
+    assert_eq!(s.resident(0), &[1; 10], "the session's sequence stays");
+    assert!(s.resident(1).is_empty());
+
+    // With no free sequence, a new generation runs on the cached prefix's
+    // sequence, not the session's.
+    let mut s = SchedulerState::new(4096, 2, 512);
+    s.admit(admit(1, &[1; 10], 1)).unwrap();
+    run_to_end(&mut s);
+    s.admit(stateless(&[2; 10], 1)).unwrap();
+    run_to_end(&mut s);
+    s.admit(admit(3, &[3; 10], 1)).unwrap();
+    run_to_end(&mut s);
+    assert_eq!(s.resident(0), &[1; 10]);
+    assert_eq!(s.resident(1), &[3; 10]);
+}
