@@ -51,6 +51,11 @@ pub const DEFAULT_PIN_BUDGET_PCT: u32 = 50;
 /// their idle sequences are the prefix cache.
 pub const NO_SESSION: SessionId = 0;
 
+/// A waiting generation that would take at least this many more prompt
+/// tokens from a running generation's prefill than the KV holds now waits
+/// for that prefill instead of computing them too.
+pub const WAIT_MIN_SHARED: usize = 1024;
+
 /// Identifies one generation within a lane.
 pub type GenId = u64;
 

@@ -3,7 +3,9 @@
 //! the KV budget), the next step (`plan`), and the step that follows one in
 //! flight (`follow`).
 
-use super::{GenEvent, GenId, SchedulerState, Seq, Step, FOLLOW_STEPS, NO_SESSION};
+use super::{
+    GenEvent, GenId, SchedulerState, Seq, Step, FOLLOW_STEPS, NO_SESSION, WAIT_MIN_SHARED,
+};
 use crate::wire::worker::{DecodeItem, NextItem, Sample, WorkerRequest};
 use crate::wire::QosClass;
 use crate::wire::Token;
@@ -47,6 +49,37 @@ impl SchedulerState {
         (protected[i], s.owner != Some(NO_SESSION), s.last_used)
     }
 
+    /// Whether a waiting generation should wait for a running one's prefill
+    /// rather than compute the same prompt tokens too: a generation whose
+    /// prefill is not done (and not cancelled) shares with `prompt` at least
+    /// [`WAIT_MIN_SHARED`] more tokens than the other sequences hold now, or
+    /// all of `prompt` but its last token. Waiting generations hold no
+    /// sequence, so none waits on another, and one whose awaited generation
+    /// ends (finished, failed, cancelled) stops waiting.
+    fn waits(&self, gen: GenId, prompt: &[Token]) -> bool {
+        let last = prompt.len() - 1;
+        let mut prefilling = vec![false; self.seqs.len()];
+        let mut coming = 0;
+        for (id, g) in &self.gens {
+            let Some(q) = g.seq else { continue };
+            let q = q as usize;
+            if *id != gen && !g.cancelled && self.seqs[q].resident.len() < g.admit.prompt.len() {
+                prefilling[q] = true;
+                coming = coming.max(lcp(&g.admit.prompt, prompt).min(last));
+            }
+        }
+        let cached = self
+            .seqs
+            .iter()
+            .zip(&prefilling)
+            .filter(|(_, p)| !**p)
+            .map(|(s, _)| lcp(&s.resident, prompt))
+            .max()
+            .unwrap_or(0)
+            .min(last);
+        coming > cached && (coming - cached >= WAIT_MIN_SHARED || coming == last)
+    }
+
     fn resident_total(&self, except: usize) -> u64 {
         self.seqs
             .iter()
@@ -69,6 +102,9 @@ impl SchedulerState {
             let session = self.gens[&gen].admit.session;
             let prompt = self.gens[&gen].tokens.clone();
             let idle = |s: &Seq| s.active.is_none();
+            if self.waits(gen, &prompt) {
+                continue;
+            }
             // Unprotected sequences are taken (and evicted) first.
             let protected = self.protected();
             // The sequence to run on: the session's own (for a generation

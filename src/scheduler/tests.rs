@@ -141,8 +141,10 @@ fn fork_starts_from_a_copy_of_its_parents_cells() {
 #[test]
 fn all_running_generations_share_each_step() {
     let mut s = SchedulerState::new(4096, 4, 512);
+    // Prompts that share nothing (sharing all but the last token, the later
+    // ones would wait for the first one's prefill).
     for session in 1..=4 {
-        s.admit(admit(session, &[1, 2, session as Token + 10], 5))
+        s.admit(admit(session, &[session as Token + 10, 1, 2], 5))
             .unwrap();
     }
     let (step, _) = step_with(&mut s, |seq| 50 + seq);
@@ -414,6 +416,8 @@ struct FakeWorker {
     follows: usize,
     /// A DecodeNext step fails (KV full) when the cells in use are this many.
     fail_at: Option<usize>,
+    /// Tokens decoded, prompt and fed draws.
+    decoded: usize,
 }
 
 /// The fake worker's context and vocabulary.
@@ -428,6 +432,7 @@ impl FakeWorker {
             eog_at: None,
             follows: 0,
             fail_at: None,
+            decoded: 0,
         }
     }
 
@@ -454,6 +459,7 @@ impl FakeWorker {
         for item in items {
             let s = item.seq as usize;
             self.kv[s].extend_from_slice(&item.tokens);
+            self.decoded += item.tokens.len();
             if item.sample.is_some() {
                 drawn.push(self.draw(s));
             }
@@ -819,6 +825,17 @@ fn stateless(prompt: &[Token], max_tokens: u32) -> Admit {
     admit(NO_SESSION, prompt, max_tokens)
 }
 
+fn warm_of(events: &[GenEvent], gen: GenId) -> Option<u64> {
+    events.iter().find_map(|e| match e {
+        GenEvent::Started {
+            gen: g,
+            warm_prefix,
+            ..
+        } if *g == gen => Some(*warm_prefix),
+        _ => None,
+    })
+}
+
 #[test]
 fn cached_prefixes_are_evicted_before_sessions() {
     // 32 cells, 3 sequences: a session's idle sequence (the older one) and
@@ -850,4 +867,89 @@ fn cached_prefixes_are_evicted_before_sessions() {
     run_to_end(&mut s);
     assert_eq!(s.resident(0), &[1; 10]);
     assert_eq!(s.resident(1), &[3; 10]);
+}
+
+#[test]
+fn identical_prompts_admitted_together_prefill_once() {
+    let prompt: Vec<Token> = (0..40).collect();
+    let mut s = SchedulerState::new(4096, 4, 16);
+    let mut w = FakeWorker::new(4);
+    let gens: Vec<GenId> = (0..3)
+        .map(|_| s.admit(stateless(&prompt, 1)).unwrap())
+        .collect();
+    let events = drive(&mut s, &mut w, 2, |_, _| vec![]);
+    let warm: Vec<Option<u64>> = gens.iter().map(|&g| warm_of(&events, g)).collect();
+    let n = prompt.len() as u64;
+    assert_eq!(warm, [Some(0), Some(n - 1), Some(n - 1)]);
+    // The prompt once, then each fork's last prompt token for its logits.
+    assert_eq!(s.stats().prefilled_tokens, n + 2);
+    assert_eq!(w.decoded, n as usize + 2, "the worker decoded as much");
+    // Seeded from the same prefill, they draw the same token.
+    let first: Vec<Vec<Token>> = gens.iter().map(|&g| tokens_of(&events, g)).collect();
+    assert!(first.iter().all(|t| t.len() == 1 && *t == first[0]));
+}
+
+#[test]
+fn a_long_shared_prefix_waits_for_the_running_prefill() {
+    let a: Vec<Token> = (0..1500).map(|t| t % 97).collect();
+    let b: Vec<Token> = a[..1200].iter().copied().chain([500; 300]).collect();
+    let mut s = SchedulerState::new(4096, 2, 512);
+    let mut w = FakeWorker::new(2);
+    let ga = s.admit(stateless(&a, 1)).unwrap();
+    let gb = s.admit(stateless(&b, 1)).unwrap();
+    let events = drive(&mut s, &mut w, 2, |_, _| vec![]);
+    assert_eq!(warm_of(&events, ga), Some(0));
+    assert_eq!(warm_of(&events, gb), Some(1200));
+    assert_eq!(s.stats().prefilled_tokens, 1500 + 300);
+    assert_eq!(finish_of(&events, gb), Some(Finish::MaxTokens));
+
+    // Sharing less than WAIT_MIN_SHARED, the second does not wait.
+    let c: Vec<Token> = a[..WAIT_MIN_SHARED - 1]
+        .iter()
+        .copied()
+        .chain([500; 300])
+        .collect();
+    let mut s = SchedulerState::new(4096, 2, 512);
+    let mut w = FakeWorker::new(2);
+    s.admit(stateless(&a, 1)).unwrap();
+    let gc = s.admit(stateless(&c, 1)).unwrap();
+    let events = drive(&mut s, &mut w, 2, |_, _| vec![]);
+    assert_eq!(warm_of(&events, gc), Some(0));
+    assert_eq!(s.stats().prefilled_tokens, (1500 + c.len()) as u64);
+}
+
+#[test]
+fn a_waiter_runs_when_the_generation_it_waits_on_is_cancelled() {
+    let prompt: Vec<Token> = (0..40).collect();
+    let mut s = SchedulerState::new(4096, 2, 8);
+    let mut w = FakeWorker::new(2);
+    let a = s.admit(stateless(&prompt, 5)).unwrap();
+    let b = s.admit(stateless(&prompt, 5)).unwrap();
+    let events = drive(&mut s, &mut w, 2, |k, s| {
+        if k == 1 {
+            // b is still waiting: a's prefill is 8 tokens a step.
+            assert_eq!(s.gens[&b].seq, None);
+            s.cancel(a)
+        } else {
+            vec![]
+        }
+    });
+    assert_eq!(finish_of(&events, a), Some(Finish::Cancelled));
+    assert_eq!(finish_of(&events, b), Some(Finish::MaxTokens));
+    // b took what a had prefilled (two 8-token chunks) and computed the rest.
+    assert_eq!(warm_of(&events, b), Some(16));
+    assert_eq!(tokens_of(&events, b).len(), 5);
+    assert_eq!(s.stats().prefilled_tokens, prompt.len() as u64);
+
+    // A waiter whose awaited generation fails is failed too, and the lane
+    // goes on: nothing waits on a dead generation.
+    let mut s = SchedulerState::new(4096, 2, 8);
+    s.admit(stateless(&prompt, 5)).unwrap();
+    s.admit(stateless(&prompt, 5)).unwrap();
+    let (step, _) = s.plan();
+    let failed = s.step_done(&step.unwrap(), Err(StepError::Failed("boom".into())));
+    assert_eq!(failed.len(), 2);
+    let c = s.admit(stateless(&prompt, 1)).unwrap();
+    let events = run_to_end(&mut s);
+    assert_eq!(finish_of(&events, c), Some(Finish::MaxTokens));
 }
