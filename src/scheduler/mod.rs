@@ -105,6 +105,18 @@ pub struct Admit {
     /// tokens from there on (the open turn so far, then what this
     /// generation draws) are its prefix. `prompt.len()` for a new turn.
     pub grammar_from: usize,
+    /// Protect the sequence this generation ends on (its prompt and reply)
+    /// like a pin (an Anthropic `cache_control` breakpoint).
+    pub pin: Option<PrefixPin>,
+}
+
+/// A pin a generation leaves on its sequence when it ends: the sequence is
+/// protected from eviction for `ttl_ms`, and `len` tokens (the prefix up to
+/// the breakpoint) count against the pin budget.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefixPin {
+    pub len: usize,
+    pub ttl_ms: u64,
 }
 
 /// What the scheduler tells the generation's owner.
@@ -163,6 +175,9 @@ struct Seq {
     last_used: u64,
     /// The token last drawn on it (what a following step feeds).
     last_draw: Option<Drawn>,
+    /// A pin left by the generation that ended on it (`Admit::pin`):
+    /// (deadline in unix ms, when it was pinned, tokens it counts).
+    pin: Option<(u64, u64, usize)>,
 }
 
 #[derive(Debug, Clone)]
@@ -267,6 +282,11 @@ impl SchedulerState {
         self.clock_ms = now_ms;
         let now = now_ms;
         self.pins.retain(|_, (deadline, _)| *deadline > now);
+        for s in &mut self.seqs {
+            if s.pin.is_some_and(|(deadline, _, _)| deadline <= now) {
+                s.pin = None;
+            }
+        }
     }
 
     /// `Pin`: protect a session's cached tokens from eviction until

@@ -15,24 +15,39 @@ fn lcp(a: &[Token], b: &[Token]) -> usize {
 }
 
 impl SchedulerState {
-    /// Which sequences pins protect now: the newest pins first, while they
-    /// fit the pin budget; older ones yield.
+    /// Which sequences pins protect now: session pins (`pin`) and the
+    /// prefix pins generations left (`Admit::pin`), the newest first while
+    /// they fit the pin budget; older ones yield.
     fn protected(&self) -> Vec<bool> {
-        let mut pinned: Vec<(u64, usize)> = self
+        let now = self.clock_ms;
+        let mut pinned: Vec<(u64, usize, u64)> = self
             .seqs
             .iter()
             .enumerate()
             .filter_map(|(i, s)| {
-                let (deadline, since) = self.pins.get(&s.owner?)?;
-                (*deadline > self.clock_ms).then_some((*since, i))
+                let session = s
+                    .owner
+                    .filter(|&o| o != NO_SESSION)
+                    .and_then(|o| self.pins.get(&o))
+                    .filter(|(deadline, _)| *deadline > now)
+                    .map(|&(_, since)| (since, s.resident.len() as u64));
+                let prefix = s
+                    .pin
+                    .filter(|(deadline, _, _)| *deadline > now)
+                    .map(|(_, since, len)| (since, len.min(s.resident.len()) as u64));
+                let (since, cost) = match (session, prefix) {
+                    (Some(a), Some(b)) => a.max(b),
+                    (a, b) => a.or(b)?,
+                };
+                Some((since, i, cost))
             })
             .collect();
         pinned.sort_by(|a, b| b.cmp(a));
         let budget = self.n_ctx as u64 * self.pin_budget_pct as u64 / 100;
         let mut used = 0u64;
         let mut out = vec![false; self.seqs.len()];
-        for (_, i) in pinned {
-            used += self.seqs[i].resident.len() as u64;
+        for (_, i, cost) in pinned {
+            used += cost;
             if used <= budget {
                 out[i] = true;
             }
@@ -204,6 +219,8 @@ impl SchedulerState {
             let seq = &mut self.seqs[dst];
             seq.owner = Some(session);
             seq.active = Some(gen);
+            // Its cells change: a prefix pin left on it no longer holds.
+            seq.pin = None;
             seq.last_used = self.steps_planned;
             self.gens.get_mut(&gen).expect("waiting gen").seq = Some(dst as u32);
             self.stats.warm_tokens += warm;

@@ -165,7 +165,13 @@ impl SchedulerState {
         };
         self.kv_tight = false;
         if let Some(seq) = g.seq {
-            self.seqs[seq as usize].active = None;
+            let s = &mut self.seqs[seq as usize];
+            s.active = None;
+            // Its prompt and reply stay cached; a prefix pin protects them.
+            if let Some(pin) = g.admit.pin {
+                let deadline = self.clock_ms.saturating_add(pin.ttl_ms);
+                s.pin = Some((deadline, self.clock_ms, pin.len));
+            }
         }
         match finish {
             Some(finish) => {

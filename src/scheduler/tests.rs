@@ -21,6 +21,7 @@ fn admit(session: SessionId, prompt: &[Token], max_tokens: u32) -> Admit {
         batch_invariant: false,
         grammar: None,
         grammar_from: 0,
+        pin: None,
     }
 }
 
@@ -952,4 +953,75 @@ fn a_waiter_runs_when_the_generation_it_waits_on_is_cancelled() {
     let c = s.admit(stateless(&prompt, 1)).unwrap();
     let events = run_to_end(&mut s);
     assert_eq!(finish_of(&events, c), Some(Finish::MaxTokens));
+}
+
+#[test]
+fn a_prefix_pin_protects_a_cached_prefix_until_its_ttl() {
+    let pin = |len| Some(PrefixPin { len, ttl_ms: 4_000 });
+    let mut s = SchedulerState::new(64, 3, 512).with_pin_budget_pct(50);
+    s.set_clock(1_000);
+    // Pinned (older) and unpinned (newer) cached prefixes.
+    s.admit(Admit {
+        pin: pin(20),
+        ..stateless(&[1; 20], 1)
+    })
+    .unwrap();
+    run_to_end(&mut s);
+    s.admit(stateless(&[2; 20], 1)).unwrap();
+    run_to_end(&mut s);
+    // A later request seeded from the pinned prefix copies it and leaves
+    // its protection in place.
+    let hit: Vec<Token> = [1; 20].iter().copied().chain([7; 9]).collect();
+    let g = s.admit(stateless(&hit, 1)).unwrap();
+    let events = run_to_end(&mut s);
+    assert_eq!(warm_of(&events, g), Some(20));
+    assert_eq!(
+        s.resident(0),
+        &[1; 20],
+        "the pinned prefix is copied, not taken"
+    );
+    // Pressure: a 30-token request needs room; the unpinned prefixes go.
+    s.admit(stateless(&[3; 30], 1)).unwrap();
+    run_to_end(&mut s);
+    assert_eq!(s.resident(0), &[1; 20], "the pinned prefix stays");
+    // Past its ttl it is evictable like any other, oldest first.
+    s.set_clock(5_000);
+    s.admit(stateless(&[4; 30], 1)).unwrap();
+    run_to_end(&mut s);
+    assert_ne!(s.resident(0), &[1; 20]);
+
+    // A pin larger than the budget protects nothing.
+    let mut s = SchedulerState::new(64, 3, 512).with_pin_budget_pct(10);
+    s.set_clock(1_000);
+    s.admit(Admit {
+        pin: pin(20),
+        ..stateless(&[1; 20], 1)
+    })
+    .unwrap();
+    run_to_end(&mut s);
+    s.admit(stateless(&[2; 20], 1)).unwrap();
+    run_to_end(&mut s);
+    s.admit(stateless(&[3; 30], 1)).unwrap();
+    run_to_end(&mut s);
+    assert!(s.resident(0).is_empty(), "over budget, the oldest goes");
+
+    // What counts against the budget is the pinned prefix (`len`), not the
+    // whole sequence: 10 of a 30-token sequence fit 25% of 64 cells.
+    let mut s = SchedulerState::new(64, 3, 512).with_pin_budget_pct(25);
+    s.set_clock(1_000);
+    s.admit(Admit {
+        pin: pin(10),
+        ..stateless(&[1; 30], 1)
+    })
+    .unwrap();
+    run_to_end(&mut s);
+    s.admit(stateless(&[2; 10], 1)).unwrap();
+    run_to_end(&mut s);
+    s.admit(stateless(&[3; 30], 1)).unwrap();
+    run_to_end(&mut s);
+    assert_eq!(
+        s.resident(0),
+        &[1; 30],
+        "the pin protects the whole sequence"
+    );
 }
