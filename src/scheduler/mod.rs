@@ -11,8 +11,18 @@
 //!   next turn prefills only what is new; a new generation whose prompt
 //!   shares a prefix with another sequence (a fork and its parent) starts
 //!   from a copy of that sequence's cells instead of a prefill.
-//! - The KV budget is `n_ctx` cells; idle sequences are evicted, least
-//!   recently used first, to make room.
+//! - The KV budget is `n_ctx` cells; idle sequences are evicted to make
+//!   room (and taken for a new generation) in this order: unprotected before
+//!   pinned (session pins and `Admit::pin` prefix pins, within
+//!   `--pin-budget-pct`); within each, cached prefixes of generations
+//!   without a session ([`NO_SESSION`]) before sessions' sequences; then
+//!   least recently used first. A pinned prefix is copied from, never taken.
+//! - A waiting generation whose prompt shares [`WAIT_MIN_SHARED`] more
+//!   tokens (or all but its last token) with a running generation's
+//!   unfinished prefill than the KV holds waits for that prefill, then is
+//!   seeded from it (so n identical requests prefill once). Only generations
+//!   holding a sequence are waited on, so waiters never wait on each other,
+//!   and one whose prefill ends any way (done, failed, cancelled) frees them.
 //! - Steps are pipelined: while a step is in flight, [`SchedulerState::follow`]
 //!   plans the next for the same generations, [`FOLLOW_STEPS`] tokens each,
 //!   fed by the worker itself with what it draws (`WorkerRequest::DecodeNext`),
