@@ -875,8 +875,9 @@ fn identical_prompts_admitted_together_prefill_once() {
     let prompt: Vec<Token> = (0..40).collect();
     let mut s = SchedulerState::new(4096, 4, 16);
     let mut w = FakeWorker::new(4);
+    // The forks are seeded from the first while it still runs.
     let gens: Vec<GenId> = (0..3)
-        .map(|_| s.admit(stateless(&prompt, 1)).unwrap())
+        .map(|_| s.admit(stateless(&prompt, 3)).unwrap())
         .collect();
     let events = drive(&mut s, &mut w, 2, |_, _| vec![]);
     let warm: Vec<Option<u64>> = gens.iter().map(|&g| warm_of(&events, g)).collect();
@@ -884,10 +885,11 @@ fn identical_prompts_admitted_together_prefill_once() {
     assert_eq!(warm, [Some(0), Some(n - 1), Some(n - 1)]);
     // The prompt once, then each fork's last prompt token for its logits.
     assert_eq!(s.stats().prefilled_tokens, n + 2);
-    assert_eq!(w.decoded, n as usize + 2, "the worker decoded as much");
-    // Seeded from the same prefill, they draw the same token.
-    let first: Vec<Vec<Token>> = gens.iter().map(|&g| tokens_of(&events, g)).collect();
-    assert!(first.iter().all(|t| t.len() == 1 && *t == first[0]));
+    // The worker decoded as much, and the two draws of each fed back.
+    assert_eq!(w.decoded, n as usize + 2 + 3 * 2);
+    // Seeded from the same prefill, they draw the same tokens.
+    let drawn: Vec<Vec<Token>> = gens.iter().map(|&g| tokens_of(&events, g)).collect();
+    assert!(drawn.iter().all(|t| t.len() == 3 && *t == drawn[0]));
 }
 
 #[test]
