@@ -258,6 +258,13 @@ fn counters(stats: crate::scheduler::Stats) -> String {
     );
     metric(
         &mut out,
+        "superfluid_prefill_tokens_total",
+        "counter",
+        "Prompt tokens the worker decoded (prefill), drawn tokens not counted.",
+        stats.prefilled_tokens,
+    );
+    metric(
+        &mut out,
         "superfluid_decoded_tokens_total",
         "counter",
         "Tokens the worker decoded, prompt and drawn.",

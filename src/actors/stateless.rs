@@ -13,11 +13,11 @@ use tokio::sync::mpsc;
 
 use super::registry::Generations;
 use super::scheduler::{AdmitGen, CancelGen, GenUpdate, SchedulerActor};
-use crate::scheduler::{Admit, GenEvent, SchedulerError};
+use crate::scheduler::{Admit, GenEvent, PrefixPin, SchedulerError};
 use crate::wire::{Finish, Params, QosClass, Token};
 
 /// The scheduler's session id for generations without a session.
-pub const NO_SESSION: u64 = 0;
+pub use crate::scheduler::NO_SESSION;
 
 /// Why a generation without a session did not start. The text is what the
 /// client sees.
@@ -36,6 +36,9 @@ pub struct StatelessGen {
     pub params: Params,
     pub max_tokens: u32,
     pub grammar: Option<String>,
+    /// Keep the prompt and reply cached after it ends, as a pin (an
+    /// Anthropic `cache_control` breakpoint; see `Admit::pin`).
+    pub pin: Option<PrefixPin>,
 }
 
 impl StatelessGen {
@@ -64,6 +67,7 @@ impl StatelessGen {
             class: QosClass::First,
             batch_invariant: false,
             grammar: self.grammar,
+            pin: self.pin,
         };
         scheduler
             .send(AdmitGen {

@@ -11,8 +11,18 @@
 //!   next turn prefills only what is new; a new generation whose prompt
 //!   shares a prefix with another sequence (a fork and its parent) starts
 //!   from a copy of that sequence's cells instead of a prefill.
-//! - The KV budget is `n_ctx` cells; idle sequences are evicted, least
-//!   recently used first, to make room.
+//! - The KV budget is `n_ctx` cells; idle sequences are evicted to make
+//!   room (and taken for a new generation) in this order: unprotected before
+//!   pinned (session pins and `Admit::pin` prefix pins, within
+//!   `--pin-budget-pct`); within each, cached prefixes of generations
+//!   without a session ([`NO_SESSION`]) before sessions' sequences; then
+//!   least recently used first. A pinned prefix is copied from, never taken.
+//! - A waiting generation whose prompt shares [`WAIT_MIN_SHARED`] more
+//!   tokens (or all but its last token) with a running generation's
+//!   unfinished prefill than the KV holds waits for that prefill, then is
+//!   seeded from it (so n identical requests prefill once). Only generations
+//!   holding a sequence are waited on, so waiters never wait on each other,
+//!   and one whose prefill ends any way (done, failed, cancelled) frees them.
 //! - Steps are pipelined: while a step is in flight, [`SchedulerState::follow`]
 //!   plans the next for the same generations, [`FOLLOW_STEPS`] tokens each,
 //!   fed by the worker itself with what it draws (`WorkerRequest::DecodeNext`),
@@ -46,6 +56,15 @@ use crate::wire::{Finish, Params, QosClass, SessionId, Token};
 
 /// `--pin-budget-pct` default.
 pub const DEFAULT_PIN_BUDGET_PCT: u32 = 50;
+
+/// The session id of generations without a session (the stateless routes):
+/// their idle sequences are the prefix cache.
+pub const NO_SESSION: SessionId = 0;
+
+/// A waiting generation that would take at least this many more prompt
+/// tokens from a running generation's prefill than the KV holds now waits
+/// for that prefill instead of computing them too.
+pub const WAIT_MIN_SHARED: usize = 1024;
 
 /// Identifies one generation within a lane.
 pub type GenId = u64;
@@ -96,6 +115,18 @@ pub struct Admit {
     /// tokens from there on (the open turn so far, then what this
     /// generation draws) are its prefix. `prompt.len()` for a new turn.
     pub grammar_from: usize,
+    /// Protect the sequence this generation ends on (its prompt and reply)
+    /// like a pin (an Anthropic `cache_control` breakpoint).
+    pub pin: Option<PrefixPin>,
+}
+
+/// A pin a generation leaves on its sequence when it ends: the sequence is
+/// protected from eviction for `ttl_ms`, and `len` tokens (the prefix up to
+/// the breakpoint) count against the pin budget.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefixPin {
+    pub len: usize,
+    pub ttl_ms: u64,
 }
 
 /// What the scheduler tells the generation's owner.
@@ -154,6 +185,9 @@ struct Seq {
     last_used: u64,
     /// The token last drawn on it (what a following step feeds).
     last_draw: Option<Drawn>,
+    /// A pin left by the generation that ended on it (`Admit::pin`):
+    /// (deadline in unix ms, when it was pinned, tokens it counts).
+    pin: Option<(u64, u64, usize)>,
 }
 
 #[derive(Debug, Clone)]
@@ -182,6 +216,9 @@ pub struct Stats {
     pub drawn: u64,
     /// Prompt tokens taken from the KV instead of a prefill.
     pub warm_tokens: u64,
+    /// Prompt tokens the worker decoded (prefill; drawn tokens fed back
+    /// are not counted).
+    pub prefilled_tokens: u64,
     /// Tokens the worker decoded (prompt and drawn), and the time its
     /// llama.cpp decode calls took, in microseconds.
     pub decoded_tokens: u64,
@@ -255,6 +292,11 @@ impl SchedulerState {
         self.clock_ms = now_ms;
         let now = now_ms;
         self.pins.retain(|_, (deadline, _)| *deadline > now);
+        for s in &mut self.seqs {
+            if s.pin.is_some_and(|(deadline, _, _)| deadline <= now) {
+                s.pin = None;
+            }
+        }
     }
 
     /// `Pin`: protect a session's cached tokens from eviction until

@@ -3,7 +3,9 @@
 //! the KV budget), the next step (`plan`), and the step that follows one in
 //! flight (`follow`).
 
-use super::{GenEvent, GenId, SchedulerState, Seq, Step, FOLLOW_STEPS};
+use super::{
+    GenEvent, GenId, SchedulerState, Seq, Step, FOLLOW_STEPS, NO_SESSION, WAIT_MIN_SHARED,
+};
 use crate::wire::worker::{DecodeItem, NextItem, Sample, WorkerRequest};
 use crate::wire::QosClass;
 use crate::wire::Token;
@@ -13,29 +15,84 @@ fn lcp(a: &[Token], b: &[Token]) -> usize {
 }
 
 impl SchedulerState {
-    /// Which sequences pins protect now: the newest pins first, while they
-    /// fit the pin budget; older ones yield.
+    /// Which sequences pins protect now: session pins (`pin`) and the
+    /// prefix pins generations left (`Admit::pin`), the newest first while
+    /// they fit the pin budget; older ones yield.
     fn protected(&self) -> Vec<bool> {
-        let mut pinned: Vec<(u64, usize)> = self
+        let now = self.clock_ms;
+        let mut pinned: Vec<(u64, usize, u64)> = self
             .seqs
             .iter()
             .enumerate()
             .filter_map(|(i, s)| {
-                let (deadline, since) = self.pins.get(&s.owner?)?;
-                (*deadline > self.clock_ms).then_some((*since, i))
+                let session = s
+                    .owner
+                    .filter(|&o| o != NO_SESSION)
+                    .and_then(|o| self.pins.get(&o))
+                    .filter(|(deadline, _)| *deadline > now)
+                    .map(|&(_, since)| (since, s.resident.len() as u64));
+                let prefix = s
+                    .pin
+                    .filter(|(deadline, _, _)| *deadline > now)
+                    .map(|(_, since, len)| (since, len.min(s.resident.len()) as u64));
+                let (since, cost) = match (session, prefix) {
+                    (Some(a), Some(b)) => a.max(b),
+                    (a, b) => a.or(b)?,
+                };
+                Some((since, i, cost))
             })
             .collect();
         pinned.sort_by(|a, b| b.cmp(a));
         let budget = self.n_ctx as u64 * self.pin_budget_pct as u64 / 100;
         let mut used = 0u64;
         let mut out = vec![false; self.seqs.len()];
-        for (_, i) in pinned {
-            used += self.seqs[i].resident.len() as u64;
+        for (_, i, cost) in pinned {
+            used += cost;
             if used <= budget {
                 out[i] = true;
             }
         }
         out
+    }
+
+    /// The order idle sequences are taken and evicted in, lowest first:
+    /// unprotected before protected; within each, cached prefixes of
+    /// generations without a session before sessions' sequences; then
+    /// least recently used first.
+    fn eviction_rank(&self, protected: &[bool], i: usize) -> (bool, bool, u64) {
+        let s = &self.seqs[i];
+        (protected[i], s.owner != Some(NO_SESSION), s.last_used)
+    }
+
+    /// Whether a waiting generation should wait for a running one's prefill
+    /// rather than compute the same prompt tokens too: a generation whose
+    /// prefill is not done (and not cancelled) shares with `prompt` at least
+    /// [`WAIT_MIN_SHARED`] more tokens than the other sequences hold now, or
+    /// all of `prompt` but its last token. Waiting generations hold no
+    /// sequence, so none waits on another, and one whose awaited generation
+    /// ends (finished, failed, cancelled) stops waiting.
+    fn waits(&self, gen: GenId, prompt: &[Token]) -> bool {
+        let last = prompt.len() - 1;
+        let mut prefilling = vec![false; self.seqs.len()];
+        let mut coming = 0;
+        for (id, g) in &self.gens {
+            let Some(q) = g.seq else { continue };
+            let q = q as usize;
+            if *id != gen && !g.cancelled && self.seqs[q].resident.len() < g.admit.prompt.len() {
+                prefilling[q] = true;
+                coming = coming.max(lcp(&g.admit.prompt, prompt).min(last));
+            }
+        }
+        let cached = self
+            .seqs
+            .iter()
+            .zip(&prefilling)
+            .filter(|(_, p)| !**p)
+            .map(|(s, _)| lcp(&s.resident, prompt))
+            .max()
+            .unwrap_or(0)
+            .min(last);
+        coming > cached && (coming - cached >= WAIT_MIN_SHARED || coming == last)
     }
 
     fn resident_total(&self, except: usize) -> u64 {
@@ -60,25 +117,37 @@ impl SchedulerState {
             let session = self.gens[&gen].admit.session;
             let prompt = self.gens[&gen].tokens.clone();
             let idle = |s: &Seq| s.active.is_none();
+            if self.waits(gen, &prompt) {
+                continue;
+            }
             // Unprotected sequences are taken (and evicted) first.
             let protected = self.protected();
-            // The sequence to run on: the session's own, else a free one,
-            // else the least recently used idle one.
-            let own = self
-                .seqs
-                .iter()
-                .position(|s| idle(s) && s.owner == Some(session));
+            // The sequence to run on: the session's own (for a generation
+            // without a session, the unprotected cached prefix it extends
+            // most), else a free one, else the first idle one in eviction
+            // order. A protected prefix is copied, not taken.
+            let own = if session == NO_SESSION {
+                self.seqs
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, s)| idle(s) && s.owner == Some(NO_SESSION) && !protected[*i])
+                    .map(|(i, s)| (lcp(&s.resident, &prompt), i))
+                    .filter(|&(n, _)| n > 0)
+                    .max()
+                    .map(|(_, i)| i)
+            } else {
+                self.seqs
+                    .iter()
+                    .position(|s| idle(s) && s.owner == Some(session))
+            };
             let dst = own.or_else(|| {
                 self.seqs
                     .iter()
                     .position(|s| idle(s) && s.owner.is_none())
                     .or_else(|| {
-                        self.seqs
-                            .iter()
-                            .enumerate()
-                            .filter(|(_, s)| idle(s))
-                            .min_by_key(|(i, s)| (protected[*i], s.last_used))
-                            .map(|(i, _)| i)
+                        (0..self.seqs.len())
+                            .filter(|&i| idle(&self.seqs[i]))
+                            .min_by_key(|&i| self.eviction_rank(&protected, i))
                     })
             });
             let Some(dst) = dst else { break };
@@ -120,6 +189,8 @@ impl SchedulerState {
                     len: keep as u32,
                 });
                 self.seqs[dst].resident = self.seqs[src].resident[..keep].to_vec();
+                // A cache hit keeps the source warm.
+                self.seqs[src].last_used = self.steps_planned;
             } else {
                 if self.seqs[dst].resident.len() > own_keep {
                     ops.push(WorkerRequest::KvTrim {
@@ -131,16 +202,15 @@ impl SchedulerState {
             }
             let warm = self.seqs[dst].resident.len() as u64;
             let mut evicted = (old.len() - lcp(&old, &self.seqs[dst].resident)) as u64;
-            // Make room: evict idle sequences, least recently used first.
+            // Make room: evict idle sequences, in eviction order.
             let need = prompt.len() as u64 + 1 - warm;
             while self.resident_total(usize::MAX) + need > self.n_ctx as u64 {
-                let victim = self
-                    .seqs
-                    .iter()
-                    .enumerate()
-                    .filter(|(i, s)| *i != dst && idle(s) && !s.resident.is_empty())
-                    .min_by_key(|(i, s)| (protected[*i], s.last_used))
-                    .map(|(i, _)| i);
+                let victim = (0..self.seqs.len())
+                    .filter(|&i| {
+                        let s = &self.seqs[i];
+                        i != dst && idle(s) && !s.resident.is_empty()
+                    })
+                    .min_by_key(|&i| self.eviction_rank(&protected, i));
                 let Some(v) = victim else { break };
                 evicted += self.seqs[v].resident.len() as u64;
                 ops.push(WorkerRequest::KvClear { seq: v as u32 });
@@ -149,6 +219,8 @@ impl SchedulerState {
             let seq = &mut self.seqs[dst];
             seq.owner = Some(session);
             seq.active = Some(gen);
+            // Its cells change: a prefix pin left on it no longer holds.
+            seq.pin = None;
             seq.last_used = self.steps_planned;
             self.gens.get_mut(&gen).expect("waiting gen").seq = Some(dst as u32);
             self.stats.warm_tokens += warm;

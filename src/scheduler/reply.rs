@@ -65,6 +65,12 @@ impl SchedulerState {
         for (item, gen) in step.decode.iter().zip(&step.gens) {
             let seq = item.seq as usize;
             self.seqs[seq].resident.extend_from_slice(&item.tokens);
+            // Prompt tokens among them were prefill; the rest were draws fed.
+            if let Some(g) = self.gens.get(gen) {
+                let pos = item.pos as usize;
+                let end = (pos + item.tokens.len()).min(g.admit.prompt.len());
+                self.stats.prefilled_tokens += end.saturating_sub(pos) as u64;
+            }
             if item.sample.is_none() {
                 continue;
             }
@@ -159,7 +165,13 @@ impl SchedulerState {
         };
         self.kv_tight = false;
         if let Some(seq) = g.seq {
-            self.seqs[seq as usize].active = None;
+            let s = &mut self.seqs[seq as usize];
+            s.active = None;
+            // Its prompt and reply stay cached; a prefix pin protects them.
+            if let Some(pin) = g.admit.pin {
+                let deadline = self.clock_ms.saturating_add(pin.ttl_ms);
+                s.pin = Some((deadline, self.clock_ms, pin.len));
+            }
         }
         match finish {
             Some(finish) => {

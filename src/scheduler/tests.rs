@@ -21,6 +21,7 @@ fn admit(session: SessionId, prompt: &[Token], max_tokens: u32) -> Admit {
         batch_invariant: false,
         grammar: None,
         grammar_from: 0,
+        pin: None,
     }
 }
 
@@ -74,6 +75,8 @@ fn second_turn_prefills_only_new_tokens() {
     }));
     // The KV holds the prompt and the first two drawn tokens (the third was never fed).
     assert_eq!(s.resident(0), &[1, 2, 3, 4, 100, 100]);
+    // Prefill was the prompt; the drawn tokens fed back are not counted.
+    assert_eq!(s.stats().prefilled_tokens, 4);
     // Turn 2: history + the last drawn token + a new message.
     let g2 = s
         .admit(admit(1, &[1, 2, 3, 4, 100, 100, 100, 7, 8], 1))
@@ -87,6 +90,7 @@ fn second_turn_prefills_only_new_tokens() {
     let step = step.unwrap();
     assert_eq!(step.decode[0].pos, 6);
     assert_eq!(step.decode[0].tokens, vec![100, 7, 8]);
+    assert_eq!(s.stats().prefilled_tokens, 4 + 3);
 }
 
 #[test]
@@ -138,8 +142,10 @@ fn fork_starts_from_a_copy_of_its_parents_cells() {
 #[test]
 fn all_running_generations_share_each_step() {
     let mut s = SchedulerState::new(4096, 4, 512);
+    // Prompts that share nothing (sharing all but the last token, the later
+    // ones would wait for the first one's prefill).
     for session in 1..=4 {
-        s.admit(admit(session, &[1, 2, session as Token + 10], 5))
+        s.admit(admit(session, &[session as Token + 10, 1, 2], 5))
             .unwrap();
     }
     let (step, _) = step_with(&mut s, |seq| 50 + seq);
@@ -411,6 +417,8 @@ struct FakeWorker {
     follows: usize,
     /// A DecodeNext step fails (KV full) when the cells in use are this many.
     fail_at: Option<usize>,
+    /// Tokens decoded, prompt and fed draws.
+    decoded: usize,
 }
 
 /// The fake worker's context and vocabulary.
@@ -425,6 +433,7 @@ impl FakeWorker {
             eog_at: None,
             follows: 0,
             fail_at: None,
+            decoded: 0,
         }
     }
 
@@ -451,6 +460,7 @@ impl FakeWorker {
         for item in items {
             let s = item.seq as usize;
             self.kv[s].extend_from_slice(&item.tokens);
+            self.decoded += item.tokens.len();
             if item.sample.is_some() {
                 drawn.push(self.draw(s));
             }
@@ -810,4 +820,210 @@ fn a_full_cache_on_a_following_step_falls_back_to_single_steps() {
     // When even one token does not fit, the youngest generation ends.
     let events = s.step_done(&single, Err(StepError::KvFull));
     assert_eq!(finish_of(&events, g), Some(Finish::Error));
+}
+
+fn stateless(prompt: &[Token], max_tokens: u32) -> Admit {
+    admit(NO_SESSION, prompt, max_tokens)
+}
+
+fn warm_of(events: &[GenEvent], gen: GenId) -> Option<u64> {
+    events.iter().find_map(|e| match e {
+        GenEvent::Started {
+            gen: g,
+            warm_prefix,
+            ..
+        } if *g == gen => Some(*warm_prefix),
+        _ => None,
+    })
+}
+
+#[test]
+fn cached_prefixes_are_evicted_before_sessions() {
+    // 32 cells, 3 sequences: a session's idle sequence (the older one) and
+    // a cached prefix (the newer one).
+    let mut s = SchedulerState::new(32, 3, 512);
+    s.admit(admit(1, &[1; 10], 1)).unwrap();
+    run_to_end(&mut s);
+    s.admit(stateless(&[2; 10], 1)).unwrap();
+    run_to_end(&mut s);
+    // A new session needs 16 cells: one of the two must go, and it is the
+    // cached prefix, though it was used last.
+    s.admit(admit(3, &[3; 15], 1)).unwrap();
+    let (step, _) = step_with(&mut s, |_| 5);
+    let step = step.unwrap();
+    assert!(step.ops.contains(&WorkerRequest::KvClear { seq: 1 }));
+    assert!(!step.ops.contains(&WorkerRequest::KvClear { seq: 0 }));
+    run_to_end(&mut s);
+    assert_eq!(s.resident(0), &[1; 10], "the session's sequence stays");
+    assert!(s.resident(1).is_empty());
+
+    // With no free sequence, a new generation runs on the cached prefix's
+    // sequence, not the session's.
+    let mut s = SchedulerState::new(4096, 2, 512);
+    s.admit(admit(1, &[1; 10], 1)).unwrap();
+    run_to_end(&mut s);
+    s.admit(stateless(&[2; 10], 1)).unwrap();
+    run_to_end(&mut s);
+    s.admit(admit(3, &[3; 10], 1)).unwrap();
+    run_to_end(&mut s);
+    assert_eq!(s.resident(0), &[1; 10]);
+    assert_eq!(s.resident(1), &[3; 10]);
+}
+
+#[test]
+fn identical_prompts_admitted_together_prefill_once() {
+    let prompt: Vec<Token> = (0..40).collect();
+    let mut s = SchedulerState::new(4096, 4, 16);
+    let mut w = FakeWorker::new(4);
+    // The forks are seeded from the first while it still runs.
+    let gens: Vec<GenId> = (0..3)
+        .map(|_| s.admit(stateless(&prompt, 3)).unwrap())
+        .collect();
+    let events = drive(&mut s, &mut w, 2, |_, _| vec![]);
+    let warm: Vec<Option<u64>> = gens.iter().map(|&g| warm_of(&events, g)).collect();
+    let n = prompt.len() as u64;
+    assert_eq!(warm, [Some(0), Some(n - 1), Some(n - 1)]);
+    // The prompt once, then each fork's last prompt token for its logits.
+    assert_eq!(s.stats().prefilled_tokens, n + 2);
+    // The worker decoded as much, and the two draws of each fed back.
+    assert_eq!(w.decoded, n as usize + 2 + 3 * 2);
+    // Seeded from the same prefill, they draw the same tokens.
+    let drawn: Vec<Vec<Token>> = gens.iter().map(|&g| tokens_of(&events, g)).collect();
+    assert!(drawn.iter().all(|t| t.len() == 3 && *t == drawn[0]));
+}
+
+#[test]
+fn a_long_shared_prefix_waits_for_the_running_prefill() {
+    let a: Vec<Token> = (0..1500).map(|t| t % 97).collect();
+    let b: Vec<Token> = a[..1200].iter().copied().chain([500; 300]).collect();
+    let mut s = SchedulerState::new(4096, 2, 512);
+    let mut w = FakeWorker::new(2);
+    let ga = s.admit(stateless(&a, 1)).unwrap();
+    let gb = s.admit(stateless(&b, 1)).unwrap();
+    let events = drive(&mut s, &mut w, 2, |_, _| vec![]);
+    assert_eq!(warm_of(&events, ga), Some(0));
+    assert_eq!(warm_of(&events, gb), Some(1200));
+    assert_eq!(s.stats().prefilled_tokens, 1500 + 300);
+    assert_eq!(finish_of(&events, gb), Some(Finish::MaxTokens));
+
+    // Sharing less than WAIT_MIN_SHARED, the second does not wait.
+    let c: Vec<Token> = a[..WAIT_MIN_SHARED - 1]
+        .iter()
+        .copied()
+        .chain([500; 300])
+        .collect();
+    let mut s = SchedulerState::new(4096, 2, 512);
+    let mut w = FakeWorker::new(2);
+    s.admit(stateless(&a, 1)).unwrap();
+    let gc = s.admit(stateless(&c, 1)).unwrap();
+    let events = drive(&mut s, &mut w, 2, |_, _| vec![]);
+    assert_eq!(warm_of(&events, gc), Some(0));
+    assert_eq!(s.stats().prefilled_tokens, (1500 + c.len()) as u64);
+}
+
+#[test]
+fn a_waiter_runs_when_the_generation_it_waits_on_is_cancelled() {
+    let prompt: Vec<Token> = (0..40).collect();
+    let mut s = SchedulerState::new(4096, 2, 8);
+    let mut w = FakeWorker::new(2);
+    let a = s.admit(stateless(&prompt, 5)).unwrap();
+    let b = s.admit(stateless(&prompt, 5)).unwrap();
+    let events = drive(&mut s, &mut w, 2, |k, s| {
+        if k == 1 {
+            // b is still waiting: a's prefill is 8 tokens a step.
+            assert_eq!(s.gens[&b].seq, None);
+            s.cancel(a)
+        } else {
+            vec![]
+        }
+    });
+    assert_eq!(finish_of(&events, a), Some(Finish::Cancelled));
+    assert_eq!(finish_of(&events, b), Some(Finish::MaxTokens));
+    // b took what a had prefilled (two 8-token chunks) and computed the rest.
+    assert_eq!(warm_of(&events, b), Some(16));
+    assert_eq!(tokens_of(&events, b).len(), 5);
+    assert_eq!(s.stats().prefilled_tokens, prompt.len() as u64);
+
+    // A waiter whose awaited generation fails is failed too, and the lane
+    // goes on: nothing waits on a dead generation.
+    let mut s = SchedulerState::new(4096, 2, 8);
+    s.admit(stateless(&prompt, 5)).unwrap();
+    s.admit(stateless(&prompt, 5)).unwrap();
+    let (step, _) = s.plan();
+    let failed = s.step_done(&step.unwrap(), Err(StepError::Failed("boom".into())));
+    assert_eq!(failed.len(), 2);
+    let c = s.admit(stateless(&prompt, 1)).unwrap();
+    let events = run_to_end(&mut s);
+    assert_eq!(finish_of(&events, c), Some(Finish::MaxTokens));
+}
+
+#[test]
+fn a_prefix_pin_protects_a_cached_prefix_until_its_ttl() {
+    let pin = |len| Some(PrefixPin { len, ttl_ms: 4_000 });
+    let mut s = SchedulerState::new(64, 3, 512).with_pin_budget_pct(50);
+    s.set_clock(1_000);
+    // Pinned (older) and unpinned (newer) cached prefixes.
+    s.admit(Admit {
+        pin: pin(20),
+        ..stateless(&[1; 20], 1)
+    })
+    .unwrap();
+    run_to_end(&mut s);
+    s.admit(stateless(&[2; 20], 1)).unwrap();
+    run_to_end(&mut s);
+    // A later request seeded from the pinned prefix copies it and leaves
+    // its protection in place.
+    let hit: Vec<Token> = [1; 20].iter().copied().chain([7; 9]).collect();
+    let g = s.admit(stateless(&hit, 1)).unwrap();
+    let events = run_to_end(&mut s);
+    assert_eq!(warm_of(&events, g), Some(20));
+    assert_eq!(
+        s.resident(0),
+        &[1; 20],
+        "the pinned prefix is copied, not taken"
+    );
+    // Pressure: a 30-token request needs room; the unpinned prefixes go.
+    s.admit(stateless(&[3; 30], 1)).unwrap();
+    run_to_end(&mut s);
+    assert_eq!(s.resident(0), &[1; 20], "the pinned prefix stays");
+    // Past its ttl it is evictable like any other, oldest first.
+    s.set_clock(5_000);
+    s.admit(stateless(&[4; 30], 1)).unwrap();
+    run_to_end(&mut s);
+    assert_ne!(s.resident(0), &[1; 20]);
+
+    // A pin larger than the budget protects nothing.
+    let mut s = SchedulerState::new(64, 3, 512).with_pin_budget_pct(10);
+    s.set_clock(1_000);
+    s.admit(Admit {
+        pin: pin(20),
+        ..stateless(&[1; 20], 1)
+    })
+    .unwrap();
+    run_to_end(&mut s);
+    s.admit(stateless(&[2; 20], 1)).unwrap();
+    run_to_end(&mut s);
+    s.admit(stateless(&[3; 30], 1)).unwrap();
+    run_to_end(&mut s);
+    assert!(s.resident(0).is_empty(), "over budget, the oldest goes");
+
+    // What counts against the budget is the pinned prefix (`len`), not the
+    // whole sequence: 10 of a 30-token sequence fit 25% of 64 cells.
+    let mut s = SchedulerState::new(64, 3, 512).with_pin_budget_pct(25);
+    s.set_clock(1_000);
+    s.admit(Admit {
+        pin: pin(10),
+        ..stateless(&[1; 30], 1)
+    })
+    .unwrap();
+    run_to_end(&mut s);
+    s.admit(stateless(&[2; 10], 1)).unwrap();
+    run_to_end(&mut s);
+    s.admit(stateless(&[3; 30], 1)).unwrap();
+    run_to_end(&mut s);
+    assert_eq!(
+        s.resident(0),
+        &[1; 30],
+        "the pin protects the whole sequence"
+    );
 }
