@@ -65,7 +65,7 @@ def test_a_breakpoint_pins_its_prefix_against_pressure(daemon):
     assert written > 250, first.usage
     # Unrelated requests that need the whole pool between them.
     for i in range(4):
-        ask(a, words(700, seed=40 + i), max_tokens=4)
+        ask(a, words(400, seed=40 + i), max_tokens=4)
     second = a.messages.create(model="default", max_tokens=4, system=system, extra_body=GREEDY,
                                messages=[{"role": "user", "content": "Question two?"}])
     assert second.usage.cache_read_input_tokens >= written, (first.usage, second.usage)
@@ -80,7 +80,7 @@ def test_unpinned_prefix_is_evicted_by_the_same_pressure(daemon):
     a.messages.create(model="default", max_tokens=4, system=system, extra_body=GREEDY,
                       messages=[{"role": "user", "content": "Question one?"}])
     for i in range(4):
-        ask(a, words(700, seed=50 + i), max_tokens=4)
+        ask(a, words(400, seed=50 + i), max_tokens=4)
     second = a.messages.create(model="default", max_tokens=4, system=system, extra_body=GREEDY,
                                messages=[{"role": "user", "content": "Question two?"}])
     assert second.usage.cache_read_input_tokens < 50, second.usage

@@ -98,7 +98,8 @@ def test_json_schema_output_parses(daemon):
              response_format={"type": "json_schema", "json_schema": {"name": "person", "strict": True, "schema": schema}})
     v = json.loads(r.choices[0].message.content)
     assert set(v) == {"name", "age"} and isinstance(v["age"], int)
-    r = chat(c, "Any JSON object.", max_tokens=60, response_format={"type": "json_object"})
+    r = chat(c, "Give your answer as a JSON object.", max_tokens=300, response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason == "stop", r.choices[0]
     assert isinstance(json.loads(r.choices[0].message.content), dict)
 
 

@@ -12,7 +12,7 @@ use tokio::sync::mpsc;
 use super::chat::StopMatcher;
 use crate::actors::stateless::{StatelessError, StatelessGen};
 use crate::actors::Shared;
-use crate::scheduler::GenEvent;
+use crate::scheduler::{GenEvent, PrefixPin};
 use crate::session::output::{Markers, OutputDecoder, Segment};
 use crate::session::turn::ends_turn;
 use crate::session::Render;
@@ -32,6 +32,8 @@ pub struct Spec {
     /// Drop the text channel's leading whitespace (chat replies; what follows
     /// a thinking block starts with blank lines). Off for raw completions.
     pub trim_leading: bool,
+    /// Pin the prompt's first tokens when it ends (an Anthropic breakpoint).
+    pub pin: Option<PrefixPin>,
 }
 
 /// Why a generation ended.
@@ -85,12 +87,14 @@ pub async fn start(shared: &Shared, spec: Spec) -> Result<Run, DriveError> {
         markers,
         in_reasoning,
         trim_leading,
+        pin,
     } = spec;
     let generation = StatelessGen {
         prompt,
         params,
         max_tokens,
         grammar,
+        pin,
     };
     let mut events = generation
         .start(&shared.scheduler, shared.generations.clone())

@@ -35,7 +35,7 @@ use super::error::WebError;
 use super::routes::{check, read_body, WebState};
 use crate::actors::lane::LaneState;
 use crate::actors::stateless::StatelessError;
-use crate::scheduler::SchedulerError;
+use crate::scheduler::{PrefixPin, SchedulerError};
 use crate::session::grammar::GrammarError;
 use crate::session::output::Markers;
 use crate::frontend::conn::dispatch;
@@ -337,6 +337,7 @@ pub(crate) async fn start_all(
             markers: p.markers.clone(),
             in_reasoning: p.in_reasoning,
             trim_leading,
+            pin: p.pin.map(|(len, ttl_ms)| PrefixPin { len, ttl_ms }),
         };
         drive::start(&state.shared, spec)
     });
