@@ -82,6 +82,7 @@ pub async fn complete(
         params: FIM_PARAMS,
         max_tokens,
         grammar: None,
+        extras: None,
     };
     let mut rx = match generation
         .start(&shared.scheduler, shared.generations.clone())

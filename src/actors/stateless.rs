@@ -14,7 +14,7 @@ use tokio::sync::mpsc;
 use super::registry::Generations;
 use super::scheduler::{AdmitGen, CancelGen, GenUpdate, SchedulerActor};
 use crate::scheduler::{Admit, GenEvent, SchedulerError};
-use crate::wire::{Finish, Params, QosClass, Token};
+use crate::wire::{Finish, Params, QosClass, SampleExtras, Token};
 
 /// The scheduler's session id for generations without a session.
 pub const NO_SESSION: u64 = 0;
@@ -36,6 +36,12 @@ pub struct StatelessGen {
     pub params: Params,
     pub max_tokens: u32,
     pub grammar: Option<String>,
+    /// Presence/frequency penalties, logit bias and log-probabilities
+    /// (None: none of them). Checked at admission: a value out of range or
+    /// a `logit_bias` id outside the vocabulary is `StatelessError::Refused`
+    /// (`SchedulerError::Extras`). With `logprobs`, each
+    /// `GenEvent::Token` carries its `TokenLogprob`.
+    pub extras: Option<SampleExtras>,
 }
 
 impl StatelessGen {
@@ -64,6 +70,7 @@ impl StatelessGen {
             class: QosClass::First,
             batch_invariant: false,
             grammar: self.grammar,
+            extras: self.extras,
         };
         scheduler
             .send(AdmitGen {

@@ -211,6 +211,7 @@ impl SessionActor {
             batch_invariant: plan.batch_invariant,
             grammar: plan.grammar,
             grammar_from: plan.grammar_from,
+            extras: None,
         };
         let opening = plan.opening;
         let shared = self.shared.clone();
