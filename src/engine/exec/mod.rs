@@ -476,14 +476,19 @@ impl WorkerEngine {
         self.row.clear();
         self.row.extend_from_slice(self.ctx.get_logits_ith(i));
         if let Some(x) = &sample.extras {
-            let counts = self
-                .penalties
-                .counts(item.seq, x.first_draw, sample.draw_pos)?;
-            sample::apply_extras(
-                &mut self.row,
-                &x.extras,
-                counts.iter().map(|(&t, &c)| (t, c)),
-            );
+            // Only penalties need the history (bias and logprobs do not).
+            if x.extras.penalizes() {
+                let counts = self
+                    .penalties
+                    .counts(item.seq, x.first_draw, sample.draw_pos)?;
+                sample::apply_extras(
+                    &mut self.row,
+                    &x.extras,
+                    counts.iter().map(|(&t, &c)| (t, c)),
+                );
+            } else {
+                sample::apply_extras(&mut self.row, &x.extras, std::iter::empty());
+            }
         }
         let token = match self.grammars.get_mut(item.seq as usize) {
             Some(g) if sample.grammar.is_some() => {
@@ -505,7 +510,9 @@ impl WorkerEngine {
         };
         let logprob = match &sample.extras {
             Some(x) => {
-                self.penalties.drew(item.seq, token);
+                if x.extras.penalizes() {
+                    self.penalties.drew(item.seq, token);
+                }
                 x.extras
                     .logprobs
                     .map(|n| sample::logprobs(&self.row, token, n))
