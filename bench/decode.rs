@@ -155,6 +155,7 @@ fn in_process_run(engine: &mut WorkerEngine, prompt: &[Token], tokens: u64) -> (
             draw_pos: prompt.len() as u64,
             grammar: None,
             grammar_prefix: vec![],
+            extras: None,
         }),
     }];
     let mut in_decode = 0u64;
@@ -178,6 +179,7 @@ fn in_process_run(engine: &mut WorkerEngine, prompt: &[Token], tokens: u64) -> (
                 draw_pos: pos as u64 + 1,
                 grammar: None,
                 grammar_prefix: vec![],
+                extras: None,
             }),
         }];
     }
@@ -255,6 +257,7 @@ impl DirectWorker {
             draw_pos,
             grammar: None,
             grammar_prefix: vec![],
+            extras: None,
         };
         self.send(&WorkerRequest::Decode {
             items: vec![DecodeItem {

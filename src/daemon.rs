@@ -260,7 +260,9 @@ pub fn start_actors(
             worker: w.clone(),
             exe,
         },
-        SchedulerState::new(w.n_ctx, w.n_seq, w.n_batch).with_pin_budget_pct(config.pin_budget_pct),
+        SchedulerState::new(w.n_ctx, w.n_seq, w.n_batch)
+            .with_pin_budget_pct(config.pin_budget_pct)
+            .with_n_vocab(render.n_vocab()),
     );
     Shared {
         book: Arc::new(RwLock::new(book)),

@@ -83,6 +83,7 @@ pub async fn complete(
         max_tokens,
         grammar: None,
         pin: None,
+        extras: None,
     };
     let mut rx = match generation
         .start(&shared.scheduler, shared.generations.clone())

@@ -14,7 +14,7 @@ use tokio::sync::mpsc;
 use super::registry::Generations;
 use super::scheduler::{AdmitGen, CancelGen, GenUpdate, SchedulerActor};
 use crate::scheduler::{Admit, GenEvent, PrefixPin, SchedulerError};
-use crate::wire::{Finish, Params, QosClass, Token};
+use crate::wire::{Finish, Params, QosClass, SampleExtras, Token};
 
 /// The scheduler's session id for generations without a session.
 pub use crate::scheduler::NO_SESSION;
@@ -39,6 +39,12 @@ pub struct StatelessGen {
     /// Keep the prompt and reply cached after it ends, as a pin (an
     /// Anthropic `cache_control` breakpoint; see `Admit::pin`).
     pub pin: Option<PrefixPin>,
+    /// Presence/frequency penalties, logit bias and log-probabilities
+    /// (None: none of them). Checked at admission: a value out of range or
+    /// a `logit_bias` id outside the vocabulary is `StatelessError::Refused`
+    /// (`SchedulerError::Extras`). With `logprobs`, each
+    /// `GenEvent::Token` carries its `TokenLogprob`.
+    pub extras: Option<SampleExtras>,
 }
 
 impl StatelessGen {
@@ -68,6 +74,7 @@ impl StatelessGen {
             batch_invariant: false,
             grammar: self.grammar,
             pin: self.pin,
+            extras: self.extras,
         };
         scheduler
             .send(AdmitGen {

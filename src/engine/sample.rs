@@ -23,8 +23,13 @@
 //! 6. `min_p` (> 0 enables): drop tokens whose probability is below `min_p` times the largest.
 //! 7. Renormalise over what is left and pick by the cumulative distribution at `u`, walking the
 //!    survivors in a fixed order (ascending id, then the sorted edge bucket of step 5). The same inputs always walk the same floats in the same order: same token.
+//!
+//! Sampling extras ([`SampleExtras`]) come before all of that: [`apply_extras`] adds the logit
+//! bias and subtracts the presence and frequency penalties in place, and [`logprobs`] reads the
+//! log-probabilities off the row so adjusted (the model's distribution, before temperature and
+//! the filters). Both are pure: the counts of earlier draws are the caller's.
 
-use crate::wire::Params;
+use crate::wire::{Params, SampleExtras, Token, TokenLogprob};
 
 /// The golden-ratio increment of splitmix64.
 const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
@@ -223,6 +228,84 @@ fn sample_weighted(
         }
     }
     w[w.len() - 1].id
+}
+
+/// Applies `extras` to a row of logits in place: for every token `t` drawn `c > 0` times before
+/// (`counts`, each token at most once), `row[t] -= presence * 1 + frequency * c`; then each
+/// `logit_bias` entry `(t, b)`, in order, `row[t] += b`. Ids outside the row are ignored (the
+/// worker checks them against `n_vocab` first). The arithmetic is in a fixed order per token, so
+/// the result does not depend on the order of `counts`.
+pub fn apply_extras(
+    row: &mut [f32],
+    extras: &SampleExtras,
+    counts: impl IntoIterator<Item = (Token, u32)>,
+) {
+    if extras.penalizes() {
+        for (t, c) in counts {
+            if c == 0 {
+                continue;
+            }
+            if let Some(l) = row.get_mut(t as usize) {
+                *l -= extras.presence_penalty + extras.frequency_penalty * c as f32;
+            }
+        }
+    }
+    for &(t, b) in &extras.logit_bias {
+        if let Some(l) = row.get_mut(t as usize) {
+            *l += b;
+        }
+    }
+}
+
+/// The log-probability of `token` and of the `top_n` most likely tokens under the softmax of
+/// `row` (temperature 1, no filter), computed in f64: `l - max - ln(sum(exp(l - max)))`.
+/// NaN and `-inf` logits have probability 0 (log-probability `-inf`) and are never in `top`;
+/// `+inf` is clamped to `f32::MAX`, as [`draw`] does. `top` is most likely first, ties by lowest
+/// id, and holds `top_n` tokens (fewer only if fewer logits are finite).
+pub fn logprobs(row: &[f32], token: Token, top_n: u8) -> TokenLogprob {
+    let finite = |l: f32| (l > f32::NEG_INFINITY).then(|| l.min(f32::MAX));
+    let max = row
+        .iter()
+        .filter_map(|&l| finite(l))
+        .fold(f32::NEG_INFINITY, f32::max);
+    if max == f32::NEG_INFINITY {
+        return TokenLogprob {
+            logprob: f32::NEG_INFINITY,
+            top: vec![],
+        };
+    }
+    let max64 = f64::from(max);
+    let sum: f64 = row
+        .iter()
+        .filter_map(|&l| finite(l))
+        .map(|l| (f64::from(l) - max64).exp())
+        .sum();
+    let log_z = max64 + sum.ln();
+    let lp = |l: f32| match finite(l) {
+        Some(l) => (f64::from(l) - log_z).min(0.0) as f32,
+        None => f32::NEG_INFINITY,
+    };
+    // The `top_n` best, kept sorted (logit descending, id ascending) while scanning in id order:
+    // a later id goes after an equal logit.
+    let n = usize::from(top_n);
+    let mut best: Vec<(Token, f32)> = Vec::with_capacity(n + 1);
+    if n > 0 {
+        for (id, &l) in row.iter().enumerate() {
+            let Some(l) = finite(l) else { continue };
+            if best.len() == n && best.last().is_some_and(|&(_, worst)| l <= worst) {
+                continue;
+            }
+            let at = best.partition_point(|&(_, b)| b >= l);
+            best.insert(at, (id as Token, l));
+            best.truncate(n);
+        }
+    }
+    TokenLogprob {
+        logprob: row
+            .get(token as usize)
+            .map_or(f32::NEG_INFINITY, |&l| lp(l)),
+        top: best.into_iter().map(|(t, l)| (t, lp(l))).collect(),
+    }
 }
 
 /// A candidate with its weight relative to the max, and its top-p bucket.
@@ -496,6 +579,102 @@ mod tests {
         for pos in 0..300 {
             assert_eq!(draw(&logits, &p, pos, Some(&even)) % 2, 0);
         }
+    }
+
+    fn extras(presence: f32, frequency: f32, bias: Vec<(u32, f32)>) -> SampleExtras {
+        SampleExtras {
+            presence_penalty: presence,
+            frequency_penalty: frequency,
+            logit_bias: bias,
+            logprobs: None,
+        }
+    }
+
+    #[test]
+    fn extras_penalize_and_bias_as_openai_says() {
+        let row = [1.0f32, 2.0, 3.0, 0.5, 4.0];
+        let counts = [(2u32, 3u32), (0, 1), (1, 0), (99, 5)];
+        let x = extras(0.5, 0.25, vec![(3, 10.0), (1, -1.0), (3, 0.5)]);
+        let mut got = row;
+        apply_extras(&mut got, &x, counts);
+        // 0: 1 - (0.5 + 0.25*1); 1: count 0, bias -1; 2: 3 - (0.5 + 0.25*3); 3: 0.5 + 10 + 0.5.
+        assert_eq!(got, [0.25, 1.0, 1.75, 11.0, 4.0]);
+        assert_eq!(draw(&got, &params(0.0, 1.0, 0.0, 0, 1), 0, None), 3);
+        // Negative penalties encourage repeats.
+        let mut got = row;
+        apply_extras(&mut got, &extras(-1.0, -0.5, vec![]), counts);
+        assert_eq!(got, [2.5, 2.0, 5.5, 0.5, 4.0]);
+        // No penalty: the counts are not even read; no bias: nothing changes.
+        let mut got = row;
+        apply_extras(&mut got, &extras(0.0, 0.0, vec![]), counts);
+        assert_eq!(got, row);
+        // The order of the counts does not matter.
+        let (mut a, mut b) = (row, row);
+        apply_extras(&mut a, &x, counts);
+        apply_extras(&mut b, &x, counts.iter().rev().copied());
+        assert_eq!(a, b);
+    }
+
+    /// log-softmax in f64, the slow obvious way.
+    fn log_softmax(row: &[f32]) -> Vec<f64> {
+        let z: f64 = row.iter().map(|&l| f64::from(l).exp()).sum();
+        row.iter().map(|&l| f64::from(l) - z.ln()).collect()
+    }
+
+    #[test]
+    fn logprob_of_the_greedy_pick_is_its_log_softmax() {
+        let row = [0.5f32, 2.0, -1.0, 1.5, 2.0, 0.0];
+        let want = log_softmax(&row);
+        let pick = draw(&row, &params(0.0, 1.0, 0.0, 0, 1), 0, None);
+        assert_eq!(pick, 1);
+        let got = logprobs(&row, pick, 3);
+        assert!((f64::from(got.logprob) - want[1]).abs() < 1e-6, "{got:?}");
+        assert!(got.logprob < 0.0);
+        // The top 3: the tie at 2.0 goes to the lower id, then 1.5.
+        let ids: Vec<u32> = got.top.iter().map(|t| t.0).collect();
+        assert_eq!(ids, [1, 4, 3]);
+        for (t, lp) in &got.top {
+            assert!((f64::from(*lp) - want[*t as usize]).abs() < 1e-6);
+        }
+        // A row far from zero (large logits) gives the same answer: nothing overflows.
+        let shifted: Vec<f32> = row.iter().map(|l| l + 1000.0).collect();
+        let far = logprobs(&shifted, 1, 0);
+        assert!((f64::from(far.logprob) - want[1]).abs() < 1e-4, "{far:?}");
+        assert!(far.top.is_empty());
+        // The probabilities sum to 1.
+        let total: f64 = (0..row.len() as u32)
+            .map(|t| f64::from(logprobs(&row, t, 0).logprob).exp())
+            .sum();
+        assert!((total - 1.0).abs() < 1e-6, "{total}");
+    }
+
+    #[test]
+    fn top_logprobs_are_most_likely_first_and_as_many_as_asked() {
+        let row = random_logits(5000, 21);
+        let mut sorted: Vec<(u32, f32)> = row
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (i as u32, l))
+            .collect();
+        sorted.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        for n in [0u8, 1, 5, 20] {
+            let got = logprobs(&row, sorted[0].0, n);
+            assert_eq!(got.top.len(), usize::from(n));
+            let ids: Vec<u32> = got.top.iter().map(|t| t.0).collect();
+            let want: Vec<u32> = sorted[..usize::from(n)].iter().map(|t| t.0).collect();
+            assert_eq!(ids, want);
+            assert!(got.top.windows(2).all(|w| w[0].1 >= w[1].1));
+            if n > 0 {
+                assert_eq!(got.top[0].1, got.logprob);
+            }
+        }
+        // Ties: lowest ids first. Excluded logits are never listed, so fewer come back.
+        let flat = [1.0f32, f32::NAN, 1.0, f32::NEG_INFINITY, 1.0];
+        let got = logprobs(&flat, 3, 5);
+        assert_eq!(got.top.iter().map(|t| t.0).collect::<Vec<_>>(), [0, 2, 4]);
+        assert_eq!(got.logprob, f32::NEG_INFINITY);
+        assert!((got.top[0].1 - (1.0f32 / 3.0).ln()).abs() < 1e-6);
+        assert!(logprobs(&[], 0, 3).top.is_empty());
     }
 
     #[test]

@@ -51,8 +51,10 @@ pub use step::Step;
 
 use std::collections::BTreeMap;
 
-use crate::wire::worker::{Drawn, WorkerRequest};
-use crate::wire::{Finish, Params, QosClass, SessionId, Token};
+use crate::wire::worker::{DrawExtras, Drawn, WorkerRequest};
+use crate::wire::{
+    ExtrasError, Finish, Params, QosClass, SampleExtras, SessionId, Token, TokenLogprob,
+};
 
 /// `--pin-budget-pct` default.
 pub const DEFAULT_PIN_BUDGET_PCT: u32 = 50;
@@ -86,6 +88,8 @@ pub enum SchedulerError {
     DoesNotFit { tokens: usize, n_ctx: u32 },
     #[error("QoS class {0} is out of range")]
     QosClass(u8),
+    #[error(transparent)]
+    Extras(#[from] ExtrasError),
 }
 
 /// Why a step brought no tokens.
@@ -118,6 +122,9 @@ pub struct Admit {
     /// Protect the sequence this generation ends on (its prompt and reply)
     /// like a pin (an Anthropic `cache_control` breakpoint).
     pub pin: Option<PrefixPin>,
+    /// Penalties, logit bias, log-probabilities (None: a plain generation).
+    /// Checked at admission (ranges, and bias ids against the vocabulary).
+    pub extras: Option<SampleExtras>,
 }
 
 /// A pin a generation leaves on its sequence when it ends: the sequence is
@@ -143,17 +150,14 @@ pub enum GenEvent {
     Token {
         gen: GenId,
         token: Token,
+        /// Its log-probabilities, when the generation's extras asked for
+        /// `logprobs` (None otherwise).
+        logprob: Option<TokenLogprob>,
     },
     /// It ended; `finish` is a `wire::finish` code (never OPEN).
-    Finished {
-        gen: GenId,
-        finish: Finish,
-    },
+    Finished { gen: GenId, finish: Finish },
     /// The lane failed under it (a worker crash, a decode error).
-    Failed {
-        gen: GenId,
-        message: String,
-    },
+    Failed { gen: GenId, message: String },
 }
 
 impl GenEvent {
@@ -201,6 +205,16 @@ struct Gen {
     inflight: u32,
     cancelled: bool,
     arrival: u64,
+}
+
+impl Gen {
+    /// The extras its draws carry: the first draw is at the prompt's end.
+    fn draw_extras(&self) -> Option<DrawExtras> {
+        self.admit.extras.as_ref().map(|x| DrawExtras {
+            extras: x.clone(),
+            first_draw: self.admit.prompt.len() as u64,
+        })
+    }
 }
 
 /// Counters for metrics and tests.
@@ -258,6 +272,9 @@ pub struct SchedulerState {
     pin_budget_pct: u32,
     /// The time pins are judged against (unix ms), set by the driver.
     clock_ms: u64,
+    /// The vocabulary size, when known: `logit_bias` ids are checked
+    /// against it at admission.
+    n_vocab: Option<u32>,
 }
 
 impl SchedulerState {
@@ -278,7 +295,16 @@ impl SchedulerState {
             pins: BTreeMap::new(),
             pin_budget_pct: DEFAULT_PIN_BUDGET_PCT,
             clock_ms: 0,
+            n_vocab: None,
         }
+    }
+
+    /// The model's vocabulary size: admission refuses `logit_bias` ids
+    /// outside it (without it, only the worker checks them, and a bad id
+    /// fails the step it is in).
+    pub fn with_n_vocab(mut self, n_vocab: u32) -> SchedulerState {
+        self.n_vocab = Some(n_vocab);
+        self
     }
 
     /// `--pin-budget-pct`.
@@ -335,6 +361,9 @@ impl SchedulerState {
                 tokens: admit.prompt.len(),
                 n_ctx: self.n_ctx,
             });
+        }
+        if let Some(x) = &admit.extras {
+            x.check(self.n_vocab.unwrap_or(u32::MAX))?;
         }
         let gen = self.next_gen;
         self.next_gen += 1;

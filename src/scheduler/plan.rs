@@ -308,6 +308,7 @@ impl SchedulerState {
                         Some(_) => g.tokens[g.admit.grammar_from.min(g.tokens.len())..].to_vec(),
                         None => vec![],
                     },
+                    extras: g.draw_extras(),
                 }),
             });
             if last {

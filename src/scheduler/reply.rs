@@ -74,8 +74,8 @@ impl SchedulerState {
             if item.sample.is_none() {
                 continue;
             }
-            let d = drawn.iter().find(|d| d.seq == item.seq).copied();
-            self.seqs[seq].last_draw = d;
+            let d = drawn.iter().find(|d| d.seq == item.seq).cloned();
+            self.seqs[seq].last_draw = d.clone();
             if let Some(g) = self.gens.get_mut(gen) {
                 g.inflight = g.inflight.saturating_sub(1);
             }
@@ -88,17 +88,17 @@ impl SchedulerState {
             let ours: Vec<Drawn> = drawn
                 .iter()
                 .filter(|d| d.seq == item.seq)
-                .copied()
+                .cloned()
                 .collect();
-            match self.seqs[seq].last_draw {
-                Some(d) if !d.eog => self.seqs[seq].resident.push(d.token),
+            match self.seqs[seq].last_draw.as_ref().map(|d| (d.token, d.eog)) {
+                Some((token, false)) => self.seqs[seq].resident.push(token),
                 _ => continue,
             }
             if let Some((_, fed)) = ours.split_last() {
                 let fed: Vec<Token> = fed.iter().map(|d| d.token).collect();
                 self.seqs[seq].resident.extend_from_slice(&fed);
             }
-            self.seqs[seq].last_draw = ours.last().copied();
+            self.seqs[seq].last_draw = ours.last().cloned();
             if let Some(g) = self.gens.get_mut(gen) {
                 g.inflight = g.inflight.saturating_sub(item.steps);
             }
@@ -139,6 +139,7 @@ impl SchedulerState {
             events.push(GenEvent::Token {
                 gen,
                 token: d.token,
+                logprob: d.logprob.clone(),
             });
             let total = g.tokens.len() as u64;
             let finish = if d.eog {

@@ -22,6 +22,7 @@ fn admit(session: SessionId, prompt: &[Token], max_tokens: u32) -> Admit {
         grammar: None,
         grammar_from: 0,
         pin: None,
+        extras: None,
     }
 }
 
@@ -39,6 +40,7 @@ fn step_with(s: &mut SchedulerState, draw: impl Fn(u32) -> Token) -> (Option<Ste
                     seq: i.seq,
                     token,
                     eog: token == EOG,
+                    logprob: None,
                 }
             })
             .collect();
@@ -451,6 +453,7 @@ impl FakeWorker {
             seq: seq as u32,
             token,
             eog: token == EOG,
+            logprob: None,
         }
     }
 
@@ -594,7 +597,7 @@ fn tokens_of(events: &[GenEvent], gen: GenId) -> Vec<Token> {
     events
         .iter()
         .filter_map(|e| match e {
-            GenEvent::Token { gen: g, token } if *g == gen => Some(*token),
+            GenEvent::Token { gen: g, token, .. } if *g == gen => Some(*token),
             _ => None,
         })
         .collect()
@@ -807,6 +810,7 @@ fn a_full_cache_on_a_following_step_falls_back_to_single_steps() {
         seq: 0,
         token: 100,
         eog: false,
+        logprob: None,
     }];
     assert_eq!(tokens_of(&s.step_done(&step, Ok(drawn)), g), [100]);
     // The 4 cells the following step asked for are not there: nothing ends.
@@ -1026,4 +1030,82 @@ fn a_prefix_pin_protects_a_cached_prefix_until_its_ttl() {
         &[1; 30],
         "the pin protects the whole sequence"
     );
+/// Sampling extras are checked at admission, ride on every draw the generation asks for (planned
+/// and following steps alike, naming the generation's first draw), and the log-probabilities a
+/// draw brings come back on its `GenEvent::Token`.
+#[test]
+fn extras_reach_every_draw_and_logprobs_come_back() {
+    let extras = SampleExtras {
+        presence_penalty: 0.5,
+        frequency_penalty: 1.0,
+        logit_bias: vec![(7, -100.0)],
+        logprobs: Some(2),
+    };
+    let mut s = SchedulerState::new(4096, 2, 512).with_n_vocab(1000);
+    let bad = |x: SampleExtras| Admit {
+        extras: Some(x),
+        ..admit(1, &[1, 2, 3], 10)
+    };
+    let refused = s.admit(bad(SampleExtras {
+        logit_bias: vec![(1000, 1.0)],
+        ..extras.clone()
+    }));
+    assert_eq!(
+        refused.unwrap_err().to_string(),
+        "logit_bias: token id 1000 is not in the vocabulary (1000 tokens)"
+    );
+    assert!(s
+        .admit(bad(SampleExtras {
+            frequency_penalty: 3.0,
+            ..extras.clone()
+        }))
+        .is_err());
+    let g = s.admit(bad(extras.clone())).unwrap();
+    let plain = s.admit(admit(2, &[5, 6], 10)).unwrap();
+    let want = Some(DrawExtras {
+        extras: extras.clone(),
+        first_draw: 3,
+    });
+    let step = s.plan().0.unwrap();
+    let sample_of = |seq: u32| {
+        step.decode
+            .iter()
+            .find(|i| i.seq == seq)
+            .and_then(|i| i.sample.clone())
+            .unwrap()
+    };
+    assert_eq!(sample_of(0).extras, want);
+    assert_eq!(sample_of(1).extras, None);
+    let next = s.follow(&step).unwrap();
+    assert_eq!(next.next[0].sample.extras, want);
+    assert_eq!(next.next[1].sample.extras, None);
+    let lp = TokenLogprob {
+        logprob: -0.25,
+        top: vec![(100, -0.25), (101, -2.0)],
+    };
+    let drawn = vec![
+        Drawn {
+            seq: 0,
+            token: 100,
+            eog: false,
+            logprob: Some(lp.clone()),
+        },
+        Drawn {
+            seq: 1,
+            token: 100,
+            eog: false,
+            logprob: None,
+        },
+    ];
+    let events = s.step_done(&step, Ok(drawn));
+    assert!(events.contains(&GenEvent::Token {
+        gen: g,
+        token: 100,
+        logprob: Some(lp)
+    }));
+    assert!(events.contains(&GenEvent::Token {
+        gen: plain,
+        token: 100,
+        logprob: None
+    }));
 }

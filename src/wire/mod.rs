@@ -13,10 +13,12 @@
 //! reorder. docs/protocol.md lists the order.
 
 mod codes;
+pub mod extras;
 pub mod frame;
 mod types;
 pub mod worker;
 
+pub use extras::{ExtrasError, SampleExtras, TokenLogprob};
 pub use frame::{
     read_frame, read_frame_blocking, write_frame, write_frame_blocking, FrameError, MAX_FRAME_BYTES,
 };

@@ -10,7 +10,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{Params, Token};
+use super::{Params, SampleExtras, Token, TokenLogprob};
 
 /// How the daemon starts a worker (passed as command-line flags, echoed in
 /// `Ready`).
@@ -44,6 +44,21 @@ pub struct Sample {
     /// trim) accepts them first, so a continued forced call goes on from
     /// where it was cut. Empty without a grammar.
     pub grammar_prefix: Vec<Token>,
+    /// Penalties, logit bias and log-probabilities, if the generation asks
+    /// for any (None for a plain one: nothing extra is computed).
+    pub extras: Option<DrawExtras>,
+}
+
+/// A generation's sampling extras as one draw carries them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DrawExtras {
+    pub extras: SampleExtras,
+    /// The stream position of the generation's first draw. Penalties count
+    /// the tokens the worker drew for the sequence at `first_draw..draw_pos`
+    /// (it keeps them per sequence, and forgets those at `draw_pos..` when a
+    /// draw is asked again after a rollback); a draw at `first_draw` starts
+    /// the count afresh.
+    pub first_draw: u64,
 }
 
 /// Tokens of one sequence at consecutive positions from `pos`.
@@ -73,12 +88,15 @@ pub struct NextItem {
 pub const MAX_NEXT_STEPS: u32 = 64;
 
 /// One drawn token.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Drawn {
     pub seq: u32,
     pub token: Token,
     /// True when the token ends the turn (end of generation for the model).
     pub eog: bool,
+    /// Its log-probability and the most likely alternatives, when the draw's
+    /// extras asked for `logprobs`.
+    pub logprob: Option<TokenLogprob>,
 }
 
 /// Daemon → worker.

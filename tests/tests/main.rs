@@ -12,7 +12,8 @@
 //! archived sessions, SessionBusy, flags refused together), `spec_json` (the
 //! wire types against the spec: JSON examples, every variant, postcard
 //! goldens), `surface_more` (`Throttled` on the socket, /web/ws and
-//! /web/rpc's 429; /web/health open to any Host), `worker` (`superfluid
+//! /web/rpc's 429; /web/health open to any Host), `stateless` (`StatelessGen` with sampling
+//! extras, in process), `worker` (`superfluid
 //! worker` over its pipe), `test_models` (the derived test models' metadata).
 
 mod bad_input;
@@ -24,6 +25,7 @@ mod logging;
 mod metrics;
 mod ordering;
 mod spec_json;
+mod stateless;
 mod surface;
 mod surface_more;
 mod test_models;

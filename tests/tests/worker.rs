@@ -9,9 +9,12 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use superfluid::engine::vocab::Vocab;
-use superfluid::wire::worker::{DecodeItem, Sample, WorkerConfig, WorkerRequest, WorkerResponse};
+use superfluid::wire::worker::{
+    DecodeItem, DrawExtras, Drawn, NextItem, Sample, WorkerConfig, WorkerRequest, WorkerResponse,
+};
 use superfluid::wire::{
-    from_postcard, read_frame_blocking, to_postcard, write_frame_blocking, Params, MAX_FRAME_BYTES,
+    from_postcard, read_frame_blocking, to_postcard, write_frame_blocking, Params, SampleExtras,
+    MAX_FRAME_BYTES,
 };
 
 use crate::util::{bin, model_path};
@@ -141,6 +144,7 @@ fn sample(params: Params, draw_pos: u64, grammar: Option<&str>) -> Option<Sample
         draw_pos,
         grammar: grammar.map(str::to_owned),
         grammar_prefix: vec![],
+        extras: None,
     })
 }
 
@@ -515,4 +519,221 @@ fn bench_pipe_vs_in_process() {
         median(&mut pipe_tps),
         median(&mut in_process_tps)
     );
+}
+
+/// A sample with `extras` for the generation whose first draw is at `first_draw`.
+fn sample_x(params: Params, draw_pos: u64, first_draw: u64, extras: &SampleExtras) -> Sample {
+    Sample {
+        params,
+        draw_pos,
+        grammar: None,
+        grammar_prefix: vec![],
+        extras: Some(DrawExtras {
+            extras: extras.clone(),
+            first_draw,
+        }),
+    }
+}
+
+/// Generates up to `n` tokens from `prompt` on the cleared sequence `seq` with `extras`, one
+/// `Decode` per token (`next == 0`), or after the first by `DecodeNext`s of `next` steps.
+fn generate_x(
+    w: &mut Worker,
+    seq: u32,
+    prompt: &[u32],
+    n: usize,
+    extras: &SampleExtras,
+    next: u32,
+) -> Vec<Drawn> {
+    w.clear(&[seq]);
+    let first = prompt.len() as u64;
+    let mut out: Vec<Drawn> = Vec::new();
+    let mut feed = prompt.to_vec();
+    let mut pos = 0u32;
+    while out.len() < n && !out.last().is_some_and(|d| d.eog) {
+        let draw_pos = u64::from(pos) + feed.len() as u64;
+        let request = if next == 0 || out.is_empty() {
+            WorkerRequest::Decode {
+                items: vec![item(
+                    seq,
+                    pos,
+                    feed.clone(),
+                    Some(sample_x(GREEDY, draw_pos, first, extras)),
+                )],
+            }
+        } else {
+            WorkerRequest::DecodeNext {
+                items: vec![NextItem {
+                    seq,
+                    pos,
+                    steps: next.min((n - out.len()) as u32),
+                    sample: sample_x(GREEDY, draw_pos, first, extras),
+                }],
+            }
+        };
+        let WorkerResponse::Decoded { drawn, .. } = w.call(&request) else {
+            panic!("{request:?}");
+        };
+        assert!(!drawn.is_empty());
+        // What the sequence holds now: the fed tokens, then every draw but the last.
+        pos += feed.len() as u32 + drawn.len() as u32 - 1;
+        feed = vec![drawn[drawn.len() - 1].token];
+        out.extend(drawn);
+    }
+    out
+}
+
+fn tokens(drawn: &[Drawn]) -> Vec<u32> {
+    drawn.iter().map(|d| d.token).collect()
+}
+
+/// logit_bias: -100 on the greedy first token moves the draw off it; +100 on any token forces
+/// it; a bias id outside the vocabulary is a clear Err and the worker goes on.
+#[test]
+fn logit_bias_moves_and_forces_the_first_token() {
+    let mut w = shared();
+    let p = prompt();
+    let none = SampleExtras::default();
+    let plain = generate_x(&mut w, 0, &p, 1, &none, 0);
+    let greedy = plain[0].token;
+    w.clear(&[0]);
+    assert_eq!(
+        greedy,
+        generate(&mut w, 0, 0, p.clone(), 1, GREEDY, None)[0]
+    );
+    let biased = |bias| SampleExtras {
+        logit_bias: vec![bias],
+        ..SampleExtras::default()
+    };
+    let off = generate_x(&mut w, 0, &p, 1, &biased((greedy, -100.0)), 0);
+    assert_ne!(off[0].token, greedy);
+    let forced: u32 = vocab().tokenize("banana", false)[0];
+    assert_ne!(forced, greedy);
+    let on = generate_x(&mut w, 0, &p, 3, &biased((forced, 100.0)), 0);
+    assert_eq!(tokens(&on), [forced; 3]);
+    // Checked before any work: nothing decoded, the sequence still empty.
+    w.clear(&[0]);
+    let n_vocab = w.n_vocab;
+    let message = w.err(WorkerRequest::Decode {
+        items: vec![item(
+            0,
+            0,
+            p.clone(),
+            Some(sample_x(
+                GREEDY,
+                p.len() as u64,
+                p.len() as u64,
+                &biased((n_vocab, 1.0)),
+            )),
+        )],
+    });
+    assert_eq!(
+        message,
+        format!(
+            "item 0: sampling extras: logit_bias: token id {n_vocab} is not in the vocabulary \
+             ({n_vocab} tokens)"
+        )
+    );
+    w.clear(&[0]);
+    assert_eq!(generate(&mut w, 0, 0, p, 1, GREEDY, None), [greedy]);
+}
+
+/// frequency_penalty 2.0 breaks a repetitive greedy continuation; penalties count only this
+/// generation's draws (the first draw is the plain greedy one), and the pipelined path
+/// (`DecodeNext`, fed the worker's own draws) draws exactly what one Decode per token draws.
+#[test]
+fn frequency_penalty_changes_a_repetitive_continuation() {
+    let mut w = shared();
+    let p = vocab().tokenize(
+        "one, two, one, two, one, two, one, two, one, two, one,",
+        false,
+    );
+    let plain = tokens(&generate_x(&mut w, 0, &p, 24, &SampleExtras::default(), 0));
+    let most = plain
+        .iter()
+        .map(|t| plain.iter().filter(|u| *u == t).count())
+        .max()
+        .unwrap_or(0);
+    assert!(
+        most >= 5,
+        "not repetitive: {:?}",
+        vocab().detokenize(&plain)
+    );
+    let penalized = SampleExtras {
+        frequency_penalty: 2.0,
+        ..SampleExtras::default()
+    };
+    let lockstep = tokens(&generate_x(&mut w, 0, &p, 24, &penalized, 0));
+    assert_eq!(lockstep[0], plain[0], "nothing drawn yet: no penalty");
+    assert_ne!(lockstep, plain, "{:?}", vocab().detokenize(&lockstep));
+    let pipelined = tokens(&generate_x(&mut w, 1, &p, 24, &penalized, 4));
+    assert_eq!(pipelined, lockstep);
+    // Presence 2.0 alone is too weak to break this cycle, but lowers the log-probability of a
+    // token drawn before (28, the comma, drawn at 1, again at 3), and raises that of a new one
+    // (at 2) whose rivals were drawn.
+    let logprobs = SampleExtras {
+        logprobs: Some(0),
+        ..SampleExtras::default()
+    };
+    let presence = SampleExtras {
+        presence_penalty: 2.0,
+        ..logprobs.clone()
+    };
+    let lp = |d: &[Drawn], i: usize| d[i].logprob.as_ref().map_or(0.0, |l| l.logprob);
+    let a = generate_x(&mut w, 0, &p, 4, &logprobs, 4);
+    let b = generate_x(&mut w, 0, &p, 4, &presence, 4);
+    assert_eq!(
+        (tokens(&a), tokens(&b)),
+        (plain[..4].to_vec(), plain[..4].to_vec())
+    );
+    assert_eq!(plain[1], plain[3]);
+    assert!(lp(&b, 3) < lp(&a, 3) - 0.5, "{a:?} {b:?}");
+    assert!(lp(&b, 2) > lp(&a, 2) + 0.1, "{a:?} {b:?}");
+    assert_eq!(lp(&b, 0), lp(&a, 0), "nothing drawn yet: no penalty");
+    // Zero penalties change nothing.
+    let zero = SampleExtras {
+        presence_penalty: 0.0,
+        frequency_penalty: 0.0,
+        ..SampleExtras::default()
+    };
+    assert_eq!(tokens(&generate_x(&mut w, 0, &p, 24, &zero, 4)), plain);
+}
+
+/// logprobs: every greedy draw reports a log-probability <= 0, and `top_logprobs` alternatives
+/// most likely first with the greedy token first; a plain draw reports none.
+#[test]
+fn logprobs_come_with_each_draw_when_asked() {
+    let mut w = shared();
+    let p = prompt();
+    let asked = SampleExtras {
+        logprobs: Some(5),
+        ..SampleExtras::default()
+    };
+    for next in [0, 4] {
+        let drawn = generate_x(&mut w, 0, &p, 8, &asked, next);
+        assert_eq!(drawn.len(), 8);
+        for d in &drawn {
+            let lp = d.logprob.as_ref().expect("logprobs asked");
+            assert!(lp.logprob <= 0.0 && lp.logprob.is_finite(), "{lp:?}");
+            assert_eq!(lp.top.len(), 5, "{lp:?}");
+            assert_eq!(lp.top[0], (d.token, lp.logprob), "{lp:?}");
+            assert!(lp.top.windows(2).all(|t| t[0].1 >= t[1].1), "{lp:?}");
+            let mass: f32 = lp.top.iter().map(|t| t.1.exp()).sum();
+            assert!(mass <= 1.0 + 1e-4, "{lp:?}");
+        }
+        // "Paris" is a confident answer: some draw is nearly certain.
+        assert!(drawn
+            .iter()
+            .any(|d| d.logprob.as_ref().is_some_and(|l| l.logprob > -0.1)));
+    }
+    // Asked with no alternatives: the logprob alone.
+    let bare = SampleExtras {
+        logprobs: Some(0),
+        ..SampleExtras::default()
+    };
+    let d = &generate_x(&mut w, 0, &p, 1, &bare, 0)[0];
+    assert!(d.logprob.as_ref().is_some_and(|l| l.top.is_empty()));
+    assert!(generate_x(&mut w, 0, &p, 2, &SampleExtras::default(), 0)
+        .iter()
+        .all(|d| d.logprob.is_none()));
 }

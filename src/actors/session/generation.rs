@@ -212,6 +212,7 @@ impl SessionActor {
             grammar: plan.grammar,
             grammar_from: plan.grammar_from,
             pin: None,
+            extras: None,
         };
         let opening = plan.opening;
         let shared = self.shared.clone();

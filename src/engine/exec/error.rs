@@ -52,6 +52,16 @@ pub enum RequestError {
     GrammarDeadEnd { seq: u32, pos: u64 },
     #[error("grammar rejected token {token}: {reason}")]
     GrammarRejected { token: u32, reason: String },
+    #[error("sampling extras: {0}")]
+    Extras(#[from] crate::wire::ExtrasError),
+    #[error(
+        "sequence {seq}: no penalty history for draws {first_draw}..{draw_pos} of its generation"
+    )]
+    PenaltyHistory {
+        seq: u32,
+        first_draw: u64,
+        draw_pos: u64,
+    },
     #[error("batch: {0}")]
     Batch(String),
     /// The KV cache had no room: replied as `WorkerResponse::KvFull`.

@@ -7,6 +7,7 @@
 //!
 //! - [`seqs`]: the sequence table (lengths, last draws) and the checks of every request;
 //! - [`grammar`]: each sequence's grammar state;
+//! - [`penalties`]: each sequence's generation's draws, for presence and frequency penalties;
 //! - [`error`]: `RequestError`, why a request was refused or failed.
 //!
 //! # What keeps llama.cpp from aborting the process
@@ -24,6 +25,9 @@
 //! `n_batch` tokens across items (an item longer than the room left is split over consecutive
 //! decode calls). Logits are requested only for the last token of an item that has a `sample`;
 //! the token is drawn (with [`sample::draw`]) right after the decode call that contains it.
+//! A sample with extras first has its row adjusted ([`sample::apply_extras`]: logit bias, and
+//! penalties over the draws its generation made so far on the sequence), and reports the drawn
+//! token's log-probabilities off that row ([`sample::logprobs`]) when asked.
 //!
 //! A Decode is all or nothing: if llama.cpp fails (KV cache full, ...) or a grammar dead-ends after
 //! some batches went in, every sequence the request touched is trimmed back to its length before
@@ -43,6 +47,7 @@
 
 pub mod error;
 mod grammar;
+mod penalties;
 pub mod seqs;
 
 use std::path::Path;
@@ -62,6 +67,7 @@ use crate::wire::worker::{
 };
 use error::RequestError;
 use grammar::Grammars;
+use penalties::Penalties;
 use seqs::SeqTable;
 
 /// llama.cpp's `LLAMA_MAX_SEQ`: more sequences make context creation fail.
@@ -102,6 +108,8 @@ pub struct WorkerEngine {
     n_vocab: u32,
     /// Per sequence: its length and its last draw.
     seqs: SeqTable,
+    /// Per sequence: its generation's draws, for penalties.
+    penalties: Penalties,
     /// The logits row being sampled (a copy, so the context is free again).
     row: Vec<f32>,
     /// The grammar's verdict on each token id, for the row being sampled.
@@ -201,6 +209,7 @@ impl WorkerEngine {
             ctx,
             model,
             seqs: SeqTable::new(n_seq, effective.n_ctx, n_vocab),
+            penalties: Penalties::new(n_seq),
             config: effective,
             n_vocab,
             row: Vec::with_capacity(n_vocab as usize),
@@ -457,13 +466,30 @@ impl WorkerEngine {
         Ok(())
     }
 
-    /// Draw the token for `item` from the logits at batch index `i`.
+    /// Draw the token for `item` from the logits at batch index `i`: the row adjusted by the
+    /// sampling extras (bias, penalties over this generation's draws so far), then the
+    /// grammar's verdict and [`sample::draw`]; log-probabilities off the adjusted row if asked.
     fn draw(&mut self, item: &DecodeItem, i: i32) -> Result<Drawn, RequestError> {
         let Some(sample) = &item.sample else {
             return Err(RequestError::Internal("no sample asked".into()));
         };
         self.row.clear();
         self.row.extend_from_slice(self.ctx.get_logits_ith(i));
+        if let Some(x) = &sample.extras {
+            // Only penalties need the history (bias and logprobs do not).
+            if x.extras.penalizes() {
+                let counts = self
+                    .penalties
+                    .counts(item.seq, x.first_draw, sample.draw_pos)?;
+                sample::apply_extras(
+                    &mut self.row,
+                    &x.extras,
+                    counts.iter().map(|(&t, &c)| (t, c)),
+                );
+            } else {
+                sample::apply_extras(&mut self.row, &x.extras, std::iter::empty());
+            }
+        }
         let token = match self.grammars.get_mut(item.seq as usize) {
             Some(g) if sample.grammar.is_some() => {
                 if !g.allowed(&self.row, &mut self.mask) {
@@ -482,10 +508,22 @@ impl WorkerEngine {
             }
             _ => sample::draw(&self.row, &sample.params, sample.draw_pos, None),
         };
+        let logprob = match &sample.extras {
+            Some(x) => {
+                if x.extras.penalizes() {
+                    self.penalties.drew(item.seq, token);
+                }
+                x.extras
+                    .logprobs
+                    .map(|n| sample::logprobs(&self.row, token, n))
+            }
+            None => None,
+        };
         Ok(Drawn {
             seq: item.seq,
             token,
             eog: self.is_eog(token),
+            logprob,
         })
     }
 }
@@ -506,6 +544,7 @@ mod tests {
             draw_pos,
             grammar: None,
             grammar_prefix: vec![],
+            extras: None,
         })
     }
 
@@ -546,7 +585,7 @@ mod tests {
                 sample: greedy(20),
             }],
         }) {
-            WorkerResponse::Decoded { drawn, .. } => drawn[0],
+            WorkerResponse::Decoded { mut drawn, .. } => drawn.remove(0),
             other => panic!("{other:?}"),
         };
         let a = first(&mut e, 0);
@@ -633,6 +672,7 @@ mod tests {
                 seq: 1,
                 token: 2,
                 eog: true,
+                logprob: None,
             }),
         );
         assert!(matches!(
@@ -646,6 +686,7 @@ mod tests {
                 seq: 1,
                 token: 300,
                 eog: false,
+                logprob: None,
             }),
         );
         assert!(matches!(e.handle(&next(99)), WorkerResponse::Err { .. }));

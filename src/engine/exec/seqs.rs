@@ -85,6 +85,11 @@ impl SeqTable {
                     n_vocab: self.n_vocab,
                 }));
             }
+            if let Some(x) = item.sample.as_ref().and_then(|s| s.extras.as_ref()) {
+                x.extras
+                    .check(self.n_vocab)
+                    .map_err(|e| RequestError::at(k)(e.into()))?;
+            }
             if u64::from(item.pos) != ends[s] {
                 return Err(at(RequestError::Position {
                     seq: item.seq,
@@ -122,10 +127,15 @@ impl SeqTable {
             if n.sample.grammar.is_some() {
                 return Err(at(RequestError::NextGrammar));
             }
+            if let Some(x) = &n.sample.extras {
+                x.extras
+                    .check(self.n_vocab)
+                    .map_err(|e| RequestError::at(k)(e.into()))?;
+            }
             if !(1..=MAX_NEXT_STEPS).contains(&n.steps) {
                 return Err(at(RequestError::NextSteps { steps: n.steps }));
             }
-            match self.last[s] {
+            match &self.last[s] {
                 None => return Err(at(RequestError::NoDraw { seq: n.seq })),
                 Some(d) if !d.eog && n.pos != self.lens[s] => {
                     return Err(at(RequestError::NextPosition {
@@ -160,7 +170,7 @@ impl SeqTable {
     pub fn next_input(&self, seq: u32) -> Option<Drawn> {
         self.last
             .get(seq as usize)
-            .copied()
+            .cloned()
             .flatten()
             .filter(|d| !d.eog)
     }
@@ -185,7 +195,11 @@ impl SeqTable {
             self.last[s] = None;
         }
         for d in drawn {
-            self.last[d.seq as usize] = Some(*d);
+            // What a DecodeNext feeds: the token, not its log-probabilities.
+            self.last[d.seq as usize] = Some(Drawn {
+                logprob: None,
+                ..*d
+            });
         }
     }
 
@@ -214,6 +228,7 @@ mod tests {
             draw_pos,
             grammar: None,
             grammar_prefix: vec![],
+            extras: None,
         }
     }
 
@@ -274,9 +289,10 @@ mod tests {
             seq: 0,
             token: 7,
             eog: false,
+            logprob: None,
         };
-        t.decoded(&items, &[d]);
-        assert_eq!((t.len(0), t.next_input(0)), (Some(2), Some(d)));
+        t.decoded(&items, std::slice::from_ref(&d));
+        assert_eq!((t.len(0), t.next_input(0)), (Some(2), Some(d.clone())));
         assert!(t.validate_next(&[next(0, 2, 4)]).is_ok());
         assert!(matches!(
             t.validate_next(&[next(0, 2, 4), next(0, 2, 4)]),
@@ -287,7 +303,7 @@ mod tests {
         // A KV change, or any failure, forgets the draw.
         t.kv_changed(0);
         assert_eq!(t.next_input(0), None);
-        t.decoded(&[item(0, 2, vec![3])], &[d]);
+        t.decoded(&[item(0, 2, vec![3])], std::slice::from_ref(&d));
         t.forget_draws();
         assert!(t.validate_next(&[next(0, 3, 1)]).is_err());
         // A draw that ended the turn is skipped, wherever the item says.
