@@ -409,6 +409,7 @@ pub async fn messages(
             markers,
             in_reasoning,
             pin: rendered.pin,
+            extras: None,
         };
         let stop = r.stop_sequences.clone().unwrap_or_default();
         let (warm, mut runs) = start_all(&state, F, &p, 1, params, &stop, true).await?;
@@ -529,6 +530,7 @@ async fn stream_message(
                     &json!({"type": "content_block_delta", "index": index, "delta": delta}),
                 ));
             }
+            Out::Logprob(_) => continue,
             Out::Call { name, arguments } => {
                 close(&mut index, &mut open, &mut events);
                 calls = true;

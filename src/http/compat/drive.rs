@@ -16,7 +16,7 @@ use crate::scheduler::{GenEvent, PrefixPin};
 use crate::session::output::{Markers, OutputDecoder, Segment};
 use crate::session::turn::ends_turn;
 use crate::session::Render;
-use crate::wire::{Channel, Finish, Params, Token};
+use crate::wire::{Channel, Finish, Params, SampleExtras, Token, TokenLogprob};
 
 /// One generation to run.
 #[derive(Debug, Clone)]
@@ -34,6 +34,8 @@ pub struct Spec {
     pub trim_leading: bool,
     /// Pin the prompt's first tokens when it ends (an Anthropic breakpoint).
     pub pin: Option<PrefixPin>,
+    /// Penalties, logit bias, log-probabilities (OpenAI).
+    pub extras: Option<SampleExtras>,
 }
 
 /// Why a generation ended.
@@ -55,8 +57,44 @@ pub enum Out {
     Text { reasoning: bool, text: String },
     /// A complete tool call; `arguments` is compact JSON.
     Call { name: String, arguments: String },
+    /// A drawn token's log-probabilities (only when asked), before the text
+    /// it is part of.
+    Logprob(Logprob),
     Ended { end: End, generated: u32 },
     Failed(String),
+}
+
+/// One drawn token and its log-probabilities, with text.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Logprob {
+    pub token: String,
+    pub bytes: Vec<u8>,
+    pub logprob: f32,
+    /// The most likely tokens: (text, bytes, log-probability).
+    pub top: Vec<(String, Vec<u8>, f32)>,
+}
+
+impl Logprob {
+    fn new(render: &dyn Render, token: Token, lp: TokenLogprob) -> Logprob {
+        let text = |t: Token| {
+            let bytes = render.piece(t);
+            (String::from_utf8_lossy(&bytes).into_owned(), bytes)
+        };
+        let (token, bytes) = text(token);
+        Logprob {
+            token,
+            bytes,
+            logprob: lp.logprob,
+            top: lp
+                .top
+                .into_iter()
+                .map(|(t, l)| {
+                    let (s, b) = text(t);
+                    (s, b, l)
+                })
+                .collect(),
+        }
+    }
 }
 
 /// A started generation: how many prompt tokens came from the cache, and
@@ -88,6 +126,7 @@ pub async fn start(shared: &Shared, spec: Spec) -> Result<Run, DriveError> {
         in_reasoning,
         trim_leading,
         pin,
+        extras,
     } = spec;
     let generation = StatelessGen {
         prompt,
@@ -95,6 +134,7 @@ pub async fn start(shared: &Shared, spec: Spec) -> Result<Run, DriveError> {
         max_tokens,
         grammar,
         pin,
+        extras,
     };
     let mut events = generation
         .start(&shared.scheduler, shared.generations.clone())
@@ -139,10 +179,16 @@ impl Pump {
         while let Some(event) = events.recv().await {
             let ended = match event {
                 GenEvent::Started { .. } => continue,
-                GenEvent::Token { token, .. } => {
+                GenEvent::Token { token, logprob, .. } => {
                     self.generated += 1;
                     if self.render.is_eog(token) {
                         continue;
+                    }
+                    if let Some(lp) = logprob {
+                        let lp = Logprob::new(self.render.as_ref(), token, lp);
+                        if self.tx.send(Out::Logprob(lp)).await.is_err() {
+                            return;
+                        }
                     }
                     let piece = self.render.piece(token);
                     let segments = self.decoder.push(token, &piece);
@@ -252,6 +298,7 @@ pub struct Collected {
     pub text: String,
     pub reasoning: String,
     pub calls: Vec<(String, String)>,
+    pub logprobs: Vec<Logprob>,
     pub end: Option<End>,
     pub generated: u32,
 }
@@ -267,6 +314,7 @@ pub async fn collect(mut out: mpsc::Receiver<Out>) -> Result<Collected, String> 
             } => c.reasoning.push_str(&text),
             Out::Text { text, .. } => c.text.push_str(&text),
             Out::Call { name, arguments } => c.calls.push((name, arguments)),
+            Out::Logprob(lp) => c.logprobs.push(lp),
             Out::Ended { end, generated } => {
                 c.end = Some(end);
                 c.generated = generated;

@@ -308,6 +308,8 @@ pub(crate) struct Prepared {
     /// An Anthropic breakpoint: the prompt's first `len` tokens are pinned
     /// for `ttl` ms once the request finishes.
     pub pin: Option<(usize, u64)>,
+    /// OpenAI's penalties, logit bias and log-probabilities.
+    pub extras: Option<crate::wire::SampleExtras>,
 }
 
 /// Starts the `n` generations of one request; the first's warm prefix is
@@ -338,6 +340,7 @@ pub(crate) async fn start_all(
             in_reasoning: p.in_reasoning,
             trim_leading,
             pin: p.pin.map(|(len, ttl_ms)| PrefixPin { len, ttl_ms }),
+            extras: p.extras.clone(),
         };
         drive::start(&state.shared, spec)
     });

@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use super::chat::{prompt_tokens, Call, Msg};
-use super::drive::{self, Collected, End, Out};
+use super::drive::{self, Collected, End, Logprob, Out};
 use super::error::{ApiError, Family, Kind};
 use super::{
     accept, authorize, budget, chat_error, check_lane, check_model, event_stream,
@@ -24,13 +24,12 @@ use crate::actors::complete::fim_prompt;
 use crate::http::routes::WebState;
 use crate::session::grammar::{forced_call, tool_signature, GrammarError};
 use crate::session::output::Markers;
-use crate::wire::{FimMode, Role, Token};
+use crate::wire::extras::MAX_LOGIT_BIAS;
+use crate::wire::{FimMode, Role, SampleExtras, Token};
 
 const F: Family = Family::OpenAi;
 /// The most choices one request may ask for (`n`).
 pub const MAX_N: u32 = 16;
-/// The most `logit_bias` entries.
-pub const MAX_LOGIT_BIAS: usize = 1024;
 
 #[derive(Debug, Deserialize)]
 pub struct StreamOptions {
@@ -270,6 +269,7 @@ fn prepare_chat(state: &WebState, r: &ChatRequest) -> Result<Prepared, ApiError>
         markers,
         in_reasoning,
         pin: None,
+        extras: None,
     })
 }
 
@@ -299,21 +299,73 @@ fn choices(n: Option<u32>) -> Result<u32, ApiError> {
     }
 }
 
-/// Requests superfluid cannot honour yet are refused, not ignored.
-fn refuse_unserved(r: &ChatRequest) -> Result<(), ApiError> {
-    let unserved = [
-        ("logprobs", r.logprobs == Some(true) || r.top_logprobs.is_some_and(|n| n > 0)),
-        ("presence_penalty", r.presence_penalty.is_some_and(|p| p != 0.0)),
-        ("frequency_penalty", r.frequency_penalty.is_some_and(|p| p != 0.0)),
-        ("logit_bias", r.logit_bias.as_ref().is_some_and(|b| !b.is_empty())),
-    ];
-    for (param, asked) in unserved {
-        if asked {
-            return Err(ApiError::invalid(F, format!("{param} is not served by this daemon yet"))
-                .with_param(param));
-        }
+/// Penalties, logit bias and log-probabilities as the worker takes them;
+/// `None` when the request asks for none.
+fn extras(
+    presence: Option<f32>,
+    frequency: Option<f32>,
+    bias: Option<&HashMap<String, f32>>,
+    logprobs: Option<u8>,
+) -> Result<Option<SampleExtras>, ApiError> {
+    let bias = bias.map(|b| b.iter().collect::<Vec<_>>()).unwrap_or_default();
+    if bias.len() > MAX_LOGIT_BIAS {
+        return Err(ApiError::invalid(F, format!("logit_bias has more than {MAX_LOGIT_BIAS} entries"))
+            .with_param("logit_bias"));
     }
-    Ok(())
+    let logit_bias = bias
+        .into_iter()
+        .map(|(k, v)| {
+            k.trim().parse::<Token>().map(|t| (t, *v)).map_err(|_| {
+                ApiError::invalid(F, format!("logit_bias key {k:?} is not a token id"))
+                    .with_param("logit_bias")
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let e = SampleExtras {
+        presence_penalty: presence.unwrap_or(0.0),
+        frequency_penalty: frequency.unwrap_or(0.0),
+        logit_bias,
+        logprobs,
+    };
+    Ok((e != SampleExtras::default()).then_some(e))
+}
+
+/// Chat's `logprobs` and `top_logprobs`: `Some(n)` when asked.
+fn chat_logprobs(r: &ChatRequest) -> Result<Option<u8>, ApiError> {
+    match (r.logprobs.unwrap_or(false), r.top_logprobs) {
+        (true, n) => Ok(Some(n.unwrap_or(0))),
+        (false, Some(n)) if n > 0 => Err(ApiError::invalid(F, "top_logprobs needs logprobs: true")
+            .with_param("top_logprobs")),
+        (false, _) => Ok(None),
+    }
+}
+
+/// One token's entry of chat's `logprobs.content`.
+fn logprob_json(lp: &Logprob) -> Value {
+    json!({
+        "token": lp.token,
+        "logprob": lp.logprob,
+        "bytes": lp.bytes,
+        "top_logprobs": lp.top.iter().map(|(t, b, l)| json!({"token": t, "logprob": l, "bytes": b})).collect::<Vec<_>>(),
+    })
+}
+
+/// The legacy completion's `logprobs` object.
+fn completion_logprobs(lps: &[Logprob]) -> Value {
+    let mut offset = 0usize;
+    let mut offsets = Vec::new();
+    for lp in lps {
+        offsets.push(offset);
+        offset += lp.token.len();
+    }
+    json!({
+        "tokens": lps.iter().map(|l| l.token.clone()).collect::<Vec<_>>(),
+        "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
+        "top_logprobs": lps.iter().map(|l| {
+            l.top.iter().map(|(t, _, p)| (t.clone(), json!(p))).collect::<serde_json::Map<_, _>>()
+        }).collect::<Vec<_>>(),
+        "text_offset": offsets,
+    })
 }
 
 fn finish_reason(c: &Collected) -> &'static str {
@@ -357,9 +409,14 @@ pub async fn chat_completions(
     access.model = r.model.clone();
     let run = async {
         check_lane(&state, F)?;
-        refuse_unserved(&r)?;
         let n = choices(r.n)?;
-        let p = prepare_chat(&state, &r)?;
+        let mut p = prepare_chat(&state, &r)?;
+        p.extras = extras(
+            r.presence_penalty,
+            r.frequency_penalty,
+            r.logit_bias.as_ref(),
+            chat_logprobs(&r)?,
+        )?;
         let params = params(r.temperature, r.top_p, r.top_k, r.min_p, r.seed, F)?;
         let stop = stops(r.stop.as_ref())?;
         let (warm, runs) = start_all(&state, F, &p, n, params, &stop, true).await?;
@@ -417,10 +474,15 @@ pub async fn chat_completions(
         if !calls.is_empty() {
             message["tool_calls"] = Value::Array(calls);
         }
+        let logprobs = if p.extras.as_ref().is_some_and(|e| e.logprobs.is_some()) {
+            json!({"content": c.logprobs.iter().map(logprob_json).collect::<Vec<_>>(), "refusal": null})
+        } else {
+            Value::Null
+        };
         out.push(json!({
             "index": i,
             "message": message,
-            "logprobs": null,
+            "logprobs": logprobs,
             "finish_reason": finish_reason(&c),
         }));
     }
@@ -489,6 +551,14 @@ async fn stream_chat(
         let delta = match o {
             Out::Text { reasoning: true, text } => json!({"reasoning_content": text}),
             Out::Text { text, .. } => json!({"content": text}),
+            Out::Logprob(lp) => {
+                let c = head.chunk(json!([{"index": i, "delta": {}, "logprobs": {"content": [logprob_json(&lp)]}, "finish_reason": null}]));
+                if tx.send(data(&c)).await.is_err() {
+                    access.log(499);
+                    return;
+                }
+                continue;
+            }
             Out::Call { name, arguments } => {
                 calls[i] += 1;
                 json!({"tool_calls": [tool_call_json(calls[i] - 1, &name, &arguments)]})
@@ -618,16 +688,8 @@ pub async fn completions(
     let run = async {
         check_lane(&state, F)?;
         check_model(&state, F, &r.model)?;
-        let unserved = [
-            ("logprobs", r.logprobs.is_some_and(|n| n > 0)),
-            ("echo", r.echo),
-            ("presence_penalty", r.presence_penalty.is_some_and(|p| p != 0.0)),
-            ("frequency_penalty", r.frequency_penalty.is_some_and(|p| p != 0.0)),
-            ("logit_bias", r.logit_bias.as_ref().is_some_and(|b| !b.is_empty())),
-        ];
-        if let Some((param, _)) = unserved.iter().find(|(_, asked)| *asked) {
-            return Err(ApiError::invalid(F, format!("{param} is not served by this daemon yet"))
-                .with_param(param));
+        if r.echo {
+            return Err(ApiError::invalid(F, "echo is not served by this daemon").with_param("echo"));
         }
         let n = choices(r.n)?;
         let prompt = completion_prompt(&state, &r)?;
@@ -639,6 +701,12 @@ pub async fn completions(
             markers: Markers::none(),
             in_reasoning: false,
             pin: None,
+            extras: extras(
+                r.presence_penalty,
+                r.frequency_penalty,
+                r.logit_bias.as_ref(),
+                r.logprobs,
+            )?,
         };
         let params = params(r.temperature, r.top_p, r.top_k, r.min_p, r.seed, F)?;
         let stop = stops(r.stop.as_ref())?;
@@ -675,10 +743,15 @@ pub async fn completions(
             .await
             .map_err(|m| logged(&access, ApiError::new(F, Kind::Unavailable, m)))?;
         generated += u64::from(c.generated);
+        let logprobs = if p.extras.as_ref().is_some_and(|e| e.logprobs.is_some()) {
+            completion_logprobs(&c.logprobs)
+        } else {
+            Value::Null
+        };
         out.push(json!({
             "index": i,
             "text": c.text,
-            "logprobs": null,
+            "logprobs": logprobs,
             "finish_reason": finish_reason(&c),
         }));
     }
@@ -712,7 +785,7 @@ async fn stream_completion(
     while let Some((i, o)) = merged.next().await {
         let (text, reason) = match o {
             Out::Text { text, .. } => (text, Value::Null),
-            Out::Call { .. } => continue,
+            Out::Call { .. } | Out::Logprob(_) => continue,
             Out::Ended { end, generated: g } => {
                 generated += u64::from(g);
                 let r = if end == End::MaxTokens { "length" } else { "stop" };
