@@ -300,7 +300,9 @@ async fn run(
     let web = match web_listener {
         Some(l) => {
             let web_config = config.web.clone().unwrap_or_else(|| WebConfig {
-                addr: l.local_addr().unwrap_or_else(|_| ([127, 0, 0, 1], 0).into()),
+                addr: l
+                    .local_addr()
+                    .unwrap_or_else(|_| ([127, 0, 0, 1], 0).into()),
                 origins: Vec::new(),
                 api_key: None,
             });

@@ -94,7 +94,12 @@ struct Serve {
     /// A stable key the OpenAI and Anthropic routes and /metrics accept
     /// besides the web token (which changes at every start), as
     /// `Authorization: Bearer KEY` or `x-api-key: KEY`.
-    #[arg(long, value_name = "KEY", env = "SUPERFLUID_API_KEY", hide_env_values = true)]
+    #[arg(
+        long,
+        value_name = "KEY",
+        env = "SUPERFLUID_API_KEY",
+        hide_env_values = true
+    )]
     api_key: Option<String>,
     /// Events a subscription may have queued towards a slow client before
     /// it is ended as lagged.

@@ -69,10 +69,7 @@ pub(super) fn check(state: &WebState, route: Route, req: &HttpRequest) -> Result
 
 /// Reads the body, refusing one over the cap before reading it when it says
 /// its length, and as soon as it passes the cap when it does not.
-pub(super) async fn read_body(
-    req: &HttpRequest,
-    payload: web::Payload,
-) -> Result<Bytes, WebError> {
+pub(super) async fn read_body(req: &HttpRequest, payload: web::Payload) -> Result<Bytes, WebError> {
     read_body_capped(req, payload, MAX_BODY_BYTES).await
 }
 

@@ -1030,6 +1030,8 @@ fn a_prefix_pin_protects_a_cached_prefix_until_its_ttl() {
         &[1; 30],
         "the pin protects the whole sequence"
     );
+}
+
 /// Sampling extras are checked at admission, ride on every draw the generation asks for (planned
 /// and following steps alike, naming the generation's first draw), and the log-probabilities a
 /// draw brings come back on its `GenEvent::Token`.

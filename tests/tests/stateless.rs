@@ -65,6 +65,7 @@ async fn run(
         params: params(0),
         max_tokens,
         grammar: None,
+        pin: None,
         extras,
     };
     let mut rx = generation

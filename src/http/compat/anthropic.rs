@@ -79,7 +79,9 @@ fn breakpoint(block: &Value) -> Result<Option<u64>, ApiError> {
     match cc.get("ttl").and_then(Value::as_str) {
         None | Some("5m") => Ok(Some(PIN_TTL_DEFAULT_MS)),
         Some("1h") => Ok(Some(PIN_TTL_LONG_MS)),
-        Some(other) => Err(bad(format!("cache_control.ttl {other:?} is not \"5m\" or \"1h\""))),
+        Some(other) => Err(bad(format!(
+            "cache_control.ttl {other:?} is not \"5m\" or \"1h\""
+        ))),
     }
 }
 
@@ -378,8 +380,7 @@ pub async fn messages(
         };
         let grammar = match &rendered.forced {
             Some(tools) => Some(
-                forced_call(tools, close.as_deref(), &convert)
-                    .map_err(|e| bad(e.to_string()))?,
+                forced_call(tools, close.as_deref(), &convert).map_err(|e| bad(e.to_string()))?,
             ),
             None => match r
                 .output_config
@@ -413,7 +414,9 @@ pub async fn messages(
         };
         let stop = r.stop_sequences.clone().unwrap_or_default();
         let (warm, mut runs) = start_all(&state, F, &p, 1, params, &stop, true).await?;
-        let out = runs.pop().ok_or_else(|| ApiError::new(F, Kind::Internal, "no run"))?;
+        let out = runs
+            .pop()
+            .ok_or_else(|| ApiError::new(F, Kind::Internal, "no run"))?;
         let created = rendered
             .pin
             .map_or(0, |(len, _)| (len as u64).saturating_sub(warm));
@@ -431,7 +434,13 @@ pub async fn messages(
             "stop_reason": null, "stop_sequence": null,
             "usage": usage(prompt, warm, created, 0),
         });
-        actix_rt::spawn(stream_message(out, tx, head, (prompt, warm, created), access));
+        actix_rt::spawn(stream_message(
+            out,
+            tx,
+            head,
+            (prompt, warm, created),
+            access,
+        ));
         return Ok(event_stream(warm, rx));
     }
     let c = drive::collect(out)
@@ -480,7 +489,10 @@ async fn stream_message(
     mut access: Access,
 ) {
     let mut events = vec![
-        sse(Some("message_start"), &json!({"type": "message_start", "message": head})),
+        sse(
+            Some("message_start"),
+            &json!({"type": "message_start", "message": head}),
+        ),
         sse(Some("ping"), &json!({"type": "ping"})),
     ];
     let mut index = 0usize;
@@ -506,7 +518,11 @@ async fn stream_message(
     while let Some(o) = out.recv().await {
         match o {
             Out::Text { reasoning, text } => {
-                let want = if reasoning { Open::Thinking } else { Open::Text };
+                let want = if reasoning {
+                    Open::Thinking
+                } else {
+                    Open::Text
+                };
                 if open != want {
                     close(&mut index, &mut open, &mut events);
                     let block = if reasoning {
@@ -534,7 +550,8 @@ async fn stream_message(
             Out::Call { name, arguments } => {
                 close(&mut index, &mut open, &mut events);
                 calls = true;
-                let block = json!({"type": "tool_use", "id": new_id("toolu_"), "name": name, "input": {}});
+                let block =
+                    json!({"type": "tool_use", "id": new_id("toolu_"), "name": name, "input": {}});
                 events.push(sse(
                     Some("content_block_start"),
                     &json!({"type": "content_block_start", "index": index, "content_block": block}),
@@ -603,7 +620,13 @@ mod tests {
         let roles: Vec<Role> = c.msgs.iter().map(|m| m.role).collect();
         assert_eq!(
             roles,
-            [Role::System, Role::User, Role::Assistant, Role::Tool, Role::User]
+            [
+                Role::System,
+                Role::User,
+                Role::Assistant,
+                Role::Tool,
+                Role::User
+            ]
         );
         assert_eq!(c.msgs[2].calls[0].arguments, r#"{"x":1}"#);
         assert_eq!(c.msgs[3].answers.as_deref(), Some("t1"));

@@ -74,8 +74,7 @@ pub fn call_text(call: &Call) -> Result<String, ChatError> {
     let arguments: Value = if call.arguments.trim().is_empty() {
         Value::Object(Default::default())
     } else {
-        serde_json::from_str(&call.arguments)
-            .map_err(|_| ChatError::Arguments(call.id.clone()))?
+        serde_json::from_str(&call.arguments).map_err(|_| ChatError::Arguments(call.id.clone()))?
     };
     let body = serde_json::json!({"name": call.name, "arguments": arguments});
     let (open, close) = TOOL_CALL_MARKERS;

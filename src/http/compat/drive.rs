@@ -54,13 +54,22 @@ pub enum End {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Out {
     /// Text on the text channel, or reasoning (markers removed).
-    Text { reasoning: bool, text: String },
+    Text {
+        reasoning: bool,
+        text: String,
+    },
     /// A complete tool call; `arguments` is compact JSON.
-    Call { name: String, arguments: String },
+    Call {
+        name: String,
+        arguments: String,
+    },
     /// A drawn token's log-probabilities (only when asked), before the text
     /// it is part of.
     Logprob(Logprob),
-    Ended { end: End, generated: u32 },
+    Ended {
+        end: End,
+        generated: u32,
+    },
     Failed(String),
 }
 

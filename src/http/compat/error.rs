@@ -141,7 +141,8 @@ mod tests {
 
     #[test]
     fn each_family_has_its_shape() {
-        let e = ApiError::new(Family::OpenAi, Kind::ContextLength, "too long").with_param("messages");
+        let e =
+            ApiError::new(Family::OpenAi, Kind::ContextLength, "too long").with_param("messages");
         assert_eq!(e.status_code(), StatusCode::BAD_REQUEST);
         assert_eq!(
             e.body(),

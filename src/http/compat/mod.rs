@@ -35,10 +35,10 @@ use super::error::WebError;
 use super::routes::{check, read_body, WebState};
 use crate::actors::lane::LaneState;
 use crate::actors::stateless::StatelessError;
+use crate::frontend::conn::dispatch;
 use crate::scheduler::{PrefixPin, SchedulerError};
 use crate::session::grammar::GrammarError;
 use crate::session::output::Markers;
-use crate::frontend::conn::dispatch;
 use crate::wire::{Params, Request, Response, Token};
 
 /// The header that reports how many prompt tokens came from the cache.
@@ -93,7 +93,9 @@ pub(crate) async fn accept<T: DeserializeOwned>(
     payload: web::Payload,
 ) -> Result<T, ApiError> {
     authorize(state, family, req)?;
-    let body = read_body(req, payload).await.map_err(|e| web_error(family, e))?;
+    let body = read_body(req, payload)
+        .await
+        .map_err(|e| web_error(family, e))?;
     parse(family, &body)
 }
 
@@ -176,7 +178,9 @@ pub(crate) fn budget(
         .with_param("messages"));
     }
     match asked {
-        Some(0) => Err(ApiError::invalid(family, format!("{param} must be at least 1")).with_param(param)),
+        Some(0) => {
+            Err(ApiError::invalid(family, format!("{param} must be at least 1")).with_param(param))
+        }
         Some(n) if prompt + n as usize > n_ctx => Err(ApiError::new(
             family,
             Kind::ContextLength,
@@ -275,8 +279,10 @@ pub(crate) fn params(
     let top_p = top_p.unwrap_or(1.0);
     let min_p = min_p.unwrap_or(0.0);
     if !(0.0..=2.0).contains(&temperature) {
-        return Err(ApiError::invalid(family, "temperature must be between 0 and 2")
-            .with_param("temperature"));
+        return Err(
+            ApiError::invalid(family, "temperature must be between 0 and 2")
+                .with_param("temperature"),
+        );
     }
     if !(0.0..=1.0).contains(&top_p) {
         return Err(ApiError::invalid(family, "top_p must be between 0 and 1").with_param("top_p"));
@@ -344,7 +350,11 @@ pub(crate) async fn start_all(
         };
         drive::start(&state.shared, spec)
     });
-    for (i, run) in futures_util::future::join_all(starts).await.into_iter().enumerate() {
+    for (i, run) in futures_util::future::join_all(starts)
+        .await
+        .into_iter()
+        .enumerate()
+    {
         let run = run.map_err(|e| drive_error(family, e))?;
         if i == 0 {
             warm = run.warm;
@@ -423,10 +433,7 @@ pub(crate) fn sse(event: Option<&str>, data: &Value) -> Bytes {
 }
 
 /// A streamed reply: server-sent events from `rx`, with the warm header.
-pub(crate) fn event_stream(
-    warm: u64,
-    rx: tokio::sync::mpsc::Receiver<Bytes>,
-) -> HttpResponse {
+pub(crate) fn event_stream(warm: u64, rx: tokio::sync::mpsc::Receiver<Bytes>) -> HttpResponse {
     let body = futures_util::stream::unfold(rx, |mut rx| async move {
         rx.recv()
             .await

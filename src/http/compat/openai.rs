@@ -16,9 +16,8 @@ use super::chat::{prompt_tokens, Call, Msg};
 use super::drive::{self, Collected, End, Logprob, Out};
 use super::error::{ApiError, Family, Kind};
 use super::{
-    accept, authorize, budget, chat_error, check_lane, check_model, event_stream,
-    json_grammar, logged, markers, new_id, now_secs, ok_with_warm, params, start_all, Access,
-    Prepared,
+    accept, authorize, budget, chat_error, check_lane, check_model, event_stream, json_grammar,
+    logged, markers, new_id, now_secs, ok_with_warm, params, start_all, Access, Prepared,
 };
 use crate::actors::complete::fim_prompt;
 use crate::http::routes::WebState;
@@ -106,8 +105,10 @@ fn content_text(v: Option<&Value>) -> Result<String, ApiError> {
             }
             Ok(texts.join("\n"))
         }
-        Some(_) => Err(ApiError::invalid(F, "content must be a string or a list of parts")
-            .with_param("messages")),
+        Some(_) => Err(
+            ApiError::invalid(F, "content must be a string or a list of parts")
+                .with_param("messages"),
+        ),
     }
 }
 
@@ -160,7 +161,9 @@ fn messages(raw: &[Value]) -> Result<Vec<Msg>, ApiError> {
             if role == Role::Tool {
                 let id = m.get("tool_call_id").and_then(Value::as_str);
                 let Some(id) = id else {
-                    return Err(bad(format!("messages[{i}] (a tool result) has no tool_call_id")));
+                    return Err(bad(format!(
+                        "messages[{i}] (a tool result) has no tool_call_id"
+                    )));
                 };
                 msg.answers = Some(id.to_owned());
             }
@@ -171,7 +174,8 @@ fn messages(raw: &[Value]) -> Result<Vec<Msg>, ApiError> {
 
 /// `stop`: a string or a list of strings.
 fn stops(v: Option<&Value>) -> Result<Vec<String>, ApiError> {
-    let bad = || ApiError::invalid(F, "stop must be a string or a list of strings").with_param("stop");
+    let bad =
+        || ApiError::invalid(F, "stop must be a string or a list of strings").with_param("stop");
     match v {
         None | Some(Value::Null) => Ok(Vec::new()),
         Some(Value::String(s)) => Ok(vec![s.clone()]),
@@ -241,10 +245,11 @@ fn prepare_chat(state: &WebState, r: &ChatRequest) -> Result<Prepared, ApiError>
             Some(one)
         }
         other => {
-            return Err(
-                ApiError::invalid(F, format!("tool_choice {other} is not auto, none, required or a function"))
-                    .with_param("tool_choice"),
+            return Err(ApiError::invalid(
+                F,
+                format!("tool_choice {other} is not auto, none, required or a function"),
             )
+            .with_param("tool_choice"))
         }
     };
     let grammar = match (forced, &r.response_format) {
@@ -286,7 +291,9 @@ fn response_grammar(format: &Value, close: Option<&str>) -> Result<Option<String
                 .ok_or_else(|| bad("json_schema needs a `schema`"))?;
             json_grammar(F, schema, close).map(Some)
         }
-        _ => Err(bad("response_format.type must be text, json_object or json_schema")),
+        _ => Err(bad(
+            "response_format.type must be text, json_object or json_schema",
+        )),
     }
 }
 
@@ -294,7 +301,9 @@ fn response_grammar(format: &Value, close: Option<&str>) -> Result<Option<String
 fn choices(n: Option<u32>) -> Result<u32, ApiError> {
     match n.unwrap_or(1) {
         0 => Err(ApiError::invalid(F, "n must be at least 1").with_param("n")),
-        n if n > MAX_N => Err(ApiError::invalid(F, format!("n must be at most {MAX_N}")).with_param("n")),
+        n if n > MAX_N => {
+            Err(ApiError::invalid(F, format!("n must be at most {MAX_N}")).with_param("n"))
+        }
         n => Ok(n),
     }
 }
@@ -307,10 +316,15 @@ fn extras(
     bias: Option<&HashMap<String, f32>>,
     logprobs: Option<u8>,
 ) -> Result<Option<SampleExtras>, ApiError> {
-    let bias = bias.map(|b| b.iter().collect::<Vec<_>>()).unwrap_or_default();
+    let bias = bias
+        .map(|b| b.iter().collect::<Vec<_>>())
+        .unwrap_or_default();
     if bias.len() > MAX_LOGIT_BIAS {
-        return Err(ApiError::invalid(F, format!("logit_bias has more than {MAX_LOGIT_BIAS} entries"))
-            .with_param("logit_bias"));
+        return Err(ApiError::invalid(
+            F,
+            format!("logit_bias has more than {MAX_LOGIT_BIAS} entries"),
+        )
+        .with_param("logit_bias"));
     }
     let logit_bias = bias
         .into_iter()
@@ -334,8 +348,10 @@ fn extras(
 fn chat_logprobs(r: &ChatRequest) -> Result<Option<u8>, ApiError> {
     match (r.logprobs.unwrap_or(false), r.top_logprobs) {
         (true, n) => Ok(Some(n.unwrap_or(0))),
-        (false, Some(n)) if n > 0 => Err(ApiError::invalid(F, "top_logprobs needs logprobs: true")
-            .with_param("top_logprobs")),
+        (false, Some(n)) if n > 0 => {
+            Err(ApiError::invalid(F, "top_logprobs needs logprobs: true")
+                .with_param("top_logprobs"))
+        }
         (false, _) => Ok(None),
     }
 }
@@ -539,17 +555,24 @@ async fn stream_chat(
             return;
         }
     }
-    let mut merged = futures_util::stream::select_all(runs.into_iter().enumerate().map(|(i, rx)| {
-        futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|o| (o, rx)) })
+    let mut merged =
+        futures_util::stream::select_all(runs.into_iter().enumerate().map(|(i, rx)| {
+            futures_util::stream::unfold(
+                rx,
+                |mut rx| async move { rx.recv().await.map(|o| (o, rx)) },
+            )
             .map(move |o| (i, o))
             .boxed()
-    }));
+        }));
     let mut calls = vec![0usize; n];
     let mut generated = 0u64;
     let mut failed = None;
     while let Some((i, o)) = merged.next().await {
         let delta = match o {
-            Out::Text { reasoning: true, text } => json!({"reasoning_content": text}),
+            Out::Text {
+                reasoning: true,
+                text,
+            } => json!({"reasoning_content": text}),
             Out::Text { text, .. } => json!({"content": text}),
             Out::Logprob(lp) => {
                 let c = head.chunk(json!([{"index": i, "delta": {}, "logprobs": {"content": [logprob_json(&lp)]}, "finish_reason": null}]));
@@ -572,7 +595,9 @@ async fn stream_chat(
                 } else {
                     "stop"
                 };
-                let c = head.chunk(json!([{"index": i, "delta": {}, "logprobs": null, "finish_reason": reason}]));
+                let c = head.chunk(
+                    json!([{"index": i, "delta": {}, "logprobs": null, "finish_reason": reason}]),
+                );
                 if tx.send(data(&c)).await.is_err() {
                     access.log(499);
                     return;
@@ -584,7 +609,8 @@ async fn stream_chat(
                 break;
             }
         };
-        let c = head.chunk(json!([{"index": i, "delta": delta, "logprobs": null, "finish_reason": null}]));
+        let c = head
+            .chunk(json!([{"index": i, "delta": delta, "logprobs": null, "finish_reason": null}]));
         if tx.send(data(&c)).await.is_err() {
             access.log(499);
             return;
@@ -635,7 +661,11 @@ pub struct CompletionRequest {
 fn completion_prompt(state: &WebState, r: &CompletionRequest) -> Result<Vec<Token>, ApiError> {
     let render = &state.shared.render;
     let bad = |m: &str| ApiError::invalid(F, m.to_owned()).with_param("prompt");
-    let ids = |a: &[Value]| -> Option<Vec<Token>> { a.iter().map(|t| t.as_u64().and_then(|t| Token::try_from(t).ok())).collect() };
+    let ids = |a: &[Value]| -> Option<Vec<Token>> {
+        a.iter()
+            .map(|t| t.as_u64().and_then(|t| Token::try_from(t).ok()))
+            .collect()
+    };
     let prompt = match &r.prompt {
         Value::String(s) => render.tokenize(s),
         Value::Array(a) if a.len() == 1 && a[0].is_string() => {
@@ -648,12 +678,18 @@ fn completion_prompt(state: &WebState, r: &CompletionRequest) -> Result<Vec<Toke
         Value::Array(a) if a.iter().all(Value::is_number) && !a.is_empty() => {
             ids(a).ok_or_else(|| bad("a prompt of token ids must be a list of integers"))?
         }
-        Value::Array(_) => return Err(bad("one prompt per request: a string or a list of token ids")),
+        Value::Array(_) => {
+            return Err(bad(
+                "one prompt per request: a string or a list of token ids",
+            ))
+        }
         _ => return Err(bad("prompt must be a string or a list of token ids")),
     };
     let n_vocab = render.n_vocab();
     if let Some(t) = prompt.iter().find(|&&t| t >= n_vocab) {
-        return Err(bad(&format!("token id {t} is not below the vocabulary's size {n_vocab}")));
+        return Err(bad(&format!(
+            "token id {t} is not below the vocabulary's size {n_vocab}"
+        )));
     }
     if prompt.is_empty() {
         return Err(bad("the prompt is empty"));
@@ -669,7 +705,12 @@ fn completion_prompt(state: &WebState, r: &CompletionRequest) -> Result<Vec<Toke
                 )
                 .with_param("suffix")
             })?;
-            Ok(fim_prompt(fim, &prompt, &render.tokenize(suffix), FimMode::Psm))
+            Ok(fim_prompt(
+                fim,
+                &prompt,
+                &render.tokenize(suffix),
+                FimMode::Psm,
+            ))
         }
     }
 }
@@ -689,11 +730,19 @@ pub async fn completions(
         check_lane(&state, F)?;
         check_model(&state, F, &r.model)?;
         if r.echo {
-            return Err(ApiError::invalid(F, "echo is not served by this daemon").with_param("echo"));
+            return Err(
+                ApiError::invalid(F, "echo is not served by this daemon").with_param("echo")
+            );
         }
         let n = choices(r.n)?;
         let prompt = completion_prompt(&state, &r)?;
-        let max_tokens = budget(&state, F, prompt.len(), Some(r.max_tokens.unwrap_or(16)), "max_tokens")?;
+        let max_tokens = budget(
+            &state,
+            F,
+            prompt.len(),
+            Some(r.max_tokens.unwrap_or(16)),
+            "max_tokens",
+        )?;
         let p = Prepared {
             prompt,
             max_tokens,
@@ -776,11 +825,15 @@ async fn stream_completion(
     mut access: Access,
 ) {
     let data = |v: &Value| super::sse(None, v);
-    let mut merged = futures_util::stream::select_all(runs.into_iter().enumerate().map(|(i, rx)| {
-        futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|o| (o, rx)) })
+    let mut merged =
+        futures_util::stream::select_all(runs.into_iter().enumerate().map(|(i, rx)| {
+            futures_util::stream::unfold(
+                rx,
+                |mut rx| async move { rx.recv().await.map(|o| (o, rx)) },
+            )
             .map(move |o| (i, o))
             .boxed()
-    }));
+        }));
     let mut generated = 0u64;
     while let Some((i, o)) = merged.next().await {
         let (text, reason) = match o {
@@ -788,7 +841,11 @@ async fn stream_completion(
             Out::Call { .. } | Out::Logprob(_) => continue,
             Out::Ended { end, generated: g } => {
                 generated += u64::from(g);
-                let r = if end == End::MaxTokens { "length" } else { "stop" };
+                let r = if end == End::MaxTokens {
+                    "length"
+                } else {
+                    "stop"
+                };
                 (String::new(), Value::String(r.into()))
             }
             Out::Failed(message) => {
@@ -798,7 +855,8 @@ async fn stream_completion(
                 return;
             }
         };
-        let c = head.chunk(json!([{"index": i, "text": text, "logprobs": null, "finish_reason": reason}]));
+        let c = head
+            .chunk(json!([{"index": i, "text": text, "logprobs": null, "finish_reason": reason}]));
         if tx.send(data(&c)).await.is_err() {
             access.log(499);
             return;
@@ -824,7 +882,10 @@ fn model_json(state: &WebState) -> Value {
 }
 
 /// `GET /v1/models`.
-pub async fn models(req: HttpRequest, state: web::Data<WebState>) -> Result<HttpResponse, ApiError> {
+pub async fn models(
+    req: HttpRequest,
+    state: web::Data<WebState>,
+) -> Result<HttpResponse, ApiError> {
     authorize(&state, F, &req)?;
     Ok(HttpResponse::Ok().json(json!({"object": "list", "data": [model_json(&state)]})))
 }
