@@ -75,6 +75,33 @@ def test_n_forks_share_one_prefill(daemon):
     assert 3 <= r.usage.completion_tokens <= 18
 
 
+def test_requests_sharing_a_long_prefix_wait_for_one_prefill(daemon):
+    """Four requests sent together that share a ~1,500-token document: the
+    ones behind the first wait for its prefill and are seeded from it."""
+    import threading
+    c = oai(daemon)
+    doc = "Document: " + words(500, seed=17)
+    results = [None] * 4
+    before = metrics(daemon)["superfluid_prefill_tokens_total"]
+
+    def ask(i):
+        results[i] = c.chat.completions.create(model="default", max_tokens=4, **GREEDY, messages=[
+            {"role": "system", "content": doc}, {"role": "user", "content": "Question {}?".format(i)}])
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    prefilled = metrics(daemon)["superfluid_prefill_tokens_total"] - before
+    p = results[0].usage.prompt_tokens
+    assert p > 1024
+    cached = sorted(cached_field(r.usage) for r in results)
+    # Three of the four were seeded with (at least) the document.
+    assert cached[1] > 1024, cached
+    assert prefilled < 1.6 * p, (prefilled, p, cached)
+
+
 def test_stop_sequence_split_across_tokens_ends_the_reply(daemon):
     c = oai(daemon)
     # The first run prefills the prompt; the later ones are seeded from the
