@@ -154,6 +154,33 @@ impl Render for ModelRender {
             .generation_prompt_span(history, &tools(tool_list)?)
             .map_err(|e| RenderError(e.to_string()))
     }
+    fn conversation(
+        &self,
+        messages: &[ChatMessage],
+        tool_list: &[String],
+    ) -> Result<(Vec<Token>, Vec<usize>, usize), RenderError> {
+        let normalized = tools(tool_list)?;
+        match self.renderer.conversation(messages, &normalized) {
+            Ok(Some(whole)) => Ok(whole),
+            // A template that transforms content: one span per message.
+            Ok(None) => {
+                log::warn!(
+                    "chat template transforms message content; rendering message by message"
+                );
+                let mut tokens = Vec::new();
+                let mut ends = Vec::with_capacity(messages.len());
+                for (i, m) in messages.iter().enumerate() {
+                    tokens.extend(self.message_span(&messages[..i], tool_list, m, i == 0)?);
+                    ends.push(tokens.len());
+                }
+                let header = self.generation_prompt_span(messages, tool_list)?;
+                let n = header.len();
+                tokens.extend(header);
+                Ok((tokens, ends, n))
+            }
+            Err(e) => Err(RenderError(e.to_string())),
+        }
+    }
     fn piece(&self, token: Token) -> Vec<u8> {
         self.vocab.piece(token)
     }

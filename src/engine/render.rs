@@ -160,6 +160,81 @@ impl Renderer {
         Ok(self.vocab.tokenize(delta, true))
     }
 
+    /// A whole conversation's tokens, then the assistant header, in two renders instead of one
+    /// per message: the conversation is rendered once with every message's content replaced by a
+    /// placeholder of its own; the template text between placeholders is tokenized with special
+    /// tokens parsed, each content without (as [`Renderer::message_span`] does). Returns the
+    /// tokens, where each message's content ends in them, and how many trailing tokens are the
+    /// header. `None` when the template transforms, repeats or reorders content (the caller falls
+    /// back to spans).
+    ///
+    /// For templates whose message boundaries fall next to a special token (ChatML and the like)
+    /// the tokens equal the concatenated spans; the tests check it on SmolLM2's template.
+    pub fn conversation(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[Json],
+    ) -> Result<Option<(Vec<Token>, Vec<usize>, usize)>, EngineError> {
+        let masks: Vec<String> = (0..messages.len())
+            .map(|i| format!("{}-{i}@@", self.placeholder.trim_end_matches('@')))
+            .collect();
+        let masked: Vec<ChatMessage> = messages
+            .iter()
+            .zip(&masks)
+            .map(|(m, p)| ChatMessage::new(m.role, p.clone()))
+            .collect();
+        let without = self.template.render(&masked, tools, false)?;
+        let with = self.template.render(&masked, tools, true)?;
+        let Some(header) = with.strip_prefix(&without) else {
+            return Ok(None);
+        };
+        // Every placeholder once, in order; the text around them is the template's.
+        let mut parts: Vec<&str> = Vec::with_capacity(messages.len() + 1);
+        let mut rest = without.as_str();
+        for p in &masks {
+            if rest.matches(p.as_str()).count() != 1 {
+                return Ok(None);
+            }
+            let Some((before, after)) = rest.split_once(p.as_str()) else {
+                return Ok(None);
+            };
+            parts.push(before);
+            rest = after;
+        }
+        parts.push(rest);
+        // Substituting the contents back must give the real rendering.
+        let real = self.template.render(messages, tools, false)?;
+        let mut rebuilt = String::with_capacity(real.len());
+        for (i, part) in parts.iter().enumerate() {
+            rebuilt.push_str(part);
+            if let Some(m) = messages.get(i) {
+                rebuilt.push_str(&m.content);
+            }
+        }
+        if rebuilt != real {
+            return Ok(None);
+        }
+        let mut tokens = Vec::new();
+        let mut ends = Vec::with_capacity(messages.len());
+        for (i, part) in parts.iter().enumerate() {
+            tokens.extend(self.vocab.tokenize(part, true));
+            if let Some(m) = messages.get(i) {
+                tokens.extend(self.vocab.tokenize(&m.content, false));
+                ends.push(tokens.len());
+            }
+        }
+        if self.vocab.add_bos() {
+            let before = tokens.len();
+            prepend_bos(&mut tokens, self.vocab.bos());
+            let shift = tokens.len() - before;
+            ends.iter_mut().for_each(|e| *e += shift);
+        }
+        let header = self.vocab.tokenize(header, true);
+        let n = header.len();
+        tokens.extend(header);
+        Ok(Some((tokens, ends, n)))
+    }
+
     /// The opening system turn declaring `tools`: a system message with `text` (empty content
     /// when `None`), as the first tokens of a conversation.
     pub fn system_span(
@@ -248,6 +323,35 @@ mod tests {
         conv.push(new);
         let full = r.template().render(&conv, &[], false).unwrap();
         assert_eq!(all, v.tokenize(&full, true));
+    }
+
+    #[test]
+    fn a_whole_conversation_renders_as_its_spans() {
+        let r = renderer();
+        let msgs = [
+            ChatMessage::new(Role::System, "Be brief."),
+            user("hi <|im_end|> there"),
+            ChatMessage::new(Role::Assistant, "Hello! How can I help?"),
+            user("What is 2+2? Ünïcode too."),
+        ];
+        let (tokens, ends, header) = r
+            .conversation(&msgs, &[])
+            .unwrap()
+            .expect("ChatML is plain");
+        let mut spans = Vec::new();
+        let mut span_ends = Vec::new();
+        for (i, m) in msgs.iter().enumerate() {
+            spans.extend(r.message_span(&msgs[..i], &[], m, i == 0).unwrap());
+            span_ends.push(spans.len());
+        }
+        let gen = r.generation_prompt_span(&msgs, &[]).unwrap();
+        assert_eq!(header, gen.len());
+        spans.extend(gen);
+        assert_eq!(tokens, spans);
+        // Each content ends just before its message's closing tokens.
+        for (e, s) in ends.iter().zip(&span_ends) {
+            assert!(e < s && s - e <= 2, "{ends:?} {span_ends:?}");
+        }
     }
 
     #[test]

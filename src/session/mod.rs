@@ -67,6 +67,28 @@ pub trait Render: Send + Sync {
         history: &[ChatMessage],
         tools: &[String],
     ) -> Result<Vec<Token>, RenderError>;
+    /// A whole conversation rendered at once, then the assistant header:
+    /// the tokens, where each message's content ends in them, and how many
+    /// trailing tokens are the header. The tokens are the concatenation of
+    /// each message's span and the header; this default builds it from
+    /// them (one template render per message and its history), a renderer
+    /// with a faster way overrides it.
+    fn conversation(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[String],
+    ) -> Result<(Vec<Token>, Vec<usize>, usize), RenderError> {
+        let mut tokens = Vec::new();
+        let mut ends = Vec::with_capacity(messages.len());
+        for (i, m) in messages.iter().enumerate() {
+            tokens.extend(self.message_span(&messages[..i], tools, m, i == 0)?);
+            ends.push(tokens.len());
+        }
+        let header = self.generation_prompt_span(messages, tools)?;
+        let n = header.len();
+        tokens.extend(header);
+        Ok((tokens, ends, n))
+    }
     /// A token's raw bytes (possibly part of a UTF-8 character).
     fn piece(&self, token: Token) -> Vec<u8>;
     /// True when the token ends the model's turn.

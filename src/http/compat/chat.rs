@@ -132,7 +132,8 @@ pub fn template_messages(msgs: &[Msg]) -> Result<Vec<ChatMessage>, ChatError> {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Prompt {
     pub tokens: Vec<Token>,
-    /// Where each message's span ends in `tokens`.
+    /// Where each message's content ends in `tokens` (its closing
+    /// template tokens follow).
     pub ends: Vec<usize>,
     /// How many of the last tokens are the assistant header.
     pub header: usize,
@@ -145,9 +146,10 @@ impl Prompt {
     }
 }
 
-/// The prompt of a conversation: each message's span as the session API
-/// renders it (content never parsed for control tokens), then the assistant
-/// header.
+/// The prompt of a conversation: the tokens the session API's spans would
+/// put on the input for the same messages (content never parsed for control
+/// tokens), then the assistant header; rendered in one pass
+/// (`Render::conversation`).
 pub fn prompt_tokens(
     render: &dyn Render,
     msgs: &[Msg],
@@ -155,19 +157,11 @@ pub fn prompt_tokens(
 ) -> Result<Prompt, ChatError> {
     check(msgs, tools.len())?;
     let chat = template_messages(msgs)?;
-    let mut tokens = Vec::new();
-    let mut ends = Vec::with_capacity(chat.len());
-    for (i, m) in chat.iter().enumerate() {
-        tokens.extend(render.message_span(&chat[..i], tools, m, i == 0)?);
-        ends.push(tokens.len());
-    }
-    let header = render.generation_prompt_span(&chat, tools)?;
-    let n = header.len();
-    tokens.extend(header);
+    let (tokens, ends, header) = render.conversation(&chat, tools)?;
     Ok(Prompt {
         tokens,
         ends,
-        header: n,
+        header,
     })
 }
 
