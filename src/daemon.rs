@@ -20,7 +20,7 @@ use crate::frontend::socket::SocketError;
 use crate::http::compat::ModelInfo;
 use crate::http::{StartError, WebConfig};
 use crate::scheduler::SchedulerState;
-use crate::session::{ChatMessage, Render, RenderError, SessionBook};
+use crate::session::{ChatMessage, Render, RenderError, RenderedConversation, SessionBook};
 use crate::store::{self, DirLock, OpenMode, StoreError, WalWriter};
 use crate::wire::worker::WorkerConfig;
 use crate::wire::{from_postcard, LogRecord, Token};
@@ -158,7 +158,7 @@ impl Render for ModelRender {
         &self,
         messages: &[ChatMessage],
         tool_list: &[String],
-    ) -> Result<(Vec<Token>, Vec<usize>, usize), RenderError> {
+    ) -> Result<RenderedConversation, RenderError> {
         let normalized = tools(tool_list)?;
         match self.renderer.conversation(messages, &normalized) {
             Ok(Some(whole)) => Ok(whole),
@@ -176,7 +176,11 @@ impl Render for ModelRender {
                 let header = self.generation_prompt_span(messages, tool_list)?;
                 let n = header.len();
                 tokens.extend(header);
-                Ok((tokens, ends, n))
+                Ok(RenderedConversation {
+                    tokens,
+                    ends,
+                    header: n,
+                })
             }
             Err(e) => Err(RenderError(e.to_string())),
         }

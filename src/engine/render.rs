@@ -22,6 +22,7 @@ use serde_json::Value as Json;
 use super::template::{ChatMessage, ChatTemplate};
 use super::vocab::Vocab;
 use super::EngineError;
+use crate::session::RenderedConversation;
 use crate::wire::Role;
 use crate::wire::Token;
 
@@ -163,9 +164,7 @@ impl Renderer {
     /// A whole conversation's tokens, then the assistant header, in two renders instead of one
     /// per message: the conversation is rendered once with every message's content replaced by a
     /// placeholder of its own; the template text between placeholders is tokenized with special
-    /// tokens parsed, each content without (as [`Renderer::message_span`] does). Returns the
-    /// tokens, where each message's content ends in them, and how many trailing tokens are the
-    /// header. `None` when the template transforms, repeats or reorders content (the caller falls
+    /// tokens parsed, each content without (as [`Renderer::message_span`] does). `None` when the template transforms, repeats or reorders content (the caller falls
     /// back to spans).
     ///
     /// For templates whose message boundaries fall next to a special token (ChatML and the like)
@@ -174,7 +173,7 @@ impl Renderer {
         &self,
         messages: &[ChatMessage],
         tools: &[Json],
-    ) -> Result<Option<(Vec<Token>, Vec<usize>, usize)>, EngineError> {
+    ) -> Result<Option<RenderedConversation>, EngineError> {
         let masks: Vec<String> = (0..messages.len())
             .map(|i| format!("{}-{i}@@", self.placeholder.trim_end_matches('@')))
             .collect();
@@ -232,7 +231,11 @@ impl Renderer {
         let header = self.vocab.tokenize(header, true);
         let n = header.len();
         tokens.extend(header);
-        Ok(Some((tokens, ends, n)))
+        Ok(Some(RenderedConversation {
+            tokens,
+            ends,
+            header: n,
+        }))
     }
 
     /// The opening system turn declaring `tools`: a system message with `text` (empty content
@@ -334,10 +337,11 @@ mod tests {
             ChatMessage::new(Role::Assistant, "Hello! How can I help?"),
             user("What is 2+2? Ünïcode too."),
         ];
-        let (tokens, ends, header) = r
+        let c = r
             .conversation(&msgs, &[])
             .unwrap()
             .expect("ChatML is plain");
+        let (tokens, ends, header) = (c.tokens, c.ends, c.header);
         let mut spans = Vec::new();
         let mut span_ends = Vec::new();
         for (i, m) in msgs.iter().enumerate() {

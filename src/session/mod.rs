@@ -41,6 +41,26 @@ impl ChatMessage {
     }
 }
 
+/// A whole conversation's tokens and where its parts are
+/// ([`Render::conversation`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RenderedConversation {
+    /// Every message's tokens, then the assistant header's.
+    pub tokens: Vec<Token>,
+    /// Where each message's content ends in `tokens` (its closing template
+    /// tokens follow).
+    pub ends: Vec<usize>,
+    /// How many trailing tokens are the assistant header.
+    pub header: usize,
+}
+
+impl RenderedConversation {
+    /// The assistant header's tokens.
+    pub fn header(&self) -> &[Token] {
+        &self.tokens[self.tokens.len() - self.header..]
+    }
+}
+
 /// Turns text into the exact tokens it puts on the model's input.
 pub trait Render: Send + Sync {
     /// The vocabulary's size: every token id must be below it.
@@ -67,17 +87,15 @@ pub trait Render: Send + Sync {
         history: &[ChatMessage],
         tools: &[String],
     ) -> Result<Vec<Token>, RenderError>;
-    /// A whole conversation rendered at once, then the assistant header:
-    /// the tokens, where each message's content ends in them, and how many
-    /// trailing tokens are the header. The tokens are the concatenation of
-    /// each message's span and the header; this default builds it from
-    /// them (one template render per message and its history), a renderer
-    /// with a faster way overrides it.
+    /// A whole conversation rendered at once, then the assistant header.
+    /// The tokens are the concatenation of each message's span and the
+    /// header; this default builds it from them (one template render per
+    /// message and its history), a renderer with a faster way overrides it.
     fn conversation(
         &self,
         messages: &[ChatMessage],
         tools: &[String],
-    ) -> Result<(Vec<Token>, Vec<usize>, usize), RenderError> {
+    ) -> Result<RenderedConversation, RenderError> {
         let mut tokens = Vec::new();
         let mut ends = Vec::with_capacity(messages.len());
         for (i, m) in messages.iter().enumerate() {
@@ -87,7 +105,11 @@ pub trait Render: Send + Sync {
         let header = self.generation_prompt_span(messages, tools)?;
         let n = header.len();
         tokens.extend(header);
-        Ok((tokens, ends, n))
+        Ok(RenderedConversation {
+            tokens,
+            ends,
+            header: n,
+        })
     }
     /// A token's raw bytes (possibly part of a UTF-8 character).
     fn piece(&self, token: Token) -> Vec<u8>;

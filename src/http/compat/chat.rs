@@ -6,8 +6,8 @@
 use serde_json::Value;
 
 use crate::session::output::TOOL_CALL_MARKERS;
-use crate::session::{ChatMessage, Render, RenderError};
-use crate::wire::{Role, Token};
+use crate::session::{ChatMessage, Render, RenderError, RenderedConversation};
+use crate::wire::Role;
 
 /// The most messages one request may carry (each renders the template once
 /// more, so this bounds the work before it starts).
@@ -129,22 +129,7 @@ pub fn template_messages(msgs: &[Msg]) -> Result<Vec<ChatMessage>, ChatError> {
 }
 
 /// A conversation's prompt.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Prompt {
-    pub tokens: Vec<Token>,
-    /// Where each message's content ends in `tokens` (its closing
-    /// template tokens follow).
-    pub ends: Vec<usize>,
-    /// How many of the last tokens are the assistant header.
-    pub header: usize,
-}
-
-impl Prompt {
-    /// The assistant header's tokens.
-    pub fn header(&self) -> &[Token] {
-        &self.tokens[self.tokens.len() - self.header..]
-    }
-}
+pub type Prompt = RenderedConversation;
 
 /// The prompt of a conversation: the tokens the session API's spans would
 /// put on the input for the same messages (content never parsed for control
@@ -157,12 +142,7 @@ pub fn prompt_tokens(
 ) -> Result<Prompt, ChatError> {
     check(msgs, tools.len())?;
     let chat = template_messages(msgs)?;
-    let (tokens, ends, header) = render.conversation(&chat, tools)?;
-    Ok(Prompt {
-        tokens,
-        ends,
-        header,
-    })
+    Ok(render.conversation(&chat, tools)?)
 }
 
 /// Holds back generated text that might be the start of a stop sequence,
