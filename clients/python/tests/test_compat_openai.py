@@ -255,3 +255,12 @@ def test_a_client_that_disconnects_cancels_its_generation(daemon):
         time.sleep(0.1)
     assert metrics(daemon)['superfluid_generations_total{finish="cancelled"}'] == before + 1
     assert chat(c, "Hello", max_tokens=3).usage.completion_tokens == 3
+
+
+def test_stateless_requests_leave_no_trace_in_the_log(daemon):
+    c = oai(daemon)
+    before = metrics(daemon)["superfluid_wal_records_total"]
+    chat(c, "Nothing of this is kept.", max_tokens=4)
+    list(chat(c, "Nor of this.", max_tokens=4, stream=True))
+    assert metrics(daemon)["superfluid_wal_records_total"] == before
+    assert daemon.client().list() == []
