@@ -16,7 +16,7 @@ use crate::engine::render::Renderer;
 use crate::engine::template::normalize_tool;
 use crate::engine::vocab::Vocab;
 use crate::engine::EngineError;
-use crate::frontend::socket::SocketError;
+use crate::frontend::socket::{SocketError, SocketId};
 use crate::http::compat::ModelInfo;
 use crate::http::{StartError, WebConfig};
 use crate::scheduler::SchedulerState;
@@ -231,6 +231,11 @@ pub fn serve(config: ServeConfig) -> Result<(), DaemonError> {
     }
     let _lock = DirLock::acquire(&config.sessions)?;
     let listener = crate::frontend::socket::bind(&config.socket)?;
+    // Removed on every way out, and only while it is still the one bound here.
+    let _socket = SocketGuard {
+        id: SocketId::of(&config.socket),
+        path: config.socket.clone(),
+    };
     let web_listener = match &config.web {
         Some(web) => Some(crate::http::bind(web.addr)?),
         None => None,
@@ -252,8 +257,21 @@ pub fn serve(config: ServeConfig) -> Result<(), DaemonError> {
         writer,
         render,
     ));
-    let _ = std::fs::remove_file(&config.socket);
     result
+}
+
+/// Unlinks the daemon's socket when `serve` returns, if it is still ours.
+struct SocketGuard {
+    id: Option<SocketId>,
+    path: PathBuf,
+}
+
+impl Drop for SocketGuard {
+    fn drop(&mut self) {
+        if let Some(id) = self.id {
+            id.remove_if_ours(&self.path);
+        }
+    }
 }
 
 /// Starts the model lane: its `SchedulerActor` and its `LaneActor`, each born
@@ -380,7 +398,6 @@ async fn run(
         web.handle.stop(false).await;
     }
     socket_task.abort();
-    let _ = std::fs::remove_file(&config.socket);
     let _ = shared.wal.send(Shutdown).await;
     System::current().stop();
     Ok(())

@@ -7,7 +7,7 @@
 //! file left by a dead daemon is replaced; one a live daemon answers on is
 //! refused.
 
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use actix::Addr;
@@ -24,6 +24,8 @@ use crate::wire::{
 pub enum SocketError {
     #[error("another superfluid daemon is listening on {0}; stop it or pass a different --socket")]
     InUse(PathBuf),
+    #[error("{0} exists and is not a socket; remove it or pass a different --socket")]
+    NotASocket(PathBuf),
     #[error("cannot listen on {path}: {source}")]
     Io {
         path: PathBuf,
@@ -45,7 +47,12 @@ pub fn bind(path: &Path) -> Result<std::os::unix::net::UnixListener, SocketError
             std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(io)?;
         }
     }
-    if path.exists() {
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        // Only a socket is ever replaced: a file, a directory or a link at
+        // the path is the user's, and is refused.
+        if !meta.file_type().is_socket() {
+            return Err(SocketError::NotASocket(path.to_path_buf()));
+        }
         if std::os::unix::net::UnixStream::connect(path).is_ok() {
             return Err(SocketError::InUse(path.to_path_buf()));
         }
@@ -63,6 +70,37 @@ pub fn bind(path: &Path) -> Result<std::os::unix::net::UnixListener, SocketError
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(io)?;
     listener.set_nonblocking(true).map_err(io)?;
     Ok(listener)
+}
+
+/// The identity (device, inode) of the socket file this daemon bound.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SocketId {
+    dev: u64,
+    ino: u64,
+}
+
+impl SocketId {
+    /// The identity of the file at `path` now.
+    pub fn of(path: &Path) -> Option<SocketId> {
+        let m = std::fs::symlink_metadata(path).ok()?;
+        m.file_type().is_socket().then(|| SocketId {
+            dev: m.dev(),
+            ino: m.ino(),
+        })
+    }
+
+    /// Unlinks `path` only if it is still the socket this daemon bound (not
+    /// one another daemon bound there since, nor anything else).
+    pub fn remove_if_ours(self, path: &Path) {
+        if SocketId::of(path) == Some(self) {
+            let _ = std::fs::remove_file(path);
+        } else {
+            log::info!(
+                "leaving {}: it is no longer the socket this daemon bound",
+                path.display()
+            );
+        }
+    }
 }
 
 /// Accepts connections until the listener fails; each runs on its own task.

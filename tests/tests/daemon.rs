@@ -738,3 +738,87 @@ fn sigkill_under_concurrent_appends_loses_nothing_committed() {
         }
     }
 }
+
+/// The worker processes a daemon spawned (its children, from /proc).
+fn children_of(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(child) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{child}/stat")) else {
+            continue;
+        };
+        // The parent pid is the second field after the ")" closing the name.
+        let after = stat.rsplit_once(')').map(|x| x.1).unwrap_or_default();
+        if after.split_whitespace().nth(1) == Some(&pid.to_string()) {
+            out.push(child);
+        }
+    }
+    out
+}
+
+/// Whether `pid` is still a live process (not gone, not a zombie).
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| {
+            let state = s.rsplit_once(')').map(|x| x.1).unwrap_or_default();
+            !state.trim_start().starts_with('Z')
+        })
+        .unwrap_or(false)
+}
+
+#[test]
+fn the_worker_dies_with_a_killed_daemon() {
+    let mut d = TestDaemon::start();
+    let workers = children_of(d.pid());
+    assert!(!workers.is_empty(), "the daemon has no worker");
+    // A stopped worker cannot notice its pipe closing: only the kernel's
+    // parent-death signal (SIGKILL, which a stopped process still takes)
+    // ends it.
+    for &w in &workers {
+        // SAFETY: plain kill(2) on the test daemon's own worker.
+        unsafe { libc::kill(w as libc::pid_t, libc::SIGSTOP) };
+    }
+    d.kill9();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while workers.iter().any(|&w| alive(w)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let survivors: Vec<u32> = workers.iter().copied().filter(|&w| alive(w)).collect();
+    for &w in &survivors {
+        // SAFETY: as above; cleaning up what the test failed to see die.
+        unsafe { libc::kill(w as libc::pid_t, libc::SIGKILL) };
+    }
+    assert!(
+        survivors.is_empty(),
+        "a worker outlived its SIGKILLed daemon"
+    );
+}
+
+#[test]
+fn a_file_at_the_socket_path_is_never_replaced() {
+    let mut d = TestDaemon::new();
+    std::fs::write(&d.socket, b"the user's notes").unwrap();
+    let failed = d.start_expect_exit(&[]);
+    assert!(
+        failed.stderr.contains("is not a socket"),
+        "{}",
+        failed.stderr
+    );
+    assert_eq!(std::fs::read(&d.socket).unwrap(), b"the user's notes");
+}
+
+#[test]
+fn stop_leaves_a_socket_another_process_bound_since() {
+    let mut d = TestDaemon::start();
+    // Someone else took the path after our daemon bound it.
+    std::fs::rename(&d.socket, d.path().join("moved.sock")).unwrap();
+    let theirs = std::os::unix::net::UnixListener::bind(&d.socket).unwrap();
+    d.stop();
+    assert!(
+        std::os::unix::net::UnixStream::connect(&d.socket).is_ok(),
+        "the daemon removed a socket it did not bind"
+    );
+    drop(theirs);
+}
