@@ -249,15 +249,14 @@ pub fn serve(config: ServeConfig) -> Result<(), DaemonError> {
     let (file, book) = replay(&config.sessions, mode)?;
     let writer = WalWriter::spawn(file, None).map_err(DaemonError::WalWriter)?;
     let system = actix::System::new();
-    let result = system.block_on(run(
+    system.block_on(run(
         config.clone(),
         listener,
         web_listener,
         book,
         writer,
         render,
-    ));
-    result
+    ))
 }
 
 /// Unlinks the daemon's socket when `serve` returns, if it is still ours.
