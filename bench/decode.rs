@@ -3,7 +3,7 @@
 //! and prompt, in pairs measured back to back in alternating order (ratios
 //! are taken per pair).
 //!
-//! `cargo bench --bench decode` (add `-- --quick` for a smoke run;
+//! `cargo bench --features bench-no-fsync --bench decode` (add `-- --quick` for a smoke run;
 //! `DECODE_RUNS=n` sets the number of pairs). Rows:
 //! - single stream: a ~40-token prompt, then up to 128 greedy tokens; the
 //!   wall time of the whole request (prefill included, the same prompt on

@@ -2,9 +2,9 @@
 //! held for the daemon's lifetime, with the holder's pid written inside so a
 //! second daemon can say who is in the way.
 
-use std::fs::{DirBuilder, File, OpenOptions};
+use std::fs::{File, OpenOptions};
 use std::io::Read;
-use std::os::unix::fs::{DirBuilderExt, FileExt, OpenOptionsExt};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use fs4::fs_std::FileExt as LockExt;
@@ -28,11 +28,7 @@ impl DirLock {
     /// Fails with [`StoreError::Locked`] naming the holder's pid if another
     /// process holds it.
     pub fn acquire(dir: &Path) -> Result<DirLock, StoreError> {
-        DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(dir)
-            .map_err(io_err(dir))?;
+        super::dirs::create_durable(dir)?;
         let path = dir.join(LOCK_FILE);
         // No truncate here: until we hold the lock the pid inside is the holder's.
         let mut file = OpenOptions::new()

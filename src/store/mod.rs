@@ -9,6 +9,7 @@
 //! failure is a [`StoreError`]. Payloads are opaque here; callers encode and
 //! decode them.
 
+pub mod dirs;
 mod error;
 pub mod lock;
 pub mod wal;

@@ -3,9 +3,9 @@
 //! mid-append) is truncated away; corruption anywhere else refuses the start
 //! and leaves the file as it is. Blocking file I/O, run once before serving.
 
-use std::fs::{self, DirBuilder, File, OpenOptions};
+use std::fs::{self, File, OpenOptions};
 use std::io;
-use std::os::unix::fs::{DirBuilderExt, FileExt, OpenOptionsExt};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use super::format::{
@@ -248,11 +248,7 @@ pub fn open(
     mode: OpenMode,
     on_record: &mut OnRecord<'_>,
 ) -> Result<(WalFile, Recovery), StoreError> {
-    DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(dir)
-        .map_err(io_err(dir))?;
+    crate::store::dirs::create_durable(dir)?;
     let path = dir.join(WAL_FILE);
     let mut recovery = Recovery::default();
 

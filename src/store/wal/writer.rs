@@ -190,7 +190,9 @@ fn writer_loop(
 }
 
 /// `SUPERFLUID_BENCH_NO_FSYNC=1` skips fdatasync: for benchmarks that
-/// measure what the fsync costs, never for data anyone keeps.
+/// measure what the fsync costs, never for data anyone keeps. Only in builds
+/// with the `bench-no-fsync` feature.
+#[cfg(feature = "bench-no-fsync")]
 fn fsync_disabled() -> bool {
     static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *OFF.get_or_init(|| {
@@ -200,6 +202,12 @@ fn fsync_disabled() -> bool {
         }
         off
     })
+}
+
+/// Every commit is fsynced: no variable turns it off in this build.
+#[cfg(not(feature = "bench-no-fsync"))]
+fn fsync_disabled() -> bool {
+    false
 }
 
 /// One write, one fdatasync, then every reply in order. On error, the group
