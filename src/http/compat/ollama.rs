@@ -26,6 +26,7 @@ use super::{
 };
 use crate::actors::complete::fim_prompt;
 use crate::http::routes::WebState;
+use crate::session::grammar::{forced_call, tool_signature, GrammarError};
 use crate::session::output::Markers;
 use crate::wire::{FimMode, Role};
 
@@ -52,6 +53,10 @@ pub struct Options {
     pub num_predict: Option<i64>,
     pub stop: Option<Value>,
     pub num_ctx: Option<i64>,
+    /// superfluid's extension (also at the top level of a chat request):
+    /// OpenAI's `tool_choice`, here because the `ollama` client passes
+    /// `options` through and has no such parameter.
+    pub tool_choice: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -65,6 +70,9 @@ pub struct ChatRequest {
     pub tools: Option<Vec<Value>>,
     pub think: Option<Value>,
     pub keep_alive: Option<Value>,
+    /// superfluid's extension: OpenAI's `tool_choice` (`auto`, `none`,
+    /// `required`, or `{"type": "function", "function": {"name": ...}}`).
+    pub tool_choice: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -170,6 +178,41 @@ pub fn messages(raw: &[Value]) -> Result<Vec<Msg>, ApiError> {
 
 fn no_images() -> ApiError {
     bad("this model has no vision projector, so images cannot be read; send text only")
+}
+
+/// `tool_choice` (the extension): `None` for the model's own choice (`auto`,
+/// `none` or absent), or the tools a grammar forces one call to.
+pub fn forced_tools(
+    choice: Option<&Value>,
+    sigs: &[(String, Value)],
+) -> Result<Option<Vec<(String, Value)>>, ApiError> {
+    match choice {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) if s == "auto" || s == "none" => Ok(None),
+        Some(Value::String(s)) if s == "required" => {
+            if sigs.is_empty() {
+                return Err(bad("tool_choice \"required\" needs tools"));
+            }
+            Ok(Some(sigs.to_vec()))
+        }
+        Some(Value::Object(o)) => {
+            let name = o
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .and_then(Value::as_str)
+                .ok_or_else(|| bad("tool_choice names no function"))?;
+            let one: Vec<_> = sigs.iter().filter(|(n, _)| n == name).cloned().collect();
+            if one.is_empty() {
+                return Err(bad(format!(
+                    "tool_choice names {name:?}, which is not among the tools"
+                )));
+            }
+            Ok(Some(one))
+        }
+        Some(other) => Err(bad(format!(
+            "tool_choice {other} is not auto, none, required or a function"
+        ))),
+    }
 }
 
 /// `format`: absent or `""` (free text), `"json"`, or a JSON schema.
@@ -446,27 +489,44 @@ fn show_thinking(state: &WebState, think_v: Option<&Value>, m: &Markers) -> Resu
 fn prepare_chat(state: &WebState, r: &ChatRequest) -> Result<Job, ApiError> {
     check_model(state, F, model_name(&r.model))?;
     let msgs = messages(&r.messages)?;
-    let tools: Vec<String> = r
-        .tools
+    let o = r.options.as_ref();
+    let choice = r
+        .tool_choice
+        .as_ref()
+        .or(o.and_then(|o| o.tool_choice.as_ref()));
+    // "none": the model is not told of the tools (and no call is parsed).
+    let none = choice.and_then(Value::as_str) == Some("none");
+    let tools: Vec<String> = if none {
+        Vec::new()
+    } else {
+        r.tools.iter().flatten().map(Value::to_string).collect()
+    };
+    let sigs: Vec<(String, Value)> = tools
         .iter()
-        .flatten()
-        .map(|t| {
-            crate::session::grammar::tool_signature(&t.to_string())
-                .map(|_| t.to_string())
-                .ok_or_else(|| bad("each tool needs a function with a name"))
-        })
+        .map(|t| tool_signature(t).ok_or_else(|| bad("each tool needs a function with a name")))
         .collect::<Result<_, _>>()?;
+    let forced = forced_tools(choice, &sigs)?;
     let prompt =
         prompt_tokens(state.shared.render.as_ref(), &msgs, &tools).map_err(|e| chat_error(F, e))?;
-    let (markers, in_reasoning) = markers(state, prompt.header());
+    let (mut markers, in_reasoning) = markers(state, prompt.header());
+    if none {
+        markers.tool_call = None;
+    }
     let show = show_thinking(state, r.think.as_ref(), &markers)?;
     let close = markers
         .think
         .as_ref()
         .filter(|_| in_reasoning)
         .map(|(_, c)| c.clone());
-    let grammar = format_grammar(r.format.as_ref(), close.as_deref())?;
-    let o = r.options.as_ref();
+    let convert = |schema: &str| {
+        crate::engine::json_schema_grammar(schema).map_err(|e| GrammarError::Convert(e.to_string()))
+    };
+    let grammar = match forced {
+        Some(tools) => {
+            Some(forced_call(&tools, close.as_deref(), &convert).map_err(|e| bad(e.to_string()))?)
+        }
+        None => format_grammar(r.format.as_ref(), close.as_deref())?,
+    };
     let prompt = prompt.tokens;
     let max = max_tokens(
         state.shared.n_ctx,
@@ -982,6 +1042,25 @@ mod tests {
         );
         assert!(max_tokens(100, None, 10, Some(0)).is_err());
         assert!(max_tokens(100, Some(0), 10, None).is_err());
+    }
+
+    #[test]
+    fn tool_choice_forces_the_named_or_any_tool() {
+        let sigs = vec![("a".to_owned(), json!({})), ("b".to_owned(), json!({}))];
+        assert_eq!(forced_tools(None, &sigs).unwrap(), None);
+        assert_eq!(forced_tools(Some(&json!("auto")), &sigs).unwrap(), None);
+        assert_eq!(
+            forced_tools(Some(&json!("required")), &sigs).unwrap(),
+            Some(sigs.clone())
+        );
+        let one = forced_tools(
+            Some(&json!({"type": "function", "function": {"name": "b"}})),
+            &sigs,
+        );
+        assert_eq!(one.unwrap(), Some(vec![sigs[1].clone()]));
+        assert!(forced_tools(Some(&json!({"function": {"name": "c"}})), &sigs).is_err());
+        assert!(forced_tools(Some(&json!("required")), &[]).is_err());
+        assert!(forced_tools(Some(&json!(1)), &sigs).is_err());
     }
 
     #[test]
