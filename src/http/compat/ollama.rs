@@ -437,6 +437,19 @@ fn ndjson_stream(warm: u64, rx: mpsc::Receiver<Bytes>) -> HttpResponse {
         .streaming(body)
 }
 
+/// Whether `keep_alive` asks to unload now: `0`, or a duration of zero
+/// (`"0"`, `"0s"`, `"0m"`).
+pub fn unloads(k: &Value) -> bool {
+    match k {
+        Value::Number(n) => n.as_f64() == Some(0.0),
+        Value::String(s) => s
+            .trim_end_matches(|c: char| c.is_ascii_alphabetic())
+            .parse::<f64>()
+            .is_ok_and(|x| x == 0.0),
+        _ => false,
+    }
+}
+
 /// A request that only loads (no messages, no prompt): answered at once with
 /// `done_reason` `load`, or `unload` for `keep_alive: 0` (the model stays
 /// loaded: this daemon serves it while it runs).
@@ -447,7 +460,7 @@ fn load_reply(state: &WebState, shape: Shape, keep_alive: Option<&Value>) -> Htt
         show_thinking: false,
     };
     let mut v = head.object("", "", &[], true);
-    let zero = keep_alive.is_some_and(|k| k.as_f64() == Some(0.0) || k.as_str() == Some("0"));
+    let zero = keep_alive.is_some_and(unloads);
     v["done_reason"] = json!(if zero { "unload" } else { "load" });
     HttpResponse::Ok().json(v)
 }
@@ -1084,6 +1097,8 @@ mod tests {
             json!({"function": {"name": "f", "arguments": {"a": 1}}})
         );
         assert_eq!(model_name("m:latest"), "m");
+        assert!(unloads(&json!(0)) && unloads(&json!("0s")) && unloads(&json!("0")));
+        assert!(!unloads(&json!("5m")) && !unloads(&json!(-1)) && !unloads(&json!(null)));
         assert_eq!(model_name("m"), "m");
         assert_eq!(done_reason(&End::MaxTokens), "length");
         assert_eq!(done_reason(&End::Stop("x".into())), "stop");
