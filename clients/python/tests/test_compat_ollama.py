@@ -2,14 +2,18 @@
 default model: chat and generate (NDJSON streamed, and not), format json and a
 schema, options (num_predict, stop, num_ctx), the model listing routes
 (tags/show/ps/version), the prefix cache across a resent chat, the load
-reply, and every error in Ollama's `{"error": ...}` shape."""
+reply, a client that goes away mid-stream, and every error in Ollama's
+`{"error": ...}` shape."""
 
+import http.client
 import json
+import socket
+import time
 
 import ollama
 import pytest
 
-from compat import KEY, access_lines, raw, words
+from compat import KEY, access_lines, metrics, raw, words
 
 EXTRA_ARGS = ["--api-key", KEY]
 GREEDY = {"temperature": 0, "seed": 7}
@@ -214,3 +218,29 @@ def test_errors(daemon):
                          {"Authorization": "Bearer wrong"})
     assert status == 401 and set(json.loads(out)) == {"error"}
     assert "POST /api/chat 401" in access_lines(daemon)[-1]
+
+
+def test_a_client_that_goes_away_cancels_the_generation(daemon):
+    before = metrics(daemon)['superfluid_generations_total{finish="cancelled"}']
+    conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=60)
+    body = {"model": "default", "messages": user("Write a long story."),
+            "options": {"num_predict": 4000, "temperature": 1.0, "seed": 3}}
+    conn.request("POST", "/api/chat", body=json.dumps(body), headers={**auth(), "Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200
+    for _ in range(3):
+        assert json.loads(r.readline())["done"] is False
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        if metrics(daemon)['superfluid_generations_total{finish="cancelled"}'] > before:
+            break
+        time.sleep(0.1)
+    assert metrics(daemon)['superfluid_generations_total{finish="cancelled"}'] == before + 1
+    deadline = time.time() + 10
+    while time.time() < deadline and "POST /api/chat 499" not in access_lines(daemon)[-1]:
+        time.sleep(0.1)
+    assert "POST /api/chat 499" in access_lines(daemon)[-1]
+    r = oll(daemon).chat(model="default", messages=user("Hello"), options={"num_predict": 3}, stream=False)
+    assert r.eval_count == 3
