@@ -36,6 +36,6 @@ python3 "$(dirname "$0")/make-test-models.py" "$model" >&2
 # compatible routes' tests drive the daemon with the official SDKs.
 python3 -c "import pytest" 2>/dev/null ||
   python3 -m pip install --quiet --disable-pip-version-check pytest >&2
-python3 -c "import openai, anthropic, sys; sys.exit(int(openai.__version__.split('.')[0]) < 3 or int(anthropic.__version__.split('.')[0]) < 2)" 2>/dev/null ||
-  python3 -m pip install --quiet --disable-pip-version-check "openai>=3,<4" "anthropic>=2,<3" >&2
+python3 -c "import openai, anthropic, ollama, sys; sys.exit(int(openai.__version__.split('.')[0]) < 3 or int(anthropic.__version__.split('.')[0]) < 2)" 2>/dev/null ||
+  python3 -m pip install --quiet --disable-pip-version-check "openai>=3,<4" "anthropic>=2,<3" "ollama>=0.6,<1" >&2
 echo "$model"

@@ -375,7 +375,8 @@ async fn run(
             );
             println!(
                 "superfluid: OpenAI API at http://{addr}/v1 , Anthropic API at http://{addr} , \
-                 Prometheus metrics at http://{addr}/metrics (model {:?}; key: {key})",
+                 Ollama API at http://{addr} , Prometheus metrics at http://{addr}/metrics \
+                 (model {:?}; key: {key})",
                 model.id,
                 addr = web.addr,
             );

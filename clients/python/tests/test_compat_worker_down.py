@@ -1,4 +1,5 @@
-"""A model worker that is down answers 503 in each route's error shape, and
+"""A model worker that is down answers 503 in each route's error shape
+(OpenAI's, Anthropic's, Ollama's), and
 the routes serve again once it is back; /metrics passes promtool.
 
 Deterministic: the daemon serves a copy of the model; the test moves that
@@ -12,7 +13,10 @@ import subprocess
 import tempfile
 import time
 
+import json
+
 import anthropic
+import ollama
 import openai
 import pytest
 
@@ -36,7 +40,6 @@ def children(pid):
 
 
 def lane(d):
-    import json
     status, _, body = raw(d, "GET", "/web/health", None)
     assert status == 200
     return json.loads(body)["lane"]
@@ -86,6 +89,13 @@ def test_worker_down_is_503_then_served_again(moved):
         with pytest.raises(anthropic.APIStatusError) as e:
             ant(d).messages.create(model="default", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
         assert e.value.status_code == 503 and e.value.body["error"]["type"] == "overloaded_error"
+        with pytest.raises(ollama.ResponseError) as e:
+            ollama.Client(host=d.url, headers={"Authorization": "Bearer " + KEY}).chat(
+                model="default", messages=[{"role": "user", "content": "hi"}], stream=False)
+        assert e.value.status_code == 503 and "not ready" in e.value.error
+        status, _, body = raw(d, "POST", "/api/generate", {"model": "default", "prompt": "hi"},
+                              {"Authorization": "Bearer " + KEY})
+        assert status == 503 and set(json.loads(body)) == {"error"}
     finally:
         os.rename(model + ".away", model)
     wait_lane(d, "ready")

@@ -1,6 +1,7 @@
 //! `ApiError`: how the compatible routes fail, each family in its own error
 //! shape — OpenAI's `{"error": {"message", "type", "param", "code"}}` and
-//! Anthropic's `{"type": "error", "error": {"type", "message"}}` — and the
+//! Anthropic's `{"type": "error", "error": {"type", "message"}}`, Ollama's
+//! `{"error": "message"}` — and the
 //! one place their errors become HTTP statuses.
 
 use actix_web::http::StatusCode;
@@ -14,6 +15,7 @@ use crate::http::auth::Denied;
 pub enum Family {
     OpenAi,
     Anthropic,
+    Ollama,
 }
 
 /// Why a request failed.
@@ -35,6 +37,8 @@ pub enum Kind {
     Unavailable,
     /// 500.
     Internal,
+    /// 501: a route this daemon answers but does not serve yet.
+    NotImplemented,
 }
 
 #[derive(Debug, Clone, thiserror::Error)]
@@ -92,7 +96,9 @@ impl ApiError {
                     Kind::Auth => ("authentication_error", Some("invalid_api_key")),
                     Kind::Forbidden => ("permission_error", None),
                     Kind::NoModel => ("invalid_request_error", Some("model_not_found")),
-                    Kind::Unavailable | Kind::Internal => ("server_error", None),
+                    Kind::Unavailable | Kind::Internal | Kind::NotImplemented => {
+                        ("server_error", None)
+                    }
                 };
                 json!({"error": {
                     "message": self.message,
@@ -109,10 +115,11 @@ impl ApiError {
                     Kind::NoModel => "not_found_error",
                     Kind::TooLarge => "request_too_large",
                     Kind::Unavailable => "overloaded_error",
-                    Kind::Internal => "api_error",
+                    Kind::Internal | Kind::NotImplemented => "api_error",
                 };
                 json!({"type": "error", "error": {"type": ty, "message": self.message}})
             }
+            Family::Ollama => json!({"error": self.message}),
         }
     }
 }
@@ -127,6 +134,7 @@ impl ResponseError for ApiError {
             Kind::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Kind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
             Kind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+            Kind::NotImplemented => StatusCode::NOT_IMPLEMENTED,
         }
     }
 
@@ -160,5 +168,10 @@ mod tests {
         assert_eq!(e.body()["error"]["type"], "authentication_error");
         let e = ApiError::denied(Family::OpenAi, Denied::Origin);
         assert_eq!(e.status_code(), StatusCode::FORBIDDEN);
+        let e = ApiError::new(Family::Ollama, Kind::NoModel, "no such model");
+        assert_eq!(e.status_code(), StatusCode::NOT_FOUND);
+        assert_eq!(e.body(), json!({"error": "no such model"}));
+        let e = ApiError::new(Family::Ollama, Kind::NotImplemented, "later");
+        assert_eq!(e.status_code(), StatusCode::NOT_IMPLEMENTED);
     }
 }

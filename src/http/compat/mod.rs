@@ -1,13 +1,17 @@
 //! The compatible routes: OpenAI's (`/v1/chat/completions`,
 //! `/v1/completions`, `/v1/models`), Anthropic's (`/v1/messages`,
-//! `/v1/messages/count_tokens`) and `/metrics`, on the `--web` listener.
+//! `/v1/messages/count_tokens`), Ollama's (`/api/chat`, `/api/generate`,
+//! `/api/tags`, …) and `/metrics`, on the `--web` listener.
 //! Each request runs as a fresh, stateless generation (never written to the
 //! session log) on the lane's shared prefix cache. docs/compat.md is the
 //! user's guide.
 //!
 //! - [`chat`]: sans-IO — a conversation to prompt tokens, stop sequences.
 //! - [`drive`]: one generation, decoded into text, reasoning and tool calls.
-//! - [`openai`], [`anthropic`]: each API's request and reply shapes.
+//! - [`openai`], [`anthropic`], [`ollama`]: each API's request and reply
+//!   shapes.
+//! - [`gguf`]: the served file's header metadata and identity (Ollama's
+//!   `/api/tags` and `/api/show`).
 //! - [`error`]: `ApiError`, each family's error shape and status.
 //!
 //! Who may call: `auth::Route::Api` (the token or `--api-key`, by
@@ -17,6 +21,8 @@ pub mod anthropic;
 pub mod chat;
 pub mod drive;
 pub mod error;
+pub mod gguf;
+pub mod ollama;
 pub mod openai;
 
 use std::time::Instant;
@@ -51,6 +57,10 @@ pub struct ModelInfo {
     pub id: String,
     /// When the daemon started (Unix seconds).
     pub created: u64,
+    /// The GGUF file.
+    pub path: std::path::PathBuf,
+    /// Its size, digest and header metadata, read on first use.
+    pub identity: std::sync::OnceLock<gguf::Identity>,
 }
 
 impl ModelInfo {
@@ -59,7 +69,12 @@ impl ModelInfo {
             .file_stem()
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_else(|| "default".into());
-        ModelInfo { id, created }
+        ModelInfo {
+            id,
+            created,
+            path: path.to_path_buf(),
+            identity: std::sync::OnceLock::new(),
+        }
     }
 
     /// Whether a request's `model` names this model: its id, its file name,
@@ -82,7 +97,20 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
         "/v1/messages/count_tokens",
         web::post().to(anthropic::count_tokens),
     )
-    .route("/metrics", web::get().to(metrics));
+    .route("/metrics", web::get().to(metrics))
+    .route("/api/chat", web::post().to(ollama::chat))
+    .route("/api/generate", web::post().to(ollama::generate))
+    .route("/api/tags", web::get().to(ollama::tags))
+    .route("/api/ps", web::get().to(ollama::ps))
+    .route("/api/show", web::post().to(ollama::show))
+    .route("/api/version", web::get().to(ollama::version))
+    .route("/api/pull", web::post().to(ollama::models_later))
+    .route("/api/push", web::post().to(ollama::models_later))
+    .route("/api/create", web::post().to(ollama::models_later))
+    .route("/api/copy", web::post().to(ollama::models_later))
+    .route("/api/delete", web::delete().to(ollama::models_later))
+    .route("/api/embed", web::post().to(ollama::embeddings))
+    .route("/api/embeddings", web::post().to(ollama::embeddings));
 }
 
 /// Authorizes a request of the compatible routes and reads its JSON body.
