@@ -439,28 +439,129 @@ pub async fn chat_completions(
         Ok::<_, ApiError>((p, warm, runs))
     };
     let (p, warm, runs) = run.await.map_err(|e| logged(&access, e))?;
+    let include_usage = r.stream_options.as_ref().is_some_and(|o| o.include_usage);
+    reply(
+        &state,
+        Route::Chat,
+        r.stream,
+        include_usage,
+        &p,
+        warm,
+        runs,
+        access,
+    )
+    .await
+}
+
+/// Which of OpenAI's two generating routes a reply is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Route {
+    Chat,
+    Completion,
+}
+
+impl Route {
+    fn id_prefix(self) -> &'static str {
+        match self {
+            Route::Chat => "chatcmpl-",
+            Route::Completion => "cmpl-",
+        }
+    }
+
+    fn object(self, stream: bool) -> &'static str {
+        match (self, stream) {
+            (Route::Chat, false) => "chat.completion",
+            (Route::Chat, true) => "chat.completion.chunk",
+            (Route::Completion, _) => "text_completion",
+        }
+    }
+
+    /// One choice of a reply that is not streamed.
+    fn choice(self, i: usize, c: &Collected, logprobs_asked: bool) -> Value {
+        match self {
+            Route::Chat => {
+                let calls: Vec<Value> = c
+                    .calls
+                    .iter()
+                    .enumerate()
+                    .map(|(k, (name, args))| {
+                        let mut v = tool_call_json(k, name, args);
+                        if let Some(o) = v.as_object_mut() {
+                            o.remove("index");
+                        }
+                        v
+                    })
+                    .collect();
+                let mut message = json!({
+                    "role": "assistant",
+                    "content": if c.text.is_empty() && !calls.is_empty() { Value::Null } else { Value::String(c.text.clone()) },
+                });
+                if !c.reasoning.is_empty() {
+                    message["reasoning_content"] = Value::String(c.reasoning.clone());
+                }
+                if !calls.is_empty() {
+                    message["tool_calls"] = Value::Array(calls);
+                }
+                let logprobs = if logprobs_asked {
+                    json!({"content": c.logprobs.iter().map(logprob_json).collect::<Vec<_>>(), "refusal": null})
+                } else {
+                    Value::Null
+                };
+                json!({
+                    "index": i,
+                    "message": message,
+                    "logprobs": logprobs,
+                    "finish_reason": finish_reason(c),
+                })
+            }
+            Route::Completion => {
+                let logprobs = if logprobs_asked {
+                    completion_logprobs(&c.logprobs)
+                } else {
+                    Value::Null
+                };
+                json!({
+                    "index": i,
+                    "text": c.text,
+                    "logprobs": logprobs,
+                    "finish_reason": finish_reason(c),
+                })
+            }
+        }
+    }
+}
+
+/// The reply of a started request: streamed from a task, or collected.
+#[allow(clippy::too_many_arguments)]
+async fn reply(
+    state: &WebState,
+    route: Route,
+    stream: bool,
+    include_usage: bool,
+    p: &Prepared,
+    warm: u64,
+    runs: Vec<mpsc::Receiver<Out>>,
+    mut access: Access,
+) -> Result<HttpResponse, ApiError> {
     access.prompt = p.prompt.len();
     access.cached = warm;
-    let id = new_id("chatcmpl-");
-    let created = now_secs();
-    let model = state.model.id.clone();
-    if r.stream {
-        let include_usage = r.stream_options.as_ref().is_some_and(|o| o.include_usage);
+    let head = ChunkHead {
+        id: new_id(route.id_prefix()),
+        created: now_secs(),
+        model: state.model.id.clone(),
+        object: route.object(stream),
+    };
+    if stream {
         let (tx, rx) = mpsc::channel(64);
-        actix_rt::spawn(stream_chat(
-            runs,
-            tx,
-            ChunkHead {
-                id,
-                created,
-                model,
-                object: "chat.completion.chunk",
-            },
-            include_usage,
-            access,
-        ));
+        match route {
+            Route::Chat => actix_rt::spawn(stream_chat(runs, tx, head, include_usage, access)),
+            Route::Completion => {
+                actix_rt::spawn(stream_completion(runs, tx, head, include_usage, access))
+            }
+        };
         return Ok(event_stream(warm, rx));
     }
+    let logprobs_asked = p.extras.as_ref().is_some_and(|e| e.logprobs.is_some());
     let mut out = Vec::new();
     let mut generated = 0u64;
     for (i, rx) in runs.into_iter().enumerate() {
@@ -468,47 +569,15 @@ pub async fn chat_completions(
             .await
             .map_err(|m| logged(&access, ApiError::new(F, Kind::Unavailable, m)))?;
         generated += u64::from(c.generated);
-        let calls: Vec<Value> = c
-            .calls
-            .iter()
-            .enumerate()
-            .map(|(k, (name, args))| {
-                let mut v = tool_call_json(k, name, args);
-                if let Some(o) = v.as_object_mut() {
-                    o.remove("index");
-                }
-                v
-            })
-            .collect();
-        let mut message = json!({
-            "role": "assistant",
-            "content": if c.text.is_empty() && !calls.is_empty() { Value::Null } else { Value::String(c.text.clone()) },
-        });
-        if !c.reasoning.is_empty() {
-            message["reasoning_content"] = Value::String(c.reasoning.clone());
-        }
-        if !calls.is_empty() {
-            message["tool_calls"] = Value::Array(calls);
-        }
-        let logprobs = if p.extras.as_ref().is_some_and(|e| e.logprobs.is_some()) {
-            json!({"content": c.logprobs.iter().map(logprob_json).collect::<Vec<_>>(), "refusal": null})
-        } else {
-            Value::Null
-        };
-        out.push(json!({
-            "index": i,
-            "message": message,
-            "logprobs": logprobs,
-            "finish_reason": finish_reason(&c),
-        }));
+        out.push(route.choice(i, &c, logprobs_asked));
     }
     access.generated = generated;
     access.log(200);
     Ok(ok_with_warm(warm).json(json!({
-        "id": id,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
+        "id": head.id,
+        "object": head.object,
+        "created": head.created,
+        "model": head.model,
         "choices": out,
         "usage": usage(access.prompt, warm, generated),
         "system_fingerprint": "superfluid",
@@ -763,58 +832,18 @@ pub async fn completions(
         Ok((p, warm, runs))
     };
     let (p, warm, runs) = run.await.map_err(|e| logged(&access, e))?;
-    access.prompt = p.prompt.len();
-    access.cached = warm;
-    let id = new_id("cmpl-");
-    let created = now_secs();
-    let model = state.model.id.clone();
-    if r.stream {
-        let include_usage = r.stream_options.as_ref().is_some_and(|o| o.include_usage);
-        let (tx, rx) = mpsc::channel(64);
-        actix_rt::spawn(stream_completion(
-            runs,
-            tx,
-            ChunkHead {
-                id,
-                created,
-                model,
-                object: "text_completion",
-            },
-            include_usage,
-            access,
-        ));
-        return Ok(event_stream(warm, rx));
-    }
-    let mut out = Vec::new();
-    let mut generated = 0u64;
-    for (i, rx) in runs.into_iter().enumerate() {
-        let c = drive::collect(rx)
-            .await
-            .map_err(|m| logged(&access, ApiError::new(F, Kind::Unavailable, m)))?;
-        generated += u64::from(c.generated);
-        let logprobs = if p.extras.as_ref().is_some_and(|e| e.logprobs.is_some()) {
-            completion_logprobs(&c.logprobs)
-        } else {
-            Value::Null
-        };
-        out.push(json!({
-            "index": i,
-            "text": c.text,
-            "logprobs": logprobs,
-            "finish_reason": finish_reason(&c),
-        }));
-    }
-    access.generated = generated;
-    access.log(200);
-    Ok(ok_with_warm(warm).json(json!({
-        "id": id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": out,
-        "usage": usage(access.prompt, warm, generated),
-        "system_fingerprint": "superfluid",
-    })))
+    let include_usage = r.stream_options.as_ref().is_some_and(|o| o.include_usage);
+    reply(
+        &state,
+        Route::Completion,
+        r.stream,
+        include_usage,
+        &p,
+        warm,
+        runs,
+        access,
+    )
+    .await
 }
 
 async fn stream_completion(
