@@ -784,8 +784,10 @@ function renderItem(it, live) {
         if (p.channel === 1) {
           const d = el("details", { class: "reasoning" }, el("summary", {}, `reasoning (${p.text.length} chars)`),
             el("div", { class: "text" }, p.text));
-          d.open = state.openDetails.has(p.key);
-          d.addEventListener("toggle", () => d.open ? state.openDetails.add(p.key) : state.openDetails.delete(p.key));
+          // Unfolded while it streams, folded once the turn is done.
+          d.open = live || state.openDetails.has(p.key);
+          // Remember what the reader unfolds (not what streaming unfolded).
+          if (!live) d.addEventListener("toggle", () => d.open ? state.openDetails.add(p.key) : state.openDetails.delete(p.key));
           return d;
         }
         if (p.channel === 2) return el("div", { class: "call pending" }, el("code", {}, p.text));
