@@ -17,6 +17,7 @@ import urllib.request
 import pytest
 
 from superfluid_client import Sampling
+from superfluid_client.daemon import Daemon, default_model
 
 sync_api = pytest.importorskip("playwright.sync_api")
 
@@ -200,7 +201,7 @@ def test_fork_at_an_event_shows_the_new_branch_in_the_tree(page, sf):
     assert (f, s.id, 2) in sf.tree()
     node = page.node(f)
     node.wait_for()
-    assert "fork at #2" in node.inner_text().lower()
+    assert "fork at event 2" in node.inner_text()
     # Drawn under its parent.
     assert p.locator('#tree li:has(> [data-session="{}"]) ul [data-session="{}"]'.format(s.id, f)).count() == 1
     p.wait_for_selector("#session-title:has-text('#{}')".format(f))
@@ -221,7 +222,7 @@ def test_editing_a_message_makes_a_rebase_branch(page, sf):
     events = read(sf, r)
     assert kind(events[1]) == "Rebased" and events[2]["body"]["Message"]["text"] == "Name three mountains."
     assert len(events) == 3, "what followed the message was dropped"
-    assert "edit at #1" in page.node(r).inner_text().lower()
+    assert "edit at event 1" in page.node(r).inner_text()
     p.wait_for_selector("#session-title:has-text('#{}')".format(r))
     assert p.locator(".role-user .text").inner_text() == "Name three mountains."
     # The original is untouched.
@@ -320,7 +321,7 @@ def test_restart_reconnects_and_shows_the_same_tree(browser, daemon, sf):
     p.node(f.id).wait_for()
     after = sorted(p.page.eval_on_selector_all("#tree .node", "ns => ns.map(n => n.dataset.session)"))
     assert after == tree
-    assert "fork at" in p.node(f.id).inner_text().lower()
+    assert "fork at event" in p.node(f.id).inner_text()
     # The open session came back, live: a message sent now shows.
     p.page.wait_for_selector("#session-title:has-text('#{}')".format(f.id))
     f.user("after the restart")
@@ -331,9 +332,23 @@ def test_restart_reconnects_and_shows_the_same_tree(browser, daemon, sf):
 # ---- screenshots ------------------------------------------------------------------
 
 
-def test_screenshots(browser, daemon, sf):
+@pytest.fixture
+def chat_daemon():
+    """A daemon of its own on the default model (answers as text, not only
+    reasoning), so the screenshots show only their own small tree."""
+    model = default_model()
+    if not os.path.exists(model):
+        pytest.skip("no model at {}".format(model))
+    d = Daemon(model=model)
+    d.start()
+    yield d
+    d.cleanup()
+
+
+def test_screenshots(browser, chat_daemon):
     """A small tree, as a new user would meet it: a conversation, a fork
     that asked a different follow-up, an edited question, and a trim."""
+    daemon, sf = chat_daemon, chat_daemon.client()
     root = sf.session(Sampling(temperature=0.0, seed=3), system="You are a helpful geography tutor.")
     q = root.user("Name three rivers in Europe.")
     root.generate(40)

@@ -402,9 +402,16 @@ async function learn(id, info) {
 
 function edgeLabel(info) {
   const at = info.forkAt;
-  if (info.kind === "Rebased") return el("span", { class: "edge edge-rebase" }, `edit at #${at}`);
-  if (info.kind === "Forked") return el("span", { class: "edge edge-fork" }, `fork at #${at}`);
-  return el("span", { class: "edge" }, "child");
+  if (info.kind === "Rebased") return el("span", { class: "edge edge-rebase" }, `edit at event ${at}`);
+  if (info.kind === "Forked") return el("span", { class: "edge edge-fork" }, `fork at event ${at}`);
+  return el("span", { class: "edge" }, "created under");
+}
+
+/** A session's name: its title, else its first own user words. */
+function nameOf(id) {
+  const info = state.sessions.get(id);
+  const name = info?.summary.title || info?.label;
+  return name ? `#${id} “${short(name, 24)}”` : `#${id}`;
 }
 
 function renderTree() {
@@ -431,7 +438,7 @@ function renderTree() {
     return children.map((info) => {
       const s = info.summary;
       const kids = branch(s.session, depth + 1);
-      const title = s.title || info.label || (s.parent === null ? "(no messages yet)" : `branch of #${s.parent}`);
+      const title = s.title || info.label || (s.parent === null ? "(no messages yet)" : `branch of ${nameOf(s.parent)}`);
       const node = el(
         "button",
         {
@@ -823,6 +830,9 @@ function renderItem(it, live) {
             el("button", { class: "primary", onclick: () => respond(it.first, true) }, "Grant"),
             el("button", { class: "danger", onclick: () => respond(it.first, false) }, "Deny")));
     }
+    case "shared":
+      return el("li", { class: "item shared-line" },
+        el("span", {}, `▲ events 0–${it.first - 1} are shared with ${nameOf(it.parent)}; this branch's own events follow`));
     default:
       return el("li", { class: "item note" }, el("span", { class: "event-id" }, `#${it.first}`), " ", it.text);
   }
@@ -841,13 +851,24 @@ function renderEvents() {
     items.push({ type: "turn", key: "live", first: 0, last: 0, parts: [], tokens: 0, finish: 0, ids: [] });
     liveKey = "live";
   }
+  // A branch's events before its fork point are its parent's, shared.
+  const forkAt = state.inspection?.session === state.selected ? state.inspection.fork_at : null;
+  if (forkAt !== null && forkAt > 0) {
+    const k = items.findIndex((it) => it.first >= forkAt);
+    items.splice(k < 0 ? items.length : k, 0, {
+      type: "shared", key: `shared:${forkAt}`, first: forkAt, last: forkAt, parent: state.inspection.parent,
+    });
+  }
+  let shared = forkAt !== null && forkAt > 0;
   const keep = new Map();
   const nodes = items.map((it) => {
+    if (it.type === "shared") shared = false;
     const live = it.key === liveKey;
     const s = it.type === "turn" ? stats(it) : null;
     const sig = JSON.stringify([it, live && state.provisional, s]);
     const old = state.items.get(it.key);
     const node = old && old.sig === sig ? old.node : renderItem(it, live);
+    node.classList.toggle("inherited", shared);
     keep.set(it.key, { sig, node });
     return node;
   });
