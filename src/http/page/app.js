@@ -782,7 +782,11 @@ function renderItem(it, live) {
     }
     case "turn": {
       const s = stats(it);
-      const parts = it.parts.map((p) => {
+      // The model's raw tool-call text says again what the parsed call says.
+      const parsed = it.parts.some((p) => p.type === "call");
+      const shown = it.parts.filter((p) =>
+        p.type !== "text" || (p.text.trim() !== "" && !(p.channel === 2 && parsed)));
+      const parts = shown.map((p) => {
         if (p.type === "call") {
           return el("div", { class: "call" }, el("span", { class: "call-label" }, `tool call #${p.id}`), " ",
             el("code", {}, `${p.name}(${p.arguments})`));
