@@ -8,9 +8,9 @@ Needs ``pip install playwright`` (never ``playwright install``: the browser is
 Debian's ``chromium``, which scripts/setup.sh installs).
 """
 
-import json
 import os
 import re
+import subprocess
 import urllib.error
 import urllib.request
 
@@ -134,7 +134,6 @@ def test_the_page_is_served_without_a_token_and_only_to_its_own_host(daemon):
 
 
 def test_superfluid_open_prints_the_url(daemon):
-    import subprocess
     out = subprocess.run([daemon.binary, "open", "--no-browser", "--sessions", daemon.sessions],
                          capture_output=True, text=True, check=True).stdout
     assert out.strip() == page_url(daemon)
@@ -161,7 +160,8 @@ def test_create_send_and_see_tokens_stream_then_settle(page, sf):
             if (live) window.__live.push(live.textContent);
         }).observe(document.getElementById('events'), {subtree: true, childList: true, characterData: true});
     }""")
-    p.fill("#max-tokens", "64")
+    # Enough tokens to span several 100 ms commits even on a fast machine.
+    p.fill("#max-tokens", "128")
     p.fill("#message", "Tell me about the rivers of Europe.")
     p.keyboard.press("Control+Enter")
     p.wait_for_selector(".turn .turn-foot:has-text('tokens ·'):not(:has-text('generating'))")
