@@ -268,6 +268,31 @@ def test_grant_a_permission_request(page, sf):
     assert last == {"request_id": asked["event_id"], "granted": True}
 
 
+def test_trim_pin_and_purge_with_confirmation(page, sf):
+    s = talked(sf, max_tokens=4)
+    before = sf.list()
+    p = page.page
+    page.node(s.id).wait_for()
+    page.open_session(s.id)
+    p.click("[aria-label='trim from event 2']")
+    p.wait_for_function("n => document.querySelectorAll('#tree .node').length > n", arg=len(before))
+    [t] = new_sessions(sf, before)
+    assert (t, s.id, 2) in sf.tree()
+    p.wait_for_selector("#session-title:has-text('#{}')".format(t))
+    p.click("#pin")
+    p.wait_for_selector("#pin:has-text('Unpin')")
+    assert "pinned" in page.node(t).inner_text()
+    # Purge asks first; Cancel keeps the session.
+    p.click("#purge")
+    p.wait_for_selector("#purge-dialog[open]")
+    p.click("#purge-dialog button[value='cancel']")
+    assert t in sf.list()
+    p.click("#purge")
+    p.click("#purge-confirm")
+    page.node(t).wait_for(state="detached")
+    assert t not in sf.list() and s.id in sf.list()
+
+
 def test_keyboard_new_session_and_tree_navigation(page, sf):
     a, b = talked(sf, max_tokens=4), talked(sf, max_tokens=4)
     p = page.page
