@@ -36,6 +36,10 @@ python3 "$(dirname "$0")/make-test-models.py" "$model" >&2
 # compatible routes' tests drive the daemon with the official SDKs.
 python3 -c "import pytest" 2>/dev/null ||
   python3 -m pip install --quiet --disable-pip-version-check pytest >&2
+# The page's tests (clients/python/tests/test_page.py) drive the system
+# Chromium with Playwright; no `playwright install`: it uses /usr/bin/chromium.
+python3 -c "import playwright" 2>/dev/null ||
+  python3 -m pip install --quiet --disable-pip-version-check playwright >&2
 python3 -c "import openai, anthropic, ollama, sys; sys.exit(int(openai.__version__.split('.')[0]) < 3 or int(anthropic.__version__.split('.')[0]) < 2)" 2>/dev/null ||
   python3 -m pip install --quiet --disable-pip-version-check "openai>=3,<4" "anthropic>=2,<3" "ollama>=0.6,<1" >&2
 echo "$model"

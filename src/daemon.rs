@@ -373,6 +373,7 @@ async fn run(
                 web.addr,
                 web.token_path.display()
             );
+            println!("superfluid: open the page at {}", web.page_url);
             println!(
                 "superfluid: OpenAI API at http://{addr}/v1 , Anthropic API at http://{addr} , \
                  Ollama API at http://{addr} , Prometheus metrics at http://{addr}/metrics \

@@ -22,6 +22,9 @@ enum Command {
     /// Look at sessions through a running daemon's socket.
     #[command(subcommand)]
     Session(SessionCommand),
+    /// Print the URL of a running daemon's page (`serve --web`), token
+    /// included, and open it in a browser when `xdg-open` is installed.
+    Open(Open),
     /// The inference worker the daemon spawns, one per model: it owns
     /// llama.cpp and speaks length-prefixed postcard frames on stdin/stdout.
     #[command(hide = true)]
@@ -107,6 +110,17 @@ struct Serve {
     sub_buffer: usize,
 }
 
+#[derive(clap::Args)]
+struct Open {
+    /// The daemon's sessions directory, which holds web-token and web-addr
+    /// [default: ~/.superfluid/sessions]
+    #[arg(long, value_name = "DIR")]
+    sessions: Option<PathBuf>,
+    /// Only print the URL.
+    #[arg(long)]
+    no_browser: bool,
+}
+
 #[derive(Subcommand)]
 enum SessionCommand {
     /// Print a session: a summary, then one line per event.
@@ -177,7 +191,45 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             json,
             socket,
         }) => inspect(session, json, socket.unwrap_or_else(daemon::default_socket)),
+        Command::Open(o) => open(
+            &o.sessions.unwrap_or_else(daemon::default_sessions_dir),
+            !o.no_browser,
+        ),
     }
+}
+
+/// `superfluid open`: the page's URL from the files `serve --web` wrote.
+fn open(sessions: &std::path::Path, browser: bool) -> anyhow::Result<()> {
+    use superfluid::http::{page, token};
+    let read = |name: &str| {
+        let path = sessions.join(name);
+        std::fs::read_to_string(&path)
+            .map(|s| s.trim().to_string())
+            .map_err(|e| {
+                anyhow::anyhow!(
+                    "cannot read {}: {e} (is `superfluid serve --web ...` running on these sessions?)",
+                    path.display()
+                )
+            })
+    };
+    let addr: std::net::SocketAddr = read(token::ADDR_FILE)?
+        .parse()
+        .map_err(|e| anyhow::anyhow!("{}: {e}", sessions.join(token::ADDR_FILE).display()))?;
+    let url = page::url(addr, &read(token::TOKEN_FILE)?);
+    println!("{url}");
+    if browser {
+        // Fire and forget; without xdg-open the printed URL is the answer.
+        if let Err(e) = std::process::Command::new("xdg-open")
+            .arg(&url)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+        {
+            log::debug!("xdg-open: {e}");
+        }
+    }
+    Ok(())
 }
 
 fn call(client: &mut Client, request: Request) -> anyhow::Result<Response> {

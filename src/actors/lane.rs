@@ -22,6 +22,7 @@
 
 use std::collections::VecDeque;
 use std::os::fd::OwnedFd;
+use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -215,6 +216,24 @@ impl LaneActor {
             && std::env::var_os("GOMP_SPINCOUNT").is_none()
         {
             command.env("GOMP_SPINCOUNT", WORKER_SPINCOUNT);
+        }
+        // The worker is SIGKILLed by the kernel when the daemon dies (a
+        // SIGKILLed daemon cannot stop it), set between fork and exec so no
+        // moment of the worker's life is without it.
+        let daemon = std::process::id();
+        // SAFETY: the closure runs in the forked child before exec and calls
+        // only async-signal-safe functions (prctl, getppid, _exit).
+        unsafe {
+            command.pre_exec(move || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // The daemon died before the request took effect.
+                if libc::getppid() as u32 != daemon {
+                    libc::_exit(1);
+                }
+                Ok(())
+            });
         }
         let mut child = match command
             .arg("worker")

@@ -132,6 +132,13 @@ impl Registry {
         );
         metric(
             &mut out,
+            "superfluid_subscribers",
+            "gauge",
+            "Live subscriptions (Subscribe), across connections.",
+            self.shared.bus.subscribers() as u64,
+        );
+        metric(
+            &mut out,
             "superfluid_epoch",
             "gauge",
             "Daemon starts recorded in the log.",

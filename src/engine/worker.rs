@@ -36,7 +36,6 @@ use crate::wire::{
 
 /// Runs the worker on stdin/stdout until `Shutdown` or EOF.
 pub fn run(model: &Path, config: WorkerConfig) -> Result<(), EngineError> {
-    die_with_parent();
     let frames = take_stdout().map_err(EngineError::Stdout)?;
     let mut out = BufWriter::new(frames);
     let mut engine = match WorkerEngine::new(model, &config) {
@@ -50,25 +49,6 @@ pub fn run(model: &Path, config: WorkerConfig) -> Result<(), EngineError> {
     send(&mut out, &engine.ready())?;
     let stdin = std::io::stdin();
     serve(&mut engine, stdin.lock(), &mut out)
-}
-
-/// Asks the kernel to SIGKILL this worker when the daemon that spawned it
-/// dies (a daemon killed with SIGKILL cannot stop its worker itself), and
-/// exits at once if the daemon died before the request took effect.
-fn die_with_parent() {
-    // SAFETY: getppid and prctl(PR_SET_PDEATHSIG) take no pointers.
-    unsafe {
-        let parent = libc::getppid();
-        if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-            log::warn!(
-                "cannot ask to die with the daemon: {}",
-                std::io::Error::last_os_error()
-            );
-        }
-        if libc::getppid() != parent {
-            std::process::exit(1);
-        }
-    }
 }
 
 /// The request loop: one reply frame per request frame, until `Shutdown` or a clean EOF.

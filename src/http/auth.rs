@@ -9,8 +9,12 @@
 //! - **Token** (401): `Authorization: Bearer <token>`, or on /web/ws a
 //!   `superfluid.token.<token>` subprotocol (a browser cannot set headers
 //!   on a WebSocket). Compared in constant time.
-//! - **Origin** (403): /web/ws requires one listed by `--web-origin`; on
-//!   /web/rpc and /web/stream one that is present must be listed.
+//! - **Origin** (403): /web/ws requires the listener's own origin
+//!   (`http://127.0.0.1:PORT`, `http://localhost:PORT`: the page at /web/)
+//!   or one listed by `--web-origin`; on /web/rpc and /web/stream one that
+//!   is present must be listed.
+//! - **The page** (/web/ and its script and style): Host only. It holds no
+//!   secret; the token reaches it in the URL fragment, which no browser sends.
 //! - **CSRF** (403): /web/rpc and /web/stream also need the token again as
 //!   `X-Superfluid-CSRF`, a header no cross-site form can set.
 //! - **The compatible routes** (/v1/*, /api/*, /metrics: `Route::Api`): the
@@ -32,6 +36,8 @@ pub enum Route {
     Post,
     Ws,
     Health,
+    /// The page at /web/ and its files: Host only.
+    Page,
     /// The OpenAI, Anthropic and metrics routes.
     Api,
 }
@@ -44,15 +50,20 @@ pub struct Policy {
     pub hosts: Vec<String>,
     /// `--web-origin`, as given.
     pub origins: Vec<String>,
+    /// `http://` and each of `hosts`: the page this listener serves, which
+    /// /web/ws accepts without `--web-origin`.
+    pub own_origins: Vec<String>,
     /// `--api-key`: a stable key the compatible routes also accept.
     pub api_key: Option<String>,
 }
 
 impl Policy {
     pub fn new(token: String, addr: std::net::SocketAddr, origins: Vec<String>) -> Policy {
+        let hosts = vec![addr.to_string(), format!("localhost:{}", addr.port())];
         Policy {
             token,
-            hosts: vec![addr.to_string(), format!("localhost:{}", addr.port())],
+            own_origins: hosts.iter().map(|h| format!("http://{h}")).collect(),
+            hosts,
             origins: origins
                 .into_iter()
                 .map(|o| o.trim_end_matches('/').to_string())
@@ -95,7 +106,7 @@ pub enum Denied {
 }
 
 /// Decides one request. Checked in this order: Host, token, Origin, CSRF;
-/// /web/health checks none of them.
+/// /web/health checks none of them, the page only Host.
 pub fn authorize(policy: &Policy, route: Route, p: &Presented) -> Result<(), Denied> {
     if route == Route::Health {
         return Ok(());
@@ -105,6 +116,9 @@ pub fn authorize(policy: &Policy, route: Route, p: &Presented) -> Result<(), Den
         .is_some_and(|h| policy.hosts.iter().any(|ok| ok.eq_ignore_ascii_case(h)));
     if !host_ok {
         return Err(Denied::ForeignHost);
+    }
+    if route == Route::Page {
+        return Ok(());
     }
     let bearer = p.authorization.and_then(|a| {
         let (scheme, rest) = a.trim().split_once(' ')?;
@@ -137,7 +151,14 @@ pub fn authorize(policy: &Policy, route: Route, p: &Presented) -> Result<(), Den
             .iter()
             .any(|ok| ok.eq_ignore_ascii_case(o.trim_end_matches('/')))
     };
+    let own = |o: &str| {
+        policy
+            .own_origins
+            .iter()
+            .any(|ok| ok.eq_ignore_ascii_case(o.trim_end_matches('/')))
+    };
     match (route, p.origin) {
+        (Route::Ws, Some(o)) if own(o) => {}
         (Route::Ws, Some(o)) | (Route::Post, Some(o)) | (Route::Api, Some(o)) if !listed(o) => {
             return Err(Denied::Origin)
         }
@@ -350,6 +371,76 @@ mod tests {
             ..good(Route::Post)
         };
         assert_eq!(authorize(&p, Route::Post, &sub_only), Err(Denied::Token));
+    }
+
+    /// The page this listener serves may open /web/ws from either of its
+    /// origins without --web-origin; the token is still required, and the
+    /// own origin is no pass for /web/rpc or a look-alike origin.
+    #[test]
+    fn the_listeners_own_origin_is_accepted_on_ws_only() {
+        let p = Policy::new(T.into(), "127.0.0.1:8455".parse().unwrap(), vec![]);
+        let page = |origin| Presented {
+            host: Some("127.0.0.1:8455"),
+            origin: Some(origin),
+            protocols: vec![PROTOCOL, "superfluid.token.0123abcd"],
+            ..Presented::default()
+        };
+        for origin in [
+            "http://127.0.0.1:8455",
+            "http://localhost:8455",
+            "http://LOCALHOST:8455/",
+        ] {
+            assert_eq!(authorize(&p, Route::Ws, &page(origin)), Ok(()), "{origin}");
+        }
+        for origin in [
+            "http://127.0.0.1:8456",
+            "https://127.0.0.1:8455",
+            "http://localhost:8455.evil.example",
+            "http://evil.example",
+        ] {
+            assert_eq!(
+                authorize(&p, Route::Ws, &page(origin)),
+                Err(Denied::Origin),
+                "{origin}"
+            );
+        }
+        let no_token = Presented {
+            protocols: vec![PROTOCOL],
+            ..page("http://localhost:8455")
+        };
+        assert_eq!(authorize(&p, Route::Ws, &no_token), Err(Denied::Token));
+        let post = Presented {
+            authorization: Some("Bearer 0123abcd"),
+            csrf: Some(T),
+            ..page("http://localhost:8455")
+        };
+        assert_eq!(authorize(&p, Route::Post, &post), Err(Denied::Origin));
+        let v6 = Policy::new(T.into(), "[::1]:8455".parse().unwrap(), vec![]);
+        let page_v6 = Presented {
+            host: Some("[::1]:8455"),
+            ..page("http://[::1]:8455")
+        };
+        assert_eq!(authorize(&v6, Route::Ws, &page_v6), Ok(()));
+    }
+
+    /// The page needs the listener's Host and nothing else.
+    #[test]
+    fn the_page_checks_only_host() {
+        let p = policy();
+        let bare = Presented {
+            host: Some("localhost:8455"),
+            origin: Some("http://evil.example"),
+            ..Presented::default()
+        };
+        assert_eq!(authorize(&p, Route::Page, &bare), Ok(()));
+        let foreign = Presented {
+            host: Some("evil.example:8455"),
+            ..bare
+        };
+        assert_eq!(
+            authorize(&p, Route::Page, &foreign),
+            Err(Denied::ForeignHost)
+        );
     }
 
     #[test]

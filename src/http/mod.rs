@@ -5,6 +5,7 @@
 //!
 //! - [`auth`]: who may call (Host, token, Origin, CSRF), one pure function.
 //! - [`error`]: `WebError`, the one place errors become HTTP statuses.
+//! - [`page`]: the web UI at /web/, embedded from `src/http/page/`.
 //! - [`routes`]: /web/rpc, /web/stream (server-sent events), /web/ws, /web/health.
 //! - [`token`]: minting the token and writing `<sessions>/web-token`.
 //! - [`compat`]: the OpenAI and Anthropic routes and /metrics, on the same
@@ -13,6 +14,7 @@
 pub mod auth;
 pub mod compat;
 pub mod error;
+pub mod page;
 pub mod routes;
 pub mod token;
 
@@ -86,6 +88,8 @@ pub fn bind(addr: SocketAddr) -> Result<TcpListener, StartError> {
 pub struct Web {
     pub addr: SocketAddr,
     pub token_path: PathBuf,
+    /// The URL that opens the page, token included.
+    pub page_url: String,
     pub handle: actix_web::dev::ServerHandle,
 }
 
@@ -105,6 +109,11 @@ pub fn start(
         path: sessions.join(token::TOKEN_FILE),
         source,
     })?;
+    token::write_addr(sessions, addr).map_err(|source| StartError::Token {
+        path: sessions.join(token::ADDR_FILE),
+        source,
+    })?;
+    let page_url = page::url(addr, &token);
     let state = web::Data::new(routes::WebState {
         registry,
         lane: shared.lane.clone(),
@@ -118,6 +127,7 @@ pub fn start(
         App::new()
             .app_data(state.clone())
             .configure(routes::configure)
+            .configure(page::configure)
             .configure(compat::configure)
     })
     .workers(WEB_WORKERS)
@@ -131,6 +141,7 @@ pub fn start(
     Ok(Web {
         addr,
         token_path,
+        page_url,
         handle,
     })
 }

@@ -9,6 +9,9 @@ use subtle::ConstantTimeEq;
 
 /// The token file's name in the sessions directory.
 pub const TOKEN_FILE: &str = "web-token";
+/// The listener's address (`ip:port`), written beside the token so that
+/// `superfluid open` can print the page's URL. Not a secret.
+pub const ADDR_FILE: &str = "web-addr";
 /// Random bytes in a token (256 bits), written as hex.
 pub const TOKEN_BYTES: usize = 32;
 
@@ -33,6 +36,16 @@ pub fn write(dir: &Path, token: &str) -> std::io::Result<PathBuf> {
     file.set_permissions(std::fs::Permissions::from_mode(0o600))?;
     file.write_all(token.as_bytes())?;
     file.sync_all()?;
+    std::fs::rename(&tmp, &path)?;
+    Ok(path)
+}
+
+/// Writes the listener's address to `<dir>/web-addr`, also through a temp
+/// file renamed over the old one.
+pub fn write_addr(dir: &Path, addr: std::net::SocketAddr) -> std::io::Result<PathBuf> {
+    let path = dir.join(ADDR_FILE);
+    let tmp = dir.join(format!("{ADDR_FILE}.tmp"));
+    std::fs::write(&tmp, addr.to_string())?;
     std::fs::rename(&tmp, &path)?;
     Ok(path)
 }

@@ -771,7 +771,19 @@ fn alive(pid: u32) -> bool {
 #[test]
 fn the_worker_dies_with_a_killed_daemon() {
     let mut d = TestDaemon::start();
-    let workers = children_of(d.pid());
+    // Its worker once exec'd (its command line names `worker`).
+    let is_worker = |p: &u32| {
+        std::fs::read(format!("/proc/{p}/cmdline"))
+            .is_ok_and(|c| c.split(|&b| b == 0).any(|a| a == b"worker"))
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let workers = loop {
+        let w: Vec<u32> = children_of(d.pid()).into_iter().filter(is_worker).collect();
+        if !w.is_empty() || Instant::now() > deadline {
+            break w;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
     assert!(!workers.is_empty(), "the daemon has no worker");
     // A stopped worker cannot notice its pipe closing: only the kernel's
     // parent-death signal (SIGKILL, which a stopped process still takes)

@@ -786,3 +786,54 @@ fn web_refuses_a_non_loopback_address() {
     assert!(!d.wal_path().exists(), "nothing started");
     assert!(!d.sessions.join("web-token").exists());
 }
+
+/// The page the listener serves at /web/ may open /web/ws from the
+/// listener's own origin without --web-origin (issue 18); other ports and
+/// /web/rpc still need a listed one, and the page itself needs no token.
+#[test]
+fn web_ws_accepts_the_listeners_own_origin_and_serves_the_page() {
+    let (_d, web) = web_daemon(&[]);
+    let port = web.port;
+    let protocols = format!("superfluid.v1, superfluid.token.{}", web.token);
+    let connect = |origin: &str| {
+        Ws::connect(
+            port,
+            &[("Origin", origin), ("Sec-WebSocket-Protocol", &protocols)],
+        )
+        .map(|w| w.protocol)
+    };
+    for own in [
+        format!("http://127.0.0.1:{port}"),
+        format!("http://localhost:{port}"),
+    ] {
+        assert_eq!(connect(&own), Ok(Some("superfluid.v1".into())), "{own}");
+    }
+    assert_eq!(connect(&format!("http://127.0.0.1:{}", port + 1)), Err(403));
+    let auth = web.auth();
+    let own = format!("http://127.0.0.1:{port}");
+    let rpc = request(
+        port,
+        "POST",
+        "/web/rpc",
+        &[
+            ("Origin", own.as_str()),
+            ("Authorization", auth.as_str()),
+            ("X-Superfluid-CSRF", web.token.as_str()),
+        ],
+        br#""List""#,
+    );
+    assert_eq!(rpc.status, 403, "{}", rpc.text());
+    let page = request(port, "GET", "/web/", &[], b"");
+    assert_eq!(page.status, 200);
+    assert!(page.text().contains(r#"src="app.js""#));
+    assert!(
+        !page.text().contains(&web.token),
+        "the token is never in the page"
+    );
+    let script = request(port, "GET", "/web/app.js", &[], b"");
+    assert_eq!(script.status, 200);
+    assert_eq!(
+        script.header("content-type"),
+        Some("text/javascript; charset=utf-8")
+    );
+}
