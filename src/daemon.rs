@@ -19,6 +19,7 @@ use crate::engine::EngineError;
 use crate::frontend::socket::SocketError;
 use crate::http::compat::ModelInfo;
 use crate::http::{StartError, WebConfig};
+use crate::scheduler::spill::SpillIndex;
 use crate::scheduler::SchedulerState;
 use crate::session::{ChatMessage, Render, RenderError, SessionBook};
 use crate::store::{self, DirLock, OpenMode, StoreError, WalWriter};
@@ -60,6 +61,8 @@ pub struct ServeConfig {
     pub web: Option<crate::http::WebConfig>,
     /// `--sub-buffer`: events a subscription may queue before it is lagged.
     pub sub_buffer: usize,
+    /// `--cache-ram-mb`: the host-memory tier's budget in MiB (0: off).
+    pub cache_ram_mb: u64,
 }
 
 /// How long shutdown waits for subscriptions to send their last frame.
@@ -71,6 +74,23 @@ pub const DEFAULT_CTX_SIZE: u32 = 8192;
 pub const DEFAULT_PARALLEL: u32 = 4;
 /// `--batch` default: the most tokens one decode call takes.
 pub const DEFAULT_BATCH: u32 = 512;
+
+/// The most `--cache-ram-mb` defaults to (llama-server's default too).
+pub const CACHE_RAM_MB_CAP: u64 = 8192;
+
+/// `--cache-ram-mb` default: [`CACHE_RAM_MB_CAP`], at most half the
+/// machine's memory (`MemTotal` in /proc/meminfo; the cap when unreadable).
+pub fn default_cache_ram_mb() -> u64 {
+    let total_kb = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+        m.lines()
+            .find_map(|l| l.strip_prefix("MemTotal:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+    });
+    match total_kb {
+        Some(kb) => CACHE_RAM_MB_CAP.min(kb / 1024 / 2),
+        None => CACHE_RAM_MB_CAP,
+    }
+}
 
 /// `--threads` default: every core the machine has.
 pub fn default_threads() -> u32 {
@@ -259,9 +279,11 @@ pub fn start_actors(
             model: config.model.clone(),
             worker: w.clone(),
             exe,
+            cache_ram_mb: config.cache_ram_mb,
         },
         SchedulerState::new(w.n_ctx, w.n_seq, w.n_batch)
             .with_pin_budget_pct(config.pin_budget_pct)
+            .with_spill(SpillIndex::new(config.cache_ram_mb.saturating_mul(1 << 20)))
             .with_n_vocab(render.n_vocab()),
     );
     Shared {

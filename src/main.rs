@@ -45,6 +45,9 @@ struct Worker {
     /// CPU threads.
     #[arg(long)]
     threads: u32,
+    /// Cap of the host-memory store of spilled sequences, in MiB.
+    #[arg(long, default_value_t = 0)]
+    cache_ram_mb: u64,
 }
 
 #[derive(clap::Args)]
@@ -68,6 +71,11 @@ struct Serve {
     #[arg(long, default_value_t = daemon::DEFAULT_CTX_SIZE,
           value_parser = clap::value_parser!(u32).range(64..=1 << 20))]
     ctx_size: u32,
+    /// Host memory for KV evicted from the cells (spilled sequences, imported
+    /// back when a prompt reuses their prefix), in MiB; 0 turns it off.
+    /// [default: 8192, at most half the machine's memory]
+    #[arg(long, value_name = "MIB", value_parser = clap::value_parser!(u64).range(0..=1 << 24))]
+    cache_ram_mb: Option<u64>,
     /// Sequences decoded together (continuous batching).
     #[arg(long, default_value_t = daemon::DEFAULT_PARALLEL,
           value_parser = clap::value_parser!(u32).range(1..=256))]
@@ -159,6 +167,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     api_key: s.api_key,
                 }),
                 sub_buffer: s.sub_buffer,
+                cache_ram_mb: s.cache_ram_mb.unwrap_or_else(daemon::default_cache_ram_mb),
             })
             .map_err(Into::into)
         }
@@ -170,6 +179,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 n_batch: w.batch,
                 threads: w.threads,
             },
+            w.cache_ram_mb.saturating_mul(1 << 20),
         )
         .map_err(Into::into),
         Command::Session(SessionCommand::Inspect {

@@ -152,6 +152,8 @@ pub struct LaneConfig {
     pub worker: WorkerConfig,
     /// The `superfluid` executable (normally the running one).
     pub exe: PathBuf,
+    /// `--cache-ram-mb`: the cap of the worker's host-memory store, in MiB.
+    pub cache_ram_mb: u64,
 }
 
 type Reply = oneshot::Sender<Result<WorkerResponse, LaneError>>;
@@ -224,6 +226,7 @@ impl LaneActor {
             .args(["--parallel", &w.n_seq.to_string()])
             .args(["--batch", &w.n_batch.to_string()])
             .args(["--threads", &w.threads.to_string()])
+            .args(["--cache-ram-mb", &self.config.cache_ram_mb.to_string()])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

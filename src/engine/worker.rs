@@ -34,12 +34,13 @@ use crate::wire::{
     from_postcard, read_frame_blocking, to_postcard, write_frame_blocking, MAX_FRAME_BYTES,
 };
 
-/// Runs the worker on stdin/stdout until `Shutdown` or EOF.
-pub fn run(model: &Path, config: WorkerConfig) -> Result<(), EngineError> {
+/// Runs the worker on stdin/stdout until `Shutdown` or EOF; its host-memory
+/// store of spilled sequences holds at most `spill_cap_bytes`.
+pub fn run(model: &Path, config: WorkerConfig, spill_cap_bytes: u64) -> Result<(), EngineError> {
     let frames = take_stdout().map_err(EngineError::Stdout)?;
     let mut out = BufWriter::new(frames);
     let mut engine = match WorkerEngine::new(model, &config) {
-        Ok(engine) => engine,
+        Ok(engine) => engine.with_spill_cap(spill_cap_bytes),
         Err(e) => {
             let message = chain(&e);
             let _ = send(&mut out, &WorkerResponse::Err { message });

@@ -43,6 +43,7 @@
 pub mod pipeline;
 mod plan;
 mod reply;
+pub mod spill;
 mod step;
 #[cfg(test)]
 mod tests;
@@ -55,6 +56,7 @@ use crate::wire::worker::{DrawExtras, Drawn, WorkerRequest};
 use crate::wire::{
     ExtrasError, Finish, Params, QosClass, SampleExtras, SessionId, Token, TokenLogprob,
 };
+use spill::SpillIndex;
 
 /// `--pin-budget-pct` default.
 pub const DEFAULT_PIN_BUDGET_PCT: u32 = 50;
@@ -102,6 +104,10 @@ pub enum StepError {
     /// The lane or the worker failed it; every generation fails with this text.
     #[error("{0}")]
     Failed(String),
+    /// A `KvRestore` of the step found nothing to restore or no room: the
+    /// sequence is empty, and its generation prefills instead.
+    #[error("sequence {seq} was not restored from host memory")]
+    NotRestored { seq: u32 },
 }
 
 /// A generation asking to run.
@@ -240,6 +246,16 @@ pub struct Stats {
     /// KV cells in use: tokens resident across sequences, as the scheduler
     /// models them (filled in by `stats`, not counted).
     pub kv_cells_used: u64,
+    /// Prompt tokens imported from the host-memory tier (part of
+    /// `warm_tokens`).
+    pub restored_tokens: u64,
+    /// Sequences exported to the host-memory tier, and imported back.
+    pub spills: u64,
+    pub restores: u64,
+    /// Bytes the host-memory tier holds, and its entries (filled in by
+    /// `stats`).
+    pub spilled_bytes: u64,
+    pub spilled_entries: u64,
 }
 
 /// The scheduler of one lane.
@@ -275,6 +291,12 @@ pub struct SchedulerState {
     /// The vocabulary size, when known: `logit_bias` ids are checked
     /// against it at admission.
     n_vocab: Option<u32>,
+    /// The host-memory tier's index (`--cache-ram-mb`; off by default).
+    spill: SpillIndex,
+    /// Keys the index forgot when the lane failed, for the worker to drop
+    /// (a worker that died has none of them; one that failed a request
+    /// still does).
+    spill_orphans: Vec<u64>,
 }
 
 impl SchedulerState {
@@ -296,7 +318,16 @@ impl SchedulerState {
             pin_budget_pct: DEFAULT_PIN_BUDGET_PCT,
             clock_ms: 0,
             n_vocab: None,
+            spill: SpillIndex::new(0),
+            spill_orphans: Vec::new(),
         }
+    }
+
+    /// The host-memory tier: sequences evicted from the KV cells are kept
+    /// in the worker's host memory under this index (`--cache-ram-mb`).
+    pub fn with_spill(mut self, index: SpillIndex) -> SchedulerState {
+        self.spill = index;
+        self
     }
 
     /// The model's vocabulary size: admission refuses `logit_bias` ids
@@ -403,6 +434,8 @@ impl SchedulerState {
     pub fn stats(&self) -> Stats {
         Stats {
             kv_cells_used: self.seqs.iter().map(|s| s.resident.len() as u64).sum(),
+            spilled_bytes: self.spill.bytes(),
+            spilled_entries: self.spill.len() as u64,
             ..self.stats
         }
     }

@@ -44,6 +44,7 @@ impl SchedulerState {
                 return match e {
                     StepError::KvFull => self.kv_full(step),
                     StepError::Failed(message) => self.fail_all(&message),
+                    StepError::NotRestored { seq } => self.not_restored(seq),
                 };
             }
         };
@@ -188,6 +189,31 @@ impl SchedulerState {
         }
     }
 
+    /// The worker's `Spilled` replies: the host-memory index learns the real
+    /// sizes, and the worker drops what no longer fits the budget.
+    pub fn note_spilled(&mut self, spilled: &[(u64, u64)]) {
+        for &(key, bytes) in spilled {
+            let dropped = self.spill.sized(key, bytes);
+            self.pending_ops
+                .extend(dropped.into_iter().map(|key| WorkerRequest::KvDrop { key }));
+        }
+    }
+
+    /// A restore failed (the worker emptied the sequence, and the rest of
+    /// the step was refused untouched): the generation on it prefills its
+    /// prompt instead, on the next step.
+    fn not_restored(&mut self, seq: u32) -> Vec<GenEvent> {
+        log::warn!("sequence {seq} could not be restored from host memory; prefilling it");
+        if let Some(s) = self.seqs.get_mut(seq as usize) {
+            let n = s.resident.len() as u64;
+            s.resident.clear();
+            s.last_draw = None;
+            self.stats.warm_tokens = self.stats.warm_tokens.saturating_sub(n);
+            self.stats.restored_tokens = self.stats.restored_tokens.saturating_sub(n);
+        }
+        vec![]
+    }
+
     /// The worker's cache had no room for the step (it rolled the step back,
     /// so every sequence holds what it held before). Our count of cells is
     /// conservative (copied prefixes share cells in llama.cpp), so the worker
@@ -198,11 +224,14 @@ impl SchedulerState {
             .filter(|&i| self.seqs[i].active.is_none() && !self.seqs[i].resident.is_empty())
             .collect();
         if !idle.is_empty() {
+            let protected = self.protected();
+            let mut ops = Vec::new();
             for i in idle {
-                self.pending_ops
-                    .push(WorkerRequest::KvClear { seq: i as u32 });
+                self.spill_seq(i, protected[i], &mut ops);
+                ops.push(WorkerRequest::KvClear { seq: i as u32 });
                 self.seqs[i] = Seq::default();
             }
+            self.pending_ops.append(&mut ops);
             return vec![];
         }
         if !step.next.is_empty() {
@@ -232,6 +261,9 @@ impl SchedulerState {
             *s = Seq::default();
         }
         self.dirty = true;
+        // The worker's host store is as untrusted as its cells.
+        let keys = self.spill.clear();
+        self.spill_orphans.extend(keys);
         gens.into_iter()
             .filter_map(|gen| {
                 self.gens.remove(&gen).map(|_| GenEvent::Failed {

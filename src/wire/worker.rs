@@ -123,6 +123,20 @@ pub enum WorkerRequest {
     /// changed since). The daemon queues this while the step before is still running, so the
     /// worker never waits for it, and it hears from the worker once per `steps` tokens.
     DecodeNext { items: Vec<NextItem> },
+    /// Export sequence `seq` (which must hold exactly positions `0..len`)
+    /// into the worker's host-memory store under `key`, leaving the
+    /// sequence as it is. Answered `Spilled` (with `bytes` 0 when nothing
+    /// was stored: the store's cap, a length that does not match, or a
+    /// failed export). The bytes stay in the worker; the daemon's index
+    /// mirrors the key and the size.
+    KvSpill { seq: u32, key: u64, len: u32 },
+    /// Replace whatever `seq` holds with the state stored under `key`, then
+    /// keep only its positions `0..len`; the entry leaves the store.
+    /// Answered `Done`, or `NotRestored` (the sequence then holds nothing):
+    /// no such key, or llama.cpp found no room for the cells.
+    KvRestore { seq: u32, key: u64, len: u32 },
+    /// Forget the stored state under `key` (no such key is fine).
+    KvDrop { key: u64 },
 }
 
 /// Worker → daemon. Each request gets exactly one reply, in order; `Ready`
@@ -150,5 +164,15 @@ pub enum WorkerResponse {
     KvFull {
         n_ctx: u32,
         tokens: u32,
+    },
+    /// The reply to `KvSpill`: the state's size in host memory (0: not
+    /// stored).
+    Spilled {
+        key: u64,
+        bytes: u64,
+    },
+    /// The reply to a `KvRestore` that could not restore: `seq` is empty.
+    NotRestored {
+        seq: u32,
     },
 }
