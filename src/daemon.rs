@@ -63,6 +63,46 @@ pub struct ServeConfig {
     pub sub_buffer: usize,
     /// `--cache-ram-mb`: the host-memory tier's budget in MiB (0: off).
     pub cache_ram_mb: u64,
+    /// `--park` with `--park-budget-gb` (0: unbounded); None: off.
+    pub park_budget_gb: Option<u64>,
+}
+
+/// `--park-budget-gb` default.
+pub const DEFAULT_PARK_BUDGET_GB: u64 = 20;
+
+/// The park directory of a sessions directory.
+pub fn park_dir(sessions: &Path) -> PathBuf {
+    sessions.join("park")
+}
+
+/// The park artifacts in `dir` usable with the model at `model`: (session,
+/// token ids) for each, headers checked (the state is checked when it is
+/// restored). One warning for each that is not.
+pub fn scan_parked(dir: &Path, model: &Path) -> Vec<(u64, Vec<crate::wire::Token>)> {
+    use crate::engine::park;
+    let Ok(identity) = park::model_identity(model) else {
+        return vec![];
+    };
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return vec![];
+    };
+    let mut out = Vec::new();
+    for p in rd.filter_map(|e| e.ok()).map(|e| e.path()) {
+        let Some(session) = park::session_of(&p) else {
+            continue;
+        };
+        let head = std::fs::File::open(&p)
+            .map_err(park::ParkError::from)
+            .and_then(|mut f| park::read_head(&mut f, &identity));
+        match head {
+            Ok(h) => out.push((session, h.tokens)),
+            Err(e) => log::warn!(
+                "park artifact {} unusable ({e}); that session prefills",
+                p.display()
+            ),
+        }
+    }
+    out
 }
 
 /// How long shutdown waits for subscriptions to send their last frame.
@@ -280,10 +320,18 @@ pub fn start_actors(
             worker: w.clone(),
             exe,
             cache_ram_mb: config.cache_ram_mb,
+            park: config
+                .park_budget_gb
+                .map(|gb| (park_dir(&config.sessions), gb)),
         },
         SchedulerState::new(w.n_ctx, w.n_seq, w.n_batch)
             .with_pin_budget_pct(config.pin_budget_pct)
             .with_spill(SpillIndex::new(config.cache_ram_mb.saturating_mul(1 << 20)))
+            .with_park_if(
+                config
+                    .park_budget_gb
+                    .map(|_| scan_parked(&park_dir(&config.sessions), &config.model)),
+            )
             .with_n_vocab(render.n_vocab()),
     );
     Shared {

@@ -198,6 +198,9 @@ struct Seq {
     /// A pin left by the generation that ended on it (`Admit::pin`):
     /// (deadline in unix ms, when it was pinned, tokens it counts).
     pin: Option<(u64, u64, usize)>,
+    /// The index entry its cells were last restored from (forgotten if the
+    /// restore fails).
+    restored_from: Option<u64>,
 }
 
 #[derive(Debug, Clone)]
@@ -256,6 +259,8 @@ pub struct Stats {
     /// `stats`).
     pub spilled_bytes: u64,
     pub spilled_entries: u64,
+    /// Park artifacts sealed (`--park`).
+    pub parks: u64,
 }
 
 /// The scheduler of one lane.
@@ -297,6 +302,8 @@ pub struct SchedulerState {
     /// (a worker that died has none of them; one that failed a request
     /// still does).
     spill_orphans: Vec<u64>,
+    /// `--park`: seal a session's sequence to disk when its generation ends.
+    park: bool,
 }
 
 impl SchedulerState {
@@ -320,7 +327,27 @@ impl SchedulerState {
             n_vocab: None,
             spill: SpillIndex::new(0),
             spill_orphans: Vec::new(),
+            park: false,
         }
+    }
+
+    /// [`with_park`](Self::with_park) when `parked` is Some.
+    pub fn with_park_if(self, parked: Option<Vec<(SessionId, Vec<Token>)>>) -> SchedulerState {
+        match parked {
+            Some(p) => self.with_park(p),
+            None => self,
+        }
+    }
+
+    /// `--park`: when a generation of a session (not a stateless one) ends,
+    /// the worker seals its sequence to the session's park artifact, and the
+    /// index learns it (`parked` adds the artifacts found at start).
+    pub fn with_park(mut self, parked: Vec<(SessionId, Vec<Token>)>) -> SchedulerState {
+        self.park = true;
+        for (session, tokens) in parked {
+            self.spill.add_parked(session, &tokens);
+        }
+        self
     }
 
     /// The host-memory tier: sequences evicted from the KV cells are kept

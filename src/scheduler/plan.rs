@@ -4,7 +4,7 @@
 //! flight (`follow`).
 
 use super::{
-    GenEvent, GenId, SchedulerState, Seq, Step, FOLLOW_STEPS, NO_SESSION, WAIT_MIN_SHARED,
+    spill, GenEvent, GenId, SchedulerState, Seq, Step, FOLLOW_STEPS, NO_SESSION, WAIT_MIN_SHARED,
 };
 use crate::wire::worker::{DecodeItem, NextItem, Sample, WorkerRequest};
 use crate::wire::QosClass;
@@ -227,14 +227,27 @@ impl SchedulerState {
             let mut restore_op = None;
             let mut extra = 0u64;
             if let Some((key, n)) = restore {
-                let stored = self.spill.take(key).unwrap_or_default();
+                let (stored, source) = self
+                    .spill
+                    .restore(key)
+                    .unwrap_or((vec![], spill::Source::Memory));
+                let n = n.min(stored.len());
                 extra = stored.len().saturating_sub(n) as u64;
-                restore_op = Some(WorkerRequest::KvRestore {
-                    seq: dst as u32,
-                    key,
-                    len: n as u32,
+                restore_op = Some(match source {
+                    spill::Source::Memory => WorkerRequest::KvRestore {
+                        seq: dst as u32,
+                        key,
+                        len: n as u32,
+                    },
+                    spill::Source::Disk { session } => WorkerRequest::KvUnpark {
+                        seq: dst as u32,
+                        session,
+                        tokens: stored.clone(),
+                        len: n as u32,
+                    },
                 });
-                self.seqs[dst].resident = stored[..n.min(stored.len())].to_vec();
+                self.seqs[dst].resident = stored[..n].to_vec();
+                self.seqs[dst].restored_from = Some(key);
                 self.stats.restored_tokens += n as u64;
                 self.stats.restores += 1;
             } else if src != dst && keep > own_keep {

@@ -3,7 +3,7 @@
 //! the youngest generation); a failure (every generation fails, the KV is
 //! forgotten).
 
-use super::{GenEvent, GenId, SchedulerState, Seq, Step, StepError};
+use super::{GenEvent, GenId, SchedulerState, Seq, Step, StepError, NO_SESSION};
 use crate::wire::worker::{Drawn, WorkerRequest};
 use crate::wire::{Finish, Token};
 
@@ -169,6 +169,21 @@ impl SchedulerState {
         if let Some(seq) = g.seq {
             let s = &mut self.seqs[seq as usize];
             s.active = None;
+            // `--park`: a session's turn is sealed (stateless ones never).
+            if self.park
+                && g.admit.session != NO_SESSION
+                && !s.resident.is_empty()
+                && self.spill.park_is_new(g.admit.session, &s.resident)
+            {
+                self.pending_ops.push(WorkerRequest::KvPark {
+                    seq,
+                    session: g.admit.session,
+                    tokens: s.resident.clone(),
+                });
+                self.spill.add_parked(g.admit.session, &s.resident);
+                self.stats.parks += 1;
+            }
+            let s = &mut self.seqs[seq as usize];
             // Its prompt and reply stay cached; a prefix pin protects them.
             if let Some(pin) = g.admit.pin {
                 let deadline = self.clock_ms.saturating_add(pin.ttl_ms);
@@ -208,6 +223,9 @@ impl SchedulerState {
             let n = s.resident.len() as u64;
             s.resident.clear();
             s.last_draw = None;
+            if let Some(key) = s.restored_from.take() {
+                self.spill.forget(key);
+            }
             self.stats.warm_tokens = self.stats.warm_tokens.saturating_sub(n);
             self.stats.restored_tokens = self.stats.restored_tokens.saturating_sub(n);
         }

@@ -31,6 +31,19 @@ struct Entry {
     sized: bool,
     pinned: bool,
     last_used: u64,
+    /// A park artifact (`--park`) of this session rather than host memory:
+    /// it takes no host memory, outlives the worker, and stays on disk
+    /// when restored.
+    disk: Option<u64>,
+}
+
+/// Where a restore comes from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Source {
+    /// The worker's host-memory store (the entry leaves it).
+    Memory,
+    /// The session's park artifact.
+    Disk { session: u64 },
 }
 
 /// Keys and token ids of the states the worker holds in host memory.
@@ -68,13 +81,74 @@ impl SpillIndex {
         self.budget_bytes > 0
     }
 
-    /// Bytes the stored states take (estimated for those not yet sized).
+    /// Bytes the stored states take in host memory (estimated for those not
+    /// yet sized).
     pub fn bytes(&self) -> u64 {
-        self.entries.values().map(|e| e.bytes).sum()
+        self.entries
+            .values()
+            .filter(|e| e.disk.is_none())
+            .map(|e| e.bytes)
+            .sum()
     }
 
+    /// Entries in host memory.
     pub fn len(&self) -> usize {
-        self.entries.len()
+        self.entries.values().filter(|e| e.disk.is_none()).count()
+    }
+
+    /// Park artifacts known.
+    pub fn parked(&self) -> usize {
+        self.entries.values().filter(|e| e.disk.is_some()).count()
+    }
+
+    /// A session's park artifact holds `tokens` (sealed now, or found at
+    /// start): it replaces the one the session had.
+    pub fn add_parked(&mut self, session: u64, tokens: &[Token]) {
+        self.entries.retain(|_, e| e.disk != Some(session));
+        if tokens.is_empty() {
+            return;
+        }
+        self.clock += 1;
+        let key = self.next_key;
+        self.next_key += 1;
+        self.entries.insert(
+            key,
+            Entry {
+                tokens: tokens.to_vec(),
+                bytes: 0,
+                sized: true,
+                pinned: false,
+                last_used: self.clock,
+                disk: Some(session),
+            },
+        );
+    }
+
+    /// Whether sealing `tokens` for `session` is new: its artifact does not
+    /// hold exactly them already.
+    pub fn park_is_new(&self, session: u64, tokens: &[Token]) -> bool {
+        !self
+            .entries
+            .values()
+            .any(|e| e.disk == Some(session) && e.tokens == tokens)
+    }
+
+    /// For a restore from `key`: its tokens and where they come from. A
+    /// host-memory entry leaves the index (and the store); a park artifact
+    /// stays.
+    pub fn restore(&mut self, key: u64) -> Option<(Vec<Token>, Source)> {
+        self.clock += 1;
+        let e = self.entries.get_mut(&key)?;
+        match e.disk {
+            Some(session) => {
+                e.last_used = self.clock;
+                Some((e.tokens.clone(), Source::Disk { session }))
+            }
+            None => self
+                .entries
+                .remove(&key)
+                .map(|e| (e.tokens, Source::Memory)),
+        }
     }
 
     pub fn is_empty(&self) -> bool {
@@ -92,10 +166,10 @@ impl SpillIndex {
     pub fn longest(&self, prompt: &[Token]) -> Option<(u64, usize)> {
         self.entries
             .iter()
-            .map(|(&k, e)| (lcp(&e.tokens, prompt), e.last_used, k))
-            .filter(|&(n, _, _)| n > 0)
+            .map(|(&k, e)| (lcp(&e.tokens, prompt), e.disk.is_none(), e.last_used, k))
+            .filter(|&(n, _, _, _)| n > 0)
             .max()
-            .map(|(n, _, k)| (k, n))
+            .map(|(n, _, _, k)| (k, n))
     }
 
     /// Plans the spill of a sequence holding `tokens`: Some((key, dropped))
@@ -123,7 +197,7 @@ impl SpillIndex {
         let mut dropped: Vec<u64> = self
             .entries
             .iter()
-            .filter(|(_, e)| lcp(&e.tokens, tokens) == e.tokens.len())
+            .filter(|(_, e)| e.disk.is_none() && lcp(&e.tokens, tokens) == e.tokens.len())
             .map(|(&k, _)| k)
             .collect();
         for k in &dropped {
@@ -140,6 +214,7 @@ impl SpillIndex {
                 sized: false,
                 pinned,
                 last_used: self.clock,
+                disk: None,
             },
         );
         dropped.extend(self.fit(key));
@@ -171,10 +246,24 @@ impl SpillIndex {
         self.entries.remove(&key).map(|e| e.tokens)
     }
 
-    /// Forgets every entry; returns their keys.
+    /// Forgets a restore's entry that turned out unusable (a park
+    /// artifact gone stale).
+    pub fn forget(&mut self, key: u64) {
+        self.entries.remove(&key);
+    }
+
+    /// Forgets every host-memory entry (the worker's store is gone or
+    /// untrusted); returns their keys. Park artifacts stay.
     pub fn clear(&mut self) -> Vec<u64> {
-        let keys = self.entries.keys().copied().collect();
-        self.entries.clear();
+        let keys: Vec<u64> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| e.disk.is_none())
+            .map(|(&k, _)| k)
+            .collect();
+        for k in &keys {
+            self.entries.remove(k);
+        }
         keys
     }
 
@@ -186,7 +275,7 @@ impl SpillIndex {
             let victim = self
                 .entries
                 .iter()
-                .filter(|(&k, _)| k != keep)
+                .filter(|(&k, e)| k != keep && e.disk.is_none())
                 .min_by_key(|(_, e)| (e.pinned, e.last_used))
                 .map(|(&k, _)| k);
             match victim {

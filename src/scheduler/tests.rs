@@ -427,6 +427,8 @@ struct FakeWorker {
     spilled: Vec<(u64, u64)>,
     /// Restores fail (as when llama.cpp finds no room).
     fail_restores: bool,
+    /// Park artifacts by session.
+    parked: std::collections::HashMap<u64, Vec<Token>>,
 }
 
 /// What one token of spilled state takes in the fake worker's store.
@@ -448,6 +450,7 @@ impl FakeWorker {
             store: Default::default(),
             spilled: vec![],
             fail_restores: false,
+            parked: Default::default(),
         }
     }
 
@@ -549,6 +552,34 @@ impl FakeWorker {
                 }
                 WorkerRequest::KvDrop { key } => {
                     self.store.remove(key);
+                    return Ok(None);
+                }
+                WorkerRequest::KvPark {
+                    seq,
+                    session,
+                    tokens,
+                } => {
+                    let s = self.table.check_seq(*seq).map_err(failed)?;
+                    if self.kv[s] == *tokens {
+                        self.parked.insert(*session, tokens.clone());
+                    }
+                    return Ok(None);
+                }
+                WorkerRequest::KvUnpark {
+                    seq,
+                    session,
+                    tokens,
+                    len,
+                } => {
+                    let s = self.table.check_seq(*seq).map_err(failed)?;
+                    self.kv_op(s, vec![]);
+                    match self.parked.get(session) {
+                        Some(t) if t == tokens && t.len() >= *len as usize => {
+                            let t = t[..*len as usize].to_vec();
+                            self.kv_op(s, t);
+                        }
+                        _ => return Err(StepError::NotRestored { seq: *seq }),
+                    }
                     return Ok(None);
                 }
                 WorkerRequest::KvTrim { seq, from } => {
@@ -1359,4 +1390,53 @@ fn a_resident_prefix_beats_a_shorter_spilled_one() {
     let events = drive(&mut s, &mut w, 1, |_, _| vec![]);
     assert!(warm_of(&events, g).unwrap() >= longer.len() as u64 - 1);
     assert_eq!(s.stats().restored_tokens, 0, "{:?}", s.stats());
+}
+
+// --- Parking (--park) ---
+
+#[test]
+fn a_parked_session_restores_after_a_restart_and_a_stale_artifact_prefills() {
+    let mut s = SchedulerState::new(FAKE_N_CTX, 2, 512).with_park(vec![]);
+    let mut w = FakeWorker::new(2);
+    let (g0, e0) = run_one(&mut s, &mut w, admit(1, &conversation(0), 8));
+    // Stateless requests never park.
+    run_one(&mut s, &mut w, stateless(&conversation(1), 8));
+    assert_eq!(s.stats().parks, 1);
+    // The sealing runs before the next step: the fake holds it now that
+    // the stateless request ran.
+    assert_eq!(w.parked.len(), 1);
+    let history = w.parked[&1].clone();
+    assert_eq!(history.len(), 40 + 7);
+    let mut turn2 = conversation(0);
+    turn2.extend(tokens_of(&e0, g0));
+    turn2.extend([7, 8]);
+
+    // A restart: a new scheduler and worker, the artifact found on disk.
+    let restart = |w: &FakeWorker| {
+        let s = SchedulerState::new(FAKE_N_CTX, 2, 512)
+            .with_park(w.parked.iter().map(|(k, v)| (*k, v.clone())).collect());
+        let mut fresh = FakeWorker::new(2);
+        fresh.parked = w.parked.clone();
+        (s, fresh)
+    };
+    let (mut s2, mut w2) = restart(&w);
+    let (g, events) = run_one(&mut s2, &mut w2, admit(1, &turn2, 8));
+    assert_eq!(warm_of(&events, g), Some(history.len() as u64));
+    assert_eq!(s2.stats().restored_tokens, history.len() as u64);
+    // Resealed with the longer history.
+    assert!(w2.parked[&1].len() > history.len());
+
+    // The same turn on a never-restarted daemon draws the same.
+    let (g1, e1) = run_one(&mut s, &mut w, admit(1, &turn2, 8));
+    assert_eq!(tokens_of(&events, g), tokens_of(&e1, g1));
+
+    // An artifact whose contents are not what its index says (rewritten,
+    // corrupt): the worker refuses it, the turn prefills, and draws the same.
+    let (mut s3, mut w3) = restart(&w);
+    w3.parked.insert(1, vec![1, 2, 3, 4, 5]);
+    let before = s3.stats().prefilled_tokens;
+    let (g3, e3) = run_one(&mut s3, &mut w3, admit(1, &turn2, 8));
+    assert_eq!(tokens_of(&e3, g3), tokens_of(&e1, g1));
+    assert_eq!(s3.stats().prefilled_tokens - before, turn2.len() as u64);
+    assert_eq!(s3.stats().restored_tokens, 0);
 }

@@ -137,6 +137,27 @@ pub enum WorkerRequest {
     KvRestore { seq: u32, key: u64, len: u32 },
     /// Forget the stored state under `key` (no such key is fine).
     KvDrop { key: u64 },
+    /// `--park`: seal `seq` (holding exactly `tokens`) to the worker's park
+    /// directory as `<session>.park`. The worker copies the state and
+    /// answers `Done` at once; a thread of its own writes the file (temp
+    /// file, fsync, rename, directory fsync) and keeps the directory within
+    /// its budget. Soft: an artifact that cannot be sealed is logged and
+    /// skipped.
+    KvPark {
+        seq: u32,
+        session: u64,
+        tokens: Vec<Token>,
+    },
+    /// Replace whatever `seq` holds with `<session>.park`, which must hold
+    /// exactly `tokens` (every digest checked first), then keep only its
+    /// positions `0..len`. `Done`, or `NotRestored` (missing, stale,
+    /// truncated or corrupt artifact; the sequence is then empty).
+    KvUnpark {
+        seq: u32,
+        session: u64,
+        tokens: Vec<Token>,
+        len: u32,
+    },
 }
 
 /// Worker → daemon. Each request gets exactly one reply, in order; `Ready`

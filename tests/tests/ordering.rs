@@ -80,6 +80,7 @@ fn no_reply_before_the_fsync_that_covers_it() {
             web: None,
             sub_buffer: SUB_BUFFER_EVENTS,
             cache_ram_mb: 0,
+            park_budget_gb: None,
         };
         let shared = start_actors(&config, crate::util::bin().into(), book, w.clone(), render);
         let registry = Registry::new(shared.clone()).start();

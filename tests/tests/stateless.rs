@@ -46,6 +46,7 @@ where
             web: None,
             sub_buffer: SUB_BUFFER_EVENTS,
             cache_ram_mb: 0,
+            park_budget_gb: None,
         };
         let shared = start_actors(&config, crate::util::bin().into(), book, w, render);
         body(shared).await;

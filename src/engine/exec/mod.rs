@@ -51,7 +51,7 @@ mod penalties;
 pub mod seqs;
 pub mod spill;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use llama_cpp_2::context::params::LlamaContextParams;
@@ -118,6 +118,8 @@ pub struct WorkerEngine {
     mask: Vec<bool>,
     /// The host-memory tier: sequences the scheduler spilled (`KvSpill`).
     spill: SpillStore,
+    /// `--park`: sealing sessions' KV to disk (None: off).
+    park: Option<super::park::Parker>,
 }
 
 impl std::fmt::Debug for WorkerEngine {
@@ -219,7 +221,20 @@ impl WorkerEngine {
             row: Vec::with_capacity(n_vocab as usize),
             mask: Vec::new(),
             spill: SpillStore::new(0),
+            park: None,
         })
+    }
+
+    /// `--park`: seal sessions' KV into `dir` (`KvPark`) and restore it
+    /// (`KvUnpark`), the directory kept within `budget_bytes` (0: unbounded).
+    pub fn with_park(
+        mut self,
+        dir: PathBuf,
+        model: &Path,
+        budget_bytes: u64,
+    ) -> std::io::Result<WorkerEngine> {
+        self.park = Some(super::park::Parker::new(dir, model, budget_bytes)?);
+        Ok(self)
     }
 
     /// Let the host-memory store hold up to `cap_bytes` of spilled sequence
@@ -279,6 +294,17 @@ impl WorkerEngine {
                 self.spill.drop_key(*key);
                 Ok(WorkerResponse::Done)
             }
+            WorkerRequest::KvPark {
+                seq,
+                session,
+                tokens,
+            } => self.kv_park(*seq, *session, tokens),
+            WorkerRequest::KvUnpark {
+                seq,
+                session,
+                tokens,
+                len,
+            } => self.kv_unpark(*seq, *session, tokens, *len),
         };
         result.unwrap_or_else(|error| {
             log::debug!("request failed: {error}");
@@ -474,6 +500,105 @@ impl WorkerEngine {
             let _ = self.ctx.kv_cache_seq_rm(seq as i32, None, None);
             self.changed(s);
             return Ok(not);
+        }
+        Ok(WorkerResponse::Done)
+    }
+
+    /// `KvPark`: copy `seq`'s state and hand it to the park writer. Soft.
+    fn kv_park(
+        &mut self,
+        seq: u32,
+        session: u64,
+        tokens: &[u32],
+    ) -> Result<WorkerResponse, RequestError> {
+        let s = self.seqs.check_seq(seq)?;
+        let Some(park) = &self.park else {
+            return Ok(WorkerResponse::Done);
+        };
+        if tokens.is_empty() || self.seqs.lens()[s] as usize != tokens.len() || !park.has_room() {
+            log::debug!("park of session {session} skipped (length, or the writer is busy)");
+            return Ok(WorkerResponse::Done);
+        }
+        let flags = llama_cpp_2::LlamaStateSeqFlags::empty();
+        let size = self.ctx.state_seq_get_size_ext(seq as i32, flags);
+        let mut state = vec![0u8; size];
+        // SAFETY: `state` holds the `size` bytes llama.cpp just reported for this sequence.
+        let n = unsafe {
+            self.ctx
+                .state_seq_get_data_ext(state.as_mut_ptr(), seq as i32, flags)
+        };
+        if n != size {
+            log::warn!("park of session {session}: llama.cpp wrote {n} of {size} bytes");
+            return Ok(WorkerResponse::Done);
+        }
+        park.seal(session, tokens.to_vec(), state);
+        Ok(WorkerResponse::Done)
+    }
+
+    /// `KvUnpark`: restore `<session>.park` into `seq`, keep `0..len`.
+    fn kv_unpark(
+        &mut self,
+        seq: u32,
+        session: u64,
+        tokens: &[u32],
+        len: u32,
+    ) -> Result<WorkerResponse, RequestError> {
+        let s = self.seqs.check_seq(seq)?;
+        let not = WorkerResponse::NotRestored { seq };
+        let rm = self.ctx.kv_cache_seq_rm(seq as i32, None, None);
+        self.changed(s);
+        rm.map_err(|e| RequestError::Clear {
+            seq,
+            reason: e.to_string(),
+        })?;
+        let Some(park) = &self.park else {
+            return Ok(not);
+        };
+        let path = park.path(session);
+        let (head, state) = match super::park::read(&path, park.model()) {
+            Ok(x) => x,
+            Err(e) => {
+                log::warn!(
+                    "park artifact {} unusable ({e}); prefilling instead",
+                    path.display()
+                );
+                return Ok(not);
+            }
+        };
+        if head.tokens != tokens || len as usize > tokens.len() {
+            log::warn!(
+                "park artifact {} holds other tokens; prefilling instead",
+                path.display()
+            );
+            return Ok(not);
+        }
+        // SAFETY: the bytes are what llama.cpp's state_seq_get_data_ext wrote for this model
+        // (identity digest) and KV type, verified by their sha256 before this call.
+        let ok = unsafe {
+            self.ctx.state_seq_set_data_ext(
+                &state,
+                seq as i32,
+                llama_cpp_2::LlamaStateSeqFlags::empty(),
+            )
+        };
+        let trim = if ok && (len as usize) < tokens.len() {
+            self.ctx.kv_cache_seq_rm(seq as i32, Some(len), None)
+        } else {
+            Ok(())
+        };
+        self.changed(s);
+        if !ok || trim.is_err() || self.seqs.lens()[s] != len {
+            log::warn!(
+                "park artifact {} did not restore; prefilling instead",
+                path.display()
+            );
+            let _ = self.ctx.kv_cache_seq_rm(seq as i32, None, None);
+            self.changed(s);
+            return Ok(not);
+        }
+        // Used: the budget deletes it last.
+        if let Ok(f) = std::fs::File::options().write(true).open(&path) {
+            let _ = f.set_modified(std::time::SystemTime::now());
         }
         Ok(WorkerResponse::Done)
     }
