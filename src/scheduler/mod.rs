@@ -148,6 +148,8 @@ pub enum GenEvent {
     /// It got a sequence; `warm_prefix` prompt tokens came from the KV, and
     /// `evicted` cached tokens were dropped to make way for it (cells that
     /// no longer matched its prompt, and idle sequences cleared for room).
+    /// A restore from host memory or a park artifact that fails in the
+    /// worker sends it again, with the warm prefix it really got (0).
     Started {
         gen: GenId,
         warm_prefix: u64,

@@ -218,18 +218,28 @@ impl SchedulerState {
     /// the step was refused untouched): the generation on it prefills its
     /// prompt instead, on the next step.
     fn not_restored(&mut self, seq: u32) -> Vec<GenEvent> {
-        log::warn!("sequence {seq} could not be restored from host memory; prefilling it");
-        if let Some(s) = self.seqs.get_mut(seq as usize) {
-            let n = s.resident.len() as u64;
-            s.resident.clear();
-            s.last_draw = None;
-            if let Some(key) = s.restored_from.take() {
-                self.spill.forget(key);
-            }
-            self.stats.warm_tokens = self.stats.warm_tokens.saturating_sub(n);
-            self.stats.restored_tokens = self.stats.restored_tokens.saturating_sub(n);
+        // The worker logged why (one warning); the generation prefills.
+        log::debug!("sequence {seq} was not restored; prefilling it");
+        let Some(s) = self.seqs.get_mut(seq as usize) else {
+            return vec![];
+        };
+        let n = s.resident.len() as u64;
+        s.resident.clear();
+        s.last_draw = None;
+        if let Some(key) = s.restored_from.take() {
+            self.spill.forget(key);
         }
-        vec![]
+        self.stats.warm_tokens = self.stats.warm_tokens.saturating_sub(n);
+        self.stats.restored_tokens = self.stats.restored_tokens.saturating_sub(n);
+        // Its owner hears the warm prefix it really got.
+        match s.active {
+            Some(gen) => vec![GenEvent::Started {
+                gen,
+                warm_prefix: 0,
+                evicted: 0,
+            }],
+            None => vec![],
+        }
     }
 
     /// The worker's cache had no room for the step (it rolled the step back,

@@ -1315,6 +1315,17 @@ fn a_failed_restore_prefills_and_draws_the_same() {
     let (g, events, history, prefilled) = five_then_first_again(&mut s, &mut w, 3, false);
     assert!(finish_of(&events, g).is_some());
     assert_eq!(s.stats().restored_tokens, 0);
+    // Its owner heard the restore planned, then the warm prefix it got.
+    let started: Vec<u64> = events
+        .iter()
+        .filter_map(|e| match e {
+            GenEvent::Started {
+                gen, warm_prefix, ..
+            } if *gen == g => Some(*warm_prefix),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(started, vec![history as u64, 0]);
     // All of turn 2 was prefilled.
     assert_eq!(prefilled, history as u64 + 4);
     let mut big = SchedulerState::new(FAKE_N_CTX, 8, 512);

@@ -140,3 +140,118 @@ fn a_conversation_evicted_beyond_parallel_comes_back_from_host_memory() {
          from host memory {spill_ms:.0} ms, resident {resident_ms:.0} ms, prefilled {cold_ms:.0} ms"
     );
 }
+
+/// A session of ~300 tokens, one turn, on a daemon with `--park`; returns
+/// the daemon (stopped) and the session.
+fn parked_session(d: &mut TestDaemon) -> SessionId {
+    d.spawn_and_wait();
+    let mut c = d.client();
+    let s = created(
+        &mut c,
+        Request::Create {
+            parent: None,
+            params: params(1),
+        },
+    );
+    say(&mut c, s, &long_message(9));
+    generate(&mut c, s, 8);
+    say(&mut c, s, "And the lightest?");
+    d.stop();
+    s
+}
+
+fn park_daemon() -> TestDaemon {
+    let mut d = TestDaemon::new();
+    d.extra_args = [
+        "--park",
+        "--ctx-size",
+        "2048",
+        "--parallel",
+        "2",
+        "--threads",
+        "2",
+    ]
+    .iter()
+    .map(|a| a.to_string())
+    .collect();
+    d
+}
+
+#[test]
+fn park_restores_a_session_after_a_restart_and_a_bad_artifact_prefills() {
+    let mut d = park_daemon();
+    let s = parked_session(&mut d);
+    let artifact = |dir: &std::path::Path| dir.join("park").join(format!("{s}.park"));
+    let sealed = std::fs::read(artifact(&d.sessions)).expect("the artifact was sealed");
+    assert!(sealed.len() > 124 + 300 * 4);
+    // Copies of the sessions dir as sealed: no artifact, a flipped bit in
+    // the state, a truncated file. Each resumes cold, with the same reply.
+    let variants: Vec<(&str, TestDaemon)> = ["none", "flip", "truncate"]
+        .into_iter()
+        .map(|what| {
+            let mut copy = TestDaemon::new();
+            copy_dir(&d.sessions, &copy.sessions);
+            let p = artifact(&copy.sessions);
+            let mut bytes = sealed.clone();
+            match what {
+                "none" => std::fs::remove_file(&p).unwrap(),
+                "flip" => {
+                    let at = bytes.len() - 1000;
+                    bytes[at] ^= 0x10;
+                    std::fs::write(&p, &bytes).unwrap();
+                }
+                _ => {
+                    bytes.truncate(bytes.len() / 2);
+                    std::fs::write(&p, &bytes).unwrap();
+                }
+            }
+            copy.extra_args = d.extra_args.clone();
+            (what, copy)
+        })
+        .collect();
+
+    // Restart with the artifact: the history comes from disk.
+    d.spawn_and_wait();
+    let t = Instant::now();
+    let (warm, reply, _) = generate(&mut d.client(), s, 24);
+    let park_ms = t.elapsed().as_secs_f64() * 1e3;
+    d.stop();
+    assert!(warm > 300, "warm_prefix {warm} after a restart with --park");
+
+    for (what, mut copy) in variants {
+        copy.spawn_and_wait();
+        let t = Instant::now();
+        let (w, r, _) = generate(&mut copy.client(), s, 24);
+        let cold_ms = t.elapsed().as_secs_f64() * 1e3;
+        copy.stop();
+        assert!(w < 50, "{what}: warm_prefix {w}");
+        assert_eq!(r, reply, "{what}: the reply differs from the parked one");
+        if what != "none" {
+            let log = copy.stderr();
+            assert_eq!(
+                log.matches("unusable").count(),
+                1,
+                "{what}: not one warning in\n{log}"
+            );
+        } else {
+            eprintln!(
+                "park: {} bytes for {warm} tokens ({} a token); turn after a restart {park_ms:.0} ms with the artifact, {cold_ms:.0} ms without",
+                sealed.len(),
+                sealed.len() as u64 / warm.max(1)
+            );
+        }
+    }
+}
+
+fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        let dst = to.join(e.file_name());
+        if e.file_type().unwrap().is_dir() {
+            copy_dir(&e.path(), &dst);
+        } else {
+            std::fs::copy(e.path(), dst).unwrap();
+        }
+    }
+}
