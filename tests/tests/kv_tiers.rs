@@ -93,10 +93,19 @@ fn five_then_first(args: &[&str]) -> (TestDaemon, u64, Vec<Token>, f64) {
         })
         .collect();
     say(&mut c, sessions[0], "And the lightest?");
-    let t = Instant::now();
-    let (warm, reply, _) = generate(&mut c, sessions[0], 24);
-    let ms = t.elapsed().as_secs_f64() * 1e3;
+    let (warm, reply, ms) = timed_turn(&mut c, sessions[0]);
     (d, warm, reply, ms)
+}
+
+/// A 24-token turn as a first token (timed: the time to first token,
+/// prefill or restore included) then the 23 others (a cut turn continued
+/// draws what the uncut one does): (warm_prefix, reply, ms to first token).
+fn timed_turn(c: &mut Client, s: SessionId) -> (u64, Vec<Token>, f64) {
+    let t = Instant::now();
+    let (warm, mut reply, _) = generate(c, s, 1);
+    let ttft_ms = t.elapsed().as_secs_f64() * 1e3;
+    reply.extend(generate(c, s, 23).1);
+    (warm, reply, ttft_ms)
 }
 
 #[test]
@@ -136,7 +145,7 @@ fn a_conversation_evicted_beyond_parallel_comes_back_from_host_memory() {
     assert!(warm3 < 50, "warm_prefix {warm3} without the tier");
     assert_eq!(reply, reply3);
     eprintln!(
-        "turn 2 of an evicted conversation ({warm} tokens of history): \
+        "turn 2 of an evicted conversation ({warm} tokens of history), time to first token: \
          from host memory {spill_ms:.0} ms, resident {resident_ms:.0} ms, prefilled {cold_ms:.0} ms"
     );
 }
@@ -212,17 +221,13 @@ fn park_restores_a_session_after_a_restart_and_a_bad_artifact_prefills() {
 
     // Restart with the artifact: the history comes from disk.
     d.spawn_and_wait();
-    let t = Instant::now();
-    let (warm, reply, _) = generate(&mut d.client(), s, 24);
-    let park_ms = t.elapsed().as_secs_f64() * 1e3;
+    let (warm, reply, park_ms) = timed_turn(&mut d.client(), s);
     d.stop();
     assert!(warm > 300, "warm_prefix {warm} after a restart with --park");
 
     for (what, mut copy) in variants {
         copy.spawn_and_wait();
-        let t = Instant::now();
-        let (w, r, _) = generate(&mut copy.client(), s, 24);
-        let cold_ms = t.elapsed().as_secs_f64() * 1e3;
+        let (w, r, cold_ms) = timed_turn(&mut copy.client(), s);
         copy.stop();
         assert!(w < 50, "{what}: warm_prefix {w}");
         assert_eq!(r, reply, "{what}: the reply differs from the parked one");
@@ -235,7 +240,7 @@ fn park_restores_a_session_after_a_restart_and_a_bad_artifact_prefills() {
             );
         } else {
             eprintln!(
-                "park: {} bytes for {warm} tokens ({} a token); turn after a restart {park_ms:.0} ms with the artifact, {cold_ms:.0} ms without",
+                "park: {} bytes for {warm} tokens ({} a token); time to first token after a restart {park_ms:.0} ms with the artifact, {cold_ms:.0} ms without",
                 sealed.len(),
                 sealed.len() as u64 / warm.max(1)
             );
