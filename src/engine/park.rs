@@ -278,6 +278,12 @@ impl Parker {
     /// directory within `budget_bytes` (0: unbounded).
     pub fn new(dir: PathBuf, gguf: &Path, budget_bytes: u64) -> std::io::Result<Parker> {
         std::fs::create_dir_all(&dir)?;
+        // Temp files a killed writer left: never in use, removed.
+        for e in std::fs::read_dir(&dir)?.filter_map(|e| e.ok()) {
+            if e.file_name().to_string_lossy().ends_with(".park.tmp") {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
         let model = model_identity(gguf)?;
         let (tx, rx) = std::sync::mpsc::sync_channel::<Sealed>(PARK_QUEUE);
         let queued = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));

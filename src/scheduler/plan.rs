@@ -209,7 +209,7 @@ impl SchedulerState {
                 .spill
                 .longest(&prompt)
                 .map(|(key, n)| (key, n.min(prompt.len() - 1)))
-                .filter(|&(_, n)| n > keep);
+                .filter(|&(key, n)| self.spill.worth_restoring(key, n, keep));
             let old = self.seqs[dst].resident.clone();
             // What dst held is dropped (past what it keeps): spill it first,
             // unless it is this session's own history being rewritten.

@@ -133,6 +133,16 @@ impl SpillIndex {
             .any(|e| e.disk == Some(session) && e.tokens == tokens)
     }
 
+    /// Whether restoring `n` tokens of `key` beats a prefill from `keep`:
+    /// at least `min_tokens` more than the cells hold, and for a park
+    /// artifact (read whole from disk) at least half of it.
+    pub fn worth_restoring(&self, key: u64, n: usize, keep: usize) -> bool {
+        let Some(e) = self.entries.get(&key) else {
+            return false;
+        };
+        n > keep && n - keep >= self.min_tokens && (e.disk.is_none() || 2 * n >= e.tokens.len())
+    }
+
     /// For a restore from `key`: its tokens and where they come from. A
     /// host-memory entry leaves the index (and the store); a park artifact
     /// stays.
@@ -386,5 +396,25 @@ mod tests {
         assert_eq!(ix.sized(b, 1000), vec![a]);
         assert_eq!(ix.clear(), vec![b]);
         assert_eq!(ix.bytes(), 0);
+    }
+
+    #[test]
+    fn a_restore_must_gain_enough_and_an_artifact_must_be_half_used() {
+        let mut ix = SpillIndex::new(1 << 30).with_min_tokens(8);
+        let (mem, _) = ix.insert(&toks(0..100), false).unwrap();
+        assert!(ix.worth_restoring(mem, 20, 12));
+        assert!(!ix.worth_restoring(mem, 19, 12));
+        ix.add_parked(5, &toks(1000..1100));
+        let disk = ix.longest(&toks(1000..1010)).unwrap().0;
+        // A rewritten history sharing a tenth of the artifact: prefilled.
+        assert!(!ix.worth_restoring(disk, 10, 0));
+        assert!(ix.worth_restoring(disk, 50, 0));
+        // Parked entries survive a cleared host tier and take no memory.
+        assert_eq!(ix.clear(), vec![mem]);
+        assert_eq!((ix.len(), ix.parked(), ix.bytes()), (0, 1, 0));
+        // A new seal of the session replaces its entry.
+        ix.add_parked(5, &toks(1000..1200));
+        assert_eq!(ix.parked(), 1);
+        assert_eq!(ix.longest(&toks(1000..1300)).map(|x| x.1), Some(200));
     }
 }

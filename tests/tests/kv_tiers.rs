@@ -195,7 +195,7 @@ fn park_restores_a_session_after_a_restart_and_a_bad_artifact_prefills() {
     assert!(sealed.len() > 124 + 300 * 4);
     // Copies of the sessions dir as sealed: no artifact, a flipped bit in
     // the state, a truncated file. Each resumes cold, with the same reply.
-    let variants: Vec<(&str, TestDaemon)> = ["none", "flip", "truncate"]
+    let variants: Vec<(&str, TestDaemon)> = ["none", "flip", "truncate", "rebase", "rebase-none"]
         .into_iter()
         .map(|what| {
             let mut copy = TestDaemon::new();
@@ -203,7 +203,8 @@ fn park_restores_a_session_after_a_restart_and_a_bad_artifact_prefills() {
             let p = artifact(&copy.sessions);
             let mut bytes = sealed.clone();
             match what {
-                "none" => std::fs::remove_file(&p).unwrap(),
+                "none" | "rebase-none" => std::fs::remove_file(&p).unwrap(),
+                "rebase" => {}
                 "flip" => {
                     let at = bytes.len() - 1000;
                     bytes[at] ^= 0x10;
@@ -225,8 +226,19 @@ fn park_restores_a_session_after_a_restart_and_a_bad_artifact_prefills() {
     d.stop();
     assert!(warm > 300, "warm_prefix {warm} after a restart with --park");
 
+    let mut rebased = Vec::new();
     for (what, mut copy) in variants {
         copy.spawn_and_wait();
+        if what.starts_with("rebase") {
+            // A rebased branch (its first message rewritten) shares only the
+            // template's opening with the artifact: cold, and correct.
+            let b = rebase_first_message(&mut copy.client(), s, "Name three colours.");
+            let (w, r, _) = timed_turn(&mut copy.client(), b);
+            copy.stop();
+            assert!(w < 50, "{what}: warm_prefix {w}");
+            rebased.push(r);
+            continue;
+        }
         let (w, r, cold_ms) = timed_turn(&mut copy.client(), s);
         copy.stop();
         assert!(w < 50, "{what}: warm_prefix {w}");
@@ -246,6 +258,50 @@ fn park_restores_a_session_after_a_restart_and_a_bad_artifact_prefills() {
             );
         }
     }
+    // The rebased branch replies the same with the parent's artifact on
+    // disk as without it.
+    assert_eq!(rebased.len(), 2);
+    assert_eq!(rebased[0], rebased[1]);
+}
+
+/// Rebases `s` with its first user message replaced by `text`; returns the
+/// branch.
+fn rebase_first_message(c: &mut Client, s: SessionId, text: &str) -> SessionId {
+    let Response::Events { events } = c
+        .call(&Request::Read {
+            session: s,
+            cursor: 0,
+        })
+        .unwrap()
+    else {
+        panic!("Read");
+    };
+    let first = events
+        .iter()
+        .find(|e| {
+            matches!(
+                &e.body,
+                Record::Message {
+                    role: Role::User,
+                    ..
+                }
+            )
+        })
+        .expect("a user message")
+        .event_id;
+    created(
+        c,
+        Request::Rebase {
+            session: s,
+            edits: vec![superfluid::wire::Edit::Replace {
+                from: first,
+                to: first + 1,
+                role: Role::User.into(),
+                text: text.into(),
+            }],
+            params: None,
+        },
+    )
 }
 
 fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
