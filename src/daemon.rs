@@ -19,6 +19,7 @@ use crate::engine::EngineError;
 use crate::frontend::socket::{SocketError, SocketId};
 use crate::http::compat::ModelInfo;
 use crate::http::{StartError, WebConfig};
+use crate::scheduler::spill::SpillIndex;
 use crate::scheduler::SchedulerState;
 use crate::session::{ChatMessage, Render, RenderError, RenderedConversation, SessionBook};
 use crate::store::{self, DirLock, OpenMode, StoreError, WalWriter};
@@ -60,6 +61,48 @@ pub struct ServeConfig {
     pub web: Option<crate::http::WebConfig>,
     /// `--sub-buffer`: events a subscription may queue before it is lagged.
     pub sub_buffer: usize,
+    /// `--cache-ram-mb`: the host-memory tier's budget in MiB (0: off).
+    pub cache_ram_mb: u64,
+    /// `--park` with `--park-budget-gb` (0: unbounded); None: off.
+    pub park_budget_gb: Option<u64>,
+}
+
+/// `--park-budget-gb` default.
+pub const DEFAULT_PARK_BUDGET_GB: u64 = 20;
+
+/// The park directory of a sessions directory.
+pub fn park_dir(sessions: &Path) -> PathBuf {
+    sessions.join("park")
+}
+
+/// The park artifacts in `dir` usable with the model at `model`: (session,
+/// token ids) for each, headers checked (the state is checked when it is
+/// restored). One warning for each that is not.
+pub fn scan_parked(dir: &Path, model: &Path) -> Vec<(u64, Vec<crate::wire::Token>)> {
+    use crate::engine::park;
+    let Ok(identity) = park::model_identity(model) else {
+        return vec![];
+    };
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return vec![];
+    };
+    let mut out = Vec::new();
+    for p in rd.filter_map(|e| e.ok()).map(|e| e.path()) {
+        let Some(session) = park::session_of(&p) else {
+            continue;
+        };
+        let head = std::fs::File::open(&p)
+            .map_err(park::ParkError::from)
+            .and_then(|mut f| park::read_head(&mut f, &identity));
+        match head {
+            Ok(h) => out.push((session, h.tokens)),
+            Err(e) => log::warn!(
+                "park artifact {} unusable ({e}); that session prefills",
+                p.display()
+            ),
+        }
+    }
+    out
 }
 
 /// How long shutdown waits for subscriptions to send their last frame.
@@ -71,6 +114,23 @@ pub const DEFAULT_CTX_SIZE: u32 = 8192;
 pub const DEFAULT_PARALLEL: u32 = 4;
 /// `--batch` default: the most tokens one decode call takes.
 pub const DEFAULT_BATCH: u32 = 512;
+
+/// The most `--cache-ram-mb` defaults to (llama-server's default too).
+pub const CACHE_RAM_MB_CAP: u64 = 8192;
+
+/// `--cache-ram-mb` default: [`CACHE_RAM_MB_CAP`], at most half the
+/// machine's memory (`MemTotal` in /proc/meminfo; the cap when unreadable).
+pub fn default_cache_ram_mb() -> u64 {
+    let total_kb = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+        m.lines()
+            .find_map(|l| l.strip_prefix("MemTotal:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+    });
+    match total_kb {
+        Some(kb) => CACHE_RAM_MB_CAP.min(kb / 1024 / 2),
+        None => CACHE_RAM_MB_CAP,
+    }
+}
 
 /// `--threads` default: every core the machine has.
 pub fn default_threads() -> u32 {
@@ -307,9 +367,19 @@ pub fn start_actors(
             model: config.model.clone(),
             worker: w.clone(),
             exe,
+            cache_ram_mb: config.cache_ram_mb,
+            park: config
+                .park_budget_gb
+                .map(|gb| (park_dir(&config.sessions), gb)),
         },
         SchedulerState::new(w.n_ctx, w.n_seq, w.n_batch)
             .with_pin_budget_pct(config.pin_budget_pct)
+            .with_spill(SpillIndex::new(config.cache_ram_mb.saturating_mul(1 << 20)))
+            .with_park_if(
+                config
+                    .park_budget_gb
+                    .map(|_| scan_parked(&park_dir(&config.sessions), &config.model)),
+            )
             .with_n_vocab(render.n_vocab()),
     );
     Shared {

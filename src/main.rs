@@ -48,6 +48,15 @@ struct Worker {
     /// CPU threads.
     #[arg(long)]
     threads: u32,
+    /// Cap of the host-memory store of spilled sequences, in MiB.
+    #[arg(long, default_value_t = 0)]
+    cache_ram_mb: u64,
+    /// Seal sessions' KV into this directory (`--park`).
+    #[arg(long)]
+    park_dir: Option<PathBuf>,
+    /// The park directory's size bound in GiB (0: unbounded).
+    #[arg(long, default_value_t = 0)]
+    park_budget_gb: u64,
 }
 
 #[derive(clap::Args)]
@@ -64,13 +73,24 @@ struct Serve {
     /// begin a fresh one at every start.
     #[arg(long, conflicts_with = "park")]
     sessions_cache: bool,
-    /// Seal finishing sessions' KV to <sessions>/park (not available yet).
+    /// Seal a session's KV to <sessions>/park/<session>.park when its
+    /// generation ends, and restore it for its next generation (also after
+    /// a restart) instead of a prefill.
     #[arg(long)]
     park: bool,
+    /// Size bound of the park directory in GiB, least recently used
+    /// artifacts deleted past it; 0 is unbounded.
+    #[arg(long, value_name = "GIB", default_value_t = daemon::DEFAULT_PARK_BUDGET_GB)]
+    park_budget_gb: u64,
     /// KV cells shared by the lane's sequences.
     #[arg(long, default_value_t = daemon::DEFAULT_CTX_SIZE,
           value_parser = clap::value_parser!(u32).range(64..=1 << 20))]
     ctx_size: u32,
+    /// Host memory for KV evicted from the cells (spilled sequences, imported
+    /// back when a prompt reuses their prefix), in MiB; 0 turns it off.
+    /// [default: 8192, at most half the machine's memory]
+    #[arg(long, value_name = "MIB", value_parser = clap::value_parser!(u64).range(0..=1 << 24))]
+    cache_ram_mb: Option<u64>,
     /// Sequences decoded together (continuous batching).
     #[arg(long, default_value_t = daemon::DEFAULT_PARALLEL,
           value_parser = clap::value_parser!(u32).range(1..=256))]
@@ -151,31 +171,28 @@ fn main() {
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
-        Command::Serve(s) => {
-            if s.park {
-                anyhow::bail!("--park is not available yet: this daemon does not seal KV to disk");
-            }
-            daemon::serve(ServeConfig {
-                model: s.model,
-                sessions: s.sessions.unwrap_or_else(daemon::default_sessions_dir),
-                socket: s.socket.unwrap_or_else(daemon::default_socket),
-                sessions_cache: s.sessions_cache,
-                pin_budget_pct: s.pin_budget_pct,
-                worker: superfluid::wire::worker::WorkerConfig {
-                    n_ctx: s.ctx_size,
-                    n_seq: s.parallel,
-                    n_batch: s.batch.min(s.ctx_size),
-                    threads: s.threads.unwrap_or_else(daemon::default_threads),
-                },
-                web: s.web.map(|addr| superfluid::http::WebConfig {
-                    addr,
-                    origins: s.web_origin,
-                    api_key: s.api_key,
-                }),
-                sub_buffer: s.sub_buffer,
-            })
-            .map_err(Into::into)
-        }
+        Command::Serve(s) => daemon::serve(ServeConfig {
+            model: s.model,
+            sessions: s.sessions.unwrap_or_else(daemon::default_sessions_dir),
+            socket: s.socket.unwrap_or_else(daemon::default_socket),
+            sessions_cache: s.sessions_cache,
+            pin_budget_pct: s.pin_budget_pct,
+            worker: superfluid::wire::worker::WorkerConfig {
+                n_ctx: s.ctx_size,
+                n_seq: s.parallel,
+                n_batch: s.batch.min(s.ctx_size),
+                threads: s.threads.unwrap_or_else(daemon::default_threads),
+            },
+            web: s.web.map(|addr| superfluid::http::WebConfig {
+                addr,
+                origins: s.web_origin,
+                api_key: s.api_key,
+            }),
+            sub_buffer: s.sub_buffer,
+            cache_ram_mb: s.cache_ram_mb.unwrap_or_else(daemon::default_cache_ram_mb),
+            park_budget_gb: s.park.then_some(s.park_budget_gb),
+        })
+        .map_err(Into::into),
         Command::Worker(w) => superfluid::engine::worker::run(
             &w.model,
             superfluid::wire::worker::WorkerConfig {
@@ -184,6 +201,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 n_batch: w.batch,
                 threads: w.threads,
             },
+            w.cache_ram_mb.saturating_mul(1 << 20),
+            w.park_dir
+                .map(|d| (d, w.park_budget_gb.saturating_mul(1 << 30))),
         )
         .map_err(Into::into),
         Command::Session(SessionCommand::Inspect {

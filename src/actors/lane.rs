@@ -153,6 +153,10 @@ pub struct LaneConfig {
     pub worker: WorkerConfig,
     /// The `superfluid` executable (normally the running one).
     pub exe: PathBuf,
+    /// `--cache-ram-mb`: the cap of the worker's host-memory store, in MiB.
+    pub cache_ram_mb: u64,
+    /// `--park`: the park directory and `--park-budget-gb`.
+    pub park: Option<(PathBuf, u64)>,
 }
 
 type Reply = oneshot::Sender<Result<WorkerResponse, LaneError>>;
@@ -243,6 +247,16 @@ impl LaneActor {
             .args(["--parallel", &w.n_seq.to_string()])
             .args(["--batch", &w.n_batch.to_string()])
             .args(["--threads", &w.threads.to_string()])
+            .args(["--cache-ram-mb", &self.config.cache_ram_mb.to_string()])
+            .args(match &self.config.park {
+                Some((dir, gb)) => vec![
+                    "--park-dir".into(),
+                    dir.clone().into_os_string(),
+                    "--park-budget-gb".into(),
+                    gb.to_string().into(),
+                ],
+                None => vec![],
+            })
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

@@ -265,6 +265,20 @@ fn counters(stats: crate::scheduler::Stats) -> String {
     );
     metric(
         &mut out,
+        "superfluid_kv_spilled_bytes",
+        "gauge",
+        "Bytes of sequence state the host-memory tier holds (--cache-ram-mb).",
+        stats.spilled_bytes,
+    );
+    metric(
+        &mut out,
+        "superfluid_kv_restored_tokens_total",
+        "counter",
+        "Prompt tokens imported from the host-memory tier instead of a prefill.",
+        stats.restored_tokens,
+    );
+    metric(
+        &mut out,
         "superfluid_prefill_tokens_total",
         "counter",
         "Prompt tokens the worker decoded (prefill), drawn tokens not counted.",

@@ -21,6 +21,7 @@
 
 pub mod backend;
 pub mod exec;
+pub mod park;
 pub mod render;
 pub mod sample;
 pub mod template;
@@ -47,6 +48,9 @@ pub fn default_model_path() -> Option<PathBuf> {
 /// Everything that can go wrong in the engine layer.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
+    /// `--park`: the park directory or the model's identity could not be set up.
+    #[error("cannot set up parking: {0}")]
+    Park(std::io::Error),
     /// llama.cpp's JSON-schema-to-grammar converter refused a schema.
     #[error("{0}")]
     SchemaToGrammar(String),

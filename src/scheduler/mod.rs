@@ -43,6 +43,7 @@
 pub mod pipeline;
 mod plan;
 mod reply;
+pub mod spill;
 mod step;
 #[cfg(test)]
 mod tests;
@@ -55,6 +56,7 @@ use crate::wire::worker::{DrawExtras, Drawn, WorkerRequest};
 use crate::wire::{
     ExtrasError, Finish, Params, QosClass, SampleExtras, SessionId, Token, TokenLogprob,
 };
+use spill::SpillIndex;
 
 /// `--pin-budget-pct` default.
 pub const DEFAULT_PIN_BUDGET_PCT: u32 = 50;
@@ -102,6 +104,10 @@ pub enum StepError {
     /// The lane or the worker failed it; every generation fails with this text.
     #[error("{0}")]
     Failed(String),
+    /// A `KvRestore` of the step found nothing to restore or no room: the
+    /// sequence is empty, and its generation prefills instead.
+    #[error("sequence {seq} was not restored from host memory")]
+    NotRestored { seq: u32 },
 }
 
 /// A generation asking to run.
@@ -142,6 +148,8 @@ pub enum GenEvent {
     /// It got a sequence; `warm_prefix` prompt tokens came from the KV, and
     /// `evicted` cached tokens were dropped to make way for it (cells that
     /// no longer matched its prompt, and idle sequences cleared for room).
+    /// A restore from host memory or a park artifact that fails in the
+    /// worker sends it again, with the warm prefix it really got (0).
     Started {
         gen: GenId,
         warm_prefix: u64,
@@ -192,6 +200,9 @@ struct Seq {
     /// A pin left by the generation that ended on it (`Admit::pin`):
     /// (deadline in unix ms, when it was pinned, tokens it counts).
     pin: Option<(u64, u64, usize)>,
+    /// The index entry its cells were last restored from (forgotten if the
+    /// restore fails).
+    restored_from: Option<u64>,
 }
 
 #[derive(Debug, Clone)]
@@ -240,6 +251,18 @@ pub struct Stats {
     /// KV cells in use: tokens resident across sequences, as the scheduler
     /// models them (filled in by `stats`, not counted).
     pub kv_cells_used: u64,
+    /// Prompt tokens imported from the host-memory tier (part of
+    /// `warm_tokens`).
+    pub restored_tokens: u64,
+    /// Sequences exported to the host-memory tier, and imported back.
+    pub spills: u64,
+    pub restores: u64,
+    /// Bytes the host-memory tier holds, and its entries (filled in by
+    /// `stats`).
+    pub spilled_bytes: u64,
+    pub spilled_entries: u64,
+    /// Park artifacts sealed (`--park`).
+    pub parks: u64,
 }
 
 /// The scheduler of one lane.
@@ -275,6 +298,14 @@ pub struct SchedulerState {
     /// The vocabulary size, when known: `logit_bias` ids are checked
     /// against it at admission.
     n_vocab: Option<u32>,
+    /// The host-memory tier's index (`--cache-ram-mb`; off by default).
+    spill: SpillIndex,
+    /// Keys the index forgot when the lane failed, for the worker to drop
+    /// (a worker that died has none of them; one that failed a request
+    /// still does).
+    spill_orphans: Vec<u64>,
+    /// `--park`: seal a session's sequence to disk when its generation ends.
+    park: bool,
 }
 
 impl SchedulerState {
@@ -296,7 +327,36 @@ impl SchedulerState {
             pin_budget_pct: DEFAULT_PIN_BUDGET_PCT,
             clock_ms: 0,
             n_vocab: None,
+            spill: SpillIndex::new(0),
+            spill_orphans: Vec::new(),
+            park: false,
         }
+    }
+
+    /// [`with_park`](Self::with_park) when `parked` is Some.
+    pub fn with_park_if(self, parked: Option<Vec<(SessionId, Vec<Token>)>>) -> SchedulerState {
+        match parked {
+            Some(p) => self.with_park(p),
+            None => self,
+        }
+    }
+
+    /// `--park`: when a generation of a session (not a stateless one) ends,
+    /// the worker seals its sequence to the session's park artifact, and the
+    /// index learns it (`parked` adds the artifacts found at start).
+    pub fn with_park(mut self, parked: Vec<(SessionId, Vec<Token>)>) -> SchedulerState {
+        self.park = true;
+        for (session, tokens) in parked {
+            self.spill.add_parked(session, &tokens);
+        }
+        self
+    }
+
+    /// The host-memory tier: sequences evicted from the KV cells are kept
+    /// in the worker's host memory under this index (`--cache-ram-mb`).
+    pub fn with_spill(mut self, index: SpillIndex) -> SchedulerState {
+        self.spill = index;
+        self
     }
 
     /// The model's vocabulary size: admission refuses `logit_bias` ids
@@ -403,6 +463,8 @@ impl SchedulerState {
     pub fn stats(&self) -> Stats {
         Stats {
             kv_cells_used: self.seqs.iter().map(|s| s.resident.len() as u64).sum(),
+            spilled_bytes: self.spill.bytes(),
+            spilled_entries: self.spill.len() as u64,
             ..self.stats
         }
     }

@@ -30,6 +30,8 @@ pub struct StepOutput {
     pub drawn: Vec<Drawn>,
     pub tokens: u64,
     pub decode_us: u64,
+    /// The worker's `Spilled` replies: (key, bytes stored).
+    pub spilled: Vec<(u64, u64)>,
 }
 
 /// A step's outcome.
@@ -48,12 +50,12 @@ impl StepOutput {
                     tokens,
                     decode_us,
                 } => {
-                    out = StepOutput {
-                        drawn,
-                        tokens: u64::from(tokens),
-                        decode_us,
-                    }
+                    out.drawn = drawn;
+                    out.tokens = u64::from(tokens);
+                    out.decode_us = decode_us;
                 }
+                WorkerResponse::Spilled { key, bytes } => out.spilled.push((key, bytes)),
+                WorkerResponse::NotRestored { seq } => return Err(StepError::NotRestored { seq }),
                 WorkerResponse::Err { message } => return Err(StepError::Failed(message)),
                 WorkerResponse::KvFull { .. } => return Err(StepError::KvFull),
                 other => {
@@ -169,6 +171,7 @@ impl Pipeline {
             let failed = result.is_err();
             let result = result.map(|out| {
                 state.note_decode(out.tokens, out.decode_us);
+                state.note_spilled(&out.spilled);
                 out.drawn
             });
             events.extend(state.step_done(&step, result));

@@ -4,7 +4,7 @@
 //! flight (`follow`).
 
 use super::{
-    GenEvent, GenId, SchedulerState, Seq, Step, FOLLOW_STEPS, NO_SESSION, WAIT_MIN_SHARED,
+    spill, GenEvent, GenId, SchedulerState, Seq, Step, FOLLOW_STEPS, NO_SESSION, WAIT_MIN_SHARED,
 };
 use crate::wire::worker::{DecodeItem, NextItem, Sample, WorkerRequest};
 use crate::wire::QosClass;
@@ -18,7 +18,7 @@ impl SchedulerState {
     /// Which sequences pins protect now: session pins (`pin`) and the
     /// prefix pins generations left (`Admit::pin`), the newest first while
     /// they fit the pin budget; older ones yield.
-    fn protected(&self) -> Vec<bool> {
+    pub(super) fn protected(&self) -> Vec<bool> {
         let now = self.clock_ms;
         let mut pinned: Vec<(u64, usize, u64)> = self
             .seqs
@@ -95,6 +95,24 @@ impl SchedulerState {
         coming > cached && (coming - cached >= WAIT_MIN_SHARED || coming == last)
     }
 
+    /// Before sequence `i`'s cells are dropped: export them to the
+    /// host-memory tier when the index finds them worth keeping (the
+    /// worker first forgets the entries the index drops for them).
+    pub(super) fn spill_seq(&mut self, i: usize, pinned: bool, ops: &mut Vec<WorkerRequest>) {
+        let tokens = &self.seqs[i].resident;
+        let len = tokens.len() as u32;
+        let Some((key, dropped)) = self.spill.insert(tokens, pinned) else {
+            return;
+        };
+        ops.extend(dropped.into_iter().map(|key| WorkerRequest::KvDrop { key }));
+        ops.push(WorkerRequest::KvSpill {
+            seq: i as u32,
+            key,
+            len,
+        });
+        self.stats.spills += 1;
+    }
+
     fn resident_total(&self, except: usize) -> u64 {
         self.seqs
             .iter()
@@ -126,15 +144,19 @@ impl SchedulerState {
             // without a session, the unprotected cached prefix it extends
             // most), else a free one, else the first idle one in eviction
             // order. A protected prefix is copied, not taken.
+            // A cached prefix this generation only shares a start with (a
+            // chat template's opening, a document with another question) is
+            // not its own: it is taken in eviction order like any other, and
+            // the shared part copied from it.
             let own = if session == NO_SESSION {
                 self.seqs
                     .iter()
                     .enumerate()
                     .filter(|(i, s)| idle(s) && s.owner == Some(NO_SESSION) && !protected[*i])
-                    .map(|(i, s)| (lcp(&s.resident, &prompt), i))
-                    .filter(|&(n, _)| n > 0)
+                    .map(|(i, s)| (lcp(&s.resident, &prompt), s.resident.len(), i))
+                    .filter(|&(n, len, _)| n > 0 && n == len)
                     .max()
-                    .map(|(_, i)| i)
+                    .map(|(_, _, i)| i)
             } else {
                 self.seqs
                     .iter()
@@ -181,8 +203,54 @@ impl SchedulerState {
             if busy_cells + prompt.len() as u64 + 1 > self.n_ctx as u64 {
                 continue;
             }
+            // The host-memory tier, when it holds more of the prompt than
+            // any sequence: the state is imported instead of prefilled.
+            let restore = self
+                .spill
+                .longest(&prompt)
+                .map(|(key, n)| (key, n.min(prompt.len() - 1)))
+                .filter(|&(key, n)| self.spill.worth_restoring(key, n, keep));
             let old = self.seqs[dst].resident.clone();
-            if src != dst && keep > own_keep {
+            // What dst held is dropped (past what it keeps): spill it first,
+            // unless it is this session's own history being rewritten.
+            let kept = if restore.is_some() || (src != dst && keep > own_keep) {
+                0
+            } else {
+                own_keep
+            };
+            let own_history = session != NO_SESSION && self.seqs[dst].owner == Some(session);
+            if !own_history && old.len() > kept {
+                self.spill_seq(dst, protected[dst], ops);
+            }
+            // The restore runs after the evictions below (it needs their
+            // room), and briefly holds all of the stored state.
+            let mut restore_op = None;
+            let mut extra = 0u64;
+            if let Some((key, n)) = restore {
+                let (stored, source) = self
+                    .spill
+                    .restore(key)
+                    .unwrap_or((vec![], spill::Source::Memory));
+                let n = n.min(stored.len());
+                extra = stored.len().saturating_sub(n) as u64;
+                restore_op = Some(match source {
+                    spill::Source::Memory => WorkerRequest::KvRestore {
+                        seq: dst as u32,
+                        key,
+                        len: n as u32,
+                    },
+                    spill::Source::Disk { session } => WorkerRequest::KvUnpark {
+                        seq: dst as u32,
+                        session,
+                        tokens: stored.clone(),
+                        len: n as u32,
+                    },
+                });
+                self.seqs[dst].resident = stored[..n].to_vec();
+                self.seqs[dst].restored_from = Some(key);
+                self.stats.restored_tokens += n as u64;
+                self.stats.restores += 1;
+            } else if src != dst && keep > own_keep {
                 ops.push(WorkerRequest::KvCopy {
                     src: src as u32,
                     dst: dst as u32,
@@ -203,7 +271,7 @@ impl SchedulerState {
             let warm = self.seqs[dst].resident.len() as u64;
             let mut evicted = (old.len() - lcp(&old, &self.seqs[dst].resident)) as u64;
             // Make room: evict idle sequences, in eviction order.
-            let need = prompt.len() as u64 + 1 - warm;
+            let need = prompt.len() as u64 + 1 - warm + extra;
             while self.resident_total(usize::MAX) + need > self.n_ctx as u64 {
                 let victim = (0..self.seqs.len())
                     .filter(|&i| {
@@ -213,9 +281,11 @@ impl SchedulerState {
                     .min_by_key(|&i| self.eviction_rank(&protected, i));
                 let Some(v) = victim else { break };
                 evicted += self.seqs[v].resident.len() as u64;
+                self.spill_seq(v, protected[v], ops);
                 ops.push(WorkerRequest::KvClear { seq: v as u32 });
                 self.seqs[v] = Seq::default();
             }
+            ops.extend(restore_op);
             let seq = &mut self.seqs[dst];
             seq.owner = Some(session);
             seq.active = Some(gen);
@@ -238,6 +308,11 @@ impl SchedulerState {
         let mut ops = Vec::new();
         if std::mem::take(&mut self.dirty) {
             ops.extend((0..self.seqs.len() as u32).map(|seq| WorkerRequest::KvClear { seq }));
+            ops.extend(
+                self.spill_orphans
+                    .drain(..)
+                    .map(|key| WorkerRequest::KvDrop { key }),
+            );
         }
         ops.append(&mut self.pending_ops);
         let mut events = Vec::new();

@@ -3,7 +3,7 @@
 //! the youngest generation); a failure (every generation fails, the KV is
 //! forgotten).
 
-use super::{GenEvent, GenId, SchedulerState, Seq, Step, StepError};
+use super::{GenEvent, GenId, SchedulerState, Seq, Step, StepError, NO_SESSION};
 use crate::wire::worker::{Drawn, WorkerRequest};
 use crate::wire::{Finish, Token};
 
@@ -44,6 +44,7 @@ impl SchedulerState {
                 return match e {
                     StepError::KvFull => self.kv_full(step),
                     StepError::Failed(message) => self.fail_all(&message),
+                    StepError::NotRestored { seq } => self.not_restored(seq),
                 };
             }
         };
@@ -168,6 +169,21 @@ impl SchedulerState {
         if let Some(seq) = g.seq {
             let s = &mut self.seqs[seq as usize];
             s.active = None;
+            // `--park`: a session's turn is sealed (stateless ones never).
+            if self.park
+                && g.admit.session != NO_SESSION
+                && !s.resident.is_empty()
+                && self.spill.park_is_new(g.admit.session, &s.resident)
+            {
+                self.pending_ops.push(WorkerRequest::KvPark {
+                    seq,
+                    session: g.admit.session,
+                    tokens: s.resident.clone(),
+                });
+                self.spill.add_parked(g.admit.session, &s.resident);
+                self.stats.parks += 1;
+            }
+            let s = &mut self.seqs[seq as usize];
             // Its prompt and reply stay cached; a prefix pin protects them.
             if let Some(pin) = g.admit.pin {
                 let deadline = self.clock_ms.saturating_add(pin.ttl_ms);
@@ -188,6 +204,44 @@ impl SchedulerState {
         }
     }
 
+    /// The worker's `Spilled` replies: the host-memory index learns the real
+    /// sizes, and the worker drops what no longer fits the budget.
+    pub fn note_spilled(&mut self, spilled: &[(u64, u64)]) {
+        for &(key, bytes) in spilled {
+            let dropped = self.spill.sized(key, bytes);
+            self.pending_ops
+                .extend(dropped.into_iter().map(|key| WorkerRequest::KvDrop { key }));
+        }
+    }
+
+    /// A restore failed (the worker emptied the sequence, and the rest of
+    /// the step was refused untouched): the generation on it prefills its
+    /// prompt instead, on the next step.
+    fn not_restored(&mut self, seq: u32) -> Vec<GenEvent> {
+        // The worker logged why (one warning); the generation prefills.
+        log::debug!("sequence {seq} was not restored; prefilling it");
+        let Some(s) = self.seqs.get_mut(seq as usize) else {
+            return vec![];
+        };
+        let n = s.resident.len() as u64;
+        s.resident.clear();
+        s.last_draw = None;
+        if let Some(key) = s.restored_from.take() {
+            self.spill.forget(key);
+        }
+        self.stats.warm_tokens = self.stats.warm_tokens.saturating_sub(n);
+        self.stats.restored_tokens = self.stats.restored_tokens.saturating_sub(n);
+        // Its owner hears the warm prefix it really got.
+        match s.active {
+            Some(gen) => vec![GenEvent::Started {
+                gen,
+                warm_prefix: 0,
+                evicted: 0,
+            }],
+            None => vec![],
+        }
+    }
+
     /// The worker's cache had no room for the step (it rolled the step back,
     /// so every sequence holds what it held before). Our count of cells is
     /// conservative (copied prefixes share cells in llama.cpp), so the worker
@@ -198,11 +252,14 @@ impl SchedulerState {
             .filter(|&i| self.seqs[i].active.is_none() && !self.seqs[i].resident.is_empty())
             .collect();
         if !idle.is_empty() {
+            let protected = self.protected();
+            let mut ops = Vec::new();
             for i in idle {
-                self.pending_ops
-                    .push(WorkerRequest::KvClear { seq: i as u32 });
+                self.spill_seq(i, protected[i], &mut ops);
+                ops.push(WorkerRequest::KvClear { seq: i as u32 });
                 self.seqs[i] = Seq::default();
             }
+            self.pending_ops.append(&mut ops);
             return vec![];
         }
         if !step.next.is_empty() {
@@ -232,6 +289,9 @@ impl SchedulerState {
             *s = Seq::default();
         }
         self.dirty = true;
+        // The worker's host store is as untrusted as its cells.
+        let keys = self.spill.clear();
+        self.spill_orphans.extend(keys);
         gens.into_iter()
             .filter_map(|gen| {
                 self.gens.remove(&gen).map(|_| GenEvent::Failed {

@@ -421,7 +421,18 @@ struct FakeWorker {
     fail_at: Option<usize>,
     /// Tokens decoded, prompt and fed draws.
     decoded: usize,
+    /// The host-memory store: spilled sequences by key.
+    store: std::collections::HashMap<u64, Vec<Token>>,
+    /// `Spilled` replies of the step being run.
+    spilled: Vec<(u64, u64)>,
+    /// Restores fail (as when llama.cpp finds no room).
+    fail_restores: bool,
+    /// Park artifacts by session.
+    parked: std::collections::HashMap<u64, Vec<Token>>,
 }
+
+/// What one token of spilled state takes in the fake worker's store.
+const FAKE_BYTES_PER_TOKEN: u64 = 10;
 
 /// The fake worker's context and vocabulary.
 const FAKE_N_CTX: u32 = 4096;
@@ -436,6 +447,10 @@ impl FakeWorker {
             follows: 0,
             fail_at: None,
             decoded: 0,
+            store: Default::default(),
+            spilled: vec![],
+            fail_restores: false,
+            parked: Default::default(),
         }
     }
 
@@ -481,21 +496,92 @@ impl FakeWorker {
 
     /// Runs one step's requests, as the lane sends them.
     fn run(&mut self, requests: &[WorkerRequest]) -> StepResult {
-        let r = self.run_inner(requests);
-        if r.is_err() {
-            self.table.forget_draws();
+        self.spilled.clear();
+        // Like the lane, every request runs and the first failure is the
+        // step's: a failed restore leaves its sequence empty, and the
+        // decode behind it is then refused untouched.
+        let mut first_err = None;
+        let mut drawn = vec![];
+        for request in requests {
+            match self.run_one(request) {
+                Ok(Some(d)) => drawn = d,
+                Ok(None) => {}
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
         }
-        r.map(|drawn| StepOutput {
+        if let Some(e) = first_err {
+            self.table.forget_draws();
+            return Err(e);
+        }
+        Ok(StepOutput {
             drawn,
+            spilled: self.spilled.clone(),
             ..StepOutput::default()
         })
     }
 
-    fn run_inner(&mut self, requests: &[WorkerRequest]) -> Result<Vec<Drawn>, StepError> {
+    fn run_one(&mut self, request: &WorkerRequest) -> Result<Option<Vec<Drawn>>, StepError> {
         let failed = |e: RequestError| StepError::Failed(e.to_string());
         let mut drawn = vec![];
-        for request in requests {
+        {
             match request {
+                WorkerRequest::KvSpill { seq, key, len } => {
+                    let s = self.table.check_seq(*seq).map_err(failed)?;
+                    let bytes = if self.kv[s].len() == *len as usize {
+                        self.store.insert(*key, self.kv[s].clone());
+                        *len as u64 * FAKE_BYTES_PER_TOKEN
+                    } else {
+                        0
+                    };
+                    self.spilled.push((*key, bytes));
+                    return Ok(None);
+                }
+                WorkerRequest::KvRestore { seq, key, len } => {
+                    let s = self.table.check_seq(*seq).map_err(failed)?;
+                    self.kv_op(s, vec![]);
+                    let stored = self.store.remove(key);
+                    match stored {
+                        Some(t) if !self.fail_restores && t.len() >= *len as usize => {
+                            self.kv_op(s, t[..*len as usize].to_vec());
+                        }
+                        _ => return Err(StepError::NotRestored { seq: *seq }),
+                    }
+                    return Ok(None);
+                }
+                WorkerRequest::KvDrop { key } => {
+                    self.store.remove(key);
+                    return Ok(None);
+                }
+                WorkerRequest::KvPark {
+                    seq,
+                    session,
+                    tokens,
+                } => {
+                    let s = self.table.check_seq(*seq).map_err(failed)?;
+                    if self.kv[s] == *tokens {
+                        self.parked.insert(*session, tokens.clone());
+                    }
+                    return Ok(None);
+                }
+                WorkerRequest::KvUnpark {
+                    seq,
+                    session,
+                    tokens,
+                    len,
+                } => {
+                    let s = self.table.check_seq(*seq).map_err(failed)?;
+                    self.kv_op(s, vec![]);
+                    match self.parked.get(session) {
+                        Some(t) if t == tokens && t.len() >= *len as usize => {
+                            let t = t[..*len as usize].to_vec();
+                            self.kv_op(s, t);
+                        }
+                        _ => return Err(StepError::NotRestored { seq: *seq }),
+                    }
+                    return Ok(None);
+                }
                 WorkerRequest::KvTrim { seq, from } => {
                     let s = self.table.check_seq(*seq).map_err(failed)?;
                     if (*from as usize) < self.kv[s].len() {
@@ -551,7 +637,11 @@ impl FakeWorker {
                 WorkerRequest::Shutdown => {}
             }
         }
-        Ok(drawn)
+        Ok(matches!(
+            request,
+            WorkerRequest::Decode { .. } | WorkerRequest::DecodeNext { .. }
+        )
+        .then_some(drawn))
     }
 }
 
@@ -1110,4 +1200,254 @@ fn extras_reach_every_draw_and_logprobs_come_back() {
         token: 100,
         logprob: None
     }));
+}
+
+// --- The host-memory tier (spill, restore) ---
+
+/// A scheduler of `n_seq` sequences with the host-memory tier on
+/// (`budget` bytes; sequences of 4 tokens and more are spilled).
+fn spilling(n_seq: u32, budget: u64) -> SchedulerState {
+    SchedulerState::new(FAKE_N_CTX, n_seq, 512)
+        .with_spill(spill::SpillIndex::new(budget).with_min_tokens(4))
+}
+
+/// A 40-token prompt of its own for conversation `c` (the first token is
+/// shared, as a chat template's opening is).
+fn conversation(c: u32) -> Vec<Token> {
+    let mut p = vec![1];
+    p.extend((0..39).map(|i| 200 + c * 50 + i));
+    p
+}
+
+/// Runs one generation to its end; returns its id and every event.
+fn run_one(s: &mut SchedulerState, w: &mut FakeWorker, a: Admit) -> (GenId, Vec<GenEvent>) {
+    let g = s.admit(a).unwrap();
+    let events = drive(s, w, 2, |_, _| vec![]);
+    assert!(finish_of(&events, g).is_some(), "{events:?}");
+    (g, events)
+}
+
+/// Turn 1 of conversations 0..n (sessions 1..=n, or stateless), then turn 2
+/// of conversation 0: its events, the tokens turn 1 left resident, and the
+/// tokens turn 2 prefilled.
+fn five_then_first_again(
+    s: &mut SchedulerState,
+    w: &mut FakeWorker,
+    n: u32,
+    stateless: bool,
+) -> (GenId, Vec<GenEvent>, usize, u64) {
+    let session = |c: u32| {
+        if stateless {
+            NO_SESSION
+        } else {
+            c as SessionId + 1
+        }
+    };
+    let (g0, e0) = run_one(s, w, admit(session(0), &conversation(0), 8));
+    let reply = tokens_of(&e0, g0);
+    for c in 1..n {
+        run_one(s, w, admit(session(c), &conversation(c), 8));
+    }
+    let mut turn2 = conversation(0);
+    turn2.extend(&reply);
+    turn2.extend([7, 8, 9]);
+    let history = conversation(0).len() + reply.len() - 1;
+    let before = s.stats().prefilled_tokens;
+    let (g, events) = run_one(s, w, admit(session(0), &turn2, 8));
+    (g, events, history, s.stats().prefilled_tokens - before)
+}
+
+#[test]
+fn a_conversation_evicted_beyond_parallel_comes_back_from_host_memory() {
+    for stateless in [false, true] {
+        let mut s = spilling(2, 1 << 20);
+        let mut w = FakeWorker::new(2);
+        let (g, events, history, prefilled) = five_then_first_again(&mut s, &mut w, 5, stateless);
+        // Its history came from host memory, not a prefill.
+        assert_eq!(
+            warm_of(&events, g),
+            Some(history as u64),
+            "stateless {stateless}"
+        );
+        let st = s.stats();
+        assert_eq!(
+            st.restored_tokens, history as u64,
+            "stateless {stateless} {st:?}"
+        );
+        assert!(st.spills >= 3, "{st:?}");
+        // Turn 2 prefilled only its new tokens (the last reply token and
+        // the new message).
+        assert_eq!(prefilled, 4, "stateless {stateless}");
+        // The index mirrors the worker's store.
+        assert_eq!(st.spilled_entries as usize, w.store.len());
+        assert_eq!(
+            st.spilled_bytes,
+            w.store
+                .values()
+                .map(|t| t.len() as u64 * FAKE_BYTES_PER_TOKEN)
+                .sum::<u64>()
+        );
+
+        // The reply is what it is when everything stays resident.
+        let mut big = SchedulerState::new(FAKE_N_CTX, 8, 512);
+        let mut wb = FakeWorker::new(8);
+        let (gb, eb, _, _) = five_then_first_again(&mut big, &mut wb, 5, stateless);
+        assert_eq!(warm_of(&eb, gb), Some(history as u64));
+        assert_eq!(tokens_of(&events, g), tokens_of(&eb, gb));
+    }
+}
+
+#[test]
+fn without_the_tier_the_evicted_conversation_is_prefilled_again() {
+    let mut s = spilling(2, 0);
+    let mut w = FakeWorker::new(2);
+    let (g, events, _, _) = five_then_first_again(&mut s, &mut w, 5, false);
+    assert!(warm_of(&events, g).unwrap() < 2);
+    assert_eq!(s.stats().spills, 0);
+    assert!(w.store.is_empty());
+}
+
+#[test]
+fn a_failed_restore_prefills_and_draws_the_same() {
+    let mut s = spilling(2, 1 << 20);
+    let mut w = FakeWorker::new(2);
+    w.fail_restores = true;
+    let (g, events, history, prefilled) = five_then_first_again(&mut s, &mut w, 3, false);
+    assert!(finish_of(&events, g).is_some());
+    assert_eq!(s.stats().restored_tokens, 0);
+    // Its owner heard the restore planned, then the warm prefix it got.
+    let started: Vec<u64> = events
+        .iter()
+        .filter_map(|e| match e {
+            GenEvent::Started {
+                gen, warm_prefix, ..
+            } if *gen == g => Some(*warm_prefix),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(started, vec![history as u64, 0]);
+    // All of turn 2 was prefilled.
+    assert_eq!(prefilled, history as u64 + 4);
+    let mut big = SchedulerState::new(FAKE_N_CTX, 8, 512);
+    let mut wb = FakeWorker::new(8);
+    let (gb, eb, _, _) = five_then_first_again(&mut big, &mut wb, 3, false);
+    assert_eq!(tokens_of(&events, g), tokens_of(&eb, gb));
+}
+
+#[test]
+fn the_tier_keeps_within_its_budget_least_recently_used_first() {
+    // Room for two 47-token conversations (10 bytes a token).
+    let mut s = spilling(1, 1000);
+    let mut w = FakeWorker::new(1);
+    for c in 0..5u32 {
+        run_one(&mut s, &mut w, admit(u64::from(c) + 1, &conversation(c), 8));
+        let st = s.stats();
+        let held: u64 = w
+            .store
+            .values()
+            .map(|t| t.len() as u64 * FAKE_BYTES_PER_TOKEN)
+            .sum();
+        assert!(held <= 1000, "the worker holds {held} bytes");
+        assert_eq!(st.spilled_entries as usize, w.store.len());
+    }
+    // The oldest conversations went; the two newest spilled ones stayed.
+    assert_eq!(w.store.len(), 2);
+    let mut kept: Vec<Token> = w.store.values().map(|t| t[1]).collect();
+    kept.sort();
+    assert_eq!(kept, vec![200 + 2 * 50, 200 + 3 * 50]);
+}
+
+#[test]
+fn a_failed_lane_forgets_the_tier_and_the_worker_drops_it() {
+    let mut s = spilling(1, 1 << 20);
+    let mut w = FakeWorker::new(1);
+    run_one(&mut s, &mut w, admit(1, &conversation(0), 8));
+    run_one(&mut s, &mut w, admit(2, &conversation(1), 8));
+    assert_eq!(w.store.len(), 1);
+    s.fail_all("the worker died");
+    assert_eq!(s.stats().spilled_entries, 0);
+    // The next step drops the keys in a worker that still has them.
+    let g = s.admit(admit(1, &conversation(0), 1)).unwrap();
+    let (step, events) = s.plan();
+    let step = step.unwrap();
+    assert!(step
+        .ops
+        .iter()
+        .any(|op| matches!(op, WorkerRequest::KvDrop { .. })));
+    assert!(!step
+        .ops
+        .iter()
+        .any(|op| matches!(op, WorkerRequest::KvRestore { .. })));
+    assert_eq!(warm_of(&events, g), Some(0));
+    w.run(&step.requests()).unwrap();
+    assert!(w.store.is_empty());
+}
+
+#[test]
+fn a_resident_prefix_beats_a_shorter_spilled_one() {
+    let mut s = spilling(2, 1 << 20);
+    let mut w = FakeWorker::new(2);
+    // Conversation 0 is spilled with its turn-1 history; a fork of it that
+    // is resident on the other sequence holds more of the next prompt.
+    let (g0, e0) = run_one(&mut s, &mut w, admit(1, &conversation(0), 8));
+    let mut longer = conversation(0);
+    longer.extend(tokens_of(&e0, g0));
+    longer.extend(300..320);
+    run_one(&mut s, &mut w, admit(2, &longer, 4));
+    run_one(&mut s, &mut w, admit(3, &conversation(3), 4));
+    let mut p = longer.clone();
+    p.extend([5, 6]);
+    let g = s.admit(admit(4, &p, 1)).unwrap();
+    let events = drive(&mut s, &mut w, 1, |_, _| vec![]);
+    assert!(warm_of(&events, g).unwrap() >= longer.len() as u64 - 1);
+    assert_eq!(s.stats().restored_tokens, 0, "{:?}", s.stats());
+}
+
+// --- Parking (--park) ---
+
+#[test]
+fn a_parked_session_restores_after_a_restart_and_a_stale_artifact_prefills() {
+    let mut s = SchedulerState::new(FAKE_N_CTX, 2, 512).with_park(vec![]);
+    let mut w = FakeWorker::new(2);
+    let (g0, e0) = run_one(&mut s, &mut w, admit(1, &conversation(0), 8));
+    // Stateless requests never park.
+    run_one(&mut s, &mut w, stateless(&conversation(1), 8));
+    assert_eq!(s.stats().parks, 1);
+    // The sealing runs before the next step: the fake holds it now that
+    // the stateless request ran.
+    assert_eq!(w.parked.len(), 1);
+    let history = w.parked[&1].clone();
+    assert_eq!(history.len(), 40 + 7);
+    let mut turn2 = conversation(0);
+    turn2.extend(tokens_of(&e0, g0));
+    turn2.extend([7, 8]);
+
+    // A restart: a new scheduler and worker, the artifact found on disk.
+    let restart = |w: &FakeWorker| {
+        let s = SchedulerState::new(FAKE_N_CTX, 2, 512)
+            .with_park(w.parked.iter().map(|(k, v)| (*k, v.clone())).collect());
+        let mut fresh = FakeWorker::new(2);
+        fresh.parked = w.parked.clone();
+        (s, fresh)
+    };
+    let (mut s2, mut w2) = restart(&w);
+    let (g, events) = run_one(&mut s2, &mut w2, admit(1, &turn2, 8));
+    assert_eq!(warm_of(&events, g), Some(history.len() as u64));
+    assert_eq!(s2.stats().restored_tokens, history.len() as u64);
+    // Resealed with the longer history.
+    assert!(w2.parked[&1].len() > history.len());
+
+    // The same turn on a never-restarted daemon draws the same.
+    let (g1, e1) = run_one(&mut s, &mut w, admit(1, &turn2, 8));
+    assert_eq!(tokens_of(&events, g), tokens_of(&e1, g1));
+
+    // An artifact whose contents are not what its index says (rewritten,
+    // corrupt): the worker refuses it, the turn prefills, and draws the same.
+    let (mut s3, mut w3) = restart(&w);
+    w3.parked.insert(1, vec![1, 2, 3, 4, 5]);
+    let before = s3.stats().prefilled_tokens;
+    let (g3, e3) = run_one(&mut s3, &mut w3, admit(1, &turn2, 8));
+    assert_eq!(tokens_of(&e3, g3), tokens_of(&e1, g1));
+    assert_eq!(s3.stats().prefilled_tokens - before, turn2.len() as u64);
+    assert_eq!(s3.stats().restored_tokens, 0);
 }

@@ -123,6 +123,41 @@ pub enum WorkerRequest {
     /// changed since). The daemon queues this while the step before is still running, so the
     /// worker never waits for it, and it hears from the worker once per `steps` tokens.
     DecodeNext { items: Vec<NextItem> },
+    /// Export sequence `seq` (which must hold exactly positions `0..len`)
+    /// into the worker's host-memory store under `key`, leaving the
+    /// sequence as it is. Answered `Spilled` (with `bytes` 0 when nothing
+    /// was stored: the store's cap, a length that does not match, or a
+    /// failed export). The bytes stay in the worker; the daemon's index
+    /// mirrors the key and the size.
+    KvSpill { seq: u32, key: u64, len: u32 },
+    /// Replace whatever `seq` holds with the state stored under `key`, then
+    /// keep only its positions `0..len`; the entry leaves the store.
+    /// Answered `Done`, or `NotRestored` (the sequence then holds nothing):
+    /// no such key, or llama.cpp found no room for the cells.
+    KvRestore { seq: u32, key: u64, len: u32 },
+    /// Forget the stored state under `key` (no such key is fine).
+    KvDrop { key: u64 },
+    /// `--park`: seal `seq` (holding exactly `tokens`) to the worker's park
+    /// directory as `<session>.park`. The worker copies the state and
+    /// answers `Done` at once; a thread of its own writes the file (temp
+    /// file, fsync, rename, directory fsync) and keeps the directory within
+    /// its budget. Soft: an artifact that cannot be sealed is logged and
+    /// skipped.
+    KvPark {
+        seq: u32,
+        session: u64,
+        tokens: Vec<Token>,
+    },
+    /// Replace whatever `seq` holds with `<session>.park`, which must hold
+    /// exactly `tokens` (every digest checked first), then keep only its
+    /// positions `0..len`. `Done`, or `NotRestored` (missing, stale,
+    /// truncated or corrupt artifact; the sequence is then empty).
+    KvUnpark {
+        seq: u32,
+        session: u64,
+        tokens: Vec<Token>,
+        len: u32,
+    },
 }
 
 /// Worker → daemon. Each request gets exactly one reply, in order; `Ready`
@@ -150,5 +185,15 @@ pub enum WorkerResponse {
     KvFull {
         n_ctx: u32,
         tokens: u32,
+    },
+    /// The reply to `KvSpill`: the state's size in host memory (0: not
+    /// stored).
+    Spilled {
+        key: u64,
+        bytes: u64,
+    },
+    /// The reply to a `KvRestore` that could not restore: `seq` is empty.
+    NotRestored {
+        seq: u32,
     },
 }

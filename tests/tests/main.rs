@@ -21,6 +21,7 @@ mod browser;
 mod daemon;
 mod generate;
 mod http;
+mod kv_tiers;
 mod logging;
 mod metrics;
 mod ordering;

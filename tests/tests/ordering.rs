@@ -79,6 +79,8 @@ fn no_reply_before_the_fsync_that_covers_it() {
             pin_budget_pct: DEFAULT_PIN_BUDGET_PCT,
             web: None,
             sub_buffer: SUB_BUFFER_EVENTS,
+            cache_ram_mb: 0,
+            park_budget_gb: None,
         };
         let shared = start_actors(&config, crate::util::bin().into(), book, w.clone(), render);
         let registry = Registry::new(shared.clone()).start();

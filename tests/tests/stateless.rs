@@ -45,6 +45,8 @@ where
             pin_budget_pct: DEFAULT_PIN_BUDGET_PCT,
             web: None,
             sub_buffer: SUB_BUFFER_EVENTS,
+            cache_ram_mb: 0,
+            park_budget_gb: None,
         };
         let shared = start_actors(&config, crate::util::bin().into(), book, w, render);
         body(shared).await;

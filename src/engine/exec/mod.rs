@@ -49,8 +49,9 @@ pub mod error;
 mod grammar;
 mod penalties;
 pub mod seqs;
+pub mod spill;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use llama_cpp_2::context::params::LlamaContextParams;
@@ -69,6 +70,7 @@ use error::RequestError;
 use grammar::Grammars;
 use penalties::Penalties;
 use seqs::SeqTable;
+use spill::SpillStore;
 
 /// llama.cpp's `LLAMA_MAX_SEQ`: more sequences make context creation fail.
 pub const MAX_SEQ: u32 = 256;
@@ -114,6 +116,10 @@ pub struct WorkerEngine {
     row: Vec<f32>,
     /// The grammar's verdict on each token id, for the row being sampled.
     mask: Vec<bool>,
+    /// The host-memory tier: sequences the scheduler spilled (`KvSpill`).
+    spill: SpillStore,
+    /// `--park`: sealing sessions' KV to disk (None: off).
+    park: Option<super::park::Parker>,
 }
 
 impl std::fmt::Debug for WorkerEngine {
@@ -214,7 +220,33 @@ impl WorkerEngine {
             n_vocab,
             row: Vec::with_capacity(n_vocab as usize),
             mask: Vec::new(),
+            spill: SpillStore::new(0),
+            park: None,
         })
+    }
+
+    /// `--park`: seal sessions' KV into `dir` (`KvPark`) and restore it
+    /// (`KvUnpark`), the directory kept within `budget_bytes` (0: unbounded).
+    pub fn with_park(
+        mut self,
+        dir: PathBuf,
+        model: &Path,
+        budget_bytes: u64,
+    ) -> std::io::Result<WorkerEngine> {
+        self.park = Some(super::park::Parker::new(dir, model, budget_bytes)?);
+        Ok(self)
+    }
+
+    /// Let the host-memory store hold up to `cap_bytes` of spilled sequence
+    /// state (`--cache-ram-mb`; 0, the default, stores nothing).
+    pub fn with_spill_cap(mut self, cap_bytes: u64) -> WorkerEngine {
+        self.spill = SpillStore::new(cap_bytes);
+        self
+    }
+
+    /// Bytes and entries the host-memory store holds.
+    pub fn spill_usage(&self) -> (u64, usize) {
+        (self.spill.bytes(), self.spill.len())
     }
 
     /// The configuration as applied: `n_ctx` as llama.cpp padded it (a multiple of 256) and
@@ -256,6 +288,23 @@ impl WorkerEngine {
             WorkerRequest::KvClear { seq } => self.kv_clear(*seq),
             WorkerRequest::Shutdown => Ok(WorkerResponse::Done),
             WorkerRequest::DecodeNext { items } => self.decode_next(items).map(Decoded::reply),
+            WorkerRequest::KvSpill { seq, key, len } => self.kv_spill(*seq, *key, *len),
+            WorkerRequest::KvRestore { seq, key, len } => self.kv_restore(*seq, *key, *len),
+            WorkerRequest::KvDrop { key } => {
+                self.spill.drop_key(*key);
+                Ok(WorkerResponse::Done)
+            }
+            WorkerRequest::KvPark {
+                seq,
+                session,
+                tokens,
+            } => self.kv_park(*seq, *session, tokens),
+            WorkerRequest::KvUnpark {
+                seq,
+                session,
+                tokens,
+                len,
+            } => self.kv_unpark(*seq, *session, tokens, *len),
         };
         result.unwrap_or_else(|error| {
             log::debug!("request failed: {error}");
@@ -375,6 +424,182 @@ impl WorkerEngine {
             dst,
             reason: e.to_string(),
         })?;
+        Ok(WorkerResponse::Done)
+    }
+
+    /// `KvSpill`: export `seq` into the host store. Soft: anything that
+    /// keeps it from being stored answers `Spilled` with 0 bytes, and the
+    /// sequence is never touched.
+    fn kv_spill(&mut self, seq: u32, key: u64, len: u32) -> Result<WorkerResponse, RequestError> {
+        let s = self.seqs.check_seq(seq)?;
+        let none = WorkerResponse::Spilled { key, bytes: 0 };
+        if len == 0 || self.seqs.lens()[s] != len {
+            log::debug!(
+                "spill of sequence {seq}: it holds {} positions, not {len}",
+                self.seqs.lens()[s]
+            );
+            return Ok(none);
+        }
+        let flags = llama_cpp_2::LlamaStateSeqFlags::empty();
+        // The cap is checked against the state's size before it is copied.
+        let size = self.ctx.state_seq_get_size_ext(seq as i32, flags) as u64;
+        if !self.spill.fits(key, size) {
+            log::debug!("spill of sequence {seq}: {size} bytes do not fit the host store");
+            return Ok(none);
+        }
+        match self.ctx.state_seq_get(seq as i32, flags) {
+            Ok(state) => {
+                let bytes = self.spill.put(key, state, len);
+                Ok(WorkerResponse::Spilled { key, bytes })
+            }
+            Err(e) => {
+                log::warn!("spill of sequence {seq} failed: {e}");
+                Ok(none)
+            }
+        }
+    }
+
+    /// `KvRestore`: `seq` becomes the stored state's first `len` positions.
+    fn kv_restore(&mut self, seq: u32, key: u64, len: u32) -> Result<WorkerResponse, RequestError> {
+        let s = self.seqs.check_seq(seq)?;
+        let not = WorkerResponse::NotRestored { seq };
+        let rm = self.ctx.kv_cache_seq_rm(seq as i32, None, None);
+        self.changed(s);
+        rm.map_err(|e| RequestError::Clear {
+            seq,
+            reason: e.to_string(),
+        })?;
+        let Some((state, stored)) = self.spill.take(key) else {
+            log::warn!("restore into sequence {seq}: no stored state {key}");
+            return Ok(not);
+        };
+        if len > stored {
+            log::warn!(
+                "restore into sequence {seq}: state {key} holds {stored} positions, not {len}"
+            );
+            return Ok(not);
+        }
+        let set = self.ctx.state_seq_set(&state, seq as i32);
+        if let Err(e) = set {
+            log::warn!("restore into sequence {seq} failed: {e}");
+            let _ = self.ctx.kv_cache_seq_rm(seq as i32, None, None);
+            self.changed(s);
+            return Ok(not);
+        }
+        let trim = if len < stored {
+            self.ctx.kv_cache_seq_rm(seq as i32, Some(len), None)
+        } else {
+            Ok(())
+        };
+        self.changed(s);
+        if trim.is_err() || self.seqs.lens()[s] != len {
+            log::warn!(
+                "restore into sequence {seq}: holds {} positions, not {len}",
+                self.seqs.lens()[s]
+            );
+            let _ = self.ctx.kv_cache_seq_rm(seq as i32, None, None);
+            self.changed(s);
+            return Ok(not);
+        }
+        Ok(WorkerResponse::Done)
+    }
+
+    /// `KvPark`: copy `seq`'s state and hand it to the park writer. Soft.
+    fn kv_park(
+        &mut self,
+        seq: u32,
+        session: u64,
+        tokens: &[u32],
+    ) -> Result<WorkerResponse, RequestError> {
+        let s = self.seqs.check_seq(seq)?;
+        let Some(park) = &self.park else {
+            return Ok(WorkerResponse::Done);
+        };
+        if tokens.is_empty() || self.seqs.lens()[s] as usize != tokens.len() || !park.has_room() {
+            log::debug!("park of session {session} skipped (length, or the writer is busy)");
+            return Ok(WorkerResponse::Done);
+        }
+        let flags = llama_cpp_2::LlamaStateSeqFlags::empty();
+        let size = self.ctx.state_seq_get_size_ext(seq as i32, flags);
+        let mut state = vec![0u8; size];
+        // SAFETY: `state` holds the `size` bytes llama.cpp just reported for this sequence.
+        let n = unsafe {
+            self.ctx
+                .state_seq_get_data_ext(state.as_mut_ptr(), seq as i32, flags)
+        };
+        if n != size {
+            log::warn!("park of session {session}: llama.cpp wrote {n} of {size} bytes");
+            return Ok(WorkerResponse::Done);
+        }
+        park.seal(session, tokens.to_vec(), state);
+        Ok(WorkerResponse::Done)
+    }
+
+    /// `KvUnpark`: restore `<session>.park` into `seq`, keep `0..len`.
+    fn kv_unpark(
+        &mut self,
+        seq: u32,
+        session: u64,
+        tokens: &[u32],
+        len: u32,
+    ) -> Result<WorkerResponse, RequestError> {
+        let s = self.seqs.check_seq(seq)?;
+        let not = WorkerResponse::NotRestored { seq };
+        let rm = self.ctx.kv_cache_seq_rm(seq as i32, None, None);
+        self.changed(s);
+        rm.map_err(|e| RequestError::Clear {
+            seq,
+            reason: e.to_string(),
+        })?;
+        let Some(park) = &self.park else {
+            return Ok(not);
+        };
+        let path = park.path(session);
+        let (head, state) = match super::park::read(&path, park.model()) {
+            Ok(x) => x,
+            Err(e) => {
+                log::warn!(
+                    "park artifact {} unusable ({e}); prefilling instead",
+                    path.display()
+                );
+                return Ok(not);
+            }
+        };
+        if head.tokens != tokens || len as usize > tokens.len() {
+            log::warn!(
+                "park artifact {} holds other tokens; prefilling instead",
+                path.display()
+            );
+            return Ok(not);
+        }
+        // SAFETY: the bytes are what llama.cpp's state_seq_get_data_ext wrote for this model
+        // (identity digest) and KV type, verified by their sha256 before this call.
+        let ok = unsafe {
+            self.ctx.state_seq_set_data_ext(
+                &state,
+                seq as i32,
+                llama_cpp_2::LlamaStateSeqFlags::empty(),
+            )
+        };
+        let trim = if ok && (len as usize) < tokens.len() {
+            self.ctx.kv_cache_seq_rm(seq as i32, Some(len), None)
+        } else {
+            Ok(())
+        };
+        self.changed(s);
+        if !ok || trim.is_err() || self.seqs.lens()[s] != len {
+            log::warn!(
+                "park artifact {} did not restore; prefilling instead",
+                path.display()
+            );
+            let _ = self.ctx.kv_cache_seq_rm(seq as i32, None, None);
+            self.changed(s);
+            return Ok(not);
+        }
+        // Used: the budget deletes it last.
+        if let Ok(f) = std::fs::File::options().write(true).open(&path) {
+            let _ = f.set_modified(std::time::SystemTime::now());
+        }
         Ok(WorkerResponse::Done)
     }
 
@@ -563,6 +788,95 @@ mod tests {
             ..config
         };
         assert!(WorkerEngine::new(&model(), &bad).is_err());
+    }
+
+    /// A sequence spilled to host memory, cleared, and restored (into another sequence, trimmed)
+    /// draws what the sequence drew before it left the cells; a missing key, a length that does
+    /// not match, and a store too small are answered softly. Prints the spill and restore times.
+    #[test]
+    fn a_spilled_sequence_restores_and_draws_the_same() {
+        let n: u32 = 1000;
+        let config = WorkerConfig {
+            n_ctx: 2048,
+            n_seq: 2,
+            n_batch: 256,
+            threads: 2,
+        };
+        let mut e = WorkerEngine::new(&model(), &config)
+            .expect("engine")
+            .with_spill_cap(1 << 30);
+        let prompt: Vec<u32> = (0..n).map(|i| 200 + (i * 37) % 5000).collect();
+        let decode = |e: &mut WorkerEngine, seq, pos: u32, tokens: &[u32]| match e.handle(
+            &WorkerRequest::Decode {
+                items: vec![DecodeItem {
+                    seq,
+                    pos,
+                    tokens: tokens.to_vec(),
+                    sample: greedy(u64::from(pos) + tokens.len() as u64),
+                }],
+            },
+        ) {
+            WorkerResponse::Decoded { drawn, .. } => drawn[0].token,
+            other => panic!("{other:?}"),
+        };
+        let want = decode(&mut e, 0, 0, &prompt);
+        let t = Instant::now();
+        let r = e.handle(&WorkerRequest::KvSpill {
+            seq: 0,
+            key: 7,
+            len: n,
+        });
+        let spill_ms = t.elapsed().as_secs_f64() * 1e3;
+        let WorkerResponse::Spilled { key: 7, bytes } = r else {
+            panic!("{r:?}")
+        };
+        assert!(bytes > 0);
+        assert_eq!(e.spill_usage(), (bytes, 1));
+        // The wrong length stores nothing.
+        let r = e.handle(&WorkerRequest::KvSpill {
+            seq: 0,
+            key: 8,
+            len: n - 1,
+        });
+        assert_eq!(r, WorkerResponse::Spilled { key: 8, bytes: 0 });
+        e.handle(&WorkerRequest::KvClear { seq: 0 });
+        // Restored into the other sequence, all but the last prompt token.
+        let t = Instant::now();
+        let r = e.handle(&WorkerRequest::KvRestore {
+            seq: 1,
+            key: 7,
+            len: n - 1,
+        });
+        let restore_ms = t.elapsed().as_secs_f64() * 1e3;
+        assert_eq!(r, WorkerResponse::Done);
+        assert_eq!(e.seq_len(1), Some(n - 1));
+        assert_eq!(e.spill_usage(), (0, 0));
+        assert_eq!(decode(&mut e, 1, n - 1, &prompt[n as usize - 1..]), want);
+        eprintln!(
+            "spill of {n} tokens: {bytes} bytes ({} a token), {spill_ms:.1} ms; restore {restore_ms:.1} ms",
+            bytes / u64::from(n)
+        );
+        // The entry left the store: a second restore finds nothing, and empties the sequence.
+        let r = e.handle(&WorkerRequest::KvRestore {
+            seq: 1,
+            key: 7,
+            len: 10,
+        });
+        assert_eq!(r, WorkerResponse::NotRestored { seq: 1 });
+        assert_eq!(e.seq_len(1), Some(0));
+        // A store too small for the state stores nothing.
+        let mut small = e.with_spill_cap(bytes / 2);
+        decode(&mut small, 0, 0, &prompt);
+        let r = small.handle(&WorkerRequest::KvSpill {
+            seq: 0,
+            key: 9,
+            len: n,
+        });
+        assert_eq!(r, WorkerResponse::Spilled { key: 9, bytes: 0 });
+        assert_eq!(
+            small.handle(&WorkerRequest::KvDrop { key: 9 }),
+            WorkerResponse::Done
+        );
     }
 
     /// DecodeNext feeds the last draw: it draws what a Decode of that token draws; it skips a

@@ -1,0 +1,318 @@
+//! The KV tiers on the real model: the host-memory tier (`--cache-ram-mb`)
+//! brings back a conversation evicted beyond `--parallel` without a
+//! prefill, and the reply is the one it gets when it never left the cells.
+
+use std::time::Instant;
+
+use superfluid::frontend::socket::Client;
+use superfluid::wire::{Record, Request, Response, Role, SessionId, Token};
+
+use crate::util::{commit, created, params, TestDaemon};
+
+/// About 300 tokens of a conversation's own.
+fn long_message(n: usize) -> String {
+    let items: Vec<String> = (0..45)
+        .map(|i| format!("item {i} of list {n} weighs {}", (i * 7 + n * 13) % 97))
+        .collect();
+    format!(
+        "Here is list {n}: {}. Which item is the heaviest?",
+        items.join(", ")
+    )
+}
+
+fn say(c: &mut Client, s: SessionId, text: &str) {
+    commit(
+        c,
+        Request::AppendMessage {
+            session: s,
+            role: Role::User.into(),
+            text: text.into(),
+        },
+    );
+}
+
+/// Generates greedily; returns (warm_prefix, tokens generated, ms to the
+/// first token).
+fn generate(c: &mut Client, s: SessionId, max_tokens: u32) -> (u64, Vec<Token>, f64) {
+    let t = Instant::now();
+    let mut first_ms = None;
+    let mut tokens = Vec::new();
+    let replies = c
+        .generate(&Request::Generate {
+            session: s,
+            max_tokens,
+        })
+        .unwrap();
+    // The socket client gathers the replies; the TTFT is approximate (the
+    // whole stream's time when the client buffers).
+    for r in &replies {
+        if let Response::Delta { event } = r {
+            if let Record::Generated { span, .. } = &event.body {
+                first_ms.get_or_insert(t.elapsed().as_secs_f64() * 1e3);
+                tokens.extend_from_slice(span);
+            }
+        }
+    }
+    match replies.last() {
+        Some(Response::Generated { warm_prefix, .. }) => {
+            (*warm_prefix, tokens, first_ms.unwrap_or(0.0))
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+fn metric(d: &TestDaemon, name: &str) -> f64 {
+    let Response::Text { text } = d.call(&Request::Metrics) else {
+        panic!("Metrics");
+    };
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name} ")))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{name} missing:\n{text}"))
+}
+
+/// Five conversations of ~300 tokens on a daemon started with `args`, then
+/// turn 2 of the first: (its warm_prefix, its reply, its wall time in ms).
+fn five_then_first(args: &[&str]) -> (TestDaemon, u64, Vec<Token>, f64) {
+    let mut d = TestDaemon::new();
+    d.extra_args = args.iter().map(|a| a.to_string()).collect();
+    d.spawn_and_wait();
+    let mut c = d.client();
+    let sessions: Vec<SessionId> = (0..5)
+        .map(|n| {
+            let s = created(
+                &mut c,
+                Request::Create {
+                    parent: None,
+                    params: params(1),
+                },
+            );
+            say(&mut c, s, &long_message(n));
+            generate(&mut c, s, 8);
+            s
+        })
+        .collect();
+    say(&mut c, sessions[0], "And the lightest?");
+    let (warm, reply, ms) = timed_turn(&mut c, sessions[0]);
+    (d, warm, reply, ms)
+}
+
+/// A 24-token turn as a first token (timed: the time to first token,
+/// prefill or restore included) then the 23 others (a cut turn continued
+/// draws what the uncut one does): (warm_prefix, reply, ms to first token).
+fn timed_turn(c: &mut Client, s: SessionId) -> (u64, Vec<Token>, f64) {
+    let t = Instant::now();
+    let (warm, mut reply, _) = generate(c, s, 1);
+    let ttft_ms = t.elapsed().as_secs_f64() * 1e3;
+    reply.extend(generate(c, s, 23).1);
+    (warm, reply, ttft_ms)
+}
+
+#[test]
+fn a_conversation_evicted_beyond_parallel_comes_back_from_host_memory() {
+    let common = ["--ctx-size", "4096", "--threads", "2"];
+    let spill: Vec<&str> = common
+        .iter()
+        .copied()
+        .chain(["--parallel", "2", "--cache-ram-mb", "512"])
+        .collect();
+    let (d, warm, reply, spill_ms) = five_then_first(&spill);
+    // The first conversation left the cells (two sequences, five
+    // conversations) and came back from host memory.
+    assert!(warm > 300, "warm_prefix {warm}");
+    let restored = metric(&d, "superfluid_kv_restored_tokens_total");
+    assert_eq!(restored as u64, warm, "restored {restored}");
+    assert!(metric(&d, "superfluid_kv_spilled_bytes") > 0.0);
+    drop(d);
+
+    // Everything resident: the same warm prefix and the same greedy reply.
+    let resident: Vec<&str> = common
+        .iter()
+        .copied()
+        .chain(["--parallel", "8", "--cache-ram-mb", "0"])
+        .collect();
+    let (_d2, warm2, reply2, resident_ms) = five_then_first(&resident);
+    assert_eq!(warm, warm2);
+    assert_eq!(reply, reply2);
+
+    // Without the tier, the first conversation is prefilled again.
+    let off: Vec<&str> = common
+        .iter()
+        .copied()
+        .chain(["--parallel", "2", "--cache-ram-mb", "0"])
+        .collect();
+    let (_d3, warm3, reply3, cold_ms) = five_then_first(&off);
+    assert!(warm3 < 50, "warm_prefix {warm3} without the tier");
+    assert_eq!(reply, reply3);
+    eprintln!(
+        "turn 2 of an evicted conversation ({warm} tokens of history), time to first token: \
+         from host memory {spill_ms:.0} ms, resident {resident_ms:.0} ms, prefilled {cold_ms:.0} ms"
+    );
+}
+
+/// A session of ~300 tokens, one turn, on a daemon with `--park`; returns
+/// the daemon (stopped) and the session.
+fn parked_session(d: &mut TestDaemon) -> SessionId {
+    d.spawn_and_wait();
+    let mut c = d.client();
+    let s = created(
+        &mut c,
+        Request::Create {
+            parent: None,
+            params: params(1),
+        },
+    );
+    say(&mut c, s, &long_message(9));
+    generate(&mut c, s, 8);
+    say(&mut c, s, "And the lightest?");
+    d.stop();
+    s
+}
+
+fn park_daemon() -> TestDaemon {
+    let mut d = TestDaemon::new();
+    d.extra_args = [
+        "--park",
+        "--ctx-size",
+        "2048",
+        "--parallel",
+        "2",
+        "--threads",
+        "2",
+    ]
+    .iter()
+    .map(|a| a.to_string())
+    .collect();
+    d
+}
+
+#[test]
+fn park_restores_a_session_after_a_restart_and_a_bad_artifact_prefills() {
+    let mut d = park_daemon();
+    let s = parked_session(&mut d);
+    let artifact = |dir: &std::path::Path| dir.join("park").join(format!("{s}.park"));
+    let sealed = std::fs::read(artifact(&d.sessions)).expect("the artifact was sealed");
+    assert!(sealed.len() > 124 + 300 * 4);
+    // Copies of the sessions dir as sealed: no artifact, a flipped bit in
+    // the state, a truncated file. Each resumes cold, with the same reply.
+    let variants: Vec<(&str, TestDaemon)> = ["none", "flip", "truncate", "rebase", "rebase-none"]
+        .into_iter()
+        .map(|what| {
+            let mut copy = TestDaemon::new();
+            copy_dir(&d.sessions, &copy.sessions);
+            let p = artifact(&copy.sessions);
+            let mut bytes = sealed.clone();
+            match what {
+                "none" | "rebase-none" => std::fs::remove_file(&p).unwrap(),
+                "rebase" => {}
+                "flip" => {
+                    let at = bytes.len() - 1000;
+                    bytes[at] ^= 0x10;
+                    std::fs::write(&p, &bytes).unwrap();
+                }
+                _ => {
+                    bytes.truncate(bytes.len() / 2);
+                    std::fs::write(&p, &bytes).unwrap();
+                }
+            }
+            copy.extra_args = d.extra_args.clone();
+            (what, copy)
+        })
+        .collect();
+
+    // Restart with the artifact: the history comes from disk.
+    d.spawn_and_wait();
+    let (warm, reply, park_ms) = timed_turn(&mut d.client(), s);
+    d.stop();
+    assert!(warm > 300, "warm_prefix {warm} after a restart with --park");
+
+    let mut rebased = Vec::new();
+    for (what, mut copy) in variants {
+        copy.spawn_and_wait();
+        if what.starts_with("rebase") {
+            // A rebased branch (its first message rewritten) shares only the
+            // template's opening with the artifact: cold, and correct.
+            let b = rebase_first_message(&mut copy.client(), s, "Name three colours.");
+            let (w, r, _) = timed_turn(&mut copy.client(), b);
+            copy.stop();
+            assert!(w < 50, "{what}: warm_prefix {w}");
+            rebased.push(r);
+            continue;
+        }
+        let (w, r, cold_ms) = timed_turn(&mut copy.client(), s);
+        copy.stop();
+        assert!(w < 50, "{what}: warm_prefix {w}");
+        assert_eq!(r, reply, "{what}: the reply differs from the parked one");
+        if what != "none" {
+            let log = copy.stderr();
+            assert_eq!(
+                log.matches("unusable").count(),
+                1,
+                "{what}: not one warning in\n{log}"
+            );
+        } else {
+            eprintln!(
+                "park: {} bytes for {warm} tokens ({} a token); time to first token after a restart {park_ms:.0} ms with the artifact, {cold_ms:.0} ms without",
+                sealed.len(),
+                sealed.len() as u64 / warm.max(1)
+            );
+        }
+    }
+    // The rebased branch replies the same with the parent's artifact on
+    // disk as without it.
+    assert_eq!(rebased.len(), 2);
+    assert_eq!(rebased[0], rebased[1]);
+}
+
+/// Rebases `s` with its first user message replaced by `text`; returns the
+/// branch.
+fn rebase_first_message(c: &mut Client, s: SessionId, text: &str) -> SessionId {
+    let Response::Events { events } = c
+        .call(&Request::Read {
+            session: s,
+            cursor: 0,
+        })
+        .unwrap()
+    else {
+        panic!("Read");
+    };
+    let first = events
+        .iter()
+        .find(|e| {
+            matches!(
+                &e.body,
+                Record::Message {
+                    role: Role::User,
+                    ..
+                }
+            )
+        })
+        .expect("a user message")
+        .event_id;
+    created(
+        c,
+        Request::Rebase {
+            session: s,
+            edits: vec![superfluid::wire::Edit::Replace {
+                from: first,
+                to: first + 1,
+                role: Role::User.into(),
+                text: text.into(),
+            }],
+            params: None,
+        },
+    )
+}
+
+fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        let dst = to.join(e.file_name());
+        if e.file_type().unwrap().is_dir() {
+            copy_dir(&e.path(), &dst);
+        } else {
+            std::fs::copy(e.path(), dst).unwrap();
+        }
+    }
+}
