@@ -935,8 +935,8 @@ def main():
         convs = {"sf": [], "ll": []}
         for name, fn in [("decode", w_decode), ("concurrent", w_concurrent),
                          ("multiturn", w_multiturn), ("fanout", w_fanout), ("restart", w_restart),
-                         ("oai-decode", w_oai_decode), ("oai-multiturn", w_oai_multiturn),
-                         ("oai-fanout", w_oai_fanout)]:
+                         ("oai-decode", w_oai_decode), ("oai-fanout", w_oai_fanout),
+                         ("oai-multiturn", w_oai_multiturn)]:
             if name not in only:
                 continue
             out = {"sf": [], "ll": [], "loadavg_before": loadavg()}
