@@ -12,9 +12,11 @@ Both stay up for the whole run; every workload runs each server in turn,
 alternating which goes first (A/B), and the table reports medians,
 min-max and the ratio superfluid / llama-server.
 
-superfluid is driven through its browser transport (POST /web/rpc and the
-SSE stream POST /web/stream with provisional text), llama-server through
-POST /v1/chat/completions (streamed, cache_prompt) and /slots.
+In the first five workloads superfluid is driven through its browser
+transport (POST /web/rpc and the SSE stream POST /web/stream with
+provisional text), llama-server through POST /v1/chat/completions
+(streamed, cache_prompt) and /slots. The oai-* workloads drive both
+through the same OpenAI route with the same request bodies.
 
 Workloads (see docs/benchmarks.md):
   decode      one stream: ~200-token prompt, 128 greedy tokens
@@ -22,6 +24,13 @@ Workloads (see docs/benchmarks.md):
   multiturn   time to first token of turn N after ~2,000 tokens of history
   fanout      a ~2,000-token document, then 4 questions (forks vs requests)
   restart     stop both servers, start again, ask turn N+1
+The OpenAI route, both servers alike (POST /v1/chat/completions, stream,
+stream_options.include_usage, identical bodies; llama-server's also carry
+cache_prompt, its default):
+  oai-decode     one stream: ~200-token prompt, 128 greedy tokens
+  oai-multiturn  a chat resending its growing history; TTFT of turn N
+  oai-fanout     4 requests sharing a ~2,000-token system+document prefix,
+                 sent together; prompt tokens computed and wall time
 """
 
 import argparse
@@ -326,7 +335,7 @@ class LlamaServer(Server):
     def argv(self):
         return [self.binary, "-m", self.model, "--host", "127.0.0.1", "--port", str(self.port),
                 "-t", str(THREADS), "-tb", str(THREADS), "-c", str(CTX), "-np", str(PARALLEL),
-                "-cb", "--slot-save-path", self.slots]
+                "-cb", "--slot-save-path", self.slots, "--metrics"]
 
     def start(self):
         self.port = free_port()
@@ -610,6 +619,198 @@ def w_restart(sf, ll, runs, out, convs):
                     f"cold {cold['ttft_s']:.3f}s")
 
 
+# ---- the OpenAI route, both servers alike ------------------------------------
+
+OAI_PATH = "/v1/chat/completions"
+
+
+def oai_headers(server):
+    """superfluid's compatible routes take its web token (or --api-key) as a bearer."""
+    return {"authorization": f"Bearer {server.token}"} if isinstance(server, Superfluid) else {}
+
+
+def oai_body(server, messages, max_tokens):
+    """The same body for both; llama-server's also says cache_prompt (its default)."""
+    body = {"model": "default", "messages": messages, "max_tokens": max_tokens,
+            "temperature": 0.0, "top_p": 1.0, "seed": 1,
+            "stream": True, "stream_options": {"include_usage": True}}
+    if isinstance(server, LlamaServer):
+        body["cache_prompt"] = True
+    return body
+
+
+def oai_chat(server, messages, max_tokens, t0=None):
+    """One streamed chat completion. Times are seconds from t0 (default: the request)."""
+    t0 = time.perf_counter() if t0 is None else t0
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=600)
+    h = {"content-type": "application/json", "accept": "text/event-stream"}
+    h.update(oai_headers(server))
+    first = last = end = None
+    text, usage, timings, n_chunks, warm_header = [], None, None, 0, None
+    try:
+        conn.request("POST", OAI_PATH, body=json.dumps(oai_body(server, messages, max_tokens)),
+                     headers=h)
+        r = conn.getresponse()
+        if r.status != 200:
+            raise RuntimeError(f"{server.name} {OAI_PATH}: HTTP {r.status}: {r.read()[:300]!r}")
+        warm_header = r.getheader("x-superfluid-warm")
+        while True:
+            line = r.readline()
+            if not line:
+                break
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue
+            t, data = time.perf_counter(), line[5:].strip().decode()
+            if data == "[DONE]":
+                end = t
+                break
+            d = json.loads(data)
+            if "error" in d:
+                raise RuntimeError(f"{server.name}: {d['error']}")
+            for c in d.get("choices") or []:
+                piece = (c.get("delta") or {}).get("content")
+                if piece:
+                    first = first or t
+                    last = t
+                    n_chunks += 1
+                    text.append(piece)
+            usage = d.get("usage") or usage
+            timings = d.get("timings") or timings
+    finally:
+        conn.close()
+    if end is None:
+        raise RuntimeError(f"{server.name}: the stream ended without [DONE]")
+    if first is None:
+        raise RuntimeError(f"{server.name} produced no text: {usage}")
+    if not usage:
+        raise RuntimeError(f"{server.name}: no usage chunk despite include_usage")
+    n = usage.get("completion_tokens") or n_chunks
+    prompt = usage.get("prompt_tokens")
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return {
+        "ttft_s": first - t0,
+        "total_s": end - t0,
+        "tokens": n,
+        "chunks": n_chunks,
+        "decode_tps": (n - 1) / (end - first) if n > 1 and end > first else None,
+        "prompt_tokens": prompt,
+        "cached": cached,
+        "computed": prompt - cached if prompt is not None else None,
+        "warm_header": int(warm_header) if warm_header is not None else None,
+        "own_prompt_n": (timings or {}).get("prompt_n"),
+        "own_cache_n": (timings or {}).get("cache_n"),
+        "text": "".join(text),
+    }
+
+
+PREFILL_COUNTER = {"sf": "superfluid_prefill_tokens_total", "ll": "llamacpp:prompt_tokens_total"}
+
+
+def prompt_counter(server, who):
+    """The server's own count of prompt tokens computed, from GET /metrics; None if not served."""
+    st, text = http_json(server.port, "GET", "/metrics", headers=oai_headers(server))
+    if st != 200 or not isinstance(text, str):
+        return None
+    name = PREFILL_COUNTER[who]
+    total, seen = 0.0, False
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        parts = line.split()
+        if len(parts) >= 2 and (parts[0] == name or parts[0].startswith(name + "{")):
+            total += float(parts[1])
+            seen = True
+    return int(total) if seen else None
+
+
+def oai_single_messages(tag):
+    return [{"role": "system", "content": SYSTEM.format(tag=tag)},
+            {"role": "user", "content": decode_prompt(tag)}]
+
+
+def w_oai_decode(sf, ll, runs, out):
+    servers = {"sf": sf, "ll": ll}
+    for run in range(runs):
+        for who in ab(run):
+            r = oai_chat(servers[who], oai_single_messages(f"od{run}"), DECODE_TOKENS)
+            out[who].append(r)
+            log(f"  oai-decode run {run} {who}: prompt {r['prompt_tokens']} tok, "
+                f"ttft {r['ttft_s']:.3f}s, {r['tokens']} tok at {r['decode_tps'] or 0:.1f} tok/s")
+
+
+def w_oai_multiturn(sf, ll, runs, out):
+    """Each server answers its own ~2,000-token chat, resent whole each turn, as a
+    client of the OpenAI API does; turn N is timed."""
+    servers = {"sf": sf, "ll": ll}
+    for run in range(runs):
+        tag = f"om{run}"
+        for who in ab(run):
+            srv = servers[who]
+            msgs = [{"role": "system", "content": SYSTEM.format(tag=tag)}]
+            history = []
+            for k in range(HISTORY_TURNS):
+                msgs.append({"role": "user", "content": history_message(tag, k)})
+                h = oai_chat(srv, msgs, HISTORY_REPLY)
+                history.append({"ttft_s": h["ttft_s"], "prompt_tokens": h["prompt_tokens"],
+                                "computed": h["computed"]})
+                msgs.append({"role": "assistant", "content": h["text"]})
+            msgs.append({"role": "user", "content": TURN_N})
+            r = oai_chat(srv, msgs, TURN_N_REPLY)
+            r["history_tokens"] = r["cached"]
+            r["history_turns"] = history
+            out[who].append(r)
+            log(f"  oai-multiturn run {run} {who}: turn N prompt {r['prompt_tokens']} tok, "
+                f"cached {r['cached']}, computed {r['computed']}, ttft {r['ttft_s']:.3f}s")
+
+
+def w_oai_fanout(sf, ll, runs, out):
+    """Four requests with the same system+document prefix and different final
+    questions, sent together, nothing prefilled before."""
+    servers = {"sf": sf, "ll": ll}
+    for run in range(runs):
+        tag = f"of{run}"
+        for who in ab(run):
+            srv = servers[who]
+            results = [None] * len(QUESTIONS)
+            before = prompt_counter(srv, who)
+            barrier = threading.Barrier(len(QUESTIONS) + 1)
+
+            def work(k, srv=srv, barrier=barrier, results=results, tag=tag):
+                barrier.wait()
+                results[k] = oai_chat(srv, [{"role": "system", "content": SYSTEM.format(tag=tag)},
+                                            {"role": "user", "content": fanout_doc(tag)},
+                                            {"role": "user", "content": QUESTIONS[k]}],
+                                      FANOUT_REPLY)
+            threads = [threading.Thread(target=work, args=(k,)) for k in range(len(QUESTIONS))]
+            for t in threads:
+                t.start()
+            barrier.wait()
+            t0 = time.perf_counter()
+            for t in threads:
+                t.join()
+            wall = time.perf_counter() - t0
+            if any(r is None for r in results):
+                raise RuntimeError(f"{who}: an oai-fanout request failed")
+            after = prompt_counter(srv, who)
+            by_usage = sum(r["computed"] for r in results)
+            metric = after - before if before is not None and after is not None else None
+            rec = {"wall_s": wall,
+                   "computed": metric if metric is not None else by_usage,
+                   "computed_source": f"/metrics {PREFILL_COUNTER[who]} delta" if metric is not None
+                   else "usage: sum of prompt_tokens - cached_tokens",
+                   "computed_metrics": metric, "computed_usage": by_usage,
+                   "prompt_tokens": sum(r["prompt_tokens"] for r in results),
+                   "cached": [r["cached"] for r in results],
+                   "ttft_s": [r["ttft_s"] for r in results],
+                   "ttft_max_s": max(r["ttft_s"] for r in results),
+                   "tokens": sum(r["tokens"] for r in results)}
+            out[who].append(rec)
+            log(f"  oai-fanout run {run} {who}: {wall:.2f}s, computed {rec['computed']} "
+                f"({rec['computed_source']}; usage says {by_usage}) of {rec['prompt_tokens']} "
+                f"prompt tokens, cached {rec['cached']}")
+
+
 # ---- report -----------------------------------------------------------------
 
 
@@ -678,7 +879,8 @@ def main():
     ap.add_argument("--model", default=os.environ.get("SUPERFLUID_TEST_MODEL", DEFAULT_MODEL))
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="2 runs each, a smoke test")
-    ap.add_argument("--only", default="decode,concurrent,multiturn,fanout,restart")
+    ap.add_argument("--only", default="decode,concurrent,multiturn,fanout,restart,"
+                    "oai-decode,oai-multiturn,oai-fanout")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/peer-<date>.json)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     args = ap.parse_args()
@@ -695,6 +897,9 @@ def main():
     ll = LlamaServer(os.path.abspath(args.llama_server), args.model, workdir)
 
     started = datetime.datetime.now()
+    out_path = args.out or os.path.join(REPO, "bench", "results",
+                                        f"peer-{started.strftime('%Y-%m-%d')}.json")
+    os.makedirs(os.path.dirname(out_path), exist_ok=True)
     git = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
                          text=True).stdout.strip()
     dirty = bool(subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"],
@@ -724,9 +929,14 @@ def main():
         # One discarded request each, so neither pays a first-use cost in a timed run.
         sf_single(sf, "warmup", 16)
         ll_single(ll, "warmup", 16)
+        if any(n.startswith("oai-") for n in only):
+            oai_chat(sf, oai_single_messages("oai-warmup"), 16)
+            oai_chat(ll, oai_single_messages("oai-warmup"), 16)
         convs = {"sf": [], "ll": []}
         for name, fn in [("decode", w_decode), ("concurrent", w_concurrent),
-                         ("multiturn", w_multiturn), ("fanout", w_fanout), ("restart", w_restart)]:
+                         ("multiturn", w_multiturn), ("fanout", w_fanout), ("restart", w_restart),
+                         ("oai-decode", w_oai_decode), ("oai-fanout", w_oai_fanout),
+                         ("oai-multiturn", w_oai_multiturn)]:
             if name not in only:
                 continue
             out = {"sf": [], "ll": [], "loadavg_before": loadavg()}
@@ -739,7 +949,9 @@ def main():
             out["seconds"] = time.perf_counter() - t
             for r in out["sf"] + out["ll"]:
                 r.pop("text", None)
+            # Saved as it goes, so an interrupted run keeps what it measured.
             W[name] = out
+            save_partial(report, out_path)
     finally:
         sf.stop()
         ll.stop()
@@ -749,9 +961,7 @@ def main():
     report["table"] = rows
     md = render(report, rows)
     print(md)
-    out_path = args.out or os.path.join(REPO, "bench", "results",
-                                        f"peer-{started.strftime('%Y-%m-%d')}.json")
-    os.makedirs(os.path.dirname(out_path), exist_ok=True)
+    report.pop("partial", None)
     report["markdown"] = md
     with open(out_path, "w") as f:
         json.dump(report, f, indent=1)
@@ -762,13 +972,29 @@ def main():
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def save_partial(report, out_path):
+    """Writes what has been measured so far (marked partial); main overwrites it at the end."""
+    report["partial"] = True
+    report["table"] = table_rows(report["workloads"])
+    with open(out_path, "w") as f:
+        json.dump(report, f, indent=1)
+
+
 def table_rows(W):
     """(workload, metric, better, superfluid stats, llama-server stats, unit)."""
     rows = []
 
-    def add(workload, metric, better, sf_vals, ll_vals, unit):
-        rows.append({"workload": workload, "metric": metric, "better": better,
-                     "superfluid": stats(sf_vals), "llama_server": stats(ll_vals), "unit": unit})
+    def add(workload, metric, better, sf_vals, ll_vals, unit, goal=None):
+        """goal: (op, x), the ratio superfluid / llama-server wanted, e.g. ("<=", 1.0)."""
+        row = {"workload": workload, "metric": metric, "better": better,
+               "superfluid": stats(sf_vals), "llama_server": stats(ll_vals), "unit": unit}
+        if goal is not None:
+            op, x = goal
+            s, l = row["superfluid"], row["llama_server"]
+            ratio = s["median"] / l["median"] if s and l and l["median"] else None
+            row["goal"] = {"ratio": f"{op} {x}", "met": None if ratio is None else
+                           (ratio <= x if op == "<=" else ratio >= x)}
+        rows.append(row)
 
     if "decode" in W:
         d = W["decode"]
@@ -823,6 +1049,48 @@ def table_rows(W):
             [], [x["cold_ttft_s"] for x in r["ll"]], " s")
         add("restart, turn N+1", "llama-server slot restore alone", "-",
             [], [x["restore_s"] for x in r["ll"]], " s")
+    if "oai-decode" in W:
+        d = W["oai-decode"]
+        w = "oai-decode, /v1/chat/completions"
+        add(w, "prompt tokens (usage)", "-", [r["prompt_tokens"] for r in d["sf"]],
+            [r["prompt_tokens"] for r in d["ll"]], "")
+        add(w, "time to first token", "lower", [r["ttft_s"] for r in d["sf"]],
+            [r["ttft_s"] for r in d["ll"]], " s")
+        add(w, "generated tok/s, client wall ((n-1) / first token to [DONE])", "higher",
+            [r["decode_tps"] for r in d["sf"]], [r["decode_tps"] for r in d["ll"]], "",
+            goal=(">=", 0.97))
+        add(w, "generated tokens (usage)", "-", [r["tokens"] for r in d["sf"]],
+            [r["tokens"] for r in d["ll"]], "")
+    if "oai-multiturn" in W:
+        m = W["oai-multiturn"]
+        w = "oai-multiturn, turn N, /v1/chat/completions"
+        add(w, "prompt tokens (usage)", "-", [r["prompt_tokens"] for r in m["sf"]],
+            [r["prompt_tokens"] for r in m["ll"]], "")
+        add(w, "history reused (usage cached_tokens)", "-", [r["cached"] for r in m["sf"]],
+            [r["cached"] for r in m["ll"]], "")
+        add(w, "prompt tokens computed (prompt - cached)", "lower",
+            [r["computed"] for r in m["sf"]], [r["computed"] for r in m["ll"]], "")
+        add(w, "time to first token", "lower", [r["ttft_s"] for r in m["sf"]],
+            [r["ttft_s"] for r in m["ll"]], " s", goal=("<=", 1.0))
+    if "oai-fanout" in W:
+        f = W["oai-fanout"]
+        w = "oai-fanout, doc + 4 questions at once, /v1/chat/completions"
+        src = {r.get("computed_source") for r in f["sf"] + f["ll"]}
+        how = ("/metrics deltas: superfluid_prefill_tokens_total, llamacpp:prompt_tokens_total"
+               if all(x and x.startswith("/metrics") for x in src)
+               else "sources: " + "; ".join(sorted(x for x in src if x)))
+        add(w, f"prompt tokens computed ({how})", "lower",
+            [r["computed"] for r in f["sf"]], [r["computed"] for r in f["ll"]], "",
+            goal=("<=", 0.35))
+        add(w, "prompt tokens computed, by usage (sum of prompt_tokens - cached_tokens)", "-",
+            [r["computed_usage"] for r in f["sf"]], [r["computed_usage"] for r in f["ll"]], "")
+        add(w, "prompt tokens (sum of the 4 prompts)", "-",
+            [r["prompt_tokens"] for r in f["sf"]], [r["prompt_tokens"] for r in f["ll"]], "")
+        add(w, "wall time until all 4 finish", "lower",
+            [r["wall_s"] for r in f["sf"]], [r["wall_s"] for r in f["ll"]], " s",
+            goal=("<=", 0.5))
+        add(w, "slowest first token", "lower",
+            [r["ttft_max_s"] for r in f["sf"]], [r["ttft_max_s"] for r in f["ll"]], " s")
     return rows
 
 
@@ -840,14 +1108,17 @@ def render(report, rows):
         "Medians (min-max). Ratio = superfluid / llama-server; for times lower is better, "
         "for tok/s higher is better.",
         "",
-        "| workload | metric | superfluid | llama-server | ratio |",
-        "|---|---|---:|---:|---:|",
+        "| workload | metric | superfluid | llama-server | ratio | goal |",
+        "|---|---|---:|---:|---:|---|",
     ]
     for r in rows:
         s, l = r["superfluid"], r["llama_server"]
         ratio = f"{s['median'] / l['median']:.2f}" if s and l and l["median"] else ""
+        g = r.get("goal")
+        goal = "" if not g else (f"{g['ratio']}: " + {True: "met", False: "not met",
+                                                       None: "n/a"}[g["met"]])
         lines.append(f"| {r['workload']} | {r['metric']} | {fmt(s, r['unit'])} | "
-                     f"{fmt(l, r['unit'])} | {ratio} |")
+                     f"{fmt(l, r['unit'])} | {ratio} | {goal} |")
     return "\n".join(lines)
 
 
