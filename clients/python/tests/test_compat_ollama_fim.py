@@ -28,3 +28,16 @@ def test_suffix_runs_fill_in_the_middle(daemon):
     fim_prompt = int(line.split("prompt=")[1].split()[0])
     assert fim_prompt >= prefix_only.prompt_eval_count + 3 + 5
     assert "insert" in c.show("default").capabilities
+
+
+def test_openai_completions_suffix_runs_fill_in_the_middle(daemon):
+    """The same layout through OpenAI's /v1/completions `suffix`."""
+    from compat import oai
+    c = oai(daemon)
+    prefix = "def add(a, b):\n    return "
+    plain = c.completions.create(model="default", prompt=prefix, max_tokens=4, temperature=0)
+    fim = c.completions.create(model="default", prompt=prefix, suffix="\n\nprint(add(1, 2))\n",
+                               max_tokens=8, temperature=0)
+    # The prefix, the suffix (6+ tokens) and the three FIM tokens.
+    assert fim.usage.prompt_tokens >= plain.usage.prompt_tokens + 3 + 5
+    assert fim.usage.completion_tokens > 0 and fim.choices[0].finish_reason in ("stop", "length")
