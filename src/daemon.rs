@@ -21,7 +21,9 @@ use crate::http::compat::ModelInfo;
 use crate::http::{StartError, WebConfig};
 use crate::scheduler::spill::SpillIndex;
 use crate::scheduler::SchedulerState;
-use crate::session::{ChatMessage, Render, RenderError, RenderedConversation, SessionBook};
+use crate::session::{
+    conversation_by_spans, ChatMessage, Render, RenderError, RenderedConversation, SessionBook,
+};
 use crate::store::{self, DirLock, OpenMode, StoreError, WalWriter};
 use crate::wire::worker::WorkerConfig;
 use crate::wire::{from_postcard, LogRecord, Token};
@@ -227,20 +229,7 @@ impl Render for ModelRender {
                 log::warn!(
                     "chat template transforms message content; rendering message by message"
                 );
-                let mut tokens = Vec::new();
-                let mut ends = Vec::with_capacity(messages.len());
-                for (i, m) in messages.iter().enumerate() {
-                    tokens.extend(self.message_span(&messages[..i], tool_list, m, i == 0)?);
-                    ends.push(tokens.len());
-                }
-                let header = self.generation_prompt_span(messages, tool_list)?;
-                let n = header.len();
-                tokens.extend(header);
-                Ok(RenderedConversation {
-                    tokens,
-                    ends,
-                    header: n,
-                })
+                conversation_by_spans(self, messages, tool_list)
             }
             Err(e) => Err(RenderError(e.to_string())),
         }

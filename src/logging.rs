@@ -122,6 +122,29 @@ pub fn init_worker() {
     init_with(true)
 }
 
+/// The most bytes of one worker stderr line the daemon keeps; the rest is
+/// dropped unread into memory and counted.
+pub const WORKER_LINE_MAX: usize = 2048;
+
+/// A line the worker wrote to stderr, made safe for the daemon's log: decoded
+/// lossily, every control character escaped (the worker can echo client text
+/// such as a prompt or a grammar), and `cut` dropped bytes said.
+pub fn sanitize_worker_line(bytes: &[u8], cut: usize) -> String {
+    let text = String::from_utf8_lossy(bytes);
+    let mut out = String::with_capacity(text.len());
+    for c in text.trim_end_matches(['\r', '\n']).chars() {
+        if c.is_control() && c != '\t' {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    if cut > 0 {
+        out.push_str(&format!(" …({cut} more bytes cut)"));
+    }
+    out
+}
+
 /// Splits a worker log line into its level, target and message.
 pub fn parse_worker_line(line: &str) -> Option<(log::Level, &str, &str)> {
     let mut parts = line.splitn(3, '\t');
@@ -174,6 +197,21 @@ fn init_with(worker: bool) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn worker_lines_are_escaped_and_their_cut_said() {
+        assert_eq!(
+            sanitize_worker_line(b"INFO\tx\tok\r\n", 0),
+            "INFO\tx\tok",
+            "tabs (the line format) stay"
+        );
+        assert_eq!(
+            sanitize_worker_line(b"a\x1b[31mred\x07\x00", 0),
+            "a\\u{1b}[31mred\\u{7}\\u{0}"
+        );
+        assert_eq!(sanitize_worker_line(b"ok\xff", 0), "ok\u{fffd}");
+        assert_eq!(sanitize_worker_line(b"abc", 5), "abc …(5 more bytes cut)");
+    }
     use log::{Level, LevelFilter, Metadata};
 
     fn enabled(f: &env_filter::Filter, target: &str, level: Level) -> bool {

@@ -97,6 +97,45 @@ pub enum LaneState {
     Respawning,
 }
 
+/// Re-logs the worker's stderr lines in the daemon's log until its EOF: each
+/// line capped at `WORKER_LINE_MAX` bytes (the rest is skipped, never held),
+/// escaped, and relayed at the level the worker logged it at.
+async fn relay_stderr(stderr: pipe::Receiver) {
+    use crate::logging::{parse_worker_line, sanitize_worker_line, WORKER_LINE_MAX};
+    let mut reader = tokio::io::BufReader::new(stderr);
+    let (mut line, mut cut) = (Vec::new(), 0usize);
+    let relay = |line: &[u8], cut: usize| {
+        let l = sanitize_worker_line(line, cut);
+        match parse_worker_line(&l) {
+            Some((level, target, msg)) => {
+                log::log!(target: "superfluid::worker", level, "{target}: {msg}")
+            }
+            None => log::info!(target: "superfluid::worker", "{l}"),
+        }
+    };
+    while let Ok(buf) = reader.fill_buf().await {
+        if buf.is_empty() {
+            if !line.is_empty() || cut > 0 {
+                relay(&line, cut);
+            }
+            break;
+        }
+        let (chunk, used, ends) = match buf.iter().position(|&b| b == b'\n') {
+            Some(i) => (&buf[..i], i + 1, true),
+            None => (buf, buf.len(), false),
+        };
+        let room = WORKER_LINE_MAX.saturating_sub(line.len());
+        line.extend_from_slice(&chunk[..chunk.len().min(room)]);
+        cut += chunk.len().saturating_sub(room);
+        reader.consume(used);
+        if ends {
+            relay(&line, cut);
+            line.clear();
+            cut = 0;
+        }
+    }
+}
+
 /// The receiving end of the lane's state.
 pub type LaneHealth = watch::Receiver<LaneState>;
 
@@ -320,18 +359,7 @@ impl LaneActor {
                 return;
             }
         };
-        actix::spawn(async move {
-            // The worker's log lines, re-logged here; ends at its EOF.
-            let mut lines = tokio::io::BufReader::new(stderr).lines();
-            while let Ok(Some(l)) = lines.next_line().await {
-                match crate::logging::parse_worker_line(&l) {
-                    Some((level, target, msg)) => {
-                        log::log!(target: "superfluid::worker", level, "{target}: {msg}")
-                    }
-                    None => log::info!(target: "superfluid::worker", "{l}"),
-                }
-            }
-        });
+        actix::spawn(relay_stderr(stderr));
         let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
         actix::spawn(async move {
             // Ends when the lane drops the sender (the worker is gone or

@@ -61,6 +61,29 @@ impl RenderedConversation {
     }
 }
 
+/// A conversation as the concatenation of each message's span and the
+/// assistant header: one template render per message and its history.
+pub fn conversation_by_spans<R: Render + ?Sized>(
+    render: &R,
+    messages: &[ChatMessage],
+    tools: &[String],
+) -> Result<RenderedConversation, RenderError> {
+    let mut tokens = Vec::new();
+    let mut ends = Vec::with_capacity(messages.len());
+    for (i, m) in messages.iter().enumerate() {
+        tokens.extend(render.message_span(&messages[..i], tools, m, i == 0)?);
+        ends.push(tokens.len());
+    }
+    let header = render.generation_prompt_span(messages, tools)?;
+    let n = header.len();
+    tokens.extend(header);
+    Ok(RenderedConversation {
+        tokens,
+        ends,
+        header: n,
+    })
+}
+
 /// Turns text into the exact tokens it puts on the model's input.
 pub trait Render: Send + Sync {
     /// The vocabulary's size: every token id must be below it.
@@ -96,20 +119,7 @@ pub trait Render: Send + Sync {
         messages: &[ChatMessage],
         tools: &[String],
     ) -> Result<RenderedConversation, RenderError> {
-        let mut tokens = Vec::new();
-        let mut ends = Vec::with_capacity(messages.len());
-        for (i, m) in messages.iter().enumerate() {
-            tokens.extend(self.message_span(&messages[..i], tools, m, i == 0)?);
-            ends.push(tokens.len());
-        }
-        let header = self.generation_prompt_span(messages, tools)?;
-        let n = header.len();
-        tokens.extend(header);
-        Ok(RenderedConversation {
-            tokens,
-            ends,
-            header: n,
-        })
+        conversation_by_spans(self, messages, tools)
     }
     /// A token's raw bytes (possibly part of a UTF-8 character).
     fn piece(&self, token: Token) -> Vec<u8>;
