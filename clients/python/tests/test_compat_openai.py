@@ -185,7 +185,7 @@ def test_logprobs_logit_bias_and_penalties(daemon):
 def test_suffix_without_fim_tokens_is_a_clear_400(daemon):
     with pytest.raises(openai.BadRequestError) as e:
         oai(daemon).completions.create(model="default", prompt="def f(", suffix="\n", max_tokens=4)
-    assert "fill-in-the-middle" in str(e.value)
+    assert "fill-in-the-middle" in str(e.value) and e.value.param == "suffix"
 
 
 def error_of(excinfo):
@@ -215,12 +215,12 @@ def test_errors_in_openai_shape(daemon):
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model="default", messages=[
             {"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "call_none", "content": "42"}])
-    assert "call_none" in str(e.value)
+    assert "call_none" in str(e.value) and e.value.param == "messages"
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model="default", messages=[{"role": "user", "content": [
             {"type": "text", "text": "what is this?"},
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}])
-    assert "projector" in str(e.value)
+    assert "projector" in str(e.value) and e.value.param == "messages"
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model="default", messages=[{"role": "user", "content": "x"}], n=0)
     auth = {"Authorization": "Bearer " + KEY}

@@ -23,8 +23,9 @@ use super::{
     accept, budget, chat_error, check_lane, check_model, event_stream, logged, markers, new_id,
     ok_with_warm, params, sse, start_all, Access, Prepared,
 };
+use super::{close_reasoning, forced_grammar};
 use crate::http::routes::WebState;
-use crate::session::grammar::{forced_call, tool_signature, GrammarError};
+use crate::session::grammar::tool_signature;
 use crate::wire::Role;
 
 const F: Family = Family::Anthropic;
@@ -369,19 +370,9 @@ pub async fn messages(
         if rendered.none {
             markers.tool_call = None;
         }
-        let close = markers
-            .think
-            .as_ref()
-            .filter(|_| in_reasoning)
-            .map(|(_, c)| c.clone());
-        let convert = |schema: &str| {
-            crate::engine::json_schema_grammar(schema)
-                .map_err(|e| GrammarError::Convert(e.to_string()))
-        };
+        let close = close_reasoning(&markers, in_reasoning);
         let grammar = match &rendered.forced {
-            Some(tools) => Some(
-                forced_call(tools, close.as_deref(), &convert).map_err(|e| bad(e.to_string()))?,
-            ),
+            Some(tools) => Some(forced_grammar(F, tools, close.as_deref())?),
             None => match r
                 .output_config
                 .as_ref()

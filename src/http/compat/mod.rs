@@ -279,6 +279,31 @@ pub(crate) fn json_grammar(
     }
 }
 
+/// The thinking block's closing marker, when the generation prompt opened
+/// one (a grammar must close it before what it forces).
+pub(crate) fn close_reasoning(markers: &Markers, in_reasoning: bool) -> Option<String> {
+    markers
+        .think
+        .as_ref()
+        .filter(|_| in_reasoning)
+        .map(|(_, c)| c.clone())
+}
+
+/// The grammar forcing one call to one of `tools` (name and parameters
+/// schema), after `close` when the turn opened in a thinking block; a 400 of
+/// the route's family when it cannot be built.
+pub(crate) fn forced_grammar(
+    family: Family,
+    tools: &[(String, Value)],
+    close: Option<&str>,
+) -> Result<String, ApiError> {
+    let convert = |schema: &str| {
+        crate::engine::json_schema_grammar(schema).map_err(|e| GrammarError::Convert(e.to_string()))
+    };
+    crate::session::grammar::forced_call(tools, close, &convert)
+        .map_err(|e| ApiError::invalid(family, e.to_string()).with_param("tool_choice"))
+}
+
 /// The markers of the served template, and whether a generation prompt
 /// `header` opens a thinking block.
 pub(crate) fn markers(state: &WebState, header: &[Token]) -> (Markers, bool) {

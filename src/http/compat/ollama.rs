@@ -24,9 +24,10 @@ use super::{
     accept, authorize, chat_error, check_lane, check_model, json_grammar, logged, markers,
     ok_with_warm, params, start_all, Access, Prepared,
 };
+use super::{close_reasoning, forced_grammar};
 use crate::actors::complete::fim_prompt;
 use crate::http::routes::WebState;
-use crate::session::grammar::{forced_call, tool_signature, GrammarError};
+use crate::session::grammar::tool_signature;
 use crate::session::output::Markers;
 use crate::wire::{FimMode, Role};
 
@@ -526,18 +527,9 @@ fn prepare_chat(state: &WebState, r: &ChatRequest) -> Result<Job, ApiError> {
         markers.tool_call = None;
     }
     let show = show_thinking(state, r.think.as_ref(), &markers)?;
-    let close = markers
-        .think
-        .as_ref()
-        .filter(|_| in_reasoning)
-        .map(|(_, c)| c.clone());
-    let convert = |schema: &str| {
-        crate::engine::json_schema_grammar(schema).map_err(|e| GrammarError::Convert(e.to_string()))
-    };
+    let close = close_reasoning(&markers, in_reasoning);
     let grammar = match forced {
-        Some(tools) => {
-            Some(forced_call(&tools, close.as_deref(), &convert).map_err(|e| bad(e.to_string()))?)
-        }
+        Some(tools) => Some(forced_grammar(F, &tools, close.as_deref())?),
         None => format_grammar(r.format.as_ref(), close.as_deref())?,
     };
     let prompt = prompt.tokens;
@@ -613,11 +605,7 @@ fn prepare_generate(state: &WebState, r: &GenerateRequest) -> Result<Job, ApiErr
         }
     };
     let show = show_thinking(state, r.think.as_ref(), &markers)?;
-    let close = markers
-        .think
-        .as_ref()
-        .filter(|_| in_reasoning)
-        .map(|(_, c)| c.clone());
+    let close = close_reasoning(&markers, in_reasoning);
     let grammar = format_grammar(r.format.as_ref(), close.as_deref())?;
     let o = r.options.as_ref();
     let max = max_tokens(

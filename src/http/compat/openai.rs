@@ -19,9 +19,10 @@ use super::{
     accept, authorize, budget, chat_error, check_lane, check_model, event_stream, json_grammar,
     logged, markers, new_id, now_secs, ok_with_warm, params, start_all, Access, Prepared,
 };
+use super::{close_reasoning, forced_grammar};
 use crate::actors::complete::fim_prompt;
 use crate::http::routes::WebState;
-use crate::session::grammar::{forced_call, tool_signature, GrammarError};
+use crate::session::grammar::tool_signature;
 use crate::session::output::Markers;
 use crate::wire::extras::MAX_LOGIT_BIAS;
 use crate::wire::{FimMode, Role, SampleExtras, Token};
@@ -214,14 +215,7 @@ fn prepare_chat(state: &WebState, r: &ChatRequest) -> Result<Prepared, ApiError>
     if none {
         markers.tool_call = None;
     }
-    let close = markers
-        .think
-        .as_ref()
-        .filter(|_| in_reasoning)
-        .map(|(_, c)| c.clone());
-    let convert = |schema: &str| {
-        crate::engine::json_schema_grammar(schema).map_err(|e| GrammarError::Convert(e.to_string()))
-    };
+    let close = close_reasoning(&markers, in_reasoning);
     let forced: Option<Vec<(String, Value)>> = match &choice {
         Value::Null => None,
         Value::String(s) if s == "auto" || s == "none" => None,
@@ -253,10 +247,7 @@ fn prepare_chat(state: &WebState, r: &ChatRequest) -> Result<Prepared, ApiError>
         }
     };
     let grammar = match (forced, &r.response_format) {
-        (Some(tools), _) => Some(
-            forced_call(&tools, close.as_deref(), &convert)
-                .map_err(|e| ApiError::invalid(F, e.to_string()).with_param("tool_choice"))?,
-        ),
+        (Some(tools), _) => Some(forced_grammar(F, &tools, close.as_deref())?),
         (None, Some(format)) => response_grammar(format, close.as_deref())?,
         (None, None) => None,
     };
