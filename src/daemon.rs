@@ -380,6 +380,7 @@ pub fn start_actors(
         n_ctx: w.n_ctx,
         bus: crate::actors::bus::Bus::new(config.sub_buffer),
         generations: Arc::default(),
+        media: crate::media::MediaStore::new(&config.sessions),
     }
 }
 

@@ -6,6 +6,7 @@
 //! - [`wire`]: every type that crosses a process boundary, its framing, and
 //!   the small codes (roles, channels, finish reasons...) as types.
 //! - [`store`]: the write-ahead log on disk (wal.log) and the directory lock.
+//! - [`media`]: image blobs by SHA-256 under `<sessions>/media/`.
 //! - [`session`]: sessions as plain data, rebuilt from the log; requests
 //!   become typed plans from one read of the book.
 //! - [`scheduler`]: which generations run in a lane's next decode step, and
@@ -28,6 +29,7 @@ pub mod engine;
 pub mod frontend;
 pub mod http;
 pub mod logging;
+pub mod media;
 pub mod scheduler;
 pub mod session;
 pub mod store;

@@ -25,6 +25,9 @@ enum Command {
     /// Print the URL of a running daemon's page (`serve --web`), token
     /// included, and open it in a browser when `xdg-open` is installed.
     Open(Open),
+    /// Images in a running daemon's media store (<sessions>/media/).
+    #[command(subcommand)]
+    Media(MediaCommand),
     /// The inference worker the daemon spawns, one per model: it owns
     /// llama.cpp and speaks length-prefixed postcard frames on stdin/stdout.
     #[command(hide = true)]
@@ -156,6 +159,41 @@ enum SessionCommand {
     },
 }
 
+#[derive(Subcommand)]
+enum MediaCommand {
+    /// Store image files (PNG, JPEG, WebP, GIF) and print each one's hash,
+    /// the `blob` that AppendImage takes.
+    ///
+    /// Example: superfluid media put photo.png
+    Put {
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
+        /// One JSON object a file.
+        #[arg(long)]
+        json: bool,
+        /// The daemon's socket [default: ~/.superfluid/superfluid.sock]
+        #[arg(long, value_name = "PATH")]
+        socket: Option<PathBuf>,
+    },
+    /// List the stored blobs: hash, size, type.
+    Ls {
+        #[arg(long)]
+        json: bool,
+        /// The sessions directory [default: ~/.superfluid/sessions]
+        #[arg(long, value_name = "DIR")]
+        sessions: Option<PathBuf>,
+    },
+    /// Remove the blobs no live session references (a blob put within the
+    /// last hour is kept); prints what was kept and removed.
+    Gc {
+        #[arg(long)]
+        json: bool,
+        /// The daemon's socket [default: ~/.superfluid/superfluid.sock]
+        #[arg(long, value_name = "PATH")]
+        socket: Option<PathBuf>,
+    },
+}
+
 fn main() {
     let cli = Cli::parse();
     if matches!(cli.command, Command::Worker(_)) {
@@ -211,6 +249,23 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             json,
             socket,
         }) => inspect(session, json, socket.unwrap_or_else(daemon::default_socket)),
+        Command::Media(m) => {
+            use superfluid::media::cli;
+            match m {
+                MediaCommand::Put {
+                    files,
+                    json,
+                    socket,
+                } => cli::put(&socket.unwrap_or_else(daemon::default_socket), &files, json),
+                MediaCommand::Ls { json, sessions } => {
+                    cli::ls(&sessions.unwrap_or_else(daemon::default_sessions_dir), json)
+                }
+                MediaCommand::Gc { json, socket } => {
+                    cli::gc(&socket.unwrap_or_else(daemon::default_socket), json)
+                }
+            }
+            .map_err(Into::into)
+        }
         Command::Open(o) => open(
             &o.sessions.unwrap_or_else(daemon::default_sessions_dir),
             !o.no_browser,

@@ -64,6 +64,8 @@ pub struct Shared {
     /// Generations ended, by finish (the `superfluid_generations_total`
     /// metric).
     pub generations: Arc<registry::Generations>,
+    /// The image blobs under `<sessions>/media/` (`PutMedia`, `GcMedia`).
+    pub media: crate::media::MediaStore,
 }
 
 /// Why a record was not committed.

@@ -432,6 +432,29 @@ impl Handler<Dispatch> for Registry {
             } => Box::pin(async move {
                 super::complete::complete(&shared, prefix, suffix, mode, max_tokens).await
             }),
+            Request::PutMedia { bytes, mime } => {
+                let media = shared.media.clone();
+                Box::pin(async move {
+                    let put = actix_rt::task::spawn_blocking(move || media.put(&bytes, &mime));
+                    match put.await {
+                        Ok(Ok(hash)) => Response::Media { hash },
+                        Ok(Err(e)) => Response::err(e.to_string()),
+                        Err(e) => Response::err(format!("PutMedia: {e}")),
+                    }
+                })
+            }
+            Request::GcMedia => {
+                let media = shared.media.clone();
+                let referenced = shared.read().media_refs();
+                Box::pin(async move {
+                    let gc = actix_rt::task::spawn_blocking(move || media.gc(&referenced));
+                    match gc.await {
+                        Ok(Ok((kept, removed))) => Response::Gc { kept, removed },
+                        Ok(Err(e)) => Response::err(e.to_string()),
+                        Err(e) => Response::err(format!("GcMedia: {e}")),
+                    }
+                })
+            }
             other => reply(Response::err(format!(
                 "{} is not served by this daemon yet",
                 name(&other)

@@ -6,7 +6,8 @@
 //! Modules: `daemon` (the daemon as a process: durability, SIGKILL, torn
 //! tails, corruption, locks), `bad_input` (refused requests), `ordering`
 //! (no reply before its fsync), `generate` (generation on the real model),
-//! `logging` (`RUST_LOG` and `SetLogLevel` directives), `metrics` (the
+//! `logging` (`RUST_LOG` and `SetLogLevel` directives), `media` (`PutMedia`, `GcMedia`,
+//! `superfluid media`), `metrics` (the
 //! `Metrics` text, checked by promtool), `web` and `browser`
 //! (the HTTP transport), `surface` (the tool-call ledger, `AppendBlock`,
 //! archived sessions, SessionBusy, flags refused together), `spec_json` (the
@@ -23,6 +24,7 @@ mod generate;
 mod http;
 mod kv_tiers;
 mod logging;
+mod media;
 mod metrics;
 mod ordering;
 mod spec_json;

@@ -260,6 +260,14 @@ impl SessionBook {
             .collect()
     }
 
+    /// The media blobs that live (not purged) sessions reference, which
+    /// `GcMedia` keeps. No record names a blob yet: `AppendImage` is refused
+    /// until a projector can be loaded (docs/media.md), so today every blob is
+    /// unreferenced and only the grace period keeps it.
+    pub fn media_refs(&self) -> std::collections::HashSet<String> {
+        std::collections::HashSet::new()
+    }
+
     /// `Sessions`.
     pub fn summaries(&self, include_archived: bool) -> Vec<SessionSummary> {
         self.sessions
