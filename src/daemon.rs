@@ -80,7 +80,15 @@ pub fn park_dir(sessions: &Path) -> PathBuf {
 /// The park artifacts in `dir` usable with the model at `model`: (session,
 /// token ids) for each, headers checked (the state is checked when it is
 /// restored). One warning for each that is not.
-pub fn scan_parked(dir: &Path, model: &Path) -> Vec<(u64, Vec<crate::wire::Token>)> {
+///
+/// An artifact of a session that is not live (purged, or unknown to the
+/// log) is deleted: a Purge deletes its artifacts, and this catches one a
+/// seal still in the writer's queue wrote after it.
+pub fn scan_parked(
+    dir: &Path,
+    model: &Path,
+    live: impl Fn(u64) -> bool,
+) -> Vec<(u64, Vec<crate::wire::Token>)> {
     use crate::engine::park;
     let Ok(identity) = park::model_identity(model) else {
         return vec![];
@@ -93,6 +101,13 @@ pub fn scan_parked(dir: &Path, model: &Path) -> Vec<(u64, Vec<crate::wire::Token
         let Some(session) = park::session_of(&p) else {
             continue;
         };
+        if !live(session) {
+            match std::fs::remove_file(&p) {
+                Ok(()) => log::info!("deleted {}: its session is purged", p.display()),
+                Err(e) => log::warn!("cannot delete {}: {e}", p.display()),
+            }
+            continue;
+        }
         let head = std::fs::File::open(&p)
             .map_err(park::ParkError::from)
             .and_then(|mut f| park::read_head(&mut f, &identity));
@@ -364,11 +379,11 @@ pub fn start_actors(
         SchedulerState::new(w.n_ctx, w.n_seq, w.n_batch)
             .with_pin_budget_pct(config.pin_budget_pct)
             .with_spill(SpillIndex::new(config.cache_ram_mb.saturating_mul(1 << 20)))
-            .with_park_if(
-                config
-                    .park_budget_gb
-                    .map(|_| scan_parked(&park_dir(&config.sessions), &config.model)),
-            )
+            .with_park_if(config.park_budget_gb.map(|_| {
+                scan_parked(&park_dir(&config.sessions), &config.model, |s| {
+                    book.is_live(s)
+                })
+            }))
             .with_n_vocab(render.n_vocab()),
     );
     Shared {
@@ -381,6 +396,7 @@ pub fn start_actors(
         bus: crate::actors::bus::Bus::new(config.sub_buffer),
         generations: Arc::default(),
         media: crate::media::MediaStore::new(&config.sessions),
+        park_dir: config.park_budget_gb.map(|_| park_dir(&config.sessions)),
     }
 }
 

@@ -66,6 +66,8 @@ pub struct Shared {
     pub generations: Arc<registry::Generations>,
     /// The image blobs under `<sessions>/media/` (`PutMedia`, `GcMedia`).
     pub media: crate::media::MediaStore,
+    /// `--park`'s directory: a purged session's artifact is deleted there.
+    pub park_dir: Option<std::path::PathBuf>,
 }
 
 /// Why a record was not committed.

@@ -272,6 +272,13 @@ fn counters(stats: crate::scheduler::Stats) -> String {
     );
     metric(
         &mut out,
+        "superfluid_kv_parked_artifacts",
+        "gauge",
+        "Park artifacts (--park) the scheduler's index holds.",
+        stats.parked_artifacts,
+    );
+    metric(
+        &mut out,
         "superfluid_kv_restored_tokens_total",
         "counter",
         "Prompt tokens imported from the host-memory tier instead of a prefill.",

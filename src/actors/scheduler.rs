@@ -42,6 +42,11 @@ pub struct PinSession {
     pub deadline_ms: u64,
 }
 
+/// Purged sessions: forget their park artifacts.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct ForgetParked(pub Vec<crate::wire::SessionId>);
+
 /// The scheduler's counters.
 #[derive(Message)]
 #[rtype(result = "Stats")]
@@ -150,6 +155,14 @@ impl Handler<CancelGen> for SchedulerActor {
         let events = self.state.cancel(msg.0);
         self.notify_owners(events);
         self.kick(ctx);
+    }
+}
+
+impl Handler<ForgetParked> for SchedulerActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: ForgetParked, _: &mut Context<Self>) {
+        self.state.forget_parked(&msg.0);
     }
 }
 

@@ -261,6 +261,8 @@ pub struct Stats {
     /// `stats`).
     pub spilled_bytes: u64,
     pub spilled_entries: u64,
+    /// Park artifacts the index knows (`--park`).
+    pub parked_artifacts: u64,
     /// Park artifacts sealed (`--park`).
     pub parks: u64,
 }
@@ -402,6 +404,14 @@ impl SchedulerState {
     }
 
     /// `SetBackgroundRate`: class 3 advances every `divisor`-th step.
+    /// Purged sessions: their park artifacts leave the index (the session
+    /// actor deletes the files).
+    pub fn forget_parked(&mut self, sessions: &[SessionId]) {
+        for &s in sessions {
+            self.spill.add_parked(s, &[]);
+        }
+    }
+
     pub fn set_background_divisor(&mut self, divisor: u32) {
         self.background_divisor = divisor.max(1);
     }
@@ -465,6 +475,7 @@ impl SchedulerState {
             kv_cells_used: self.seqs.iter().map(|s| s.resident.len() as u64).sum(),
             spilled_bytes: self.spill.bytes(),
             spilled_entries: self.spill.len() as u64,
+            parked_artifacts: self.spill.parked() as u64,
             ..self.stats
         }
     }

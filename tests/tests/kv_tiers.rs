@@ -316,3 +316,42 @@ fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
         }
     }
 }
+
+/// Purge deletes the session's park artifact (and the index forgets it);
+/// an artifact of a purged session found at start is deleted, not indexed.
+#[test]
+fn purge_deletes_the_park_artifact_and_a_start_deletes_a_late_one() {
+    let mut d = park_daemon();
+    let s = parked_session(&mut d);
+    let artifact = d.sessions.join("park").join(format!("{s}.park"));
+    let sealed = std::fs::read(&artifact).expect("the artifact was sealed");
+    d.spawn_and_wait();
+    assert_eq!(metric(&d, "superfluid_kv_parked_artifacts"), 1.0);
+    let mut c = d.client();
+    let Response::Inspection { inspection } = c.call(&Request::Inspect { session: s }).unwrap()
+    else {
+        panic!("Inspect")
+    };
+    match c
+        .call(&Request::Purge {
+            session: s,
+            expected_generation: inspection.generation,
+            mode: superfluid::wire::PurgeMode::Cascade,
+        })
+        .unwrap()
+    {
+        Response::Purged { sessions } => assert_eq!(sessions, vec![s]),
+        other => panic!("Purge: {other:?}"),
+    }
+    assert!(!artifact.exists(), "Purge left {}", artifact.display());
+    assert_eq!(metric(&d, "superfluid_kv_parked_artifacts"), 0.0);
+    d.stop();
+    // A seal that landed after the purge (put back by hand here).
+    std::fs::write(&artifact, &sealed).unwrap();
+    d.spawn_and_wait();
+    assert!(
+        !artifact.exists(),
+        "a purged session's artifact survived a start"
+    );
+    assert_eq!(metric(&d, "superfluid_kv_parked_artifacts"), 0.0);
+}

@@ -31,7 +31,31 @@ pub(super) async fn purge(
     let planned = shared
         .read()
         .plan_purge(session, expected_generation, mode, now_ms())?;
-    commit(shared, planned).await
+    let reply = commit(shared, planned).await?;
+    if let (Response::Purged { sessions }, Some(dir)) = (&reply, &shared.park_dir) {
+        // The purge is durable: the sessions' park artifacts go (on a
+        // blocking thread; awaited, so the reply comes after). One still in
+        // the park writer's queue is deleted at the next start
+        // (daemon::scan_parked).
+        shared
+            .scheduler
+            .do_send(crate::actors::scheduler::ForgetParked(sessions.clone()));
+        let paths: Vec<_> = sessions
+            .iter()
+            .map(|&s| crate::engine::park::path(dir, s))
+            .collect();
+        let deleted = actix_rt::task::spawn_blocking(move || {
+            for p in paths {
+                match std::fs::remove_file(&p) {
+                    Ok(()) => log::debug!("purge: deleted {}", p.display()),
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => log::warn!("purge: cannot delete {}: {e}", p.display()),
+                }
+            }
+        });
+        let _ = deleted.await;
+    }
+    Ok(reply)
 }
 
 /// `SetQos`.
