@@ -27,6 +27,7 @@ mod logging;
 mod media;
 mod metrics;
 mod ordering;
+mod soak;
 mod spec_json;
 mod stateless;
 mod surface;
