@@ -489,6 +489,8 @@ fn real_full_filesystem_fails_stop_and_recovers() {
         }
     }
     let reason = first_err.expect("2000 x 3 KB never filled a 2 MiB filesystem");
+    // Fail-stop for writes: even a record that would fit is refused now.
+    assert!(w.append(b"tiny".to_vec()).blocking_recv().unwrap().is_err());
     assert!(reason.contains("No space left on device"), "{reason}");
     assert!(w.stats().failed);
     w.shutdown();
