@@ -134,7 +134,8 @@ pub enum SalvageError {
         reason: FormatError,
     },
     #[error(
-        "offset {offset} is not a {what} boundary; the nearest ones are {before} and {after:?}"
+        "offset {offset} is not a {what} boundary; the nearest one before it is {before}{}",
+        .after.map(|a| format!(", after it {a}")).unwrap_or_default()
     )]
     NotABoundary {
         offset: u64,

@@ -903,8 +903,11 @@ mod tests {
             format!(
                 "wal.log is corrupt at byte offset {} (payload checksum mismatch: stored \
                  {stored:#010x}, computed {computed:#010x}); refusing to start rather than \
-                 guess. Move {} aside, or start with --sessions-cache to keep it as \
-                 wal.log.prev and begin a fresh log",
+                 guess. Keep what is before it with `superfluid salvage --sessions {} \
+                 --truncate-at {}`, move {} aside, or start with --sessions-cache to keep it \
+                 aside and begin a fresh log",
+                victim.offset,
+                d.path().display(),
                 victim.offset,
                 path.display()
             )
