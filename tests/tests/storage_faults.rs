@@ -935,3 +935,57 @@ fn real_power_cut_under_the_daemon_keeps_every_ack() {
         d.kill9();
     }
 }
+
+/// Item 11 end to end: the daemon refuses a log with a damaged record and
+/// names the offset and the salvage command; `superfluid salvage --yes` cuts
+/// there; the daemon starts and has everything before the damage.
+#[test]
+fn daemon_refuses_corruption_then_starts_after_salvage() {
+    let mut d = TestDaemon::start();
+    let mut c = d.client();
+    let s = d.create(&mut c);
+    for text in ["kept", "damaged", "after"] {
+        crate::util::commit(
+            &mut c,
+            Request::AppendMessage {
+                session: s,
+                role: Role::User.into(),
+                text: text.into(),
+            },
+        );
+    }
+    drop(c);
+    d.stop();
+    let mut bytes = d.wal_bytes();
+    let records = crate::util::wal_records(&bytes);
+    let &(start, end) = records
+        .iter()
+        .find(|(a, b)| bytes[*a..*b].windows(7).any(|w| w == b"damaged"))
+        .unwrap();
+    bytes[end - 1] ^= 0x20;
+    fs::write(d.wal_path(), &bytes).unwrap();
+    let failed = d.start_expect_exit(&[]);
+    assert!(!failed.status.success());
+    let cmd = format!(
+        "superfluid salvage --sessions {} --truncate-at {start}",
+        d.sessions.display()
+    );
+    assert!(failed.stderr.contains(&cmd), "{}", failed.stderr);
+    let (ok, stdout, stderr) = salvage_cmd(
+        &d.sessions,
+        &["--yes", "--truncate-at", &start.to_string()],
+        "",
+    );
+    assert!(ok, "{stdout}{stderr}");
+    d.spawn_and_wait();
+    let texts: Vec<String> = d
+        .read_all(s)
+        .into_iter()
+        .filter_map(|e| match e.body {
+            superfluid::wire::Record::Message { text, .. } => Some(text),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(texts, ["kept"]);
+    d.stop();
+}
