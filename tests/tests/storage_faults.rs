@@ -353,6 +353,7 @@ impl WalIo for FaultIo {
         self.file.sync_data()
     }
     fn set_len(&mut self, len: u64) -> io::Result<()> {
+        self.hit("truncate")?;
         self.file.set_len(len)
     }
 }
@@ -414,6 +415,68 @@ fn enospc_and_eio_on_write_and_fsync_fail_stop() {
             // was cut off again).
             assert_eq!(replay_all(d.path()), acked, "{label}");
         }
+    }
+}
+
+/// The worst case of item 12: the fdatasync fails with EIO *and* cutting the
+/// refused group off fails too. Still no ack for it, every later append
+/// refused; a restart replays every acknowledged record (the refused group
+/// may come back: it was written, nobody was told it was kept).
+#[test]
+fn eio_on_sync_and_on_the_cut_after_it() {
+    let d = tempfile::tempdir().unwrap();
+    let (file, _) = open(d.path(), OpenMode::Durable, &mut |_, _| Ok(())).unwrap();
+    let w = WalWriter::spawn(file, None).unwrap();
+    let mut acked = Vec::new();
+    for i in 0..2 {
+        let p = format!("ok {i}").into_bytes();
+        w.append(p.clone()).blocking_recv().unwrap().unwrap();
+        acked.push(p);
+    }
+    w.shutdown();
+    // Reopened, with the first fdatasync and the cut after it failing.
+    let (file, _) = open(d.path(), OpenMode::Durable, &mut |_, _| Ok(())).unwrap();
+    let w = WalWriter::spawn_with_io(file, |f| {
+        Box::new(TwoFaults {
+            inner: FaultIo {
+                file: f,
+                what: "sync",
+                nth: 1,
+                errno: libc::EIO,
+                seen: 0,
+            },
+        })
+    })
+    .unwrap();
+    let refused = b"refused".to_vec();
+    assert!(w.append(refused.clone()).blocking_recv().unwrap().is_err());
+    assert!(w
+        .append(b"later".to_vec())
+        .blocking_recv()
+        .unwrap()
+        .is_err());
+    assert!(w.stats().failed);
+    w.shutdown();
+    let got = replay_all(d.path());
+    assert_eq!(&got[..acked.len()], &acked[..]);
+    assert!(got.len() <= acked.len() + 1);
+    assert!(got[acked.len()..].iter().all(|g| *g == refused));
+}
+
+/// A `FaultIo` whose `set_len` also fails (EIO).
+struct TwoFaults {
+    inner: FaultIo,
+}
+
+impl WalIo for TwoFaults {
+    fn write_all_at(&mut self, buf: &[u8], offset: u64) -> io::Result<()> {
+        self.inner.write_all_at(buf, offset)
+    }
+    fn sync_data(&mut self) -> io::Result<()> {
+        self.inner.sync_data()
+    }
+    fn set_len(&mut self, _: u64) -> io::Result<()> {
+        Err(io::Error::from_raw_os_error(libc::EIO))
     }
 }
 
