@@ -3,6 +3,8 @@
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
+
+mod cli_salvage;
 use superfluid::daemon::{self, ServeConfig};
 use superfluid::frontend::socket::Client;
 use superfluid::wire::{Record, Request, Response};
@@ -32,6 +34,10 @@ enum Command {
     /// llama.cpp and speaks length-prefixed postcard frames on stdin/stdout.
     #[command(hide = true)]
     Worker(Worker),
+    /// Cut a damaged wal.log at a byte offset (the one a corruption error
+    /// named), keeping the cut bytes in a side file. Refuses while a daemon
+    /// holds the sessions directory.
+    Salvage(cli_salvage::Salvage),
 }
 
 #[derive(clap::Args)]
@@ -270,6 +276,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             &o.sessions.unwrap_or_else(daemon::default_sessions_dir),
             !o.no_browser,
         ),
+        Command::Salvage(s) => cli_salvage::run(s),
     }
 }
 

@@ -99,12 +99,21 @@ pub(super) async fn read_body_capped(
     Ok(body.freeze())
 }
 
-/// 200 with `{"ok": true, "lane": "loading" | "ready" | "respawning"}`: the
-/// daemon answers, and what its model lane's worker is doing.
+/// 200 with `{"ok": true, "lane": "loading" | "ready" | "respawning", "wal":
+/// "ok" | "failed"}`: the daemon answers, what its model lane's worker is
+/// doing, and whether its log still takes commits.
 async fn health(req: HttpRequest, state: web::Data<WebState>) -> Result<HttpResponse, WebError> {
     check(&state, Route::Health, &req)?;
     let lane = state.lane.borrow().name();
-    Ok(HttpResponse::Ok().json(serde_json::json!({ "ok": true, "lane": lane })))
+    // The log writer: "failed" once a write or fdatasync failed (the daemon
+    // then refuses every commit until restarted; docs/wal-format.md).
+    let wal = state
+        .shared
+        .wal
+        .send(crate::actors::wal::GetWalStats)
+        .await
+        .map_or("failed", |s| if s.failed { "failed" } else { "ok" });
+    Ok(HttpResponse::Ok().json(serde_json::json!({ "ok": true, "lane": lane, "wal": wal })))
 }
 
 /// One request, one reply.

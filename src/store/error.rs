@@ -26,7 +26,9 @@ pub enum StoreError {
     BadHeader { path: PathBuf, found: FormatError },
     #[error(
         "wal.log is corrupt at byte offset {offset} ({reason}); refusing to start rather than guess. \
-         Move {} aside, or start with --sessions-cache to keep it as wal.log.prev and begin a fresh log",
+         Keep what is before it with `superfluid salvage --sessions {} --truncate-at {offset}`, \
+         move {} aside, or start with --sessions-cache to keep it aside and begin a fresh log",
+        .path.parent().unwrap_or(std::path::Path::new(".")).display(),
         .path.display()
     )]
     Corrupt {

@@ -12,12 +12,13 @@
 pub mod dirs;
 mod error;
 pub mod lock;
+pub mod salvage;
 pub mod wal;
 
 pub use error::{ReplayError, StoreError, WriterFailure};
 pub use lock::{DirLock, LOCK_FILE};
 pub use wal::{
-    encode_record, open, BeforeSync, Durable, FormatError, OpenMode, Recovery, WalFile, WalStats,
-    WalWriter, FILE_HEADER_LEN, MAX_RECORD_BYTES, RECORD_HEADER_LEN, WAL_FILE, WAL_FORMAT_VERSION,
-    WAL_MAGIC, WAL_PREV_FILE,
+    encode_record, open, BeforeSync, Durable, FormatError, OpenMode, Recovery, WalFile, WalIo,
+    WalStats, WalWriter, FILE_HEADER_LEN, MARKER_FLAG, MAX_RECORD_BYTES, RECORD_HEADER_LEN,
+    WAL_FILE, WAL_FORMAT_VERSION, WAL_MAGIC, WAL_PREV_FILE,
 };

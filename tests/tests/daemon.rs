@@ -14,7 +14,9 @@ use superfluid::wire::{
     from_postcard, Edit, Event, LogRecord, PurgeMode, Record, Request, Response, Role, SessionId,
 };
 
-use crate::util::{bin, commit, created, params, shared_daemon, wal_records, TestDaemon};
+use crate::util::{
+    bin, commit, created, params, shared_daemon, wal_group_end, wal_records, TestDaemon,
+};
 
 const WEATHER_TOOL: &str = r#"{"type":"function","function":{"name":"get_weather","description":"Current weather","parameters":{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}}}"#;
 
@@ -402,7 +404,11 @@ fn torn_tail_at_every_offset() {
     let original = d.wal_bytes();
     let records = wal_records(&original);
     let &(last_start, last_end) = records.last().unwrap();
-    assert_eq!(last_end, original.len(), "the log ends with a whole record");
+    assert_eq!(
+        wal_group_end(&original, last_end),
+        original.len(),
+        "the log ends with a whole record (and its group's marker)"
+    );
     match from_postcard::<LogRecord>(&original[last_start + RECORD_HEADER_LEN..last_end]).unwrap() {
         LogRecord::Events { session, events } => {
             assert_eq!(session, s);
@@ -440,7 +446,7 @@ fn torn_tail_at_every_offset() {
         // What follows is this start's Boot record, whole.
         let rest = wal_records(&now);
         assert_eq!(
-            rest.last().unwrap().1,
+            wal_group_end(&now, rest.last().unwrap().1),
             now.len(),
             "cut at {len}: the tail was not truncated"
         );

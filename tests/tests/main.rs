@@ -15,11 +15,14 @@
 //! goldens), `surface_more` (`Throttled` on the socket, /web/ws and
 //! /web/rpc's 429; /web/health open to any Host), `stateless` (`StatelessGen` with sampling
 //! extras, in process), `worker` (`superfluid
-//! worker` over its pipe), `test_models` (the derived test models' metadata).
+//! worker` over its pipe), `test_models` (the derived test models' metadata),
+//! `storage_faults` (power loss, ENOSPC/EIO, full filesystems, salvage),
+//! `fuzz` (the decoders under proptest, seeds in tests/corpus/).
 
 mod bad_input;
 mod browser;
 mod daemon;
+mod fuzz;
 mod generate;
 mod http;
 mod kv_tiers;
@@ -30,6 +33,7 @@ mod ordering;
 mod soak;
 mod spec_json;
 mod stateless;
+mod storage_faults;
 mod surface;
 mod surface_more;
 mod test_models;

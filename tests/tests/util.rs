@@ -21,7 +21,7 @@ use std::sync::{mpsc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use superfluid::frontend::socket::Client;
-use superfluid::store::{FILE_HEADER_LEN, RECORD_HEADER_LEN, WAL_MAGIC};
+use superfluid::store::{FILE_HEADER_LEN, MARKER_FLAG, RECORD_HEADER_LEN, WAL_MAGIC};
 use superfluid::wire::{
     read_frame_blocking, to_postcard, write_frame_blocking, Event, Params, Request, Response, Role,
     SessionId, MAX_FRAME_BYTES,
@@ -493,7 +493,8 @@ impl Raw {
 
 /// The start offsets of every record of a WAL file, and where the valid
 /// records end. Walks `[len u32][len_crc u32][crc u32][payload]` from the
-/// end of the file header, with the store's own sizes.
+/// end of the file header, with the store's own sizes, skipping group
+/// commit markers.
 pub fn wal_records(bytes: &[u8]) -> Vec<(usize, usize)> {
     let header = FILE_HEADER_LEN as usize;
     assert!(
@@ -503,15 +504,30 @@ pub fn wal_records(bytes: &[u8]) -> Vec<(usize, usize)> {
     let mut out = Vec::new();
     let mut pos = header;
     while pos + RECORD_HEADER_LEN <= bytes.len() {
-        let len = u32::from_le_bytes(bytes[pos..pos + 4].try_into().unwrap()) as usize;
+        let word = u32::from_le_bytes(bytes[pos..pos + 4].try_into().unwrap());
+        let len = (word & !MARKER_FLAG) as usize;
         let end = pos + RECORD_HEADER_LEN + len;
         if end > bytes.len() {
             break;
         }
-        out.push((pos, end));
+        // Group commit markers (format version 2) are not records.
+        if word & MARKER_FLAG == 0 {
+            out.push((pos, end));
+        }
         pos = end;
     }
     out
+}
+
+/// Where the group holding the record that ends at `record_end` ends: past
+/// the group commit marker right after it, if there is one (version 2).
+pub fn wal_group_end(bytes: &[u8], record_end: usize) -> usize {
+    match bytes.get(record_end..record_end + 4) {
+        Some(w) if u32::from_le_bytes(w.try_into().unwrap()) & MARKER_FLAG != 0 => {
+            record_end + superfluid::store::wal::MARKER_LEN
+        }
+        _ => record_end,
+    }
 }
 
 // ---- the test models ------------------------------------------------------

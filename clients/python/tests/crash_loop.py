@@ -66,6 +66,8 @@ class Worker(threading.Thread):
         self.session = None
         self.rounds = 0
         self.generations = 0
+        # Events a stream reported committed (and the recorder checks).
+        self.stream_events = 0
         self.errors = 0
         self.failure: Optional[BaseException] = None
 
@@ -117,6 +119,7 @@ class Worker(threading.Thread):
             finally:
                 for e in stream.committed:
                     self.rec.add(s.id, e)
+                    self.stream_events += 1
                 stream.close()
             ev = self._retrying(lambda: s.user("Go on ({}).".format(self.rounds)))
             if ev is not None:
@@ -183,6 +186,7 @@ def run(kills: int = 50, seed: Optional[int] = None, min_delay: float = 0.3, max
         "distinct_events": distinct,
         "sessions": len(recorder.events),
         "generations": sum(w.generations for w in workers),
+        "stream_events": sum(w.stream_events for w in workers),
         "client_errors": sum(w.errors for w in workers),
         "lost_or_altered": len(problems),
         "problems": problems + recorder.conflicts,

@@ -4,8 +4,10 @@
 //!
 //! ```text
 //! file   := header record*
-//! header := magic b"SFWAL\r\n\x1a" | version u32 LE (= 1) | flags u32 LE (= 0)
+//! file   := header (record+ marker)*            (version 2; version 1: header record*)
+//! header := magic b"SFWAL\r\n\x1a" | version u32 LE (= 2, or 1) | flags u32 LE (= 0)
 //! record := len u32 LE | len_crc u32 LE = crc32c(len LE bytes) | crc u32 LE = crc32c(payload) | payload[len]
+//! marker := a record with len = 0x8000_0008, payload = the group's first record offset u64 LE
 //! ```
 //!
 //! Everything here is blocking file I/O. [`open`] runs once at startup (call it
@@ -18,11 +20,12 @@ pub mod writer;
 
 pub use super::error::{ReplayError, StoreError, WriterFailure};
 pub use format::{
-    encode_record, FormatError, FILE_HEADER_LEN, MAX_RECORD_BYTES, RECORD_HEADER_LEN, WAL_FILE,
-    WAL_FORMAT_VERSION, WAL_MAGIC, WAL_PREV_FILE,
+    encode_marker, encode_record, file_header, file_header_of, FormatError, FILE_HEADER_LEN,
+    GROUP_MAX_BYTES, MARKER_FLAG, MARKER_LEN, MAX_GROUP_SPAN, MAX_RECORD_BYTES, RECORD_HEADER_LEN,
+    WAL_FILE, WAL_FORMAT_V1, WAL_FORMAT_VERSION, WAL_MAGIC, WAL_PREV_FILE,
 };
 pub use recovery::{open, OnRecord, OpenMode, Recovery, WalFile};
-pub use writer::{BeforeSync, Durable, WalStats, WalWriter};
+pub use writer::{BeforeSync, Durable, WalIo, WalStats, WalWriter};
 
 /// Helpers of the unit tests of `recovery` and `writer`.
 #[cfg(test)]
@@ -47,14 +50,16 @@ mod test_util {
         Ok((f, r, got))
     }
 
-    /// Appends `payloads` through a fresh writer; returns each record's Durable.
+    /// Appends `payloads` through a fresh writer, each in its own group;
+    /// returns each record's Durable.
     pub(super) fn write_all(dir: &Path, payloads: &[Vec<u8>]) -> Vec<Durable> {
         let (f, _, _) = open_collect(dir, OpenMode::Durable).unwrap();
         let w = WalWriter::spawn(f, None).unwrap();
-        let rxs: Vec<_> = payloads.iter().map(|p| w.append(p.clone())).collect();
-        let out = rxs
-            .into_iter()
-            .map(|rx| rx.blocking_recv().unwrap().unwrap())
+        // One at a time: each record is its own group, so the layout is
+        // known (record, marker, record, marker, ...).
+        let out = payloads
+            .iter()
+            .map(|p| w.append(p.clone()).blocking_recv().unwrap().unwrap())
             .collect();
         w.shutdown();
         out

@@ -9,8 +9,8 @@ use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use super::format::{
-    check_file_header, file_header, FormatError, RecordHeader, FILE_HEADER_LEN, RECORD_HEADER_LEN,
-    WAL_FILE, WAL_PREV_FILE, WAL_TMP_FILE,
+    check_file_header, file_header, FormatError, RecordHeader, FILE_HEADER_LEN, MARKER_LEN,
+    MAX_GROUP_SPAN, RECORD_HEADER_LEN, WAL_FILE, WAL_FORMAT_V1, WAL_PREV_FILE, WAL_TMP_FILE,
 };
 use crate::store::error::{io_err, ReplayError, StoreError};
 
@@ -42,8 +42,14 @@ pub struct Recovery {
     pub truncated_at: Option<u64>,
     /// Bytes dropped with the torn tail.
     pub dropped_bytes: u64,
-    /// `OpenMode::Cache` moved an existing log to `wal.log.prev`.
+    /// `OpenMode::Cache` moved an existing log aside.
     pub prev_kept: bool,
+    /// Where it is now: `wal.log.prev`, or `wal.log.prev.<unix seconds>`
+    /// when that name is taken (an older kept log is never replaced).
+    pub prev_path: Option<PathBuf>,
+    /// The log's format version (1: an old log, appended to without group
+    /// markers; 2: every log created by this build).
+    pub version: u32,
 }
 
 /// An open, recovered log positioned at its end. Hand it to
@@ -53,6 +59,8 @@ pub struct WalFile {
     pub(super) file: File,
     pub(super) path: PathBuf,
     pub(super) end: u64,
+    /// Format version: the writer adds group markers only to version 2.
+    pub(super) version: u32,
 }
 
 impl WalFile {
@@ -63,6 +71,10 @@ impl WalFile {
     /// Byte offset where the next record will be written.
     pub fn end(&self) -> u64 {
         self.end
+    }
+    /// The log's format version.
+    pub fn version(&self) -> u32 {
+        self.version
     }
 }
 
@@ -90,7 +102,7 @@ fn create_fresh(dir: &Path, path: &Path) -> Result<(), StoreError> {
     sync_dir(dir)
 }
 
-fn check_header(file: &File, path: &Path, file_len: u64) -> Result<(), StoreError> {
+fn check_header(file: &File, path: &Path, file_len: u64) -> Result<u32, StoreError> {
     let bad = |found: FormatError| StoreError::BadHeader {
         path: path.to_path_buf(),
         found,
@@ -120,31 +132,60 @@ fn zero_from(file: &File, from: u64, file_len: u64) -> io::Result<bool> {
 
 /// Sequential reader over `[FILE_HEADER_LEN, file_len)` that hands out
 /// borrowed slices, so replay copies each byte once (kernel -> buffer).
+/// Bytes from `keep` on stay in the buffer: a version-2 group is held there
+/// until its marker is read.
 struct Scanner<'a> {
     file: &'a File,
     file_len: u64,
     buf: Vec<u8>,
-    /// `buf[lo..hi]` holds the file bytes at `[pos, pos + hi - lo)`.
-    lo: usize,
+    /// `buf[keep..hi]` holds the file bytes at `[keep_pos, keep_pos + hi - keep)`.
+    keep: usize,
+    keep_pos: u64,
     hi: usize,
     /// File offset of `buf[hi]`.
     read_pos: u64,
 }
 
 impl Scanner<'_> {
-    /// Makes at least `n` bytes available at `buf[lo..]`. The caller has
-    /// checked that the file holds them, so `n` is bounded by the file size.
-    fn fill(&mut self, n: usize) -> io::Result<()> {
-        if self.hi - self.lo >= n {
+    fn new(file: &File, file_len: u64) -> Scanner<'_> {
+        Scanner {
+            file,
+            file_len,
+            buf: vec![0u8; SCAN_BUF_BYTES.min((file_len - FILE_HEADER_LEN) as usize)],
+            keep: 0,
+            keep_pos: FILE_HEADER_LEN,
+            hi: 0,
+            read_pos: FILE_HEADER_LEN,
+        }
+    }
+
+    /// Index in `buf` of file offset `pos` (which is at or after `keep_pos`).
+    fn at(&self, pos: u64) -> usize {
+        self.keep + (pos - self.keep_pos) as usize
+    }
+
+    /// Keeps nothing before `pos` any more.
+    fn release_to(&mut self, pos: u64) {
+        self.keep = self.at(pos);
+        self.keep_pos = pos;
+    }
+
+    /// Makes the `n` bytes at file offset `pos` available at `buf[at(pos)..]`.
+    /// The caller has checked that the file holds them, so `n` is bounded by
+    /// the file size.
+    fn fill(&mut self, pos: u64, n: usize) -> io::Result<()> {
+        let need = self.at(pos) + n;
+        if self.hi >= need {
             return Ok(());
         }
-        self.buf.copy_within(self.lo..self.hi, 0);
-        self.hi -= self.lo;
-        self.lo = 0;
-        if self.buf.len() < n {
-            self.buf.resize(n, 0);
+        self.buf.copy_within(self.keep..self.hi, 0);
+        self.hi -= self.keep;
+        self.keep = 0;
+        let need = self.at(pos) + n;
+        if self.buf.len() < need {
+            self.buf.resize(need, 0);
         }
-        while self.hi < n {
+        while self.hi < need {
             let want = (self.buf.len() - self.hi).min((self.file_len - self.read_pos) as usize);
             let got = self
                 .file
@@ -160,6 +201,11 @@ impl Scanner<'_> {
         }
         Ok(())
     }
+
+    fn slice(&self, pos: u64, n: usize) -> &[u8] {
+        let i = self.at(pos);
+        &self.buf[i..i + n]
+    }
 }
 
 enum ScanEnd {
@@ -167,33 +213,43 @@ enum ScanEnd {
     Torn,
 }
 
+/// How a scan ended: its kind, the records replayed, the end of the last
+/// valid record (version 1) or committed group (version 2).
+type Scanned = (ScanEnd, u64, u64);
+
 /// Replays records from the header to the first torn or corrupt record.
-/// Returns how it ended, the number of records, and the end of the last valid record.
 fn scan(
     file: &File,
     path: &Path,
     file_len: u64,
+    version: u32,
     on_record: &mut OnRecord<'_>,
-) -> Result<(ScanEnd, u64, u64), StoreError> {
-    let mut s = Scanner {
-        file,
-        file_len,
-        buf: vec![0u8; SCAN_BUF_BYTES.min((file_len - FILE_HEADER_LEN) as usize)],
-        lo: 0,
-        hi: 0,
-        read_pos: FILE_HEADER_LEN,
-    };
+) -> Result<Scanned, StoreError> {
+    if version == WAL_FORMAT_V1 {
+        scan_v1(file, path, file_len, on_record)
+    } else {
+        scan_v2(file, path, file_len, on_record)
+    }
+}
+
+fn corrupt(path: &Path, offset: u64, reason: FormatError) -> StoreError {
+    StoreError::Corrupt {
+        path: path.to_path_buf(),
+        offset,
+        reason,
+    }
+}
+
+/// Version 1: every record stands alone.
+fn scan_v1(
+    file: &File,
+    path: &Path,
+    file_len: u64,
+    on_record: &mut OnRecord<'_>,
+) -> Result<Scanned, StoreError> {
+    let mut s = Scanner::new(file, file_len);
     let mut pos = FILE_HEADER_LEN;
     let mut records = 0u64;
-    // Used once the rest of the file is known not to be all zeros (a
-    // crash-extended file, which is a torn tail).
-    let corrupt = |pos: u64, reason: FormatError| -> Result<(ScanEnd, u64, u64), StoreError> {
-        Err(StoreError::Corrupt {
-            path: path.to_path_buf(),
-            offset: pos,
-            reason,
-        })
-    };
     loop {
         let remaining = file_len - pos;
         if remaining == 0 {
@@ -202,22 +258,30 @@ fn scan(
         if remaining < RECORD_HEADER_LEN as u64 {
             return Ok((ScanEnd::Torn, records, pos));
         }
-        s.fill(RECORD_HEADER_LEN).map_err(io_err(path))?;
-        let header = match RecordHeader::parse(&s.buf[s.lo..s.lo + RECORD_HEADER_LEN]) {
+        s.fill(pos, RECORD_HEADER_LEN).map_err(io_err(path))?;
+        let parsed = RecordHeader::parse(s.slice(pos, RECORD_HEADER_LEN)).and_then(|h| {
+            if h.marker {
+                Err(FormatError::MarkerInV1)
+            } else {
+                Ok(h)
+            }
+        });
+        let header = match parsed {
             Ok(h) => h,
             Err(reason) => {
+                // A file extended by a crash is a torn tail.
                 if zero_from(file, pos, file_len).map_err(io_err(path))? {
                     return Ok((ScanEnd::Torn, records, pos));
                 }
-                return corrupt(pos, reason);
+                return Err(corrupt(path, pos, reason));
             }
         };
         let total = RECORD_HEADER_LEN as u64 + u64::from(header.len);
         if total > remaining {
             return Ok((ScanEnd::Torn, records, pos));
         }
-        s.fill(total as usize).map_err(io_err(path))?;
-        let payload = &s.buf[s.lo + RECORD_HEADER_LEN..s.lo + total as usize];
+        s.fill(pos, total as usize).map_err(io_err(path))?;
+        let payload = s.slice(pos + RECORD_HEADER_LEN as u64, header.len as usize);
         if let Err(reason) = header.check_payload(payload) {
             // The final record's header landed but its payload did not (the
             // file grew, the data blocks stayed zero): a torn tail too.
@@ -226,13 +290,157 @@ fn scan(
             if is_final && zero_from(file, payload_start, file_len).map_err(io_err(path))? {
                 return Ok((ScanEnd::Torn, records, pos));
             }
-            return corrupt(pos, reason);
+            return Err(corrupt(path, pos, reason));
         }
         on_record(pos, payload).map_err(|cause| StoreError::Replay { offset: pos, cause })?;
-        s.lo += total as usize;
         pos += total;
+        s.release_to(pos);
         records += 1;
     }
+}
+
+/// Version 2: records come in groups, each closed by a commit marker. A
+/// group's records are replayed only once its marker is read; a group that
+/// did not fully land (the last one, when the power went during its write)
+/// is a torn tail.
+fn scan_v2(
+    file: &File,
+    path: &Path,
+    file_len: u64,
+    on_record: &mut OnRecord<'_>,
+) -> Result<Scanned, StoreError> {
+    let mut s = Scanner::new(file, file_len);
+    // Start of the current (uncommitted) group; its records so far.
+    let mut group = FILE_HEADER_LEN;
+    let mut pending: Vec<(u64, u32)> = Vec::new();
+    let mut pos = FILE_HEADER_LEN;
+    let mut records = 0u64;
+    let damaged = |at: u64, group: u64, reason: FormatError, records: u64| {
+        if torn_group(file, file_len, group, at).map_err(io_err(path))? {
+            Ok((ScanEnd::Torn, records, group))
+        } else {
+            Err(corrupt(path, at, reason))
+        }
+    };
+    loop {
+        let remaining = file_len - pos;
+        if remaining == 0 {
+            if pending.is_empty() {
+                return Ok((ScanEnd::Clean, records, pos));
+            }
+            // Every record of the last group is whole, its marker is not there.
+            return Ok((ScanEnd::Torn, records, group));
+        }
+        let short = FormatError::PastEnd(remaining);
+        if remaining < RECORD_HEADER_LEN as u64 {
+            return damaged(pos, group, short, records);
+        }
+        s.fill(pos, RECORD_HEADER_LEN).map_err(io_err(path))?;
+        let header = match RecordHeader::parse(s.slice(pos, RECORD_HEADER_LEN)) {
+            Ok(h) => h,
+            Err(reason) => return damaged(pos, group, reason, records),
+        };
+        let total = RECORD_HEADER_LEN as u64 + u64::from(header.len);
+        if total > remaining {
+            return damaged(pos, group, short, records);
+        }
+        s.fill(pos, total as usize).map_err(io_err(path))?;
+        let payload = s.slice(pos + RECORD_HEADER_LEN as u64, header.len as usize);
+        if let Err(reason) = header.check_payload(payload) {
+            return damaged(pos, group, reason, records);
+        }
+        if !header.marker {
+            pending.push((pos, header.len));
+            pos += total;
+            continue;
+        }
+        let named = u64::from_le_bytes(payload.try_into().expect("marker payload is 8 bytes"));
+        if pending.is_empty() {
+            return damaged(pos, group, FormatError::EmptyGroup, records);
+        }
+        if named != group {
+            let reason = FormatError::MarkerGroup {
+                named,
+                actual: group,
+            };
+            return damaged(pos, group, reason, records);
+        }
+        for (off, len) in pending.drain(..) {
+            let payload = s.slice(off + RECORD_HEADER_LEN as u64, len as usize);
+            on_record(off, payload).map_err(|cause| StoreError::Replay { offset: off, cause })?;
+            records += 1;
+        }
+        pos += total;
+        group = pos;
+        s.release_to(pos);
+    }
+}
+
+/// Damage was found at `at` inside the group that starts at `group`: is it
+/// the torn write of a group whose fsync never completed? The writer writes
+/// a group only after the fsync of the one before returned, so an unsynced
+/// group is the last thing in the file and nothing of a later group follows
+/// it. Torn when everything from `at` is zero (a crash-extended file), or
+/// when the rest of the file fits in one group and holds no valid marker
+/// except this group's own as the file's very last bytes. Anything else
+/// (a later group's marker, or this group's marker with more after it) means
+/// the group was durable before the damage: corruption.
+fn torn_group(file: &File, file_len: u64, group: u64, at: u64) -> io::Result<bool> {
+    if zero_from(file, at, file_len)? {
+        return Ok(true);
+    }
+    if file_len - group > MAX_GROUP_SPAN {
+        return Ok(false);
+    }
+    let from = at + 1;
+    if file_len < from + MARKER_LEN as u64 {
+        return Ok(true);
+    }
+    let mut rest = vec![0u8; (file_len - from) as usize];
+    file.read_exact_at(&mut rest, from)?;
+    for i in 0..=rest.len() - MARKER_LEN {
+        let Ok(h) = RecordHeader::parse(&rest[i..i + RECORD_HEADER_LEN]) else {
+            continue;
+        };
+        let payload = &rest[i + RECORD_HEADER_LEN..i + MARKER_LEN];
+        if !h.marker || h.check_payload(payload).is_err() {
+            continue;
+        }
+        let named = u64::from_le_bytes(payload.try_into().expect("8 bytes"));
+        let last = i + MARKER_LEN == rest.len();
+        if named != group || !last {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+/// Moves `path` (the log) aside without replacing anything: to
+/// `wal.log.prev`, or when that exists `wal.log.prev.<unix seconds>` (then
+/// `.1`, `.2`, ...). A hard link fails rather than replace an existing name,
+/// so an older kept log is never lost.
+fn move_aside(dir: &Path, path: &Path) -> Result<PathBuf, StoreError> {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let mut names = vec![WAL_PREV_FILE.to_string(), format!("{WAL_PREV_FILE}.{secs}")];
+    names.extend((1..1000).map(|n| format!("{WAL_PREV_FILE}.{secs}.{n}")));
+    for name in names {
+        let prev = dir.join(name);
+        match fs::hard_link(path, &prev) {
+            Ok(()) => {
+                fs::remove_file(path).map_err(io_err(path))?;
+                return Ok(prev);
+            }
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(io_err(&prev)(e)),
+        }
+    }
+    Err(io_err(path)(io::Error::new(
+        io::ErrorKind::AlreadyExists,
+        "too many kept logs named wal.log.prev*; remove old ones",
+    )))
 }
 
 /// Opens (or creates) `<dir>/wal.log`, replaying every record through
@@ -255,15 +463,15 @@ pub fn open(
     if mode == OpenMode::Cache {
         match fs::symlink_metadata(&path) {
             Ok(_) => {
-                let prev = dir.join(WAL_PREV_FILE);
-                fs::rename(&path, &prev).map_err(io_err(&prev))?;
+                let prev = move_aside(dir, &path)?;
                 sync_dir(dir)?;
-                recovery.prev_kept = true;
                 log::warn!(
                     "--sessions-cache: moved {} to {} and starting a fresh log",
                     path.display(),
                     prev.display()
                 );
+                recovery.prev_kept = true;
+                recovery.prev_path = Some(prev);
             }
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
             Err(e) => return Err(io_err(&path)(e)),
@@ -280,7 +488,8 @@ pub fn open(
         Err(e) => return Err(io_err(&path)(e)),
     };
     let file_len = file.metadata().map_err(io_err(&path))?.len();
-    check_header(&file, &path, file_len)?;
+    let version = check_header(&file, &path, file_len)?;
+    recovery.version = version;
 
     // SAFETY: posix_fadvise only advises the kernel about this open fd; errors are ignored.
     unsafe {
@@ -288,7 +497,7 @@ pub fn open(
         libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_SEQUENTIAL);
     }
 
-    let (end_kind, records, end) = scan(&file, &path, file_len, on_record)?;
+    let (end_kind, records, end) = scan(&file, &path, file_len, version, on_record)?;
     recovery.records = records;
     recovery.valid_bytes = end;
     match end_kind {
@@ -309,14 +518,41 @@ pub fn open(
             recovery.dropped_bytes = dropped;
         }
     }
-    Ok((WalFile { file, path, end }, recovery))
+    Ok((
+        WalFile {
+            file,
+            path,
+            end,
+            version,
+        },
+        recovery,
+    ))
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::format::encode_record;
+    use super::super::format::{encode_marker, encode_record, file_header_of, WAL_FORMAT_VERSION};
     use super::super::test_util::{open_collect, payloads, wal_bytes, write_all};
     use super::*;
+
+    /// A version-2 log built by hand: each inner list is one group.
+    fn v2_log(groups: &[Vec<Vec<u8>>]) -> (Vec<u8>, Vec<u64>) {
+        let mut out = file_header().to_vec();
+        let mut starts = Vec::new();
+        for g in groups {
+            let start = out.len() as u64;
+            starts.push(start);
+            for p in g {
+                encode_record(p, &mut out).unwrap();
+            }
+            encode_marker(start, &mut out);
+        }
+        (out, starts)
+    }
+
+    fn replayed(got: &[(u64, Vec<u8>)]) -> Vec<Vec<u8>> {
+        got.iter().map(|g| g.1.clone()).collect()
+    }
 
     #[test]
     fn fresh_log_is_just_the_header() {
@@ -327,6 +563,7 @@ mod tests {
             r,
             Recovery {
                 valid_bytes: FILE_HEADER_LEN,
+                version: WAL_FORMAT_VERSION,
                 ..Recovery::default()
             }
         );
@@ -344,13 +581,15 @@ mod tests {
         assert_eq!(r.records, 200);
         assert_eq!(r.truncated_at, None);
         assert_eq!(got.len(), ps.len());
+        // One record per group here (write_all waits for each): each is
+        // followed by its group's marker.
         let mut expect_off = FILE_HEADER_LEN;
         for ((off, p), (want, dur)) in got.iter().zip(ps.iter().zip(&durables)) {
             assert_eq!(p, want);
             assert_eq!(*off, dur.offset);
             assert_eq!(*off, expect_off);
-            expect_off += (RECORD_HEADER_LEN + p.len()) as u64;
-            assert_eq!(dur.end, expect_off);
+            assert_eq!(dur.end, expect_off + (RECORD_HEADER_LEN + p.len()) as u64);
+            expect_off = dur.end + MARKER_LEN as u64;
         }
         assert_eq!(f.end(), expect_off);
         assert_eq!(r.valid_bytes, expect_off);
@@ -367,20 +606,21 @@ mod tests {
     }
 
     #[test]
-    fn torn_tail_at_every_offset_of_the_last_record() {
+    fn torn_tail_at_every_offset_of_the_last_group() {
         let d = tempfile::tempdir().unwrap();
         let ps = payloads(5);
         let durables = write_all(d.path(), &ps);
         let full = wal_bytes(d.path());
         let last = *durables.last().unwrap();
-        assert_eq!(last.end, full.len() as u64);
-        for cut in last.offset..last.end {
+        assert_eq!(last.end + MARKER_LEN as u64, full.len() as u64);
+        // Every cut inside the last group (its record or its marker).
+        for cut in last.offset..full.len() as u64 {
             fs::write(d.path().join(WAL_FILE), &full[..cut as usize]).unwrap();
             let (f, r, got) = open_collect(d.path(), OpenMode::Durable).unwrap();
             assert_eq!(r.records, 4, "cut at {cut}");
-            assert_eq!(got.iter().map(|g| g.1.clone()).collect::<Vec<_>>(), ps[..4]);
+            assert_eq!(replayed(&got), ps[..4]);
             if cut == last.offset {
-                // A clean cut at a record boundary is simply a shorter log.
+                // A clean cut at a group boundary is simply a shorter log.
                 assert_eq!(r.truncated_at, None);
             } else {
                 assert_eq!(r.truncated_at, Some(last.offset), "cut at {cut}");
@@ -402,6 +642,138 @@ mod tests {
         assert_eq!(r.truncated_at, None);
     }
 
+    /// Item 11: a multi-record group is all or nothing. Cut anywhere inside
+    /// the last group, or damage any of its records (zeros, garbage, a torn
+    /// page) while its marker landed: the whole group is a torn tail.
+    #[test]
+    fn multi_record_group_is_atomic() {
+        let d = tempfile::tempdir().unwrap();
+        let g0 = vec![b"a0".to_vec(), b"a1".to_vec()];
+        let g1: Vec<Vec<u8>> = (0..4).map(|i| vec![b'b' + i; 300]).collect();
+        let (full, starts) = v2_log(&[g0.clone(), g1.clone()]);
+        let path = d.path().join(WAL_FILE);
+        for cut in starts[1]..full.len() as u64 {
+            fs::write(&path, &full[..cut as usize]).unwrap();
+            let (_, r, got) = open_collect(d.path(), OpenMode::Durable).unwrap();
+            assert_eq!(replayed(&got), g0, "cut at {cut}");
+            assert_eq!(r.valid_bytes, starts[1]);
+        }
+        let rec1 = starts[1] as usize + RECORD_HEADER_LEN + 300;
+        for damage in ["zeros", "garbage", "bitflip"] {
+            for at in [
+                starts[1] as usize + 3,
+                rec1 + 20,
+                full.len() - MARKER_LEN - 5,
+            ] {
+                let mut bad = full.clone();
+                let to = (at + 64).min(full.len());
+                match damage {
+                    "zeros" => bad[at..to].fill(0),
+                    "garbage" => bad[at..to].fill(0xA5),
+                    _ => bad[at] ^= 0x08,
+                }
+                fs::write(&path, &bad).unwrap();
+                let (f, r, got) = open_collect(d.path(), OpenMode::Durable)
+                    .unwrap_or_else(|e| panic!("{damage} at {at}: {e}"));
+                assert_eq!(replayed(&got), g0, "{damage} at {at}");
+                assert_eq!(r.truncated_at, Some(starts[1]), "{damage} at {at}");
+                assert_eq!(f.end(), starts[1]);
+            }
+        }
+        // All there: both groups.
+        fs::write(&path, &full).unwrap();
+        let (_, _, got) = open_collect(d.path(), OpenMode::Durable).unwrap();
+        assert_eq!(replayed(&got), [g0.clone(), g1.clone()].concat());
+    }
+
+    /// Damage inside a group that another group follows is corruption: that
+    /// group was fsynced before the next one was written.
+    #[test]
+    fn damage_in_a_group_before_another_is_corrupt() {
+        let d = tempfile::tempdir().unwrap();
+        let g0: Vec<Vec<u8>> = (0..3).map(|i| vec![b'a' + i; 100]).collect();
+        let g1 = vec![b"later".to_vec()];
+        let (full, starts) = v2_log(&[g0, g1]);
+        let path = d.path().join(WAL_FILE);
+        let marker0 = starts[1] as usize - MARKER_LEN;
+        // A record of group 0, and group 0's own marker.
+        for at in [starts[0] as usize + 130, marker0 + 2, marker0 + 12] {
+            for zero in [false, true] {
+                let mut bad = full.clone();
+                if zero {
+                    bad[at..at + 4].fill(0);
+                } else {
+                    bad[at] ^= 0x40;
+                }
+                fs::write(&path, &bad).unwrap();
+                match open_collect(d.path(), OpenMode::Durable) {
+                    Err(StoreError::Corrupt { offset, .. }) => {
+                        assert!(
+                            offset >= starts[0] && offset < starts[1],
+                            "at {at}: {offset}"
+                        )
+                    }
+                    other => panic!(
+                        "damage at {at}: expected Corrupt, got {:?}",
+                        other.map(|x| x.1)
+                    ),
+                }
+                assert_eq!(fs::read(&path).unwrap(), bad, "left unchanged");
+            }
+        }
+    }
+
+    /// Version-1 logs are still read and appended to as version 1 (no
+    /// markers), so a build with version 2 keeps an existing log working.
+    #[test]
+    fn v1_log_is_read_and_appended_as_v1() {
+        let d = tempfile::tempdir().unwrap();
+        let mut v1 = file_header_of(1).to_vec();
+        encode_record(b"old", &mut v1).unwrap();
+        fs::write(d.path().join(WAL_FILE), &v1).unwrap();
+        let durables = write_all(d.path(), &[b"new".to_vec()]);
+        let mut want = v1.clone();
+        encode_record(b"new", &mut want).unwrap();
+        assert_eq!(wal_bytes(d.path()), want);
+        assert_eq!(durables[0].end, want.len() as u64);
+        let (f, r, got) = open_collect(d.path(), OpenMode::Durable).unwrap();
+        assert_eq!(r.version, 1);
+        assert_eq!(f.version(), 1);
+        assert_eq!(replayed(&got), [b"old".to_vec(), b"new".to_vec()]);
+        // v1 keeps its rules: a garbage tail is corruption there.
+        let mut bad = want.clone();
+        bad.extend_from_slice(&[0xAB; 40]);
+        fs::write(d.path().join(WAL_FILE), &bad).unwrap();
+        assert!(matches!(
+            open_collect(d.path(), OpenMode::Durable),
+            Err(StoreError::Corrupt { .. })
+        ));
+    }
+
+    /// `--sessions-cache` twice: the first kept log is not replaced.
+    #[test]
+    fn cache_mode_never_overwrites_a_kept_log() {
+        let d = tempfile::tempdir().unwrap();
+        write_all(d.path(), &[b"first".to_vec()]);
+        let first = wal_bytes(d.path());
+        let (_, r, _) = open_collect(d.path(), OpenMode::Cache).unwrap();
+        assert_eq!(r.prev_path, Some(d.path().join(WAL_PREV_FILE)));
+        write_all(d.path(), &[b"second".to_vec(), b"more".to_vec()]);
+        let second = wal_bytes(d.path());
+        let (_, r, _) = open_collect(d.path(), OpenMode::Cache).unwrap();
+        let kept = r.prev_path.unwrap();
+        assert_ne!(kept, d.path().join(WAL_PREV_FILE));
+        assert!(kept
+            .file_name()
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .starts_with("wal.log.prev."));
+        assert_eq!(fs::read(d.path().join(WAL_PREV_FILE)).unwrap(), first);
+        assert_eq!(fs::read(&kept).unwrap(), second);
+        assert_eq!(wal_bytes(d.path()), file_header());
+    }
+
     #[test]
     fn zero_filled_tail_is_torn() {
         let d = tempfile::tempdir().unwrap();
@@ -410,7 +782,7 @@ mod tests {
         bytes.extend_from_slice(&[0u8; 100]);
         fs::write(d.path().join(WAL_FILE), &bytes).unwrap();
         let (f, r, got) = open_collect(d.path(), OpenMode::Durable).unwrap();
-        let end = durables[2].end;
+        let end = durables[2].end + MARKER_LEN as u64;
         assert_eq!(got.len(), 3);
         assert_eq!(r.truncated_at, Some(end));
         assert_eq!(r.dropped_bytes, 100);
@@ -424,7 +796,7 @@ mod tests {
         let durables = write_all(d.path(), &payloads(3));
         let mut bytes = wal_bytes(d.path());
         let last = durables[2];
-        for b in &mut bytes[(last.offset as usize + RECORD_HEADER_LEN)..] {
+        for b in &mut bytes[(last.offset as usize + RECORD_HEADER_LEN)..last.end as usize] {
             *b = 0;
         }
         fs::write(d.path().join(WAL_FILE), &bytes).unwrap();
@@ -446,18 +818,20 @@ mod tests {
         ));
     }
 
+    /// Version 2: garbage after the last marker is the torn write of a group
+    /// whose fsync never returned (a torn page can hold any old bytes).
     #[test]
-    fn garbage_tail_is_corrupt_not_torn() {
+    fn garbage_tail_is_torn_in_v2() {
         let d = tempfile::tempdir().unwrap();
-        let durables = write_all(d.path(), &payloads(2));
-        let mut bytes = wal_bytes(d.path());
+        write_all(d.path(), &payloads(2));
+        let good = wal_bytes(d.path());
+        let mut bytes = good.clone();
         bytes.extend_from_slice(&[0xAB; 40]);
         fs::write(d.path().join(WAL_FILE), &bytes).unwrap();
-        match open_collect(d.path(), OpenMode::Durable) {
-            Err(StoreError::Corrupt { offset, .. }) => assert_eq!(offset, durables[1].end),
-            other => panic!("expected Corrupt, got {:?}", other.map(|x| x.1)),
-        }
-        assert_eq!(wal_bytes(d.path()), bytes);
+        let (_, r, got) = open_collect(d.path(), OpenMode::Durable).unwrap();
+        assert_eq!(got.len(), 2);
+        assert_eq!(r.truncated_at, Some(good.len() as u64));
+        assert_eq!(wal_bytes(d.path()), good);
     }
 
     #[test]
@@ -529,8 +903,11 @@ mod tests {
             format!(
                 "wal.log is corrupt at byte offset {} (payload checksum mismatch: stored \
                  {stored:#010x}, computed {computed:#010x}); refusing to start rather than \
-                 guess. Move {} aside, or start with --sessions-cache to keep it as \
-                 wal.log.prev and begin a fresh log",
+                 guess. Keep what is before it with `superfluid salvage --sessions {} \
+                 --truncate-at {}`, move {} aside, or start with --sessions-cache to keep it \
+                 aside and begin a fresh log",
+                victim.offset,
+                d.path().display(),
                 victim.offset,
                 path.display()
             )
@@ -589,7 +966,7 @@ mod tests {
         assert_eq!(found(&h), FormatError::Version(7));
         assert_eq!(
             FormatError::Version(7).to_string(),
-            "unsupported format version 7 (this build reads version 1)"
+            "unsupported format version 7 (this build reads versions 1 and 2)"
         );
 
         assert_eq!(found(b"SFWAL"), FormatError::ShortFile(5));
@@ -643,13 +1020,46 @@ mod tests {
         let (f, r, got) = open_collect(d.path(), OpenMode::Durable).unwrap();
         assert_eq!(got, want);
         assert_eq!(r.truncated_at, None);
+        assert_eq!(r.version, 1);
         assert_eq!(f.end(), golden.len() as u64);
         // And this build's encoder still produces exactly those bytes.
-        let mut enc = file_header().to_vec();
+        let mut enc = file_header_of(1).to_vec();
         for (_, p) in &want {
             encode_record(p, &mut enc).unwrap();
         }
         assert_eq!(enc, golden);
+    }
+
+    /// tests/data/golden-v2.wal: three groups (two records, one, one) by the
+    /// independent encoder in docs/wal-format.md.
+    #[test]
+    fn golden_v2_file() {
+        let golden = fs::read(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/data/golden-v2.wal"
+        ))
+        .unwrap();
+        let want: Vec<(u64, Vec<u8>)> = vec![
+            (16, b"hello, superfluid".to_vec()),
+            (45, b"".to_vec()),
+            (
+                77,
+                b"{\"session\":\"s1\",\"event\":\"user\",\"text\":\"hi\"}".to_vec(),
+            ),
+            (152, (0u8..=255).collect()),
+        ];
+        let d = tempfile::tempdir().unwrap();
+        fs::write(d.path().join(WAL_FILE), &golden).unwrap();
+        let (f, r, got) = open_collect(d.path(), OpenMode::Durable).unwrap();
+        assert_eq!(got, want);
+        assert_eq!((r.truncated_at, r.version), (None, 2));
+        assert_eq!(f.end(), golden.len() as u64);
+        let groups = [
+            vec![want[0].1.clone(), want[1].1.clone()],
+            vec![want[2].1.clone()],
+            vec![want[3].1.clone()],
+        ];
+        assert_eq!(v2_log(&groups).0, golden);
     }
 
     proptest::proptest! {

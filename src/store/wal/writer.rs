@@ -4,19 +4,45 @@
 //! failed write or sync it refuses every later append: nothing is written
 //! past a failure. [`WalWriter::append`] never blocks its caller.
 
+use std::fs::File;
 use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 
 use tokio::sync::oneshot;
 
-use super::format::{encode_record, MAX_RECORD_BYTES};
+use super::format::{
+    encode_marker, encode_record, GROUP_MAX_BYTES, MAX_RECORD_BYTES, WAL_FORMAT_V1,
+};
 use super::recovery::WalFile;
 use crate::store::error::{StoreError, WriterFailure};
 
-/// The writer stops pulling more queued records into a group past this size.
-const GROUP_MAX_BYTES: usize = 8 << 20;
+/// The writer's file I/O: the three calls it makes on the log. The real
+/// thing is [`File`]; tests wrap it ([`WalWriter::spawn_with_io`]) to record
+/// what was synced or to fail a call (ENOSPC, EIO) at a chosen point. There
+/// is no way to select a wrapper from outside the process.
+pub trait WalIo: Send {
+    /// Writes all of `buf` at `offset`.
+    fn write_all_at(&mut self, buf: &[u8], offset: u64) -> std::io::Result<()>;
+    /// fdatasync.
+    fn sync_data(&mut self) -> std::io::Result<()>;
+    /// Truncates (after a failed group, to cut its bytes off again).
+    fn set_len(&mut self, len: u64) -> std::io::Result<()>;
+}
+
+impl WalIo for File {
+    fn write_all_at(&mut self, buf: &[u8], offset: u64) -> std::io::Result<()> {
+        FileExt::write_all_at(self, buf, offset)
+    }
+    fn sync_data(&mut self) -> std::io::Result<()> {
+        File::sync_data(self)
+    }
+    fn set_len(&mut self, len: u64) -> std::io::Result<()> {
+        File::set_len(self, len)
+    }
+}
 
 /// Where an appended record landed. `end` is covered by a completed fdatasync.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,6 +96,30 @@ impl WalWriter {
     /// Starts the writer thread ("wal-writer"). `before_sync` is a test
     /// failpoint called on the writer thread before every fdatasync.
     pub fn spawn(file: WalFile, before_sync: Option<BeforeSync>) -> std::io::Result<WalWriter> {
+        Self::start(file, before_sync, |f| Box::new(f))
+    }
+
+    /// Starts the writer thread with its file I/O wrapped by `wrap` (for
+    /// tests: fault injection and power-loss simulation).
+    pub fn spawn_with_io(
+        file: WalFile,
+        wrap: impl FnOnce(File) -> Box<dyn WalIo>,
+    ) -> std::io::Result<WalWriter> {
+        Self::start(file, None, wrap)
+    }
+
+    fn start(
+        file: WalFile,
+        before_sync: Option<BeforeSync>,
+        wrap: impl FnOnce(File) -> Box<dyn WalIo>,
+    ) -> std::io::Result<WalWriter> {
+        let log = Log {
+            io: wrap(file.file),
+            path: file.path,
+            end: file.end,
+            markers: file.version != WAL_FORMAT_V1,
+        };
+        let file = log;
         let (tx, rx) = mpsc::channel();
         let shared = Arc::new(Shared::default());
         shared.durable_len.store(file.end, Ordering::Release);
@@ -128,8 +178,18 @@ impl WalWriter {
     }
 }
 
+/// The writer thread's view of the log.
+struct Log {
+    io: Box<dyn WalIo>,
+    path: PathBuf,
+    /// End of the last committed group (covered by a completed fdatasync).
+    end: u64,
+    /// Version 2: close each group with a commit marker.
+    markers: bool,
+}
+
 fn writer_loop(
-    mut file: WalFile,
+    mut file: Log,
     rx: mpsc::Receiver<Msg>,
     shared: &Shared,
     before_sync: Option<BeforeSync>,
@@ -170,6 +230,9 @@ fn writer_loop(
             }
         }
         if !group.is_empty() {
+            if file.markers {
+                encode_marker(file.end, &mut buf);
+            }
             commit(
                 &mut file,
                 &buf,
@@ -213,7 +276,7 @@ fn fsync_disabled() -> bool {
 /// One write, one fdatasync, then every reply in order. On error, the group
 /// and every later request get `WriterFailed`: nothing is written past a failure.
 fn commit(
-    file: &mut WalFile,
+    file: &mut Log,
     buf: &[u8],
     group: &mut Vec<(Reply, Durable)>,
     shared: &Shared,
@@ -221,7 +284,7 @@ fn commit(
     failed: &mut Option<WriterFailure>,
 ) {
     let result = file
-        .file
+        .io
         .write_all_at(buf, file.end)
         .map_err(|e| WriterFailure::Write {
             len: buf.len(),
@@ -236,7 +299,7 @@ fn commit(
             if fsync_disabled() {
                 return Ok(());
             }
-            file.file.sync_data().map_err(|e| WriterFailure::Sync {
+            file.io.sync_data().map_err(|e| WriterFailure::Sync {
                 path: file.path.clone(),
                 error: Arc::new(e),
             })
@@ -265,10 +328,11 @@ fn commit(
             shared.failed.store(true, Ordering::Relaxed);
             // The group was refused, so its bytes must not come back on the
             // next start: cut them off again, as far as the disk lets us.
+            let end = file.end;
             if file
-                .file
-                .set_len(file.end)
-                .and_then(|()| file.file.sync_data())
+                .io
+                .set_len(end)
+                .and_then(|()| file.io.sync_data())
                 .is_err()
             {
                 log::error!(
@@ -290,7 +354,7 @@ mod tests {
     use std::sync::Barrier;
     use std::time::Duration;
 
-    use super::super::format::{file_header, FILE_HEADER_LEN};
+    use super::super::format::{file_header, FILE_HEADER_LEN, MARKER_LEN};
     use super::super::test_util::{open_collect, wal_bytes};
     use super::super::OpenMode;
     use super::*;
@@ -366,7 +430,8 @@ mod tests {
         release_tx.send(()).unwrap();
         let durable = rx.blocking_recv().unwrap().unwrap();
         assert_eq!(durable.offset, before);
-        assert_eq!(w.durable_len(), durable.end);
+        // The group's marker follows the record.
+        assert_eq!(w.durable_len(), durable.end + MARKER_LEN as u64);
         drop(release_tx); // later syncs pass straight through
         w.shutdown();
     }
