@@ -1,6 +1,6 @@
 //! The soak (issue 15, item 15): 16 sessions generating at once, 256
-//! subscribers on the unix socket (16 per generating session, each its own
-//! connection), an appender and a forker beside them, for
+//! subscriptions on the unix socket (16 per generating session, on 32
+//! connections), an appender and a forker beside them, for
 //! `SUPERFLUID_SOAK_SECS` seconds (60 by default, the CI run; the issue's
 //! long run is 600).
 //!
@@ -22,7 +22,10 @@ use superfluid::wire::{Request, Response, SessionId};
 use crate::util::{created, params, TestDaemon};
 
 const GENERATING: usize = 16;
-const SUBSCRIBERS_PER_SESSION: usize = 16;
+/// 32 socket connections of 8 subscriptions: 256 subscribers, 16 per
+/// generating session.
+const SUB_CONNECTIONS: usize = 32;
+const SUBS_PER_CONNECTION: usize = 8;
 const TURN_TOKENS: u32 = 24;
 
 fn soak_secs() -> u64 {
@@ -108,67 +111,79 @@ fn soak_generating_sessions_subscribers_appends_and_forks() {
         })
         .collect();
 
-    // The subscribers: each reads from cursor 0 for as long as the daemon
-    // runs; the test waits for each to reach its session's last id.
+    // The subscribers: 32 connections, each holding 8 subscriptions (half
+    // the generating sessions), 256 in all, 16 per session; each reads from
+    // cursor 0 for as long as the daemon runs, and the test waits for every
+    // subscription to reach its session's last id.
     let last_id: Arc<Vec<AtomicU64>> =
         Arc::new((0..GENERATING).map(|_| AtomicU64::new(0)).collect());
     let mut subs = Vec::new();
-    for (i, &s) in sessions.iter().enumerate() {
-        for _ in 0..SUBSCRIBERS_PER_SESSION {
-            let socket = socket.clone();
+    let mut readers = Vec::new();
+    for k in 0..SUB_CONNECTIONS {
+        let mut conn = Client::connect(&socket).unwrap();
+        let mut by_sub = std::collections::HashMap::new();
+        // Events of the subscriptions made so far can arrive before the next
+        // `Subscribed`: they are kept and replayed once all are made.
+        let mut early = Vec::new();
+        for j in 0..SUBS_PER_CONNECTION {
+            let i = (k * SUBS_PER_CONNECTION + j) % GENERATING;
+            let s = sessions[i];
+            let mut r = conn
+                .call(&Request::Subscribe {
+                    session: s,
+                    cursor: 0,
+                    provisional: false,
+                })
+                .unwrap();
+            let sub = loop {
+                match r {
+                    Response::Subscribed { sub } => break sub,
+                    Response::SubEvent { .. } => early.push(r),
+                    other => panic!("Subscribe to {s}: {other:?}"),
+                }
+                r = conn.read().unwrap();
+            };
             let seen = Arc::new(Mutex::new(Seen::default()));
-            let out = seen.clone();
-            let h = std::thread::spawn(move || {
-                let mut sub = Client::connect(&socket).unwrap();
-                match sub
-                    .call(&Request::Subscribe {
-                        session: s,
-                        cursor: 0,
-                        provisional: false,
-                    })
-                    .unwrap()
-                {
-                    Response::Subscribed { .. } => {}
-                    other => {
-                        out.lock().unwrap().problem = Some(format!("Subscribe: {other:?}"));
-                        return;
-                    }
-                }
-                loop {
-                    match sub.read() {
-                        Ok(Response::SubEvent { event, .. }) => {
-                            let mut o = out.lock().unwrap();
-                            if event.event_id != o.next {
-                                o.problem = Some(format!(
-                                    "session {s}: expected event {}, got {}",
-                                    o.next, event.event_id
-                                ));
-                                return;
-                            }
-                            o.next += 1;
-                        }
-                        Ok(Response::SubEnded { reason, .. }) => {
-                            let mut o = out.lock().unwrap();
-                            if reason == "lagged" {
-                                o.lagged = true;
-                            } else {
-                                o.problem = Some(format!("session {s}: ended: {reason}"));
-                            }
-                            return;
-                        }
-                        Ok(other) => {
-                            out.lock().unwrap().problem = Some(format!("{other:?}"));
-                            return;
-                        }
-                        Err(e) => {
-                            out.lock().unwrap().problem = Some(format!("read: {e}"));
-                            return;
-                        }
-                    }
-                }
-            });
-            subs.push((i, seen, h));
+            by_sub.insert(sub, (s, seen.clone()));
+            subs.push((i, seen));
         }
+        let mut early = early.into_iter();
+        readers.push(std::thread::spawn(move || loop {
+            let r = match early.next() {
+                Some(r) => Ok(r),
+                None => conn.read(),
+            };
+            let (sub, event, ended) = match r {
+                Ok(Response::SubEvent { sub, event }) => (sub, Some(event), None),
+                Ok(Response::SubEnded { sub, reason }) => (sub, None, Some(reason)),
+                other => {
+                    for (_, seen) in by_sub.values() {
+                        seen.lock()
+                            .unwrap()
+                            .problem
+                            .get_or_insert(format!("{other:?}"));
+                    }
+                    return;
+                }
+            };
+            let Some((s, seen)) = by_sub.get(&sub) else {
+                panic!("an event for unknown subscription {sub}")
+            };
+            let mut o = seen.lock().unwrap();
+            match (event, ended) {
+                (Some(event), _) => {
+                    if event.event_id != o.next && o.problem.is_none() {
+                        o.problem = Some(format!(
+                            "session {s}: expected event {}, got {}",
+                            o.next, event.event_id
+                        ));
+                    }
+                    o.next = event.event_id + 1;
+                }
+                (_, Some(reason)) if reason == "lagged" => o.lagged = true,
+                (_, reason) => o.problem = Some(format!("session {s}: ended: {reason:?}")),
+            }
+        }));
     }
 
     let start = Instant::now();
@@ -333,7 +348,7 @@ fn soak_generating_sessions_subscribers_appends_and_forks() {
     }
     let caught_up_by = Instant::now() + Duration::from_secs(60);
     let mut lagged = 0;
-    for (i, seen, _) in &subs {
+    for (i, seen) in &subs {
         let want = last_id[*i].load(Ordering::SeqCst);
         loop {
             let o = seen.lock().unwrap();
@@ -394,5 +409,5 @@ fn soak_generating_sessions_subscribers_appends_and_forks() {
         rss_growth <= allowed,
         "RSS grew {rss_growth:.1} MiB after warm-up, more than {allowed:.1} MiB (3x wal.log's {log_growth:.1} MiB + 8)"
     );
-    drop(subs);
+    drop(readers);
 }
