@@ -19,6 +19,7 @@
 //!   connection loop it shares with /web/ws.
 //! - [`http`]: the browser transport (`--web`): JSON over HTTP and WebSocket.
 //! - [`daemon`]: start-up and shutdown of `superfluid serve`.
+//! - [`export`]: sessions as jsonl or OTLP traces, redacted (`session export`).
 //! - [`logging`]: the runtime-adjustable logger and the worker's log lines.
 //!
 //! ARCHITECTURE.md has the bird's-eye view and the invariants.
@@ -26,6 +27,7 @@
 pub mod actors;
 pub mod daemon;
 pub mod engine;
+pub mod export;
 pub mod frontend;
 pub mod http;
 pub mod logging;

@@ -6,8 +6,8 @@ use clap::{Parser, Subcommand};
 
 mod cli_salvage;
 use superfluid::daemon::{self, ServeConfig};
-use superfluid::frontend::socket::Client;
-use superfluid::wire::{Record, Request, Response};
+
+mod cli;
 
 /// A local LLM daemon whose sessions are durable, forkable event logs.
 #[derive(Parser)]
@@ -21,9 +21,8 @@ struct Cli {
 enum Command {
     /// Serve a GGUF model: sessions over the unix socket.
     Serve(Serve),
-    /// Look at sessions through a running daemon's socket.
-    #[command(subcommand)]
-    Session(SessionCommand),
+    /// Look at and script sessions through a running daemon's socket.
+    Session(cli::SessionArgs),
     /// Print the URL of a running daemon's page (`serve --web`), token
     /// included, and open it in a browser when `xdg-open` is installed.
     Open(Open),
@@ -151,21 +150,6 @@ struct Open {
 }
 
 #[derive(Subcommand)]
-enum SessionCommand {
-    /// Print a session: a summary, then one line per event.
-    Inspect {
-        /// The session id.
-        session: u64,
-        /// Print JSON: the inspection, then the events.
-        #[arg(long)]
-        json: bool,
-        /// The daemon's socket [default: ~/.superfluid/superfluid.sock]
-        #[arg(long, value_name = "PATH")]
-        socket: Option<PathBuf>,
-    },
-}
-
-#[derive(Subcommand)]
 enum MediaCommand {
     /// Store image files (PNG, JPEG, WebP, GIF) and print each one's hash,
     /// the `blob` that AppendImage takes.
@@ -250,28 +234,24 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 .map(|d| (d, w.park_budget_gb.saturating_mul(1 << 30))),
         )
         .map_err(Into::into),
-        Command::Session(SessionCommand::Inspect {
-            session,
-            json,
-            socket,
-        }) => inspect(session, json, socket.unwrap_or_else(daemon::default_socket)),
         Command::Media(m) => {
-            use superfluid::media::cli;
+            use superfluid::media::cli as media;
             match m {
                 MediaCommand::Put {
                     files,
                     json,
                     socket,
-                } => cli::put(&socket.unwrap_or_else(daemon::default_socket), &files, json),
+                } => media::put(&socket.unwrap_or_else(daemon::default_socket), &files, json),
                 MediaCommand::Ls { json, sessions } => {
-                    cli::ls(&sessions.unwrap_or_else(daemon::default_sessions_dir), json)
+                    media::ls(&sessions.unwrap_or_else(daemon::default_sessions_dir), json)
                 }
                 MediaCommand::Gc { json, socket } => {
-                    cli::gc(&socket.unwrap_or_else(daemon::default_socket), json)
+                    media::gc(&socket.unwrap_or_else(daemon::default_socket), json)
                 }
             }
             .map_err(Into::into)
         }
+        Command::Session(args) => cli::run(args),
         Command::Open(o) => open(
             &o.sessions.unwrap_or_else(daemon::default_sessions_dir),
             !o.no_browser,
@@ -312,133 +292,4 @@ fn open(sessions: &std::path::Path, browser: bool) -> anyhow::Result<()> {
         }
     }
     Ok(())
-}
-
-fn call(client: &mut Client, request: Request) -> anyhow::Result<Response> {
-    match client.call(&request).map_err(anyhow::Error::msg)? {
-        Response::Err { message } => anyhow::bail!("{message}"),
-        r => Ok(r),
-    }
-}
-
-fn inspect(session: u64, json: bool, socket: PathBuf) -> anyhow::Result<()> {
-    let mut client = Client::connect(&socket)
-        .map_err(|e| anyhow::anyhow!("cannot reach the daemon at {}: {e}", socket.display()))?;
-    let Response::Inspection { inspection } = call(&mut client, Request::Inspect { session })?
-    else {
-        anyhow::bail!("unexpected reply to Inspect");
-    };
-    let Response::Events { events } = call(&mut client, Request::Read { session, cursor: 0 })?
-    else {
-        anyhow::bail!("unexpected reply to Read");
-    };
-    if json {
-        println!("{}", serde_json::to_string(&inspection)?);
-        for e in &events {
-            println!("{}", serde_json::to_string(e)?);
-        }
-        return Ok(());
-    }
-    let i = &inspection;
-    println!(
-        "session {}{}{}: {} events, {} tokens, generation {}, version {}{}{}",
-        i.session,
-        i.parent.map(|p| format!(" (from {p}")).unwrap_or_default(),
-        match (i.parent, i.fork_at) {
-            (Some(_), Some(at)) => format!(" at {at})"),
-            (Some(_), None) => ")".into(),
-            _ => String::new(),
-        },
-        i.events,
-        i.tokens,
-        i.generation,
-        i.version,
-        i.title
-            .as_ref()
-            .map(|t| format!(", title {t:?}"))
-            .unwrap_or_default(),
-        if i.archived { ", archived" } else { "" },
-    );
-    for e in &events {
-        println!("{:>6}  {}", e.event_id, describe(&e.body));
-    }
-    Ok(())
-}
-
-/// One line about a record.
-fn describe(r: &Record) -> String {
-    const MAX: usize = 80;
-    let short = |s: &str| {
-        let one: String = s.replace('\n', "\\n");
-        if one.chars().count() > MAX {
-            format!("{:?}…", one.chars().take(MAX).collect::<String>())
-        } else {
-            format!("{one:?}")
-        }
-    };
-    let role = |r: &superfluid::wire::Role| r.name();
-    match r {
-        Record::Created { parent, .. } => match parent {
-            Some(p) => format!("Created under session {p}"),
-            None => "Created".into(),
-        },
-        Record::Forked {
-            parent, fork_at, ..
-        } => format!("Forked from session {parent} at {fork_at}"),
-        Record::Rebased {
-            parent,
-            fork_at,
-            edits,
-            ..
-        } => {
-            format!(
-                "Rebased from session {parent} at {fork_at}, {} edits",
-                edits.len()
-            )
-        }
-        Record::Message {
-            role: r,
-            text,
-            span,
-        } => {
-            format!(
-                "Message {} {} ({} tokens)",
-                role(r),
-                short(text),
-                span.len()
-            )
-        }
-        Record::Generated {
-            text,
-            channel,
-            finish,
-            span,
-        } => format!(
-            "Generated ch{} finish {} {} ({} tokens)",
-            u8::from(*channel),
-            u8::from(*finish),
-            short(text),
-            span.len()
-        ),
-        Record::ToolUse { name, arguments } => format!("ToolUse {name} {}", short(arguments)),
-        Record::ToolResult {
-            call_id, content, ..
-        } => {
-            format!("ToolResult for {call_id} {}", short(content))
-        }
-        Record::Appended { text, span } => {
-            format!("Appended {} ({} tokens)", short(text), span.len())
-        }
-        Record::System { text, tools, span } => format!(
-            "System {} with {} tools ({} tokens)",
-            short(text.as_deref().unwrap_or("")),
-            tools.len(),
-            span.len()
-        ),
-        other => format!(
-            "{} {}",
-            other.name(),
-            serde_json::to_string(other).unwrap_or_default()
-        ),
-    }
 }

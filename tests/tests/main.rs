@@ -17,11 +17,17 @@
 //! extras, in process), `worker` (`superfluid
 //! worker` over its pipe), `test_models` (the derived test models' metadata),
 //! `storage_faults` (power loss, ENOSPC/EIO, full filesystems, salvage),
-//! `fuzz` (the decoders under proptest, seeds in tests/corpus/).
+//! `fuzz` (the decoders under proptest, seeds in tests/corpus/),
+//! `cli` (the `superfluid session` family against a daemon), `export`
+//! (`session export`: jsonl, otlp-jsonl, the OTLP push, redaction; finish 5
+//! from a real generation out of context), `soak` (16 generating sessions,
+//! 256 subscriptions, appends and forks).
 
 mod bad_input;
 mod browser;
+mod cli;
 mod daemon;
+mod export;
 mod fuzz;
 mod generate;
 mod http;

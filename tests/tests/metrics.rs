@@ -173,6 +173,7 @@ fn generations_by_finish_kv_cells_and_wal_health() {
         "{text}"
     );
     promtool_accepts(&text);
+    documented(&text);
 }
 
 /// `promtool check metrics` (Debian's `prometheus` package; scripts/setup.sh
@@ -201,4 +202,20 @@ fn promtool_accepts(text: &str) {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// docs/metrics.md has a row `| `name` | type | ...` for every family the
+/// daemon exposes, with the type it exposes.
+fn documented(text: &str) {
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/metrics.md"))
+        .expect("docs/metrics.md");
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = rest.split_once(' ').expect(line);
+            assert!(
+                doc.contains(&format!("| `{name}` | {kind} |")),
+                "docs/metrics.md has no row for {name} ({kind})"
+            );
+        }
+    }
 }
