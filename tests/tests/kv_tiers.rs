@@ -143,7 +143,10 @@ fn a_conversation_evicted_beyond_parallel_comes_back_from_host_memory() {
         .collect();
     let (_d3, warm3, reply3, cold_ms) = five_then_first(&off);
     assert!(warm3 < 50, "warm_prefix {warm3} without the tier");
-    assert_eq!(reply, reply3);
+    // Prefilled again: the spec allows the last bits of floating point to
+    // differ from the decode that built the cells, so this reply is not
+    // compared with the restored one (which must equal the resident one).
+    assert!(!reply3.is_empty());
     eprintln!(
         "turn 2 of an evicted conversation ({warm} tokens of history), time to first token: \
          from host memory {spill_ms:.0} ms, resident {resident_ms:.0} ms, prefilled {cold_ms:.0} ms"
@@ -226,7 +229,31 @@ fn park_restores_a_session_after_a_restart_and_a_bad_artifact_prefills() {
     d.stop();
     assert!(warm > 300, "warm_prefix {warm} after a restart with --park");
 
+    // The same conversation in one daemon that never stopped: a parked
+    // session restored across a restart replies exactly what it would have
+    // replied had it stayed resident.
+    let mut uninterrupted = park_daemon();
+    uninterrupted.spawn_and_wait();
+    let mut c = uninterrupted.client();
+    let u = created(
+        &mut c,
+        Request::Create {
+            parent: None,
+            params: params(1),
+        },
+    );
+    say(&mut c, u, &long_message(9));
+    generate(&mut c, u, 8);
+    say(&mut c, u, "And the lightest?");
+    let (_, resident_reply, _) = timed_turn(&mut c, u);
+    uninterrupted.stop();
+    assert_eq!(
+        reply, resident_reply,
+        "the restored reply differs from the resident one"
+    );
+
     let mut rebased = Vec::new();
+    let mut cold: Option<Vec<Token>> = None;
     for (what, mut copy) in variants {
         copy.spawn_and_wait();
         if what.starts_with("rebase") {
@@ -242,7 +269,19 @@ fn park_restores_a_session_after_a_restart_and_a_bad_artifact_prefills() {
         let (w, r, cold_ms) = timed_turn(&mut copy.client(), s);
         copy.stop();
         assert!(w < 50, "{what}: warm_prefix {w}");
-        assert_eq!(r, reply, "{what}: the reply differs from the parked one");
+        // A cold resume prefills the history again, which can differ from
+        // the original decode in the last bits of floating point (the spec
+        // says so), so it is compared with the other cold resumes, not with
+        // the parked reply: every unusable artifact resumes exactly as no
+        // artifact does.
+        assert!(!r.is_empty(), "{what}: no reply");
+        match &cold {
+            None => cold = Some(r.clone()),
+            Some(first) => assert_eq!(
+                &r, first,
+                "{what}: differs from the resume without an artifact"
+            ),
+        }
         if what != "none" {
             let log = copy.stderr();
             assert_eq!(
