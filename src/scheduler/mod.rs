@@ -403,7 +403,6 @@ impl SchedulerState {
         self.n_ctx
     }
 
-    /// `SetBackgroundRate`: class 3 advances every `divisor`-th step.
     /// Purged sessions: their park artifacts leave the index (the session
     /// actor deletes the files).
     pub fn forget_parked(&mut self, sessions: &[SessionId]) {
@@ -412,6 +411,7 @@ impl SchedulerState {
         }
     }
 
+    /// `SetBackgroundRate`: class 3 advances every `divisor`-th step.
     pub fn set_background_divisor(&mut self, divisor: u32) {
         self.background_divisor = divisor.max(1);
     }

@@ -36,6 +36,7 @@ mod logging;
 mod media;
 mod metrics;
 mod ordering;
+mod qos;
 mod soak;
 mod spec_json;
 mod stateless;
