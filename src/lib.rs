@@ -29,6 +29,7 @@ pub mod daemon;
 pub mod engine;
 pub mod export;
 pub mod frontend;
+pub mod histogram;
 pub mod http;
 pub mod logging;
 pub mod media;

@@ -215,6 +215,19 @@ fn wal_metrics(stats: WalStats) -> String {
         "Bytes made durable, record headers included.",
         stats.bytes,
     );
+    crate::histogram::render_header(
+        &mut out,
+        "superfluid_wal_commit_seconds",
+        "Group commits: the write and its fdatasync, until the events it holds may be delivered.",
+    );
+    stats
+        .commit
+        .render_series(&mut out, "superfluid_wal_commit_seconds", "");
+    crate::histogram::HTTP_REQUESTS.render(
+        &mut out,
+        "superfluid_http_request_duration_seconds",
+        "Requests of the OpenAI, Anthropic and Ollama routes, from arrival to the last byte of the reply (streams included), by route and status.",
+    );
     out
 }
 

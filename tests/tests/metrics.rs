@@ -40,19 +40,31 @@ fn metrics(d: &TestDaemon) -> String {
 /// exposition format does not allow, or a sample whose family has no TYPE.
 fn samples(text: &str) -> BTreeMap<String, f64> {
     let mut typed = BTreeSet::new();
+    let mut histograms = BTreeSet::new();
     let mut out = BTreeMap::new();
     for line in text.lines() {
         if let Some(rest) = line.strip_prefix("# TYPE ") {
             let (name, kind) = rest.split_once(' ').expect(line);
-            assert!(["counter", "gauge"].contains(&kind), "{line}");
+            assert!(["counter", "gauge", "histogram"].contains(&kind), "{line}");
             assert!(typed.insert(name.to_string()), "TYPE twice: {line}");
+            if kind == "histogram" {
+                histograms.insert(name.to_string());
+            }
             continue;
         }
         if line.starts_with("# HELP ") {
             continue;
         }
         let (series, value) = line.rsplit_once(' ').expect(line);
-        let family = series.split('{').next().unwrap();
+        let name = series.split('{').next().unwrap();
+        // A histogram's samples are its name with _bucket, _sum or _count.
+        let family = ["_bucket", "_sum", "_count"]
+            .iter()
+            .find_map(|suffix| {
+                name.strip_suffix(suffix)
+                    .filter(|f| histograms.contains(*f))
+            })
+            .unwrap_or(name);
         assert!(typed.contains(family), "no TYPE before {line}");
         assert!(
             family
@@ -165,6 +177,21 @@ fn generations_by_finish_kv_cells_and_wal_health() {
     assert_eq!(value(&after, "superfluid_wal_failed"), 0.0, "{text}");
     assert!(
         value(&after, "superfluid_wal_fsyncs_total") > fsyncs_before,
+        "{text}"
+    );
+    // Every completed fdatasync is one group commit the histogram timed.
+    assert_eq!(
+        value(&after, "superfluid_wal_commit_seconds_count"),
+        value(&after, "superfluid_wal_fsyncs_total"),
+        "{text}"
+    );
+    assert_eq!(
+        value(&after, "superfluid_wal_commit_seconds_bucket{le=\"+Inf\"}"),
+        value(&after, "superfluid_wal_fsyncs_total"),
+        "{text}"
+    );
+    assert!(
+        value(&after, "superfluid_wal_commit_seconds_sum") > 0.0,
         "{text}"
     );
     assert_eq!(

@@ -68,12 +68,14 @@ def test_thinking_comes_back_in_message_thinking(daemon):
     r = c.chat(model="default", messages=[{"role": "user", "content": "What is 2 + 2?"}], think=True,
                options={"temperature": 0, "num_predict": 12}, stream=False)
     assert r.message.thinking and "<think>" not in r.message.thinking
-    # Compare warm to warm (a cold reply's rounding may differ).
-    r = c.chat(model="default", messages=[{"role": "user", "content": "What is 2 + 2?"}], think=True,
-               options={"temperature": 0, "num_predict": 12}, stream=False)
+    # Streamed, the reasoning arrives in message.thinking too. Its text is not
+    # compared with the reply above: greedy replies need not repeat bit for
+    # bit across cache states (the pool's other contents change the rounding).
     parts = list(c.chat(model="default", messages=[{"role": "user", "content": "What is 2 + 2?"}], think=True,
                         options={"temperature": 0, "num_predict": 12}, stream=True))
-    assert "".join(p.message.thinking or "" for p in parts) == r.message.thinking
+    streamed = "".join(p.message.thinking or "" for p in parts)
+    assert streamed.strip() and "<think>" not in streamed and "</think>" not in streamed
+    assert parts[-1].done and 0 < parts[-1].eval_count <= 12
     # think: false leaves the reasoning out of the reply.
     r = c.chat(model="default", messages=[{"role": "user", "content": "What is 2 + 2?"}], think=False,
                options={"temperature": 0, "num_predict": 12}, stream=False)

@@ -103,9 +103,26 @@ def test_worker_down_is_503_then_served_again(moved):
                                   extra_body={"temperature": 0}).usage.output_tokens == 2
 
 
+def route_count(body, route, status):
+    line = 'superfluid_http_request_duration_seconds_count{route="%s",status="%d"} ' % (route, status)
+    for l in body.decode().splitlines():
+        if l.startswith(line):
+            return int(float(l[len(line):]))
+    return 0
+
+
 def test_metrics_route_passes_promtool(moved):
     d, _ = moved
+    wait_lane(d, "ready")
+    _, _, before = raw(d, "GET", "/metrics", None, {"Authorization": "Bearer " + KEY})
+    oai(d).chat.completions.create(model="default", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        oai(d).chat.completions.create(model="default", messages=[{"role": "user", "content": "hi"}], max_tokens=0)
     status, headers, body = raw(d, "GET", "/metrics", None, {"Authorization": "Bearer " + KEY})
+    # The request latency histogram counted both, by route and status.
+    assert route_count(body, "/v1/chat/completions", 200) == route_count(before, "/v1/chat/completions", 200) + 1
+    assert route_count(body, "/v1/chat/completions", 400) == route_count(before, "/v1/chat/completions", 400) + 1
+    assert b'superfluid_wal_commit_seconds_bucket{le="+Inf"}' in body
     assert status == 200 and headers["content-type"].startswith("text/plain")
     assert b"superfluid_prefill_tokens_total" in body and b"superfluid_warm_prefix_tokens_total" in body
     check = subprocess.run(["promtool", "check", "metrics"], input=body, capture_output=True)

@@ -442,6 +442,7 @@ impl Access {
     }
 
     pub fn log(&self, status: u16) {
+        crate::histogram::HTTP_REQUESTS.observe(self.path, status, self.started.elapsed());
         log::info!(
             target: "superfluid::access",
             "{} {} {} model={} prompt={} cached={} generated={} wall_ms={}",

@@ -64,6 +64,8 @@ pub struct WalStats {
     pub bytes: u64,
     /// A write or fdatasync failed: the writer refuses every append since.
     pub failed: bool,
+    /// Group commits' write plus fdatasync time.
+    pub commit: crate::histogram::Snapshot,
 }
 
 type Reply = oneshot::Sender<Result<Durable, StoreError>>;
@@ -82,6 +84,7 @@ struct Shared {
     fsyncs: AtomicU64,
     bytes: AtomicU64,
     failed: AtomicBool,
+    commit: crate::histogram::Histogram,
 }
 
 /// Cheap, cloneable handle to the `wal-writer` thread.
@@ -162,6 +165,7 @@ impl WalWriter {
             fsyncs: self.shared.fsyncs.load(Ordering::Relaxed),
             bytes: self.shared.bytes.load(Ordering::Relaxed),
             failed: self.shared.failed.load(Ordering::Relaxed),
+            commit: self.shared.commit.snapshot(),
         }
     }
 
@@ -283,6 +287,7 @@ fn commit(
     before_sync: Option<&BeforeSync>,
     failed: &mut Option<WriterFailure>,
 ) {
+    let started = std::time::Instant::now();
     let result = file
         .io
         .write_all_at(buf, file.end)
@@ -319,6 +324,7 @@ fn commit(
                 .fetch_add(group.len() as u64, Ordering::Relaxed);
             shared.fsyncs.fetch_add(1, Ordering::Relaxed);
             shared.bytes.fetch_add(buf.len() as u64, Ordering::Relaxed);
+            shared.commit.observe(started.elapsed());
             for (reply, durable) in group.drain(..) {
                 let _ = reply.send(Ok(durable));
             }
