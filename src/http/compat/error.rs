@@ -31,6 +31,9 @@ pub enum Kind {
     Forbidden,
     /// 404, OpenAI code `model_not_found`.
     NoModel,
+    /// 404: a stored object (a response, a conversation, an item) that does
+    /// not exist or was deleted.
+    NotFound,
     /// 413.
     TooLarge,
     /// 503: the model's worker is down (or restarting).
@@ -96,6 +99,7 @@ impl ApiError {
                     Kind::Auth => ("authentication_error", Some("invalid_api_key")),
                     Kind::Forbidden => ("permission_error", None),
                     Kind::NoModel => ("invalid_request_error", Some("model_not_found")),
+                    Kind::NotFound => ("invalid_request_error", None),
                     Kind::Unavailable | Kind::Internal | Kind::NotImplemented => {
                         ("server_error", None)
                     }
@@ -112,7 +116,7 @@ impl ApiError {
                     Kind::Invalid | Kind::ContextLength => "invalid_request_error",
                     Kind::Auth => "authentication_error",
                     Kind::Forbidden => "permission_error",
-                    Kind::NoModel => "not_found_error",
+                    Kind::NoModel | Kind::NotFound => "not_found_error",
                     Kind::TooLarge => "request_too_large",
                     Kind::Unavailable => "overloaded_error",
                     Kind::Internal | Kind::NotImplemented => "api_error",
@@ -130,7 +134,7 @@ impl ResponseError for ApiError {
             Kind::Invalid | Kind::ContextLength => StatusCode::BAD_REQUEST,
             Kind::Auth => StatusCode::UNAUTHORIZED,
             Kind::Forbidden => StatusCode::FORBIDDEN,
-            Kind::NoModel => StatusCode::NOT_FOUND,
+            Kind::NoModel | Kind::NotFound => StatusCode::NOT_FOUND,
             Kind::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Kind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
             Kind::Internal => StatusCode::INTERNAL_SERVER_ERROR,

@@ -19,11 +19,13 @@
 
 pub mod anthropic;
 pub mod chat;
+pub mod conversations;
 pub mod drive;
 pub mod error;
 pub mod gguf;
 pub mod ollama;
 pub mod openai;
+pub mod responses;
 
 use std::time::Instant;
 
@@ -98,6 +100,7 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
         web::post().to(anthropic::count_tokens),
     )
     .route("/metrics", web::get().to(metrics))
+    .configure(responses_routes)
     .route("/api/chat", web::post().to(ollama::chat))
     .route("/api/generate", web::post().to(ollama::generate))
     .route("/api/tags", web::get().to(ollama::tags))
@@ -111,6 +114,28 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
     .route("/api/delete", web::delete().to(ollama::models_later))
     .route("/api/embed", web::post().to(ollama::embeddings))
     .route("/api/embeddings", web::post().to(ollama::embeddings));
+}
+
+/// OpenAI's Responses and Conversations routes (stored on sessions).
+fn responses_routes(cfg: &mut web::ServiceConfig) {
+    use self::{conversations as c, responses as r};
+    cfg.route("/v1/responses", web::post().to(r::create))
+        .route("/v1/responses/{id}", web::get().to(r::retrieve))
+        .route("/v1/responses/{id}", web::delete().to(r::delete))
+        .route(
+            "/v1/responses/{id}/input_items",
+            web::get().to(r::input_items),
+        )
+        .route("/v1/conversations", web::post().to(c::create))
+        .route("/v1/conversations/{id}", web::get().to(c::retrieve))
+        .route("/v1/conversations/{id}", web::post().to(c::update))
+        .route("/v1/conversations/{id}", web::delete().to(c::delete))
+        .route("/v1/conversations/{id}/items", web::get().to(c::list_items))
+        .route("/v1/conversations/{id}/items", web::post().to(c::add_items))
+        .route(
+            "/v1/conversations/{id}/items/{item_id}",
+            web::delete().to(c::delete_item),
+        );
 }
 
 /// Authorizes a request of the compatible routes and reads its JSON body.

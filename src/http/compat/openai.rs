@@ -188,7 +188,7 @@ fn stops(v: Option<&Value>) -> Result<Vec<String>, ApiError> {
     }
 }
 
-fn prepare_chat(state: &WebState, r: &ChatRequest) -> Result<Prepared, ApiError> {
+pub(crate) fn prepare_chat(state: &WebState, r: &ChatRequest) -> Result<Prepared, ApiError> {
     check_model(state, F, &r.model)?;
     let msgs = messages(&r.messages)?;
     let raw_tools = r.tools.clone().unwrap_or_default();

@@ -1,0 +1,210 @@
+"""OpenAI's Responses and Conversations APIs on durable sessions, with the
+official SDK against a real daemon: a previous_response_id chain across a
+SIGKILL and restart, two branches from one response, streaming with the SDK's
+semantic events, store: false leaving nothing in the log, a conversation read
+back after a restart, and bad inputs in OpenAI's error shape."""
+
+import os
+
+import openai
+import pytest
+
+from compat import KEY, oai, raw
+
+EXTRA_ARGS = ["--api-key", KEY]
+
+
+def wal_size(daemon):
+    return os.path.getsize(os.path.join(daemon.sessions, "wal.log"))
+
+
+def texts(r):
+    return [(o.type, o.id, getattr(o, "call_id", None),
+             [c.text for c in (o.content or [])] if o.type == "message" else o.arguments if o.type == "function_call" else None)
+            for o in r.output]
+
+
+def test_chain_survives_sigkill_and_reads_back(daemon):
+    c = oai(daemon)
+    r1 = c.responses.create(model="default", instructions="You are terse.", input="Name a river.",
+                            max_output_tokens=12, temperature=0)
+    assert r1.id.startswith("resp_") and r1.status in ("completed", "incomplete")
+    assert r1.output_text
+    assert r1.usage.input_tokens > 0 and r1.usage.output_tokens > 0
+    r2 = c.responses.create(model="default", previous_response_id=r1.id, input="Another one.",
+                            max_output_tokens=12, temperature=0)
+    assert r2.previous_response_id == r1.id
+    # The continuation forked at r1's end: its prompt holds r1's whole
+    # history, and that history was cached.
+    assert r2.usage.input_tokens > r1.usage.input_tokens + r1.usage.output_tokens
+    assert r2.usage.input_tokens_details.cached_tokens > 0
+    before = [c.responses.retrieve(r.id) for r in (r1, r2)]
+    daemon.restart()  # SIGKILL, then start on the same dir
+    c = oai(daemon)
+    after = [c.responses.retrieve(r.id) for r in (r1, r2)]
+    for b, a, orig in zip(before, after, (r1, r2)):
+        assert a.id == orig.id
+        assert texts(a) == texts(orig) == texts(b)
+        assert a.output_text == orig.output_text
+        assert a.usage.input_tokens == orig.usage.input_tokens
+        assert a.previous_response_id == orig.previous_response_id
+    assert after[0].instructions == "You are terse."
+    r3 = c.responses.create(model="default", previous_response_id=r2.id, input="And a third.",
+                            max_output_tokens=12, temperature=0)
+    assert r3.usage.input_tokens > r2.usage.input_tokens + r2.usage.output_tokens
+    items = c.responses.input_items.list(r3.id, order="asc")
+    assert [i.content[0].text for i in items.data] == ["And a third."]
+    assert c.responses.retrieve(r3.id).output_text == r3.output_text
+
+
+def test_two_branches_from_one_response(daemon):
+    c = oai(daemon)
+    root = c.responses.create(model="default", input="Pick a colour.", max_output_tokens=8, temperature=0)
+    a = c.responses.create(model="default", previous_response_id=root.id, input="Why that one?",
+                           max_output_tokens=8, temperature=0)
+    b = c.responses.create(model="default", previous_response_id=root.id, input="Pick another.",
+                           max_output_tokens=8, temperature=0)
+    assert a.id != b.id
+    assert a.previous_response_id == b.previous_response_id == root.id
+    assert [i.content[0].text for i in c.responses.input_items.list(a.id).data] == ["Why that one?"]
+    assert [i.content[0].text for i in c.responses.input_items.list(b.id).data] == ["Pick another."]
+    # Both branches start from root's committed point: the same prompt prefix.
+    assert a.usage.input_tokens_details.cached_tokens > 0
+    assert b.usage.input_tokens_details.cached_tokens > 0
+    # The root is unchanged by either branch.
+    assert c.responses.retrieve(root.id).output_text == root.output_text
+
+
+def test_streaming_events_and_retrieve(daemon):
+    c = oai(daemon)
+    with c.responses.stream(model="default", input="Say hello.", max_output_tokens=16, temperature=0) as s:
+        events = list(s)
+    # The SDK's get_final_response() wants response.completed; a cut reply
+    # ends with response.incomplete, as OpenAI's does.
+    final = events[-1].response
+    types = [e.type for e in events]
+    assert types[:2] == ["response.created", "response.in_progress"]
+    assert types[-1] in ("response.completed", "response.incomplete")
+    assert "response.output_item.added" in types and "response.content_part.added" in types
+    assert "response.output_text.delta" in types and "response.output_text.done" in types
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == final.output_text and deltas
+    got = c.responses.retrieve(final.id)
+    assert got.output_text == final.output_text
+    assert texts(got) == texts(final)
+
+
+def test_store_false_leaves_no_trace(daemon):
+    c = oai(daemon)
+    sessions = len(daemon.client().list())
+    size = wal_size(daemon)
+    r = c.responses.create(model="default", input="Name a mountain.", store=False, max_output_tokens=8)
+    assert r.output_text and r.store is False
+    with c.responses.stream(model="default", input="Name a lake.", store=False, max_output_tokens=8) as s:
+        assert [e for e in s][-1].response.output_text
+    assert len(daemon.client().list()) == sessions
+    assert wal_size(daemon) == size
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(r.id)
+    # A stateless continuation of a stored response reads its history and
+    # leaves the log alone too.
+    stored = c.responses.create(model="default", input="Name a tree.", max_output_tokens=8)
+    size = wal_size(daemon)
+    more = c.responses.create(model="default", previous_response_id=stored.id, input="Another.",
+                              store=False, max_output_tokens=8)
+    assert more.usage.input_tokens > stored.usage.input_tokens + stored.usage.output_tokens - 2
+    assert wal_size(daemon) == size
+
+
+def test_conversation_five_turns_survives_restart(daemon):
+    c = oai(daemon)
+    conv = c.conversations.create(metadata={"topic": "rivers"},
+                                  items=[{"type": "message", "role": "system", "content": "Be terse."}])
+    assert conv.id.startswith("conv_")
+    replies = []
+    for i in range(5):
+        r = c.responses.create(model="default", conversation=conv.id, input="Turn {}: name a river.".format(i),
+                               max_output_tokens=8, temperature=0)
+        assert r.conversation.id == conv.id
+        replies.append(r)
+    items = c.conversations.items.list(conv.id, order="asc", limit=100).data
+    users = [i.content[0].text for i in items if i.type == "message" and i.role == "user"]
+    assert users == ["Turn {}: name a river.".format(i) for i in range(5)]
+    assistants = [i.content[0].text for i in items if i.type == "message" and i.role == "assistant"]
+    assert assistants == [r.output_text for r in replies]
+    daemon.restart()
+    c = oai(daemon)
+    assert c.conversations.retrieve(conv.id).metadata == {"topic": "rivers"}
+    again = c.conversations.items.list(conv.id, order="asc", limit=100).data
+    assert [i.model_dump() for i in again] == [i.model_dump() for i in items]
+    for r in replies:
+        assert c.responses.retrieve(r.id).output_text == r.output_text
+    # Items added by hand, then one dropped: a new branch under the same id.
+    c.conversations.items.create(conv.id, items=[{"type": "message", "role": "user", "content": "Added."}])
+    listed = c.conversations.items.list(conv.id, order="asc", limit=100).data
+    assert listed[-1].content[0].text == "Added."
+    c.conversations.items.delete(listed[-1].id, conversation_id=conv.id)
+    dropped = c.conversations.items.list(conv.id, order="asc", limit=100).data
+    assert [i.content[0].text for i in dropped] == [i.content[0].text for i in items]
+    c.conversations.update(conv.id, metadata={"topic": "lakes"})
+    assert c.conversations.retrieve(conv.id).metadata == {"topic": "lakes"}
+    c.conversations.delete(conv.id)
+    with pytest.raises(openai.NotFoundError):
+        c.conversations.retrieve(conv.id)
+
+
+def test_delete_response(daemon):
+    c = oai(daemon)
+    r = c.responses.create(model="default", input="Name a city.", max_output_tokens=6)
+    child = c.responses.create(model="default", previous_response_id=r.id, input="Another.", max_output_tokens=6)
+    c.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(r.id)
+    with pytest.raises(openai.NotFoundError) as e:
+        c.responses.create(model="default", previous_response_id=r.id, input="More.", max_output_tokens=6)
+    assert e.value.body["param"] == "previous_response_id"
+    # The continuation keeps its history: the delete is logical.
+    assert c.responses.retrieve(child.id).output_text == child.output_text
+
+
+def test_bad_inputs_in_openai_shape(daemon):
+    c = oai(daemon)
+    cases = [
+        (dict(previous_response_id="resp_999999_0", input="x"), openai.NotFoundError, "previous_response_id"),
+        (dict(previous_response_id="nonsense", input="x"), openai.NotFoundError, "previous_response_id"),
+        (dict(conversation="conv_424242", input="x"), openai.NotFoundError, "conversation"),
+        (dict(input=[{"type": "message", "role": "robot", "content": "x"}]), openai.BadRequestError, "input"),
+        (dict(input=[{"type": "function_call_output", "call_id": "call_nope", "output": "x"}]),
+         openai.BadRequestError, "input"),
+        (dict(input=[{"type": "function_call_output", "call_id": "call_1"}]), openai.BadRequestError, "input"),
+        (dict(input="x", tools=[{"type": "web_search"}]), openai.BadRequestError, "tools"),
+        (dict(input="x", max_output_tokens=0), openai.BadRequestError, "max_output_tokens"),
+        (dict(input="x", temperature=5), openai.BadRequestError, "temperature"),
+    ]
+    sessions = len(daemon.client().list())
+    for kwargs, err, param in cases:
+        with pytest.raises(err) as e:
+            c.responses.create(model="default", **kwargs)
+        assert e.value.body["type"] == "invalid_request_error", kwargs
+        assert e.value.body["param"] == param, (kwargs, e.value.body)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.create(model="nope", input="x")
+    for missing in ("resp_5_999", "resp_x", "resp_999_0"):
+        with pytest.raises(openai.NotFoundError):
+            c.responses.retrieve(missing)
+    with pytest.raises(openai.NotFoundError):
+        c.conversations.retrieve("conv_999999")
+    # Too many items is refused before anything runs.
+    with pytest.raises(openai.BadRequestError):
+        c.responses.create(model="default", input=[{"role": "user", "content": "x"}] * 513)
+    with pytest.raises(openai.BadRequestError):
+        c.conversations.create(items=[{"role": "user", "content": "x"}] * 21)
+    with pytest.raises(openai.BadRequestError):
+        c.conversations.create(metadata={str(i): "v" for i in range(17)})
+    # A refused request from its first checks leaves no session behind.
+    assert len(daemon.client().list()) == sessions
+    status, _, body = raw(daemon, "POST", "/v1/responses", b"{nope", {"Authorization": "Bearer " + KEY})
+    assert status == 400 and b"invalid_request_error" in body
+    status, _, _ = raw(daemon, "GET", "/v1/responses/resp_1_0", None, {"Authorization": "Bearer wrong"})
+    assert status == 401

@@ -1,0 +1,373 @@
+//! OpenAI's Conversations API on durable sessions: a conversation is a
+//! session each response appends to (docs/responses.md).
+//!
+//! `conv_<session>` names the session the conversation was created as. Its
+//! metadata is the session's title, a JSON object
+//! `{"openai.conversation": {"id", "metadata", "moved_to"}}`; deleting an
+//! item rebases the session into a new branch (the old one is kept) and
+//! `moved_to` on the old one points the id at the new branch.
+
+use actix_web::web;
+use actix_web::{HttpRequest, HttpResponse};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::error::{ApiError, Family, Kind};
+use super::responses::{
+    append_items, call, check_outputs, create_session, input_item, inspect, items, not_found, page,
+    read, Decode, ListQuery, Piece,
+};
+use super::{accept, authorize, params};
+use crate::http::routes::WebState;
+use crate::wire::{Edit, Event, Inspection, Record, Request, Response, SessionId};
+
+const F: Family = Family::OpenAi;
+const KEY: &str = "openai.conversation";
+/// The most items `POST /v1/conversations` and `.../items` take at once.
+pub const MAX_NEW_ITEMS: usize = 20;
+/// OpenAI's metadata caps: 16 pairs, keys of 64 and values of 512 chars.
+const MAX_META_PAIRS: usize = 16;
+/// How many `moved_to` hops an id may take.
+const MAX_HOPS: usize = 64;
+
+fn parse_conv(id: &str) -> Option<SessionId> {
+    id.strip_prefix("conv_")?.parse().ok()
+}
+
+fn check_metadata(m: &Value) -> Result<(), ApiError> {
+    let bad = |s: String| ApiError::invalid(F, s).with_param("metadata");
+    let Some(o) = m.as_object() else {
+        return Err(bad("metadata must be an object".into()));
+    };
+    if o.len() > MAX_META_PAIRS {
+        return Err(bad(format!("at most {MAX_META_PAIRS} metadata pairs")));
+    }
+    for (k, v) in o {
+        let ok = k.chars().count() <= 64 && v.as_str().is_some_and(|s| s.chars().count() <= 512);
+        if !ok {
+            return Err(bad(format!(
+                "metadata {k:?}: keys are at most 64 characters and values strings of at most \
+                 512"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The conversation record a session's title holds, if it holds one.
+fn record(info: &Inspection) -> Option<Value> {
+    let title: Value = serde_json::from_str(info.title.as_deref()?).ok()?;
+    title.get(KEY).cloned()
+}
+
+/// The conversation id of a session, when it is (a branch of) one.
+pub fn conversation_of(info: &Inspection) -> Option<String> {
+    record(info)?.get("id")?.as_str().map(str::to_owned)
+}
+
+/// The session a conversation id names now, following `moved_to`.
+pub async fn resolve(state: &WebState, id: &str) -> Result<SessionId, ApiError> {
+    let gone = || not_found("conversation", id).with_param("conversation");
+    let mut s = parse_conv(id).ok_or_else(gone)?;
+    for _ in 0..MAX_HOPS {
+        let info = inspect(state, s).await?.ok_or_else(gone)?;
+        let rec = record(&info).ok_or_else(gone)?;
+        match rec.get("moved_to").and_then(Value::as_u64) {
+            Some(next) => s = next,
+            None => return Ok(s),
+        }
+    }
+    Err(gone())
+}
+
+async fn set_record(state: &WebState, s: SessionId, rec: Value) -> Result<(), ApiError> {
+    let info = inspect(state, s)
+        .await?
+        .ok_or_else(|| not_found("conversation", &format!("conv_{s}")))?;
+    call(
+        state,
+        Request::SetMeta {
+            session: s,
+            expected_version: info.version,
+            title: Some(json!({ KEY: rec }).to_string()),
+            archived: None,
+        },
+    )
+    .await?;
+    Ok(())
+}
+
+fn conversation_json(id: &str, created_ms: u64, rec: &Value) -> Value {
+    json!({"id": id, "object": "conversation", "created_at": created_ms / 1000,
+           "metadata": rec.get("metadata").cloned().unwrap_or_else(|| json!({}))})
+}
+
+#[derive(Debug, Deserialize)]
+pub struct CreateBody {
+    pub items: Option<Value>,
+    pub metadata: Option<Value>,
+}
+
+fn new_items(v: Option<&Value>) -> Result<Vec<super::responses::Item>, ApiError> {
+    if let Some(Value::Array(list)) = v {
+        if list.len() > MAX_NEW_ITEMS {
+            return Err(ApiError::invalid(
+                F,
+                format!(
+                    "at most {MAX_NEW_ITEMS} items at once ({} given)",
+                    list.len()
+                ),
+            )
+            .with_param("items"));
+        }
+    }
+    let new = items(v).map_err(|e| e.with_param("items"))?;
+    check_outputs(&new).map_err(|e| e.with_param("items"))?;
+    Ok(new)
+}
+
+/// `POST /v1/conversations`.
+pub async fn create(
+    req: HttpRequest,
+    payload: web::Payload,
+    state: web::Data<WebState>,
+) -> Result<HttpResponse, ApiError> {
+    let body: CreateBody = accept(&state, F, &req, payload).await?;
+    let metadata = body.metadata.unwrap_or_else(|| json!({}));
+    check_metadata(&metadata)?;
+    let new = new_items(body.items.as_ref())?;
+    let s = create_session(&state, params(None, None, None, None, None, F)?).await?;
+    let id = format!("conv_{s}");
+    let rec = json!({"id": id, "metadata": metadata});
+    set_record(&state, s, rec.clone()).await?;
+    append_items(&state, s, &new).await?;
+    let info = inspect(&state, s)
+        .await?
+        .ok_or_else(|| not_found("conversation", &id))?;
+    Ok(HttpResponse::Ok().json(conversation_json(&id, info.created_unix_ms, &rec)))
+}
+
+/// The conversation `id`: its session now and what it holds.
+async fn load(state: &WebState, id: &str) -> Result<(SessionId, Inspection, Value), ApiError> {
+    let s = resolve(state, id).await?;
+    let info = inspect(state, s)
+        .await?
+        .ok_or_else(|| not_found("conversation", id))?;
+    let rec = record(&info).ok_or_else(|| not_found("conversation", id))?;
+    Ok((s, info, rec))
+}
+
+/// `GET /v1/conversations/{id}`.
+pub async fn retrieve(
+    req: HttpRequest,
+    path: web::Path<String>,
+    state: web::Data<WebState>,
+) -> Result<HttpResponse, ApiError> {
+    authorize(&state, F, &req)?;
+    let (_, info, rec) = load(&state, &path).await?;
+    Ok(HttpResponse::Ok().json(conversation_json(&path, info.created_unix_ms, &rec)))
+}
+
+#[derive(Debug, Deserialize)]
+pub struct UpdateBody {
+    pub metadata: Value,
+}
+
+/// `POST /v1/conversations/{id}`: replaces its metadata.
+pub async fn update(
+    req: HttpRequest,
+    path: web::Path<String>,
+    payload: web::Payload,
+    state: web::Data<WebState>,
+) -> Result<HttpResponse, ApiError> {
+    let body: UpdateBody = accept(&state, F, &req, payload).await?;
+    check_metadata(&body.metadata)?;
+    let (s, info, mut rec) = load(&state, &path).await?;
+    rec["metadata"] = body.metadata;
+    set_record(&state, s, rec.clone()).await?;
+    Ok(HttpResponse::Ok().json(conversation_json(&path, info.created_unix_ms, &rec)))
+}
+
+/// `DELETE /v1/conversations/{id}`: purges its session (responses forked
+/// from it keep their history; the bytes stay in the log).
+pub async fn delete(
+    req: HttpRequest,
+    path: web::Path<String>,
+    state: web::Data<WebState>,
+) -> Result<HttpResponse, ApiError> {
+    authorize(&state, F, &req)?;
+    let (s, info, _) = load(&state, &path).await?;
+    call(
+        &state,
+        Request::Purge {
+            session: s,
+            expected_generation: info.generation,
+            mode: crate::wire::PurgeMode::Reroot,
+        },
+    )
+    .await?;
+    Ok(HttpResponse::Ok()
+        .json(json!({"id": path.into_inner(), "object": "conversation.deleted", "deleted": true})))
+}
+
+/// A session's events as conversation items, each with the range of
+/// events it spans (for a delete).
+fn all_items(state: &WebState, s: SessionId, events: &[Event]) -> Vec<(Value, u64, u64)> {
+    let (markers, _) = super::markers(state, &[]);
+    let mut out: Vec<(Value, u64, u64)> = Vec::new();
+    let mut decode = Decode::new(s, &markers);
+    // The assistant message being read: (id, text, first, end).
+    let mut open: Option<(String, String, u64, u64)> = None;
+    let flush = |open: &mut Option<(String, String, u64, u64)>, out: &mut Vec<_>| {
+        if let Some((id, text, a, b)) = open.take() {
+            out.push((
+                json!({"id": id, "type": "message", "role": "assistant", "status": "completed",
+                       "content": [{"type": "output_text", "text": text, "annotations": []}]}),
+                a,
+                b,
+            ));
+        }
+    };
+    for e in events {
+        let at = e.event_id;
+        if let Record::GenerationPrompt { .. } = e.body {
+            flush(&mut open, &mut out);
+            decode = Decode::new(s, &markers);
+            continue;
+        }
+        match decode.piece(e) {
+            Some(Piece::Text { id, text }) => match &mut open {
+                Some(o) => {
+                    o.1.push_str(&text);
+                    o.3 = at + 1;
+                }
+                None => open = Some((id, text, at, at + 1)),
+            },
+            Some(Piece::Call {
+                id,
+                call_id,
+                name,
+                arguments,
+            }) => {
+                flush(&mut open, &mut out);
+                out.push((
+                    json!({"id": id, "type": "function_call", "status": "completed",
+                           "call_id": call_id, "name": name, "arguments": arguments}),
+                    at,
+                    at + 1,
+                ));
+            }
+            Some(Piece::Reasoning { .. }) => {}
+            None => {
+                if let Some(item) = input_item(s, e) {
+                    flush(&mut open, &mut out);
+                    out.push((item, at, at + 1));
+                } else if matches!(e.body, Record::Generated { .. }) {
+                    // Markup of a call, or whitespace: part of the message.
+                    if let Some(o) = &mut open {
+                        o.3 = at + 1;
+                    }
+                }
+            }
+        }
+    }
+    flush(&mut open, &mut out);
+    out
+}
+
+/// `GET /v1/conversations/{id}/items`.
+pub async fn list_items(
+    req: HttpRequest,
+    path: web::Path<String>,
+    query: web::Query<ListQuery>,
+    state: web::Data<WebState>,
+) -> Result<HttpResponse, ApiError> {
+    authorize(&state, F, &req)?;
+    let (s, _, _) = load(&state, &path).await?;
+    let events = read(&state, s).await?;
+    let items = all_items(&state, s, &events)
+        .into_iter()
+        .map(|(v, _, _)| v)
+        .collect();
+    Ok(HttpResponse::Ok().json(page(items, &query)?))
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ItemsBody {
+    pub items: Value,
+}
+
+/// `POST /v1/conversations/{id}/items`: appends items.
+pub async fn add_items(
+    req: HttpRequest,
+    path: web::Path<String>,
+    payload: web::Payload,
+    state: web::Data<WebState>,
+) -> Result<HttpResponse, ApiError> {
+    let body: ItemsBody = accept(&state, F, &req, payload).await?;
+    let new = new_items(Some(&body.items))?;
+    let (s, info, _) = load(&state, &path).await?;
+    append_items(&state, s, &new).await?;
+    let events = read(&state, s).await?;
+    let added: Vec<Value> = all_items(&state, s, &events)
+        .into_iter()
+        .filter(|(_, a, _)| *a >= info.events)
+        .map(|(v, _, _)| v)
+        .collect();
+    Ok(HttpResponse::Ok().json(json!({
+        "object": "list",
+        "first_id": added.first().map(|i| i["id"].clone()),
+        "last_id": added.last().map(|i| i["id"].clone()),
+        "has_more": false,
+        "data": added,
+    })))
+}
+
+/// `DELETE /v1/conversations/{id}/items/{item_id}`: a rebase that drops the
+/// item's events into a new branch (the old one is kept); the conversation
+/// id names the new branch from then on.
+pub async fn delete_item(
+    req: HttpRequest,
+    path: web::Path<(String, String)>,
+    state: web::Data<WebState>,
+) -> Result<HttpResponse, ApiError> {
+    authorize(&state, F, &req)?;
+    let (id, item_id) = path.into_inner();
+    let (s, info, rec) = load(&state, &id).await?;
+    let events = read(&state, s).await?;
+    let (_, from, to) = all_items(&state, s, &events)
+        .into_iter()
+        .find(|(v, _, _)| v["id"].as_str() == Some(item_id.as_str()))
+        .ok_or_else(|| not_found("item", &item_id))?;
+    if from == 0 {
+        return Err(ApiError::new(
+            F,
+            Kind::Invalid,
+            "the first event cannot be dropped",
+        ));
+    }
+    let branch = match call(
+        &state,
+        Request::Rebase {
+            session: s,
+            edits: vec![Edit::Drop { from, to }],
+            params: None,
+        },
+    )
+    .await?
+    {
+        Response::Created { session } => session,
+        other => {
+            return Err(ApiError::new(
+                F,
+                Kind::Internal,
+                format!("unexpected reply {other:?}"),
+            ))
+        }
+    };
+    set_record(&state, branch, rec.clone()).await?;
+    let mut old = rec.clone();
+    old["moved_to"] = json!(branch);
+    set_record(&state, s, old).await?;
+    Ok(HttpResponse::Ok().json(conversation_json(&id, info.created_unix_ms, &rec)))
+}

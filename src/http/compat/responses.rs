@@ -1,0 +1,1758 @@
+//! OpenAI's Responses API on durable sessions: `POST /v1/responses`,
+//! `GET`/`DELETE /v1/responses/{id}`, `GET /v1/responses/{id}/input_items`
+//! (docs/responses.md).
+//!
+//! A stored response (`store` true, the default) is a committed point of a
+//! session: its input items are appended to a session (a new one, a fork of
+//! the previous response's session at that response's end, or a
+//! conversation's), the session generates, and the response's id,
+//! `resp_<session>_<first event>`, names where its events begin. Everything
+//! the routes return (output items, input items, the chain) is read back
+//! from the log, so it survives a restart. `store: false` runs statelessly
+//! on the chat route's machinery and leaves nothing in the log.
+//!
+//! One [`Emitter`] turns the output, live or read back, into the response
+//! object and the streamed semantic events, so both always agree.
+
+use std::collections::HashSet;
+
+use actix_web::web::{self, Bytes};
+use actix_web::{HttpRequest, HttpResponse};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+use super::chat::{call_text, Call, MAX_MESSAGES, MAX_TOOLS};
+use super::drive::{End, Out};
+use super::error::{ApiError, Family, Kind};
+use super::openai::{prepare_chat, ChatRequest};
+use super::{
+    accept, authorize, check_lane, check_model, event_stream, new_id, now_secs, ok_with_warm,
+    params, sse, start_all, Access,
+};
+use crate::actors::registry::DispatchStream;
+use crate::actors::session::STREAM_REPLY_CAPACITY;
+use crate::frontend::conn::dispatch;
+use crate::http::routes::WebState;
+use crate::session::output::Markers;
+use crate::wire::{
+    Channel, Event, EventId, Finish, Inspection, Params, PurgeMode, Record, Request, Response,
+    Role, SessionId,
+};
+
+const F: Family = Family::OpenAi;
+
+/// The most items one `input` (or one conversation's `items`) may carry.
+pub const MAX_ITEMS: usize = MAX_MESSAGES;
+/// The most items a list route returns in one page.
+pub const MAX_PAGE: usize = 100;
+
+/// The fields of `POST /v1/responses` superfluid reads; others are ignored.
+#[derive(Debug, Deserialize)]
+pub struct CreateRequest {
+    pub model: String,
+    #[serde(default)]
+    pub input: Option<Value>,
+    pub instructions: Option<String>,
+    pub previous_response_id: Option<String>,
+    pub conversation: Option<Value>,
+    pub store: Option<bool>,
+    #[serde(default)]
+    pub stream: bool,
+    pub tools: Option<Vec<Value>>,
+    pub tool_choice: Option<Value>,
+    pub max_output_tokens: Option<u32>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub metadata: Option<Value>,
+}
+
+/// One input item, whichever shape it came in.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Item {
+    Message {
+        role: Role,
+        text: String,
+    },
+    /// A call the model made, resent by the client.
+    Call(Call),
+    /// A tool's output answering `call_id`.
+    Output {
+        call_id: String,
+        output: String,
+    },
+}
+
+fn role_name(r: Role) -> &'static str {
+    match r {
+        Role::System => "system",
+        Role::User => "user",
+        Role::Assistant => "assistant",
+        Role::Tool => "tool",
+    }
+}
+
+fn bad(message: impl Into<String>) -> ApiError {
+    ApiError::invalid(F, message).with_param("input")
+}
+
+pub(crate) fn not_found(what: &str, id: &str) -> ApiError {
+    ApiError::new(F, Kind::NotFound, format!("no {what} with id {id:?}"))
+}
+
+/// A message's content: a string or a list of text parts.
+fn content_text(v: Option<&Value>) -> Result<String, ApiError> {
+    match v {
+        None | Some(Value::Null) => Ok(String::new()),
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(parts)) => {
+            let mut out = String::new();
+            for p in parts {
+                match p.get("type").and_then(Value::as_str) {
+                    Some("input_text" | "output_text" | "text") => out.push_str(
+                        p.get("text")
+                            .and_then(Value::as_str)
+                            .ok_or_else(|| bad("a text part has no text"))?,
+                    ),
+                    Some("input_image" | "input_file" | "input_audio") => {
+                        return Err(bad(
+                            "only text input is served (no vision projector is loaded)",
+                        ))
+                    }
+                    other => return Err(bad(format!("unknown content part type {other:?}"))),
+                }
+            }
+            Ok(out)
+        }
+        Some(other) => Err(bad(format!(
+            "a message's content must be text, not {other}"
+        ))),
+    }
+}
+
+/// `input` (a string or a list of items) as items; capped before any work.
+pub fn items(input: Option<&Value>) -> Result<Vec<Item>, ApiError> {
+    let list = match input {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::String(s)) => {
+            return Ok(vec![Item::Message {
+                role: Role::User,
+                text: s.clone(),
+            }])
+        }
+        Some(Value::Array(list)) => list,
+        Some(other) => {
+            return Err(bad(format!(
+                "input must be a string or a list, not {other}"
+            )))
+        }
+    };
+    if list.len() > MAX_ITEMS {
+        return Err(bad(format!(
+            "at most {MAX_ITEMS} input items per request ({} given)",
+            list.len()
+        )));
+    }
+    let mut out = Vec::new();
+    for (i, v) in list.iter().enumerate() {
+        let Some(o) = v.as_object() else {
+            return Err(bad(format!("input item {i} is not an object")));
+        };
+        let str_field = |k: &str| -> Result<String, ApiError> {
+            o.get(k)
+                .and_then(Value::as_str)
+                .map(str::to_owned)
+                .ok_or_else(|| bad(format!("input item {i} has no {k:?}")))
+        };
+        let ty = o.get("type").and_then(Value::as_str);
+        match ty {
+            None | Some("message") => {
+                let role = match o.get("role").and_then(Value::as_str) {
+                    Some("user") => Role::User,
+                    Some("system" | "developer") => Role::System,
+                    Some("assistant") => Role::Assistant,
+                    other => {
+                        return Err(bad(format!(
+                            "input item {i}: role {other:?} is not user, system, developer or \
+                             assistant"
+                        )))
+                    }
+                };
+                let text = content_text(o.get("content"))?;
+                out.push(Item::Message { role, text });
+            }
+            Some("function_call") => out.push(Item::Call(Call {
+                id: str_field("call_id")?,
+                name: str_field("name")?,
+                arguments: str_field("arguments")?,
+            })),
+            Some("function_call_output") => {
+                let output = match o.get("output") {
+                    Some(Value::String(s)) => s.clone(),
+                    Some(v @ Value::Array(_)) => content_text(Some(v))?,
+                    _ => return Err(bad(format!("input item {i} has no \"output\""))),
+                };
+                out.push(Item::Output {
+                    call_id: str_field("call_id")?,
+                    output,
+                })
+            }
+            // The model's own reasoning, resent: the session or the template
+            // has it already.
+            Some("reasoning") => {}
+            Some(other) => {
+                return Err(bad(format!(
+                    "input item {i}: type {other:?} is not served (message, function_call, \
+                     function_call_output, reasoning)"
+                )))
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// A Responses function tool (`{"type": "function", "name", ...}`) in the
+/// chat form the templates and the session take.
+pub fn chat_tool(t: &Value) -> Result<Value, ApiError> {
+    let bad = |m: String| ApiError::invalid(F, m).with_param("tools");
+    match t.get("type").and_then(Value::as_str) {
+        Some("function") => {}
+        other => {
+            return Err(bad(format!(
+                "tool type {other:?} is not served: only function tools"
+            )))
+        }
+    }
+    if t.get("function").is_some() {
+        return Ok(t.clone());
+    }
+    let name = t
+        .get("name")
+        .and_then(Value::as_str)
+        .ok_or_else(|| bad("a function tool has no name".into()))?;
+    let mut f = json!({"name": name});
+    for k in ["description", "parameters"] {
+        if let Some(v) = t.get(k).filter(|v| !v.is_null()) {
+            f[k] = v.clone();
+        }
+    }
+    Ok(json!({"type": "function", "function": f}))
+}
+
+/// `tool_choice` in the chat form: `auto`, `none`, `required`, or a named
+/// function.
+fn chat_choice(c: &Value) -> Result<Value, ApiError> {
+    match c {
+        Value::String(s) if matches!(s.as_str(), "auto" | "none" | "required") => Ok(c.clone()),
+        Value::Object(o) if o.get("type").and_then(Value::as_str) == Some("function") => {
+            let name = o
+                .get("name")
+                .or_else(|| o.get("function").and_then(|f| f.get("name")))
+                .and_then(Value::as_str)
+                .ok_or_else(|| {
+                    ApiError::invalid(F, "tool_choice names no function").with_param("tool_choice")
+                })?;
+            Ok(json!({"type": "function", "function": {"name": name}}))
+        }
+        other => Err(ApiError::invalid(
+            F,
+            format!("tool_choice {other} is not auto, none, required or a function"),
+        )
+        .with_param("tool_choice")),
+    }
+}
+
+// ---------------------------------------------------------------- ids
+
+/// `resp_<session>_<event>`: the session and the first event of the
+/// response's input.
+pub fn response_id(s: SessionId, start: EventId) -> String {
+    format!("resp_{s}_{start}")
+}
+
+fn parse_pair(id: &str, prefix: &str) -> Option<(u64, u64)> {
+    let (a, b) = id.strip_prefix(prefix)?.split_once('_')?;
+    Some((a.parse().ok()?, b.parse().ok()?))
+}
+
+pub fn parse_response_id(id: &str) -> Option<(SessionId, EventId)> {
+    parse_pair(id, "resp_")
+}
+
+/// A call's id: `call_<event>` of its `ToolUse` (what `AppendToolResult`
+/// answers).
+fn call_event(call_id: &str) -> Option<EventId> {
+    call_id.strip_prefix("call_")?.parse().ok()
+}
+
+// ---------------------------------------------------------------- sessions
+
+/// One session request; its `Err` as a 400 (or 404 when it names no
+/// session).
+pub(crate) async fn call(state: &WebState, request: Request) -> Result<Response, ApiError> {
+    match dispatch(&state.registry, request).await {
+        Response::Err { message } => {
+            let kind = if message.contains("no session") || message.contains("purged") {
+                Kind::NotFound
+            } else {
+                Kind::Invalid
+            };
+            Err(ApiError::new(F, kind, message))
+        }
+        other => Ok(other),
+    }
+}
+
+fn unexpected(r: Response) -> ApiError {
+    ApiError::new(F, Kind::Internal, format!("unexpected reply {r:?}"))
+}
+
+pub(crate) async fn inspect(
+    state: &WebState,
+    s: SessionId,
+) -> Result<Option<Inspection>, ApiError> {
+    match dispatch(&state.registry, Request::Inspect { session: s }).await {
+        Response::Inspection { inspection } if !inspection.purged => Ok(Some(inspection)),
+        Response::Inspection { .. } | Response::Err { .. } => Ok(None),
+        other => Err(unexpected(other)),
+    }
+}
+
+pub(crate) async fn read(state: &WebState, s: SessionId) -> Result<Vec<Event>, ApiError> {
+    match call(
+        state,
+        Request::Read {
+            session: s,
+            cursor: 0,
+        },
+    )
+    .await?
+    {
+        Response::Events { events } => Ok(events),
+        other => Err(unexpected(other)),
+    }
+}
+
+pub(crate) async fn create_session(state: &WebState, p: Params) -> Result<SessionId, ApiError> {
+    match call(
+        state,
+        Request::Create {
+            parent: None,
+            params: p,
+        },
+    )
+    .await?
+    {
+        Response::Created { session } => Ok(session),
+        other => Err(unexpected(other)),
+    }
+}
+
+/// Each output answers a call resent before it or names a session's call
+/// (`call_<event>`): checked before anything is written.
+pub(crate) fn check_outputs(items: &[Item]) -> Result<(), ApiError> {
+    let mut resent = HashSet::new();
+    for item in items {
+        match item {
+            Item::Call(c) => {
+                resent.insert(c.id.as_str());
+            }
+            Item::Output { call_id, .. }
+                if !resent.contains(call_id.as_str()) && call_event(call_id).is_none() =>
+            {
+                return Err(bad(format!(
+                    "function_call_output answers call {call_id:?}, which no earlier item or \
+                     response made"
+                )))
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// Appends `items` to session `s`. A resent call goes in as the model's own
+/// call text; an output answers a call resent in the same items (a tool
+/// message) or a call of the session (`AppendToolResult`).
+pub(crate) async fn append_items(
+    state: &WebState,
+    s: SessionId,
+    items: &[Item],
+) -> Result<(), ApiError> {
+    let mut resent: HashSet<String> = HashSet::new();
+    for item in items {
+        let request = match item {
+            Item::Message { role, text } => Request::AppendMessage {
+                session: s,
+                role: (*role).into(),
+                text: text.clone(),
+            },
+            Item::Call(c) => {
+                resent.insert(c.id.clone());
+                Request::AppendMessage {
+                    session: s,
+                    role: Role::Assistant.into(),
+                    text: call_text(c).map_err(|e| bad(e.to_string()))?,
+                }
+            }
+            Item::Output { call_id, output } if resent.contains(call_id) => {
+                Request::AppendMessage {
+                    session: s,
+                    role: Role::Tool.into(),
+                    text: output.clone(),
+                }
+            }
+            Item::Output { call_id, output } => Request::AppendToolResult {
+                session: s,
+                call_id: call_event(call_id).ok_or_else(|| {
+                    bad(format!(
+                        "function_call_output answers call {call_id:?}, which no earlier item \
+                         or response made"
+                    ))
+                })?,
+                content: output.clone(),
+            },
+        };
+        call(state, request).await.map_err(|e| match e.kind {
+            Kind::NotFound => e,
+            _ => e.with_param("input"),
+        })?;
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------- output
+
+/// One piece of output, with the id of the item it opens (when it opens
+/// one).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Piece {
+    Text {
+        id: String,
+        text: String,
+    },
+    Reasoning {
+        id: String,
+        text: String,
+    },
+    Call {
+        id: String,
+        call_id: String,
+        name: String,
+        arguments: String,
+    },
+}
+
+/// Turns a session's output events into pieces: drops the text channel's
+/// leading whitespace and the thinking block's markers, as the chat route
+/// does.
+pub struct Decode {
+    s: SessionId,
+    think: Option<(String, String)>,
+    text_started: bool,
+}
+
+impl Decode {
+    pub fn new(s: SessionId, markers: &Markers) -> Decode {
+        Decode {
+            s,
+            think: markers.think.clone(),
+            text_started: false,
+        }
+    }
+
+    pub fn piece(&mut self, e: &Event) -> Option<Piece> {
+        let s = self.s;
+        let id = e.event_id;
+        match &e.body {
+            Record::Generated {
+                text,
+                channel: Channel::Reasoning,
+                ..
+            } => {
+                let text = match &self.think {
+                    Some((open, close)) => text.replace(open.as_str(), "").replace(close, ""),
+                    None => text.clone(),
+                };
+                (!text.is_empty()).then(|| Piece::Reasoning {
+                    id: format!("rs_{s}_{id}"),
+                    text,
+                })
+            }
+            Record::Generated {
+                text,
+                channel: Channel::Text,
+                ..
+            }
+            | Record::ToolParseFailure { text, .. } => {
+                let mut text = text.clone();
+                if !self.text_started {
+                    text = text.trim_start().to_owned();
+                    if text.is_empty() {
+                        return None;
+                    }
+                    self.text_started = true;
+                }
+                Some(Piece::Text {
+                    id: format!("msg_{s}_{id}"),
+                    text,
+                })
+            }
+            Record::ToolUse { name, arguments } => Some(Piece::Call {
+                id: format!("fc_{s}_{id}"),
+                call_id: format!("call_{id}"),
+                name: name.clone(),
+                arguments: arguments.clone(),
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// How a response ended.
+#[derive(Debug, Clone, Default)]
+pub struct Ending {
+    /// `completed`, `incomplete`, `cancelled`, `failed` or `in_progress`.
+    pub status: &'static str,
+    pub incomplete: Option<&'static str>,
+    pub error: Option<String>,
+    pub input_tokens: u64,
+    pub cached_tokens: u64,
+    pub output_tokens: u64,
+}
+
+impl Ending {
+    fn of(finish: Finish) -> Ending {
+        let (status, incomplete) = match finish {
+            Finish::MaxTokens => ("incomplete", Some("max_output_tokens")),
+            Finish::Cancelled => ("cancelled", None),
+            Finish::Error => ("failed", None),
+            Finish::Open => ("in_progress", None),
+            Finish::EndOfTurn | Finish::Grammar => ("completed", None),
+        };
+        Ending {
+            status,
+            incomplete,
+            ..Ending::default()
+        }
+    }
+}
+
+/// What a response echoes of its request.
+#[derive(Debug, Clone)]
+pub struct Head {
+    pub id: String,
+    pub created_at: u64,
+    pub model: String,
+    pub instructions: Option<String>,
+    pub tools: Vec<Value>,
+    pub tool_choice: Value,
+    pub temperature: f32,
+    pub top_p: f32,
+    pub max_output_tokens: Option<u32>,
+    pub previous_response_id: Option<String>,
+    pub conversation: Option<String>,
+    pub store: bool,
+    pub metadata: Value,
+}
+
+enum Open {
+    Message { id: String, text: String },
+    Reasoning { id: String, text: String },
+}
+
+/// The response object and its semantic events, built from pieces.
+pub struct Emitter {
+    head: Head,
+    seq: u64,
+    output: Vec<Value>,
+    open: Option<Open>,
+    ending: Option<Ending>,
+}
+
+fn message_item(id: &str, text: &str, status: &str) -> Value {
+    json!({"id": id, "type": "message", "role": "assistant", "status": status,
+           "content": if status == "in_progress" && text.is_empty() { json!([]) } else {
+               json!([text_part(text)]) }})
+}
+
+fn text_part(text: &str) -> Value {
+    json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []})
+}
+
+fn reasoning_item(id: &str, text: &str) -> Value {
+    json!({"id": id, "type": "reasoning", "summary": [],
+           "content": [{"type": "reasoning_text", "text": text}]})
+}
+
+fn call_item(id: &str, call_id: &str, name: &str, arguments: &str, status: &str) -> Value {
+    json!({"id": id, "type": "function_call", "status": status, "call_id": call_id,
+           "name": name, "arguments": arguments})
+}
+
+impl Emitter {
+    pub fn new(head: Head) -> Emitter {
+        Emitter {
+            head,
+            seq: 0,
+            output: Vec::new(),
+            open: None,
+            ending: None,
+        }
+    }
+
+    fn event(&mut self, ty: &str, mut body: Value) -> Value {
+        body["type"] = json!(ty);
+        body["sequence_number"] = json!(self.seq);
+        self.seq += 1;
+        body
+    }
+
+    /// `response.created` and `response.in_progress`.
+    pub fn start(&mut self) -> Vec<Value> {
+        let r = self.response();
+        vec![
+            self.event("response.created", json!({"response": r})),
+            self.event("response.in_progress", json!({"response": r})),
+        ]
+    }
+
+    fn index(&self) -> usize {
+        self.output.len()
+    }
+
+    fn close(&mut self) -> Vec<Value> {
+        let i = self.index();
+        match self.open.take() {
+            None => Vec::new(),
+            Some(Open::Message { id, text }) => {
+                let item = message_item(&id, &text, "completed");
+                let out = vec![
+                    self.event(
+                        "response.output_text.done",
+                        json!({"item_id": id, "output_index": i, "content_index": 0,
+                               "text": text, "logprobs": []}),
+                    ),
+                    self.event(
+                        "response.content_part.done",
+                        json!({"item_id": id, "output_index": i, "content_index": 0,
+                               "part": text_part(&text)}),
+                    ),
+                    self.event(
+                        "response.output_item.done",
+                        json!({"output_index": i, "item": item}),
+                    ),
+                ];
+                self.output.push(item);
+                out
+            }
+            Some(Open::Reasoning { id, text }) => {
+                let item = reasoning_item(&id, &text);
+                let out = vec![
+                    self.event(
+                        "response.reasoning_text.done",
+                        json!({"item_id": id, "output_index": i, "content_index": 0,
+                               "text": text}),
+                    ),
+                    self.event(
+                        "response.output_item.done",
+                        json!({"output_index": i, "item": item}),
+                    ),
+                ];
+                self.output.push(item);
+                out
+            }
+        }
+    }
+
+    pub fn push(&mut self, piece: Piece) -> Vec<Value> {
+        let mut out = Vec::new();
+        match piece {
+            Piece::Text { id, text } => {
+                if !matches!(self.open, Some(Open::Message { .. })) {
+                    out.extend(self.close());
+                    let i = self.index();
+                    out.push(self.event(
+                        "response.output_item.added",
+                        json!({"output_index": i, "item": message_item(&id, "", "in_progress")}),
+                    ));
+                    out.push(self.event(
+                        "response.content_part.added",
+                        json!({"item_id": id, "output_index": i, "content_index": 0,
+                               "part": text_part("")}),
+                    ));
+                    self.open = Some(Open::Message {
+                        id,
+                        text: String::new(),
+                    });
+                }
+                let i = self.index();
+                let Some(Open::Message { id, text: all }) = &mut self.open else {
+                    unreachable!("a message was just opened")
+                };
+                all.push_str(&text);
+                let id = id.clone();
+                out.push(self.event(
+                    "response.output_text.delta",
+                    json!({"item_id": id, "output_index": i, "content_index": 0,
+                           "delta": text, "logprobs": []}),
+                ));
+            }
+            Piece::Reasoning { id, text } => {
+                if !matches!(self.open, Some(Open::Reasoning { .. })) {
+                    out.extend(self.close());
+                    let i = self.index();
+                    out.push(self.event(
+                        "response.output_item.added",
+                        json!({"output_index": i, "item": reasoning_item(&id, "")}),
+                    ));
+                    self.open = Some(Open::Reasoning {
+                        id,
+                        text: String::new(),
+                    });
+                }
+                let i = self.index();
+                let Some(Open::Reasoning { id, text: all }) = &mut self.open else {
+                    unreachable!("a reasoning item was just opened")
+                };
+                all.push_str(&text);
+                let id = id.clone();
+                out.push(self.event(
+                    "response.reasoning_text.delta",
+                    json!({"item_id": id, "output_index": i, "content_index": 0,
+                           "delta": text}),
+                ));
+            }
+            Piece::Call {
+                id,
+                call_id,
+                name,
+                arguments,
+            } => {
+                out.extend(self.close());
+                let i = self.index();
+                out.push(self.event(
+                    "response.output_item.added",
+                    json!({"output_index": i,
+                           "item": call_item(&id, &call_id, &name, "", "in_progress")}),
+                ));
+                out.push(self.event(
+                    "response.function_call_arguments.delta",
+                    json!({"item_id": id, "output_index": i, "delta": arguments}),
+                ));
+                out.push(self.event(
+                    "response.function_call_arguments.done",
+                    json!({"item_id": id, "output_index": i, "name": name,
+                           "arguments": arguments}),
+                ));
+                let item = call_item(&id, &call_id, &name, &arguments, "completed");
+                out.push(self.event(
+                    "response.output_item.done",
+                    json!({"output_index": i, "item": item}),
+                ));
+                self.output.push(item);
+            }
+        }
+        out
+    }
+
+    /// Closes the open item and sends `response.completed` (or
+    /// `.incomplete`, `.failed`).
+    pub fn finish(&mut self, ending: Ending) -> Vec<Value> {
+        let mut out = self.close();
+        let ty = match ending.status {
+            "incomplete" => "response.incomplete",
+            "failed" => "response.failed",
+            _ => "response.completed",
+        };
+        self.ending = Some(ending);
+        let r = self.response();
+        out.push(self.event(ty, json!({"response": r})));
+        out
+    }
+
+    /// The response object as it stands.
+    pub fn response(&self) -> Value {
+        let h = &self.head;
+        let (status, incomplete, error, usage) = match &self.ending {
+            None => ("in_progress", Value::Null, Value::Null, Value::Null),
+            Some(e) => (
+                e.status,
+                e.incomplete.map_or(Value::Null, |r| json!({"reason": r})),
+                e.error.as_ref().map_or(
+                    Value::Null,
+                    |m| json!({"code": "server_error", "message": m}),
+                ),
+                json!({
+                    "input_tokens": e.input_tokens,
+                    "input_tokens_details": {"cached_tokens": e.cached_tokens},
+                    "output_tokens": e.output_tokens,
+                    "output_tokens_details": {"reasoning_tokens": 0},
+                    "total_tokens": e.input_tokens + e.output_tokens,
+                }),
+            ),
+        };
+        json!({
+            "id": h.id,
+            "object": "response",
+            "created_at": h.created_at,
+            "status": status,
+            "error": error,
+            "incomplete_details": incomplete,
+            "instructions": h.instructions,
+            "max_output_tokens": h.max_output_tokens,
+            "model": h.model,
+            "output": self.output,
+            "parallel_tool_calls": true,
+            "previous_response_id": h.previous_response_id,
+            "conversation": h.conversation.as_ref().map(|c| json!({"id": c})),
+            "reasoning": {"effort": null, "summary": null},
+            "store": h.store,
+            "temperature": h.temperature,
+            "text": {"format": {"type": "text"}},
+            "tool_choice": h.tool_choice,
+            "tools": h.tools,
+            "top_p": h.top_p,
+            "truncation": "disabled",
+            "usage": usage,
+            "metadata": h.metadata,
+        })
+    }
+}
+
+/// A Responses function tool as the response echoes it.
+fn response_tool(chat: &Value) -> Value {
+    let f = chat.get("function").unwrap_or(chat);
+    json!({"type": "function", "name": f.get("name"), "description": f.get("description"),
+           "parameters": f.get("parameters"), "strict": false})
+}
+
+fn response_choice(chat: &Value) -> Value {
+    match chat.get("function").and_then(|f| f.get("name")) {
+        Some(name) => json!({"type": "function", "name": name}),
+        None => chat.clone(),
+    }
+}
+
+// ---------------------------------------------------------------- create
+
+/// Where a response's pieces come from.
+enum Source {
+    Session(mpsc::Receiver<Response>, Decode),
+    Stateless(mpsc::Receiver<Out>),
+}
+
+/// The next piece, or how the response ended.
+enum Step {
+    Piece(Piece),
+    Skip,
+    Ended(Ending),
+}
+
+impl Source {
+    async fn next(&mut self, totals: &mut (u64, u64)) -> Step {
+        match self {
+            Source::Session(rx, decode) => match rx.recv().await {
+                Some(Response::Delta { event }) => {
+                    totals.1 += event.body.span().len() as u64;
+                    match decode.piece(&event) {
+                        Some(p) => Step::Piece(p),
+                        None => Step::Skip,
+                    }
+                }
+                Some(Response::Generated {
+                    finish,
+                    warm_prefix,
+                    ..
+                }) => Step::Ended(Ending {
+                    cached_tokens: warm_prefix,
+                    ..Ending::of(finish)
+                }),
+                Some(Response::Err { message }) => Step::Ended(Ending {
+                    status: "failed",
+                    error: Some(message),
+                    ..Ending::default()
+                }),
+                Some(_) => Step::Skip,
+                None => Step::Ended(Ending {
+                    status: "failed",
+                    error: Some("the generation ended without a summary".into()),
+                    ..Ending::default()
+                }),
+            },
+            Source::Stateless(rx) => match rx.recv().await {
+                Some(Out::Text { reasoning, text }) => Step::Piece(if reasoning {
+                    Piece::Reasoning {
+                        id: new_id("rs_"),
+                        text,
+                    }
+                } else {
+                    Piece::Text {
+                        id: new_id("msg_"),
+                        text,
+                    }
+                }),
+                Some(Out::Call { name, arguments }) => Step::Piece(Piece::Call {
+                    id: new_id("fc_"),
+                    call_id: new_id("call_"),
+                    name,
+                    arguments,
+                }),
+                Some(Out::Logprob(_)) => Step::Skip,
+                Some(Out::Ended { end, generated }) => {
+                    totals.1 = u64::from(generated);
+                    let finish = match end {
+                        End::MaxTokens => Finish::MaxTokens,
+                        End::Cancelled => Finish::Cancelled,
+                        End::Turn | End::Stop(_) => Finish::EndOfTurn,
+                    };
+                    Step::Ended(Ending::of(finish))
+                }
+                Some(Out::Failed(message)) => Step::Ended(Ending {
+                    status: "failed",
+                    error: Some(message),
+                    ..Ending::default()
+                }),
+                None => Step::Ended(Ending {
+                    status: "failed",
+                    error: Some("the generation ended without a reason".into()),
+                    ..Ending::default()
+                }),
+            },
+        }
+    }
+}
+
+/// A response ready to run: what it echoes, its source, the prompt's size
+/// and how much of it was cached (stateless), for usage.
+struct Running {
+    head: Head,
+    source: Source,
+    input_tokens: u64,
+    warm: u64,
+}
+
+/// `POST /v1/responses`.
+pub async fn create(
+    req: HttpRequest,
+    payload: web::Payload,
+    state: web::Data<WebState>,
+) -> Result<HttpResponse, ApiError> {
+    let started = std::time::Instant::now();
+    let r: CreateRequest = accept(&state, F, &req, payload).await?;
+    let mut access = Access::new("/v1/responses", &r.model, started);
+    let running = prepare(&state, &r)
+        .await
+        .map_err(|e| super::logged(&access, e))?;
+    access.prompt = running.input_tokens as usize;
+    access.cached = running.warm;
+    if r.stream {
+        Ok(stream(running, access))
+    } else {
+        let Running {
+            head,
+            mut source,
+            input_tokens,
+            warm,
+        } = running;
+        let mut em = Emitter::new(head);
+        let mut totals = (input_tokens, 0);
+        loop {
+            match source.next(&mut totals).await {
+                Step::Piece(p) => {
+                    em.push(p);
+                }
+                Step::Skip => {}
+                Step::Ended(mut ending) => {
+                    ending.input_tokens = totals.0;
+                    ending.output_tokens = totals.1;
+                    ending.cached_tokens = ending.cached_tokens.max(warm);
+                    access.generated = totals.1;
+                    access.cached = ending.cached_tokens;
+                    let failed = ending.status == "failed";
+                    em.finish(ending);
+                    if failed {
+                        access.log(503);
+                        let message = em.response()["error"]["message"]
+                            .as_str()
+                            .unwrap_or("the generation failed")
+                            .to_owned();
+                        return Err(ApiError::new(F, Kind::Unavailable, message));
+                    }
+                    access.log(200);
+                    return Ok(ok_with_warm(access.cached).json(em.response()));
+                }
+            }
+        }
+    }
+}
+
+fn stream(running: Running, mut access: Access) -> HttpResponse {
+    let Running {
+        head,
+        mut source,
+        input_tokens,
+        warm,
+    } = running;
+    let (tx, rx) = mpsc::channel::<Bytes>(64);
+    actix_rt::spawn(async move {
+        let mut em = Emitter::new(head);
+        let send = |events: Vec<Value>| {
+            let tx = tx.clone();
+            async move {
+                for e in events {
+                    let ty = e["type"].as_str().unwrap_or("").to_owned();
+                    if tx.send(sse(Some(&ty), &e)).await.is_err() {
+                        return false;
+                    }
+                }
+                true
+            }
+        };
+        if !send(em.start()).await {
+            access.log(499);
+            return;
+        }
+        let mut totals = (input_tokens, 0);
+        loop {
+            match source.next(&mut totals).await {
+                Step::Piece(p) => {
+                    // A client that went away drops `source` here, which
+                    // cancels the generation.
+                    if !send(em.push(p)).await {
+                        access.log(499);
+                        return;
+                    }
+                }
+                Step::Skip => {}
+                Step::Ended(mut ending) => {
+                    ending.input_tokens = totals.0;
+                    ending.output_tokens = totals.1;
+                    ending.cached_tokens = ending.cached_tokens.max(warm);
+                    access.generated = totals.1;
+                    access.cached = ending.cached_tokens;
+                    let status = if ending.status == "failed" { 503 } else { 200 };
+                    send(em.finish(ending)).await;
+                    access.log(status);
+                    return;
+                }
+            }
+        }
+    });
+    event_stream(warm, rx)
+}
+
+fn conversation_arg(v: &Value) -> Result<String, ApiError> {
+    match v {
+        Value::String(s) => Ok(s.clone()),
+        Value::Object(o) => o
+            .get("id")
+            .and_then(Value::as_str)
+            .map(str::to_owned)
+            .ok_or_else(|| {
+                ApiError::invalid(F, "conversation has no id").with_param("conversation")
+            }),
+        _ => Err(ApiError::invalid(F, "conversation must be an id").with_param("conversation")),
+    }
+}
+
+/// Checks a request, resolves where it runs, appends its input and starts
+/// its generation.
+async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiError> {
+    check_model(state, F, &r.model)?;
+    check_lane(state, F)?;
+    let items = items(r.input.as_ref())?;
+    let tools = r.tools.as_deref().unwrap_or_default();
+    if tools.len() > MAX_TOOLS {
+        return Err(ApiError::invalid(
+            F,
+            format!(
+                "at most {MAX_TOOLS} tools per request ({} given)",
+                tools.len()
+            ),
+        )
+        .with_param("tools"));
+    }
+    let chat_tools: Vec<Value> = tools.iter().map(chat_tool).collect::<Result<_, _>>()?;
+    let choice = r.tool_choice.as_ref().map(chat_choice).transpose()?;
+    let p = params(r.temperature, r.top_p, None, None, None, F)?;
+    if r.max_output_tokens == Some(0) {
+        return Err(ApiError::invalid(F, "max_output_tokens must be at least 1")
+            .with_param("max_output_tokens"));
+    }
+    let conversation = r.conversation.as_ref().map(conversation_arg).transpose()?;
+    if conversation.is_some() && r.previous_response_id.is_some() {
+        return Err(ApiError::invalid(
+            F,
+            "previous_response_id and conversation cannot both be given",
+        )
+        .with_param("conversation"));
+    }
+    let store = r.store.unwrap_or(true);
+    let head = Head {
+        id: String::new(),
+        created_at: now_secs(),
+        model: state.model.id.clone(),
+        instructions: r.instructions.clone(),
+        tools: chat_tools.iter().map(response_tool).collect(),
+        tool_choice: choice.as_ref().map_or(json!("auto"), response_choice),
+        temperature: p.temperature,
+        top_p: p.top_p,
+        max_output_tokens: r.max_output_tokens,
+        previous_response_id: r.previous_response_id.clone(),
+        conversation: conversation.clone(),
+        store,
+        metadata: r.metadata.clone().unwrap_or_else(|| json!({})),
+    };
+    if !store {
+        if conversation.is_some() {
+            return Err(
+                ApiError::invalid(F, "store: false cannot add to a conversation")
+                    .with_param("store"),
+            );
+        }
+        return stateless(state, r, head, items, chat_tools, choice, p).await;
+    }
+    if items.is_empty() {
+        return Err(bad("input must hold at least one item"));
+    }
+    check_outputs(&items)?;
+    // Where the response runs: a fork of the previous response, a
+    // conversation's session, or a new session.
+    let (s, start) = match (&r.previous_response_id, &conversation) {
+        (Some(prev), _) => {
+            let (ps, pstart) = parse_response_id(prev)
+                .ok_or_else(|| not_found("response", prev).with_param("previous_response_id"))?;
+            let events = read_live(state, ps, prev).await?;
+            let end = Stored::locate(&events, pstart)
+                .ok_or_else(|| not_found("response", prev).with_param("previous_response_id"))?
+                .end;
+            let s = match call(
+                state,
+                Request::Fork {
+                    session: ps,
+                    at_event: end,
+                    params: Some(p),
+                },
+            )
+            .await?
+            {
+                Response::Created { session } => session,
+                other => return Err(unexpected(other)),
+            };
+            (s, end)
+        }
+        (None, Some(conv)) => {
+            let s = super::conversations::resolve(state, conv).await?;
+            let i = inspect(state, s)
+                .await?
+                .ok_or_else(|| not_found("conversation", conv))?;
+            (s, i.events)
+        }
+        (None, None) => (create_session(state, p).await?, 0),
+    };
+    let fresh = inspect(state, s)
+        .await?
+        .ok_or_else(|| not_found("session", &s.to_string()))?;
+    // Templates declare tools (and the system prompt) in the first turn
+    // only: on a session that already has input they were set before.
+    if fresh.tokens == 0 && (r.instructions.is_some() || !chat_tools.is_empty()) {
+        call(
+            state,
+            Request::AppendSystem {
+                session: s,
+                text: r.instructions.clone(),
+                tools: chat_tools.iter().map(Value::to_string).collect(),
+            },
+        )
+        .await
+        .map_err(|e| e.with_param("tools"))?;
+    }
+    if let Some(c) = &choice {
+        let choice = match c {
+            Value::String(s) if s == "none" => None,
+            Value::String(s) => Some(s.clone()),
+            other => other["function"]["name"].as_str().map(str::to_owned),
+        };
+        if let Some(choice) = choice {
+            call(state, Request::SetToolChoice { session: s, choice })
+                .await
+                .map_err(|e| e.with_param("tool_choice"))?;
+        }
+    }
+    append_items(state, s, &items).await?;
+    let before = inspect(state, s)
+        .await?
+        .ok_or_else(|| not_found("session", &s.to_string()))?;
+    let n_ctx = state.shared.n_ctx;
+    let max_tokens = r
+        .max_output_tokens
+        .unwrap_or(n_ctx)
+        .min(n_ctx.saturating_sub(before.tokens as u32).max(1));
+    let (tx, rx) = mpsc::channel(STREAM_REPLY_CAPACITY);
+    state.registry.do_send(DispatchStream {
+        request: Request::Generate {
+            session: s,
+            max_tokens,
+        },
+        reply: tx,
+        provisional: false,
+    });
+    let (markers, _) = super::markers(state, &[]);
+    let mut head = head;
+    head.id = response_id(s, start);
+    // The assistant header the session commits first counts as input.
+    Ok(Running {
+        head,
+        source: Source::Session(rx, Decode::new(s, &markers)),
+        input_tokens: before.tokens,
+        warm: 0,
+    })
+}
+
+async fn stateless(
+    state: &WebState,
+    r: &CreateRequest,
+    mut head: Head,
+    items: Vec<Item>,
+    tools: Vec<Value>,
+    choice: Option<Value>,
+    p: Params,
+) -> Result<Running, ApiError> {
+    let mut messages = Vec::new();
+    if let Some(prev) = &r.previous_response_id {
+        let (ps, pstart) = parse_response_id(prev)
+            .ok_or_else(|| not_found("response", prev).with_param("previous_response_id"))?;
+        let events = read_live(state, ps, prev).await?;
+        let end = Stored::locate(&events, pstart)
+            .ok_or_else(|| not_found("response", prev).with_param("previous_response_id"))?
+            .end;
+        messages.extend(history(&events[..end as usize]));
+    } else if let Some(i) = &r.instructions {
+        messages.push(json!({"role": "system", "content": i}));
+    }
+    if items.is_empty() {
+        return Err(bad("input must hold at least one item"));
+    }
+    for item in &items {
+        messages.push(match item {
+            Item::Message { role, text } => json!({"role": role_name(*role), "content": text}),
+            Item::Call(c) => json!({"role": "assistant", "content": null, "tool_calls": [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.name, "arguments": c.arguments}}]}),
+            Item::Output { call_id, output } => {
+                json!({"role": "tool", "tool_call_id": call_id, "content": output})
+            }
+        });
+    }
+    let chat = json!({
+        "model": r.model,
+        "messages": messages,
+        "max_completion_tokens": r.max_output_tokens,
+        "tools": if tools.is_empty() { Value::Null } else { json!(tools) },
+        "tool_choice": choice,
+    });
+    let chat: ChatRequest =
+        serde_json::from_value(chat).map_err(|e| ApiError::invalid(F, e.to_string()))?;
+    let prepared = prepare_chat(state, &chat).map_err(|mut e| {
+        if e.param == Some("messages") {
+            e.param = Some("input");
+        }
+        e
+    })?;
+    let (warm, mut runs) = start_all(state, F, &prepared, 1, p, &[], true).await?;
+    head.id = new_id("resp_");
+    Ok(Running {
+        head,
+        source: Source::Stateless(runs.remove(0)),
+        input_tokens: prepared.prompt.len() as u64,
+        warm,
+    })
+}
+
+/// A stored session's events folded into chat messages (for a stateless
+/// continuation of a stored response).
+fn history(events: &[Event]) -> Vec<Value> {
+    let mut out: Vec<Value> = Vec::new();
+    let mut text = String::new();
+    let mut calls: Vec<Value> = Vec::new();
+    let flush = |out: &mut Vec<Value>, text: &mut String, calls: &mut Vec<Value>| {
+        if !text.is_empty() || !calls.is_empty() {
+            let mut m = json!({"role": "assistant", "content": text.trim().to_owned()});
+            if !calls.is_empty() {
+                m["tool_calls"] = json!(calls);
+            }
+            out.push(m);
+            text.clear();
+            calls.clear();
+        }
+    };
+    for e in events {
+        match &e.body {
+            Record::System { text: Some(t), .. } => {
+                out.push(json!({"role": "system", "content": t}))
+            }
+            Record::Message { role, text: t, .. } => {
+                flush(&mut out, &mut text, &mut calls);
+                out.push(json!({"role": role_name(*role), "content": t}));
+            }
+            Record::Generated {
+                text: t,
+                channel: Channel::Text,
+                ..
+            } => text.push_str(t),
+            Record::ToolUse { name, arguments } => calls.push(json!({
+                "id": format!("call_{}", e.event_id), "type": "function",
+                "function": {"name": name, "arguments": arguments}})),
+            Record::ToolResult {
+                call_id, content, ..
+            } => {
+                flush(&mut out, &mut text, &mut calls);
+                out.push(
+                    json!({"role": "tool", "tool_call_id": format!("call_{call_id}"),
+                                "content": content}),
+                );
+            }
+            _ => {}
+        }
+    }
+    flush(&mut out, &mut text, &mut calls);
+    out
+}
+
+// ---------------------------------------------------------------- stored
+
+/// A stored response located in its session's events.
+pub struct Stored {
+    /// Index of its `GenerationPrompt`.
+    pub prompt: usize,
+    /// One past its last output event: where a continuation forks.
+    pub end: EventId,
+}
+
+fn is_output(r: &Record) -> bool {
+    matches!(
+        r,
+        Record::Generated { .. }
+            | Record::ToolUse { .. }
+            | Record::ToolParseFailure { .. }
+            | Record::EpochBump
+    )
+}
+
+impl Stored {
+    /// The response whose input begins at event `start`: its first
+    /// `GenerationPrompt` at or after `start`, before any other output.
+    pub fn locate(events: &[Event], start: EventId) -> Option<Stored> {
+        let start = usize::try_from(start).ok()?;
+        if start >= events.len() {
+            return None;
+        }
+        let prompt = (start..events.len()).find(|&i| {
+            matches!(events[i].body, Record::GenerationPrompt { .. }) || is_output(&events[i].body)
+        })?;
+        if !matches!(events[prompt].body, Record::GenerationPrompt { .. }) {
+            return None;
+        }
+        let end = (prompt + 1..events.len())
+            .find(|&i| !is_output(&events[i].body))
+            .unwrap_or(events.len());
+        Some(Stored {
+            prompt,
+            end: end as EventId,
+        })
+    }
+}
+
+/// The events of a `previous_response_id`'s session, or a 404 naming it
+/// when it is gone.
+async fn read_live(state: &WebState, s: SessionId, id: &str) -> Result<Vec<Event>, ApiError> {
+    let gone = || not_found("response", id).with_param("previous_response_id");
+    if inspect(state, s).await?.is_none() {
+        return Err(gone());
+    }
+    read(state, s).await.map_err(|_| gone())
+}
+
+/// Where a response whose `GenerationPrompt` is at `prompt` began: after
+/// the previous output, or at the session's first event.
+fn start_of(events: &[Event], prompt: usize) -> usize {
+    let mut i = prompt;
+    while i > 0 {
+        let b = &events[i - 1].body;
+        if is_output(b) {
+            return i;
+        }
+        if matches!(b, Record::Created { .. } | Record::Forked { .. }) {
+            return i - 1;
+        }
+        i -= 1;
+    }
+    0
+}
+
+/// The stored response `id`, read back from the log.
+async fn load(state: &WebState, id: &str) -> Result<(Emitter, Vec<Event>, Stored), ApiError> {
+    let (s, start) = parse_response_id(id).ok_or_else(|| not_found("response", id))?;
+    let info = inspect(state, s)
+        .await?
+        .ok_or_else(|| not_found("response", id))?;
+    let events = read(state, s)
+        .await
+        .map_err(|_| not_found("response", id))?;
+    let st = Stored::locate(&events, start).ok_or_else(|| not_found("response", id))?;
+    let system = events[..st.prompt]
+        .iter()
+        .rev()
+        .find_map(|e| match &e.body {
+            Record::System { text, tools, .. } => Some((text.clone(), tools.clone())),
+            _ => None,
+        });
+    let (instructions, tools) = system.unwrap_or_default();
+    let tools: Vec<Value> = tools
+        .iter()
+        .filter_map(|t| serde_json::from_str::<Value>(t).ok())
+        .map(|t| response_tool(&t))
+        .collect();
+    let choice = events[..st.prompt]
+        .iter()
+        .rev()
+        .find_map(|e| match &e.body {
+            Record::ToolChoice { choice } => Some(match choice.as_str() {
+                "auto" | "required" => json!(choice),
+                name => json!({"type": "function", "name": name}),
+            }),
+            _ => None,
+        })
+        .unwrap_or(json!("auto"));
+    let previous = match &events[start as usize].body {
+        Record::Forked {
+            parent, fork_at, ..
+        } => match read(state, *parent).await {
+            Ok(pe) if (*fork_at as usize) <= pe.len() => {
+                let pe = &pe[..*fork_at as usize];
+                pe.iter()
+                    .rposition(|e| matches!(e.body, Record::GenerationPrompt { .. }))
+                    .map(|gp| response_id(*parent, start_of(pe, gp) as EventId))
+            }
+            _ => None,
+        },
+        _ => None,
+    };
+    let conversation = super::conversations::conversation_of(&info);
+    let head = Head {
+        id: id.to_owned(),
+        created_at: events[start as usize].ts_unix_ms / 1000,
+        model: state.model.id.clone(),
+        instructions,
+        tools,
+        tool_choice: choice,
+        temperature: info.params.temperature,
+        top_p: info.params.top_p,
+        max_output_tokens: None,
+        previous_response_id: previous,
+        conversation,
+        store: true,
+        metadata: json!({}),
+    };
+    let mut em = Emitter::new(head);
+    let (markers, _) = super::markers(state, &[]);
+    let mut decode = Decode::new(s, &markers);
+    let out = &events[st.prompt + 1..st.end as usize];
+    let mut finish = Finish::Open;
+    let mut output_tokens = 0;
+    for e in out {
+        output_tokens += e.body.span().len() as u64;
+        if let Record::Generated { finish: f, .. } = &e.body {
+            finish = *f;
+        }
+        if let Some(p) = decode.piece(e) {
+            em.push(p);
+        }
+    }
+    if finish == Finish::Open && !info.generating {
+        // A turn closed by a tool call, or cut by a restart.
+        finish = if out.iter().any(|e| matches!(e.body, Record::ToolUse { .. })) {
+            Finish::EndOfTurn
+        } else {
+            Finish::Cancelled
+        };
+    }
+    let input_tokens = events[..st.prompt]
+        .iter()
+        .map(|e| e.body.span().len() as u64)
+        .sum();
+    em.finish(Ending {
+        input_tokens,
+        output_tokens,
+        ..Ending::of(finish)
+    });
+    Ok((em, events, st))
+}
+
+/// `GET /v1/responses/{id}`.
+pub async fn retrieve(
+    req: HttpRequest,
+    path: web::Path<String>,
+    state: web::Data<WebState>,
+) -> Result<HttpResponse, ApiError> {
+    authorize(&state, F, &req)?;
+    let (em, _, _) = load(&state, &path).await?;
+    Ok(HttpResponse::Ok().json(em.response()))
+}
+
+/// `DELETE /v1/responses/{id}`: purges the response's session (its
+/// continuations keep their history; the bytes stay in the log).
+pub async fn delete(
+    req: HttpRequest,
+    path: web::Path<String>,
+    state: web::Data<WebState>,
+) -> Result<HttpResponse, ApiError> {
+    authorize(&state, F, &req)?;
+    let id = path.into_inner();
+    let (_, events, st) = load(&state, &id).await?;
+    let (s, start) = parse_response_id(&id).ok_or_else(|| not_found("response", &id))?;
+    let own = matches!(
+        events[start as usize].body,
+        Record::Created { .. } | Record::Forked { .. }
+    ) && Stored::locate(&events, st.end).is_none();
+    if !own {
+        return Err(ApiError::invalid(
+            F,
+            "this response shares its session with a conversation's other turns: delete the \
+             conversation, or its items",
+        ));
+    }
+    let info = inspect(&state, s)
+        .await?
+        .ok_or_else(|| not_found("response", &id))?;
+    call(
+        &state,
+        Request::Purge {
+            session: s,
+            expected_generation: info.generation,
+            mode: PurgeMode::Reroot,
+        },
+    )
+    .await?;
+    Ok(HttpResponse::Ok().json(json!({"id": id, "object": "response.deleted", "deleted": true})))
+}
+
+/// An input event as an item (`None` for what is not one).
+pub fn input_item(s: SessionId, e: &Event) -> Option<Value> {
+    let id = e.event_id;
+    match &e.body {
+        Record::Message { role, text, .. } => {
+            let (role, part) = match role {
+                Role::Assistant => ("assistant", "output_text"),
+                Role::System => ("system", "input_text"),
+                Role::Tool => {
+                    return Some(json!({"id": format!("fco_{s}_{id}"),
+                        "type": "function_call_output", "call_id": "", "output": text,
+                        "status": "completed"}))
+                }
+                Role::User => ("user", "input_text"),
+            };
+            Some(
+                json!({"id": format!("msg_{s}_{id}"), "type": "message", "role": role,
+                        "status": "completed", "content": [{"type": part, "text": text}]}),
+            )
+        }
+        Record::ToolResult {
+            call_id, content, ..
+        } => Some(
+            json!({"id": format!("fco_{s}_{id}"), "type": "function_call_output",
+                         "call_id": format!("call_{call_id}"), "output": content,
+                         "status": "completed"}),
+        ),
+        _ => None,
+    }
+}
+
+/// `?limit=&order=&after=` of a list route.
+#[derive(Debug, Deserialize)]
+pub struct ListQuery {
+    pub limit: Option<usize>,
+    pub order: Option<String>,
+    pub after: Option<String>,
+}
+
+/// One page of `items` (in log order) as OpenAI's list object.
+pub fn page(mut items: Vec<Value>, q: &ListQuery) -> Result<Value, ApiError> {
+    let limit = q.limit.unwrap_or(20);
+    if !(1..=MAX_PAGE).contains(&limit) {
+        return Err(
+            ApiError::invalid(F, format!("limit must be between 1 and {MAX_PAGE}"))
+                .with_param("limit"),
+        );
+    }
+    match q.order.as_deref() {
+        None | Some("desc") => items.reverse(),
+        Some("asc") => {}
+        Some(_) => {
+            return Err(ApiError::invalid(F, "order must be asc or desc").with_param("order"))
+        }
+    }
+    if let Some(after) = &q.after {
+        let at = items
+            .iter()
+            .position(|i| i["id"].as_str() == Some(after.as_str()))
+            .ok_or_else(|| not_found("item", after).with_param("after"))?;
+        items.drain(..=at);
+    }
+    let has_more = items.len() > limit;
+    items.truncate(limit);
+    Ok(json!({
+        "object": "list",
+        "first_id": items.first().map(|i| i["id"].clone()),
+        "last_id": items.last().map(|i| i["id"].clone()),
+        "has_more": has_more,
+        "data": items,
+    }))
+}
+
+/// `GET /v1/responses/{id}/input_items`: the items the response's request
+/// added.
+pub async fn input_items(
+    req: HttpRequest,
+    path: web::Path<String>,
+    query: web::Query<ListQuery>,
+    state: web::Data<WebState>,
+) -> Result<HttpResponse, ApiError> {
+    authorize(&state, F, &req)?;
+    let id = path.into_inner();
+    let (_, events, st) = load(&state, &id).await?;
+    let (s, start) = parse_response_id(&id).ok_or_else(|| not_found("response", &id))?;
+    let items = events[start as usize..st.prompt]
+        .iter()
+        .filter_map(|e| input_item(s, e))
+        .collect();
+    Ok(HttpResponse::Ok().json(page(items, &query)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn head() -> Head {
+        Head {
+            id: "resp_1_0".into(),
+            created_at: 1,
+            model: "m".into(),
+            instructions: None,
+            tools: vec![],
+            tool_choice: json!("auto"),
+            temperature: 1.0,
+            top_p: 1.0,
+            max_output_tokens: None,
+            previous_response_id: None,
+            conversation: None,
+            store: true,
+            metadata: json!({}),
+        }
+    }
+
+    #[test]
+    fn events_are_numbered_and_items_close_in_order() {
+        let mut em = Emitter::new(head());
+        let mut all = em.start();
+        all.extend(em.push(Piece::Text {
+            id: "msg_a".into(),
+            text: "Hel".into(),
+        }));
+        all.extend(em.push(Piece::Text {
+            id: "msg_b".into(),
+            text: "lo".into(),
+        }));
+        all.extend(em.push(Piece::Call {
+            id: "fc_1".into(),
+            call_id: "call_1".into(),
+            name: "f".into(),
+            arguments: "{}".into(),
+        }));
+        all.extend(em.finish(Ending::of(Finish::EndOfTurn)));
+        let seqs: Vec<u64> = all
+            .iter()
+            .map(|e| e["sequence_number"].as_u64().unwrap())
+            .collect();
+        assert_eq!(seqs, (0..all.len() as u64).collect::<Vec<_>>());
+        let types: Vec<&str> = all.iter().map(|e| e["type"].as_str().unwrap()).collect();
+        assert_eq!(
+            types,
+            [
+                "response.created",
+                "response.in_progress",
+                "response.output_item.added",
+                "response.content_part.added",
+                "response.output_text.delta",
+                "response.output_text.delta",
+                "response.output_text.done",
+                "response.content_part.done",
+                "response.output_item.done",
+                "response.output_item.added",
+                "response.function_call_arguments.delta",
+                "response.function_call_arguments.done",
+                "response.output_item.done",
+                "response.completed",
+            ]
+        );
+        let r = em.response();
+        assert_eq!(r["output"][0]["id"], "msg_a");
+        assert_eq!(r["output"][0]["content"][0]["text"], "Hello");
+        assert_eq!(r["output"][1]["call_id"], "call_1");
+        assert_eq!(r["status"], "completed");
+    }
+
+    #[test]
+    fn items_parse_and_refuse() {
+        let got = items(Some(&json!([
+            {"role": "developer", "content": "be brief"},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+            {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c", "output": "ok"},
+            {"type": "reasoning", "summary": []},
+        ])))
+        .unwrap();
+        assert_eq!(got.len(), 4);
+        assert_eq!(
+            got[0],
+            Item::Message {
+                role: Role::System,
+                text: "be brief".into()
+            }
+        );
+        for bad in [
+            json!(3),
+            json!([{"role": "robot", "content": "x"}]),
+            json!([{"type": "function_call_output", "call_id": "c"}]),
+            json!([{"type": "web_search_call"}]),
+            json!([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
+        ] {
+            assert!(items(Some(&bad)).is_err(), "{bad}");
+        }
+        let many = Value::Array(vec![json!("x"); MAX_ITEMS + 1]);
+        assert!(items(Some(&many)).is_err());
+    }
+
+    #[test]
+    fn ids_round_trip() {
+        assert_eq!(parse_response_id(&response_id(7, 12)), Some((7, 12)));
+        assert_eq!(parse_response_id("resp_x_1"), None);
+        assert_eq!(parse_response_id("resp_1"), None);
+        assert_eq!(call_event("call_5"), Some(5));
+        assert_eq!(call_event("call_abc"), None);
+    }
+
+    #[test]
+    fn tools_take_the_chat_form() {
+        let t =
+            chat_tool(&json!({"type": "function", "name": "f", "parameters": {"type": "object"}}))
+                .unwrap();
+        assert_eq!(t["function"]["name"], "f");
+        assert!(chat_tool(&json!({"type": "web_search"})).is_err());
+        assert_eq!(
+            chat_choice(&json!({"type": "function", "name": "f"})).unwrap(),
+            json!({"type": "function", "function": {"name": "f"}})
+        );
+    }
+}
