@@ -23,6 +23,13 @@ pub enum GrammarError {
     /// The converter refused the schema: its message.
     #[error("{0}")]
     Convert(String),
+    /// A tool's schema breaks a limit (`schema_limits`): which.
+    #[error("a tool's schema is too large for a grammar: {0}")]
+    Limit(String),
+    /// The converter has not run on this schema yet: the daemon converts it
+    /// off the actor thread and plans again.
+    #[error("the schema's grammar is not built yet")]
+    Pending,
 }
 
 /// A declared tool's name and parameters schema, from an OpenAI function
@@ -117,8 +124,14 @@ pub fn forced_call(
     if tools.is_empty() {
         return Err(GrammarError::NoTools);
     }
+    for (name, params) in tools {
+        if let Some(why) = crate::session::schema_limits::check_schema(params) {
+            return Err(GrammarError::Limit(format!("{name}: {why}")));
+        }
+    }
     let body = match convert(&call_schema(tools, false).to_string()) {
         Ok(g) => g,
+        Err(GrammarError::Pending) => return Err(GrammarError::Pending),
         Err(e) => {
             log::warn!(
                 "a tool's parameters schema has no grammar ({e}); forcing any JSON arguments"

@@ -19,6 +19,7 @@
 mod book;
 pub mod grammar;
 pub mod output;
+pub mod schema_limits;
 pub mod turn;
 
 pub use book::{ApplyError, GenerationPlan, Planned, PlannedEvent, SessionBook, TurnState};
@@ -197,6 +198,9 @@ pub enum SessionError {
          (templates declare tools only in the first turn)"
     )]
     SystemAfterInput(u64),
+    /// A tool's schema breaks a limit of `schema_limits`: which.
+    #[error("AppendSystem refused: {0}")]
+    ToolLimit(String),
     #[error("tool call {call_id} was already answered ({status})")]
     CallAnswered { call_id: u64, status: LedgerStatus },
     #[error("max_tokens must be between 1 and the context size ({n_ctx})")]

@@ -10,7 +10,7 @@ use std::collections::VecDeque;
 use actix::prelude::*;
 use tokio::sync::mpsc;
 
-use super::{commit_event, BusyGuard, SessionActor};
+use super::{commit_event, schema_cache, BusyGuard, SessionActor};
 use crate::actors::now_ms;
 use crate::actors::scheduler::{AdmitGen, CancelGen, GenUpdate};
 use crate::scheduler::{Admit, GenEvent, GenId};
@@ -163,9 +163,28 @@ impl SessionActor {
         provisional: bool,
         ctx: &mut Context<Self>,
     ) {
-        let convert = |schema: &str| {
-            crate::engine::json_schema_grammar(schema)
-                .map_err(|e| GrammarError::Convert(e.to_string()))
+        self.plan_and_start(max_tokens, reply, provisional, 0, ctx);
+    }
+
+    /// Plans the generation with the grammars converted so far; a schema
+    /// not converted yet is converted off the actor thread (the session's
+    /// other requests wait, no other session does) and planning starts
+    /// again, at most a few times.
+    fn plan_and_start(
+        &mut self,
+        max_tokens: u32,
+        reply: mpsc::Sender<Response>,
+        provisional: bool,
+        tries: u8,
+        ctx: &mut Context<Self>,
+    ) {
+        let missing = std::cell::RefCell::new(None);
+        let convert = |schema: &str| match schema_cache::cached(schema) {
+            Some(result) => result,
+            None => {
+                *missing.borrow_mut() = Some(schema.to_string());
+                Err(GrammarError::Pending)
+            }
         };
         let plan = self.shared.read().plan_generation(
             self.id,
@@ -175,9 +194,17 @@ impl SessionActor {
             &convert,
             now_ms(),
         );
-        let plan = match plan {
-            Ok(plan) => plan,
-            Err(e) => {
+        let plan = match (plan, missing.into_inner()) {
+            (Err(SessionError::Grammar(GrammarError::Pending)), Some(schema)) if tries < 4 => {
+                let convert =
+                    schema_cache::convert_off_thread(schema, schema_cache::CONVERT_BUDGET);
+                ctx.wait(convert.into_actor(self).map(move |(), this, ctx| {
+                    this.plan_and_start(max_tokens, reply, provisional, tries + 1, ctx)
+                }));
+                return;
+            }
+            (Ok(plan), _) => plan,
+            (Err(e), _) => {
                 let _ = reply.try_send(Response::err(e.to_string()));
                 return;
             }

@@ -23,6 +23,7 @@ mod branches;
 mod generation;
 mod messages;
 mod meta;
+mod schema_cache;
 mod tools;
 
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -290,6 +290,9 @@ pub(crate) fn json_grammar(
         ApiError::invalid(family, format!("the JSON schema has no grammar: {e}"))
             .with_param("response_format")
     };
+    if let Some(why) = crate::session::schema_limits::check_schema(schema) {
+        return Err(bad(GrammarError::Limit(why)));
+    }
     let body = crate::engine::json_schema_grammar(&schema.to_string())
         .map_err(|e| bad(GrammarError::Convert(e.to_string())))?;
     match close_reasoning {

@@ -89,6 +89,9 @@ impl SessionBook {
         now: u64,
     ) -> Result<Planned, SessionError> {
         self.live(s)?;
+        if let Some(why) = crate::session::schema_limits::check_tools(&tools) {
+            return Err(SessionError::ToolLimit(why));
+        }
         if self.all_events(s).iter().any(|e| is_input(&e.body)) {
             return Err(SessionError::SystemAfterInput(s));
         }

@@ -1,0 +1,93 @@
+//! One client cannot stall or fail the others (issue 15, "Isolation"): tool
+//! schemas capped at AppendSystem, errors belonging to the item of a
+//! batched step that caused them, requests retried on a respawned worker,
+//! the listener's limits, the worker's replies checked, control tokens
+//! never parsed from user or tool text, a step that never returns.
+
+use std::time::{Duration, Instant};
+
+use superfluid::frontend::socket::Client;
+use superfluid::wire::{Finish, Request, Response, Role};
+
+use crate::util::*;
+
+fn user(c: &mut Client, s: u64, text: &str) {
+    commit(
+        c,
+        Request::AppendMessage {
+            session: s,
+            role: Role::User.into(),
+            text: text.into(),
+        },
+    );
+}
+
+/// Runs a Generate on its own connection in a thread; its replies.
+fn generate_in_thread(
+    d: &TestDaemon,
+    s: u64,
+    max_tokens: u32,
+) -> std::thread::JoinHandle<Vec<Response>> {
+    let mut c = d.client();
+    std::thread::spawn(move || {
+        c.generate(&Request::Generate {
+            session: s,
+            max_tokens,
+        })
+        .expect("generate")
+    })
+}
+
+fn last_finish(replies: &[Response]) -> Result<Finish, String> {
+    match replies.last() {
+        Some(Response::Generated { finish, .. }) => Ok(*finish),
+        Some(Response::Err { message }) => Err(message.clone()),
+        other => panic!("no summary: {other:?}"),
+    }
+}
+
+/// Item 1: a 5,000-property schema (about 60 KB) is refused at AppendSystem,
+/// fast and naming the limit, while another client's generation goes on.
+#[test]
+fn a_huge_tool_schema_is_refused_fast_and_others_generate() {
+    let d = TestDaemon::start();
+    let mut c = d.client();
+    let a = d.create(&mut c);
+    user(&mut c, a, "Count from one to a hundred.");
+    let gen = generate_in_thread(&d, a, 48);
+    let b = d.create(&mut c);
+    let props: Vec<String> = (0..5000)
+        .map(|i| format!(r#""p{i}":{{"type":"string"}}"#))
+        .collect();
+    let tool = format!(
+        r#"{{"type":"function","function":{{"name":"huge","parameters":{{"type":"object","properties":{{{}}}}}}}}}"#,
+        props.join(",")
+    );
+    assert!(tool.len() > 60_000);
+    let t = Instant::now();
+    let message = expect_err(
+        &mut c,
+        &Request::AppendSystem {
+            session: b,
+            text: None,
+            tools: vec![tool],
+        },
+    );
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    assert!(
+        message.contains("256 properties") || message.contains("bytes"),
+        "{message}"
+    );
+    // A repetition llama.cpp would refuse is refused here, by name.
+    let message = expect_err(
+        &mut c,
+        &Request::AppendSystem {
+            session: b,
+            text: None,
+            tools: vec![r#"{"name":"t","parameters":{"type":"object","properties":{"a":{"type":"string","minLength":3000}}}}"#.into()],
+        },
+    );
+    assert!(message.contains("\"minLength\": 3000"), "{message}");
+    let replies = gen.join().unwrap();
+    assert!(last_finish(&replies).is_ok(), "{replies:?}");
+}
