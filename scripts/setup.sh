@@ -42,6 +42,9 @@ python3 -c "import playwright" 2>/dev/null ||
   python3 -m pip install --quiet --disable-pip-version-check playwright >&2
 python3 -c "import openai, anthropic, ollama, sys; sys.exit(int(openai.__version__.split('.')[0]) < 3 or int(anthropic.__version__.split('.')[0]) < 2)" 2>/dev/null ||
   python3 -m pip install --quiet --disable-pip-version-check "openai>=3,<4" "anthropic>=2,<3" "ollama>=0.6,<1" >&2
+# The Responses route's agent test (clients/python/tests/test_agents_sdk.py) runs the OpenAI Agents SDK.
+python3 -c "import agents" 2>/dev/null ||
+  python3 -m pip install --quiet --disable-pip-version-check "openai-agents>=0.24,<1" >&2
 # The OTLP export's test (clients/python/tests/test_export_otlp.py) parses each pushed body with the
 # official OTLP schema: opentelemetry-proto's messages through protobuf's JSON parser.
 python3 -c "import opentelemetry.proto.collector.trace.v1.trace_service_pb2, google.protobuf.json_format" 2>/dev/null ||

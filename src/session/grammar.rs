@@ -1,5 +1,5 @@
 //! Grammars that force a tool call (`SetToolChoice` "required" or a tool's
-//! name), in GBNF for llama.cpp's grammar sampler. The call takes the
+//! name) or an output following a JSON schema (`SetOutputFormat`), in GBNF for llama.cpp's grammar sampler. The call takes the
 //! `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` form the output
 //! decoder parses. The object inside is described as a JSON schema — one
 //! alternative per allowed tool, its `name` a constant and its `arguments`
@@ -150,6 +150,28 @@ pub fn forced_call(
     ))
 }
 
+/// The grammar forcing output that follows the JSON `schema`, after
+/// `close_reasoning` (the thinking block's closing marker) when the turn is
+/// inside one.
+pub fn json_format(
+    schema: &Value,
+    close_reasoning: Option<&str>,
+    convert: SchemaToGrammar,
+) -> Result<String, GrammarError> {
+    if let Some(why) = crate::session::schema_limits::check_schema(schema) {
+        return Err(GrammarError::Limit(why));
+    }
+    let body = convert(&schema.to_string())?;
+    match close_reasoning {
+        None => Ok(body),
+        Some(close) => {
+            let renamed = rename_root(&body, "answer").ok_or(GrammarError::NoRootRule)?;
+            let open = literal(&format!("{close}\n\n"));
+            Ok(format!("root ::= {open} answer\n{renamed}"))
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -195,6 +217,27 @@ mod tests {
         forced_call(&two, None, &convert).unwrap();
         let schema: Value = serde_json::from_str(&seen.borrow()[1]).unwrap();
         assert_eq!(schema["anyOf"].as_array().unwrap().len(), 2);
+    }
+
+    #[test]
+    fn a_json_format_closes_reasoning_before_the_answer() {
+        let convert = |_: &str| -> Result<String, GrammarError> { Ok("root ::= \"{}\"\n".into()) };
+        let schema = json!({"type": "object"});
+        assert_eq!(
+            json_format(&schema, None, &convert).unwrap(),
+            "root ::= \"{}\"\n"
+        );
+        let g = json_format(&schema, Some("</think>"), &convert).unwrap();
+        assert!(
+            g.starts_with("root ::= \"</think>\\n\\n\" answer\nanswer ::= \"{}\""),
+            "{g}"
+        );
+        let refuse =
+            |_: &str| -> Result<String, GrammarError> { Err(GrammarError::Convert("no".into())) };
+        assert_eq!(
+            json_format(&schema, None, &refuse),
+            Err(GrammarError::Convert("no".into()))
+        );
     }
 
     #[test]

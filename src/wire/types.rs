@@ -197,6 +197,11 @@ pub enum Record {
     ToolChoice {
         choice: String,
     },
+    /// `SetOutputFormat` (an extension): later generations' output follows
+    /// this JSON schema (by grammar), or is free text when None.
+    OutputFormat {
+        schema: Option<String>,
+    },
 }
 
 impl Record {
@@ -238,6 +243,7 @@ impl Record {
             Record::Image { .. } => "Image",
             Record::Block { .. } => "Block",
             Record::ToolChoice { .. } => "ToolChoice",
+            Record::OutputFormat { .. } => "OutputFormat",
         }
     }
 }
@@ -424,6 +430,14 @@ pub enum Request {
         session: SessionId,
         choice: String,
     },
+    /// Not in the spec's table (an extension, docs/protocol.md): the JSON
+    /// schema (a JSON document, as text) that the session's later
+    /// generations' output must follow, forced by a grammar; None sets it
+    /// back to free text. A forced tool call wins over it.
+    SetOutputFormat {
+        session: SessionId,
+        schema: Option<String>,
+    },
 }
 
 impl Request {
@@ -455,6 +469,7 @@ impl Request {
             | RespondPermission { session, .. }
             | SetQos { session, .. }
             | SetToolChoice { session, .. }
+            | SetOutputFormat { session, .. }
             | Pin { session, .. } => Some(*session),
             Create { .. }
             | List

@@ -536,6 +536,7 @@ fn request_index(r: &Request) -> u8 {
         SetLogLevel { .. } => 33,
         Metrics => 34,
         SetToolChoice { .. } => 35,
+        SetOutputFormat { .. } => 36,
     }
 }
 
@@ -686,6 +687,10 @@ fn all_requests() -> Vec<Request> {
         SetToolChoice {
             session: 1,
             choice: "required".into(),
+        },
+        SetOutputFormat {
+            session: 1,
+            schema: Some(r#"{"type":"object"}"#.into()),
         },
     ]
 }
@@ -877,6 +882,7 @@ fn record_index(r: &Record) -> u8 {
         Image { .. } => 17,
         Block { .. } => 18,
         ToolChoice { .. } => 19,
+        OutputFormat { .. } => 20,
     }
 }
 
@@ -969,6 +975,7 @@ fn all_records() -> Vec<Record> {
         ToolChoice {
             choice: "get_weather".into(),
         },
+        OutputFormat { schema: None },
     ]
 }
 

@@ -4,6 +4,7 @@ SIGKILL and restart, two branches from one response, streaming with the SDK's
 semantic events, store: false leaving nothing in the log, a conversation read
 back after a restart, and bad inputs in OpenAI's error shape."""
 
+import json
 import os
 
 import openai
@@ -181,6 +182,12 @@ def test_bad_inputs_in_openai_shape(daemon):
         (dict(input="x", tools=[{"type": "web_search"}]), openai.BadRequestError, "tools"),
         (dict(input="x", max_output_tokens=0), openai.BadRequestError, "max_output_tokens"),
         (dict(input="x", temperature=5), openai.BadRequestError, "temperature"),
+        (dict(input="x", text={"format": {"type": "xml"}}), openai.BadRequestError, "text.format"),
+        (dict(input="x", text={"format": {"type": "json_schema", "name": "a"}}), openai.BadRequestError,
+         "text.format"),
+        (dict(input="x", text={"format": {"type": "json_schema", "name": "a",
+                                          "schema": {"type": "string", "maxLength": 5000}}}),
+         openai.BadRequestError, "text.format"),
     ]
     sessions = len(daemon.client().list())
     for kwargs, err, param in cases:
@@ -208,3 +215,88 @@ def test_bad_inputs_in_openai_shape(daemon):
     assert status == 400 and b"invalid_request_error" in body
     status, _, _ = raw(daemon, "GET", "/v1/responses/resp_1_0", None, {"Authorization": "Bearer wrong"})
     assert status == 401
+
+
+CITY = {"type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 24},
+                       "population": {"type": "integer", "minimum": 0, "maximum": 99999999}},
+        "required": ["city", "population"], "additionalProperties": False}
+
+
+def test_text_format_json_schema_follows_the_schema_and_reads_back(daemon):
+    c = oai(daemon)
+    fmt = {"format": {"type": "json_schema", "name": "city_info", "schema": CITY, "strict": True}}
+    r1 = c.responses.create(model="default", input="Name a big city and its population.", text=fmt,
+                            max_output_tokens=80, temperature=0)
+    assert r1.status == "completed", r1.output_text
+    got = json.loads(r1.output_text)
+    assert set(got) == {"city", "population"} and isinstance(got["population"], int), got
+    assert r1.text.format.type == "json_schema" and r1.text.format.name == "city_info"
+    # The next response of the chain asks for text: the schema is a setting
+    # of each request, not carried along the chain.
+    r2 = c.responses.create(model="default", previous_response_id=r1.id, input="Now say hello in words.",
+                            max_output_tokens=10, temperature=0)
+    assert r2.text.format.type == "text"
+    assert not r2.output_text.lstrip().startswith("{"), r2.output_text
+    # json_object: any JSON object.
+    r3 = c.responses.create(model="default", previous_response_id=r2.id, input="Describe a cat.",
+                            text={"format": {"type": "json_object"}}, max_output_tokens=120, temperature=0)
+    assert r3.output_text.lstrip().startswith("{"), r3.output_text
+    if r3.status == "completed":
+        assert isinstance(json.loads(r3.output_text), dict)
+    # Stateless, the same schema is followed.
+    r4 = c.responses.create(model="default", input="Name a big city and its population.", text=fmt,
+                            store=False, max_output_tokens=80, temperature=0)
+    assert set(json.loads(r4.output_text)) == {"city", "population"}
+    daemon.restart()
+    c = oai(daemon)
+    back = c.responses.retrieve(r1.id)
+    assert back.output_text == r1.output_text
+    assert back.text.format.type == "json_schema" and back.text.format.schema_ == CITY
+    assert c.responses.retrieve(r2.id).text.format.type == "text"
+
+
+# An output the grammar keeps long (at least 400 digits), so the response is
+# still being written while the test drops, resumes and cancels it.
+DIGITS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 400}
+
+
+def key(e):
+    return (e.type, e.sequence_number, getattr(e, "delta", None))
+
+
+def test_dropped_stream_resumed_with_starting_after_then_cancelled(daemon):
+    c = oai(daemon)
+    fmt = {"format": {"type": "json_schema", "name": "digits", "schema": DIGITS}}
+    s = c.responses.create(model="default", input="Write digits.", text=fmt, max_output_tokens=3000,
+                           temperature=0, stream=True)
+    it = iter(s)
+    seen = [next(it) for _ in range(6)]
+    s.close()  # the client drops the stream
+    rid = seen[0].response.id
+    # The drop did not cancel the stored response: it is still being written.
+    assert c.responses.retrieve(rid).status == "in_progress"
+    resumed = c.responses.retrieve(rid, stream=True, starting_after=seen[-1].sequence_number)
+    it = iter(resumed)
+    more = [next(it) for _ in range(12)]
+    got = seen + more
+    assert [e.sequence_number for e in got] == list(range(len(got))), "no event missed or repeated"
+    cancelled = c.responses.cancel(rid)
+    assert cancelled.status == "cancelled" and cancelled.id == rid
+    rest = list(it)
+    assert rest[-1].response.status == "cancelled"
+    got += rest
+    assert [e.sequence_number for e in got] == list(range(len(got)))
+    text = "".join(e.delta for e in got if e.type == "response.output_text.delta")
+    assert text.startswith("[") and text == c.responses.retrieve(rid).output_text
+    with pytest.raises(openai.BadRequestError):
+        c.responses.cancel(rid)  # no longer in progress
+    # A stream resumed from the middle after a restart replays the rest.
+    cut = len(got) // 2
+    daemon.restart()
+    c = oai(daemon)
+    again = list(c.responses.retrieve(rid, stream=True, starting_after=got[cut - 1].sequence_number))
+    assert [key(e) for e in again] == [key(e) for e in got[cut:]]
+    assert [key(e) for e in c.responses.retrieve(rid, stream=True)] == [key(e) for e in got]
+    with pytest.raises(openai.NotFoundError):
+        list(c.responses.retrieve("resp_999999_0", stream=True))

@@ -136,6 +136,7 @@ fn appends(req: &Request) -> bool {
             | Request::RespondPermission { .. }
             | Request::SetQos { .. }
             | Request::SetToolChoice { .. }
+            | Request::SetOutputFormat { .. }
             | Request::Purge { .. }
             | Request::Generate { .. }
             // A rebase keeps the parent's events after its last edit, as many
@@ -252,6 +253,7 @@ async fn serve(shared: &Shared, req: Request) -> Result<Response, SessionError> 
             granted,
         } => tools::answer_permission(shared, session, request_id, granted).await,
         SetToolChoice { session, choice } => tools::choice(shared, session, choice).await,
+        SetOutputFormat { session, schema } => tools::output_format(shared, session, schema).await,
         Fork {
             session,
             at_event,

@@ -92,3 +92,15 @@ pub(super) async fn choice(
     let planned = shared.read().plan_tool_choice(session, choice, now_ms())?;
     commit(shared, planned).await
 }
+
+/// `SetOutputFormat`.
+pub(super) async fn output_format(
+    shared: &Shared,
+    session: SessionId,
+    schema: Option<String>,
+) -> Result<Response, SessionError> {
+    let planned = shared
+        .read()
+        .plan_output_format(session, schema, now_ms())?;
+    commit(shared, planned).await
+}

@@ -26,6 +26,7 @@ pub mod gguf;
 pub mod ollama;
 pub mod openai;
 pub mod responses;
+pub mod resume;
 
 use std::time::Instant;
 
@@ -120,7 +121,8 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
 fn responses_routes(cfg: &mut web::ServiceConfig) {
     use self::{conversations as c, responses as r};
     cfg.route("/v1/responses", web::post().to(r::create))
-        .route("/v1/responses/{id}", web::get().to(r::retrieve))
+        .route("/v1/responses/{id}", web::get().to(resume::retrieve))
+        .route("/v1/responses/{id}/cancel", web::post().to(resume::cancel))
         .route("/v1/responses/{id}", web::delete().to(r::delete))
         .route(
             "/v1/responses/{id}/input_items",
@@ -290,21 +292,10 @@ pub(crate) fn json_grammar(
         ApiError::invalid(family, format!("the JSON schema has no grammar: {e}"))
             .with_param("response_format")
     };
-    if let Some(why) = crate::session::schema_limits::check_schema(schema) {
-        return Err(bad(GrammarError::Limit(why)));
-    }
-    let body = crate::engine::json_schema_grammar(&schema.to_string())
-        .map_err(|e| bad(GrammarError::Convert(e.to_string())))?;
-    match close_reasoning {
-        None => Ok(body),
-        Some(close) => {
-            let renamed = crate::session::grammar::rename_root(&body, "answer")
-                .ok_or(GrammarError::NoRootRule)
-                .map_err(bad)?;
-            let open = serde_json::to_string(&format!("{close}\n\n")).unwrap_or_default();
-            Ok(format!("root ::= {open} answer\n{renamed}"))
-        }
-    }
+    let convert = |schema: &str| {
+        crate::engine::json_schema_grammar(schema).map_err(|e| GrammarError::Convert(e.to_string()))
+    };
+    crate::session::grammar::json_format(schema, close_reasoning, &convert).map_err(bad)
 }
 
 /// The thinking block's closing marker, when the generation prompt opened

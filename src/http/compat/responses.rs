@@ -12,7 +12,8 @@
 //! on the chat route's machinery and leaves nothing in the log.
 //!
 //! One [`Emitter`] turns the output, live or read back, into the response
-//! object and the streamed semantic events, so both always agree.
+//! object and the streamed semantic events, so both always agree; resume.rs
+//! replays and follows a stored response's stream with it.
 
 use std::collections::HashSet;
 
@@ -65,6 +66,8 @@ pub struct CreateRequest {
     pub temperature: Option<f32>,
     pub top_p: Option<f32>,
     pub metadata: Option<Value>,
+    /// `text.format`: text, json_object or json_schema.
+    pub text: Option<Value>,
 }
 
 /// One input item, whichever shape it came in.
@@ -554,6 +557,8 @@ pub struct Head {
     pub conversation: Option<String>,
     pub store: bool,
     pub metadata: Value,
+    /// `text.format` as the response echoes it.
+    pub text_format: Value,
 }
 
 enum Open {
@@ -809,7 +814,7 @@ impl Emitter {
             "reasoning": {"effort": null, "summary": null},
             "store": h.store,
             "temperature": h.temperature,
-            "text": {"format": {"type": "text"}},
+            "text": {"format": h.text_format},
             "tool_choice": h.tool_choice,
             "tools": h.tools,
             "top_p": h.top_p,
@@ -825,6 +830,72 @@ fn response_tool(chat: &Value) -> Value {
     let f = chat.get("function").unwrap_or(chat);
     json!({"type": "function", "name": f.get("name"), "description": f.get("description"),
            "parameters": f.get("parameters"), "strict": false})
+}
+
+/// `text.format`: what the response echoes, and the JSON schema the output
+/// must follow (None for free text).
+pub(crate) fn text_format(text: Option<&Value>) -> Result<(Value, Option<Value>), ApiError> {
+    let bad = |m: &str| ApiError::invalid(F, m.to_owned()).with_param("text.format");
+    let Some(text) = text else {
+        return Ok((json!({"type": "text"}), None));
+    };
+    if !text.is_object() {
+        return Err(ApiError::invalid(F, "text must be an object").with_param("text"));
+    }
+    let Some(format) = text.get("format") else {
+        return Ok((json!({"type": "text"}), None));
+    };
+    match format.get("type").and_then(Value::as_str) {
+        Some("text") => Ok((json!({"type": "text"}), None)),
+        Some("json_object") => Ok((
+            json!({"type": "json_object"}),
+            Some(json!({"type": "object"})),
+        )),
+        Some("json_schema") => {
+            let schema = format
+                .get("schema")
+                .filter(|s| s.is_object())
+                .ok_or_else(|| bad("a json_schema format needs a `schema` object"))?;
+            let name = format
+                .get("name")
+                .and_then(Value::as_str)
+                .ok_or_else(|| bad("a json_schema format needs a `name`"))?;
+            if name.is_empty()
+                || name.len() > 64
+                || !name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+            {
+                return Err(bad(
+                    "the format's name must be 1 to 64 letters, digits, underscores or dashes",
+                ));
+            }
+            let echo = json!({"type": "json_schema", "name": name, "schema": schema,
+                              "description": format.get("description"),
+                              "strict": format.get("strict").and_then(Value::as_bool).unwrap_or(false)});
+            Ok((echo, Some(schema.clone())))
+        }
+        _ => Err(bad(
+            "text.format.type must be text, json_object or json_schema",
+        )),
+    }
+}
+
+/// The tool choice and output schema a session's later generations follow,
+/// from its last `ToolChoice` and `OutputFormat` records.
+fn session_settings(events: &[Event]) -> (String, Option<String>) {
+    let choice = events.iter().rev().find_map(|e| match &e.body {
+        Record::ToolChoice { choice } => Some(choice.clone()),
+        _ => None,
+    });
+    let schema = events.iter().rev().find_map(|e| match &e.body {
+        Record::OutputFormat { schema } => Some(schema.clone()),
+        _ => None,
+    });
+    (
+        choice.unwrap_or_else(|| "auto".to_owned()),
+        schema.flatten(),
+    )
 }
 
 fn response_choice(chat: &Value) -> Value {
@@ -850,6 +921,16 @@ enum Step {
 }
 
 impl Source {
+    /// The client went away. A stored response runs on to its end: its
+    /// events go into the log, where a retrieve or a resumed stream
+    /// (`starting_after`) reads them, and `/cancel` stops it. A stateless
+    /// one is cancelled by dropping its source.
+    async fn run_on(mut self, totals: &mut (u64, u64)) {
+        if let Source::Session(..) = self {
+            while !matches!(self.next(totals).await, Step::Ended(_)) {}
+        }
+    }
+
     async fn next(&mut self, totals: &mut (u64, u64)) -> Step {
         match self {
             Source::Session(rx, decode) => match rx.recv().await {
@@ -1009,18 +1090,18 @@ fn stream(running: Running, mut access: Access) -> HttpResponse {
                 true
             }
         };
+        let mut totals = (input_tokens, 0);
         if !send(em.start()).await {
             access.log(499);
+            source.run_on(&mut totals).await;
             return;
         }
-        let mut totals = (input_tokens, 0);
         loop {
             match source.next(&mut totals).await {
                 Step::Piece(p) => {
-                    // A client that went away drops `source` here, which
-                    // cancels the generation.
                     if !send(em.push(p)).await {
                         access.log(499);
+                        source.run_on(&mut totals).await;
                         return;
                     }
                 }
@@ -1075,6 +1156,11 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
     }
     let chat_tools: Vec<Value> = tools.iter().map(chat_tool).collect::<Result<_, _>>()?;
     let choice = r.tool_choice.as_ref().map(chat_choice).transpose()?;
+    let (format_echo, schema) = text_format(r.text.as_ref())?;
+    if let Some(schema) = &schema {
+        // Refused here, before any session is touched, when it has no grammar.
+        super::json_grammar(F, schema, None).map_err(|e| e.with_param("text.format"))?;
+    }
     let p = params(r.temperature, r.top_p, None, None, None, F)?;
     if r.max_output_tokens == Some(0) {
         return Err(ApiError::invalid(F, "max_output_tokens must be at least 1")
@@ -1103,6 +1189,7 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
         conversation: conversation.clone(),
         store,
         metadata: r.metadata.clone().unwrap_or_else(|| json!({})),
+        text_format: format_echo,
     };
     if !store {
         if conversation.is_some() {
@@ -1168,17 +1255,42 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
         .await
         .map_err(|e| e.with_param("tools"))?;
     }
-    if let Some(c) = &choice {
-        let choice = match c {
-            Value::String(s) if s == "none" => None,
-            Value::String(s) => Some(s.clone()),
-            other => other["function"]["name"].as_str().map(str::to_owned),
-        };
-        if let Some(choice) = choice {
-            call(state, Request::SetToolChoice { session: s, choice })
-                .await
-                .map_err(|e| e.with_param("tool_choice"))?;
-        }
+    // The tool choice and output format are settings of the session: each
+    // response sets them to what it asks for (defaults included), so one
+    // asked for earlier in a chain does not carry over to a later request.
+    let wanted_choice = match &choice {
+        Some(Value::String(c)) if c != "none" => c.clone(),
+        Some(Value::Object(o)) => o
+            .get("function")
+            .and_then(|f| f.get("name"))
+            .and_then(Value::as_str)
+            .unwrap_or("auto")
+            .to_owned(),
+        _ => "auto".to_owned(),
+    };
+    let wanted_schema = schema.as_ref().map(Value::to_string);
+    let (had_choice, had_schema) = session_settings(&read(state, s).await?);
+    if wanted_choice != had_choice {
+        call(
+            state,
+            Request::SetToolChoice {
+                session: s,
+                choice: wanted_choice,
+            },
+        )
+        .await
+        .map_err(|e| e.with_param("tool_choice"))?;
+    }
+    if wanted_schema != had_schema {
+        call(
+            state,
+            Request::SetOutputFormat {
+                session: s,
+                schema: wanted_schema,
+            },
+        )
+        .await
+        .map_err(|e| e.with_param("text.format"))?;
     }
     append_items(state, s, &items).await?;
     let before = inspect(state, s)
@@ -1219,6 +1331,7 @@ async fn stateless(
     choice: Option<Value>,
     p: Params,
 ) -> Result<Running, ApiError> {
+    let (_, schema) = text_format(r.text.as_ref())?;
     let mut messages = Vec::new();
     if let Some(prev) = &r.previous_response_id {
         let (ps, pstart) = parse_response_id(prev)
@@ -1251,12 +1364,16 @@ async fn stateless(
         "max_completion_tokens": r.max_output_tokens,
         "tools": if tools.is_empty() { Value::Null } else { json!(tools) },
         "tool_choice": choice,
+        "response_format": schema.map(|schema| json!({"type": "json_schema",
+                                                      "json_schema": {"schema": schema}})),
     });
     let chat: ChatRequest =
         serde_json::from_value(chat).map_err(|e| ApiError::invalid(F, e.to_string()))?;
     let prepared = prepare_chat(state, &chat).map_err(|mut e| {
-        if e.param == Some("messages") {
-            e.param = Some("input");
+        match e.param {
+            Some("messages") => e.param = Some("input"),
+            Some("response_format") => e.param = Some("text.format"),
+            _ => {}
         }
         e
     })?;
@@ -1330,7 +1447,7 @@ pub struct Stored {
     pub end: EventId,
 }
 
-fn is_output(r: &Record) -> bool {
+pub(crate) fn is_output(r: &Record) -> bool {
     matches!(
         r,
         Record::Generated { .. }
@@ -1391,8 +1508,20 @@ fn start_of(events: &[Event], prompt: usize) -> usize {
     0
 }
 
-/// The stored response `id`, read back from the log.
-async fn load(state: &WebState, id: &str) -> Result<(Emitter, Vec<Event>, Stored), ApiError> {
+/// A stored response as its session's log holds it.
+pub(crate) struct StoredResponse {
+    pub session: SessionId,
+    pub head: Head,
+    pub events: Vec<Event>,
+    pub st: Stored,
+    /// The session is generating and this response is its last: the
+    /// generation is this response's.
+    pub in_flight: bool,
+}
+
+/// The stored response `id`, read from the log: what it echoes and where
+/// its output lies.
+pub(crate) async fn open_stored(state: &WebState, id: &str) -> Result<StoredResponse, ApiError> {
     let (s, start) = parse_response_id(id).ok_or_else(|| not_found("response", id))?;
     let info = inspect(state, s)
         .await?
@@ -1425,6 +1554,12 @@ async fn load(state: &WebState, id: &str) -> Result<(Emitter, Vec<Event>, Stored
             _ => None,
         })
         .unwrap_or(json!("auto"));
+    let (_, schema) = session_settings(&events[..st.prompt]);
+    let text_format = match schema.and_then(|s| serde_json::from_str::<Value>(&s).ok()) {
+        Some(schema) => json!({"type": "json_schema", "name": "response", "schema": schema,
+                               "description": null, "strict": false}),
+        None => json!({"type": "text"}),
+    };
     let previous = match &events[start as usize].body {
         Record::Forked {
             parent, fork_at, ..
@@ -1454,51 +1589,103 @@ async fn load(state: &WebState, id: &str) -> Result<(Emitter, Vec<Event>, Stored
         conversation,
         store: true,
         metadata: json!({}),
+        text_format,
     };
-    let mut em = Emitter::new(head);
-    let (markers, _) = super::markers(state, &[]);
-    let mut decode = Decode::new(s, &markers);
-    let out = &events[st.prompt + 1..st.end as usize];
-    let mut finish = Finish::Open;
-    let mut output_tokens = 0;
-    for e in out {
-        output_tokens += e.body.span().len() as u64;
-        if let Record::Generated { finish: f, .. } = &e.body {
-            finish = *f;
-        }
-        if let Some(p) = decode.piece(e) {
-            em.push(p);
-        }
-    }
-    if finish == Finish::Open && !info.generating {
-        // A turn closed by a tool call, or cut by a restart.
-        finish = if out.iter().any(|e| matches!(e.body, Record::ToolUse { .. })) {
-            Finish::EndOfTurn
-        } else {
-            Finish::Cancelled
-        };
-    }
-    let input_tokens = events[..st.prompt]
-        .iter()
-        .map(|e| e.body.span().len() as u64)
-        .sum();
-    em.finish(Ending {
-        input_tokens,
-        output_tokens,
-        ..Ending::of(finish)
-    });
-    Ok((em, events, st))
+    let in_flight = info.generating && st.end as usize == events.len();
+    Ok(StoredResponse {
+        session: s,
+        head,
+        events,
+        st,
+        in_flight,
+    })
 }
 
-/// `GET /v1/responses/{id}`.
-pub async fn retrieve(
-    req: HttpRequest,
-    path: web::Path<String>,
-    state: web::Data<WebState>,
-) -> Result<HttpResponse, ApiError> {
-    authorize(&state, F, &req)?;
-    let (em, _, _) = load(&state, &path).await?;
-    Ok(HttpResponse::Ok().json(em.response()))
+/// A stored response's output events turned into the stream's events, one
+/// event at a time: the same events, with the same sequence numbers, as the
+/// stream that created the response sent (both decode the same committed
+/// events with the same [`Decode`] and [`Emitter`]).
+pub(crate) struct Replay {
+    pub em: Emitter,
+    decode: Decode,
+    finish: Finish,
+    called: bool,
+    input_tokens: u64,
+    output_tokens: u64,
+}
+
+impl Replay {
+    pub fn new(state: &WebState, sr: &StoredResponse) -> Replay {
+        let (markers, _) = super::markers(state, &[]);
+        Replay {
+            em: Emitter::new(sr.head.clone()),
+            decode: Decode::new(sr.session, &markers),
+            finish: Finish::Open,
+            called: false,
+            input_tokens: sr.events[..sr.st.prompt]
+                .iter()
+                .map(|e| e.body.span().len() as u64)
+                .sum(),
+            output_tokens: 0,
+        }
+    }
+
+    /// The output events already in the log.
+    pub fn logged(sr: &StoredResponse) -> &[Event] {
+        &sr.events[sr.st.prompt + 1..sr.st.end as usize]
+    }
+
+    /// The stream's events for one output event of the response.
+    pub fn take(&mut self, e: &Event) -> Vec<Value> {
+        self.output_tokens += e.body.span().len() as u64;
+        match &e.body {
+            Record::Generated { finish, .. } => self.finish = *finish,
+            Record::ToolUse { .. } => self.called = true,
+            _ => {}
+        }
+        match self.decode.piece(e) {
+            Some(p) => self.em.push(p),
+            None => Vec::new(),
+        }
+    }
+
+    /// The generation wrote its last record (a finish code other than open).
+    pub fn ended(&self) -> bool {
+        self.finish != Finish::Open
+    }
+
+    /// The closing events. A response whose last record left the turn open
+    /// and whose generation is over was closed by a tool call, or cut (by a
+    /// restart, a worker crash); one still in flight stays in progress.
+    pub fn end(&mut self, in_flight: bool) -> Vec<Value> {
+        let mut finish = self.finish;
+        if finish == Finish::Open && !in_flight {
+            finish = if self.called {
+                Finish::EndOfTurn
+            } else {
+                Finish::Cancelled
+            };
+        }
+        self.em.finish(Ending {
+            input_tokens: self.input_tokens,
+            output_tokens: self.output_tokens,
+            ..Ending::of(finish)
+        })
+    }
+}
+
+/// The stored response `id`, read back from the log.
+pub(crate) async fn load(
+    state: &WebState,
+    id: &str,
+) -> Result<(Emitter, Vec<Event>, Stored), ApiError> {
+    let sr = open_stored(state, id).await?;
+    let mut replay = Replay::new(state, &sr);
+    for e in Replay::logged(&sr) {
+        replay.take(e);
+    }
+    replay.end(sr.in_flight);
+    Ok((replay.em, sr.events, sr.st))
 }
 
 /// `DELETE /v1/responses/{id}`: purges the response's session (its
@@ -1649,6 +1836,33 @@ mod tests {
             conversation: None,
             store: true,
             metadata: json!({}),
+            text_format: json!({"type": "text"}),
+        }
+    }
+
+    #[test]
+    fn text_formats_and_their_errors() {
+        assert_eq!(text_format(None).unwrap(), (json!({"type": "text"}), None));
+        let (echo, schema) =
+            text_format(Some(&json!({"format": {"type": "json_object"}}))).unwrap();
+        assert_eq!(
+            (echo["type"].as_str(), schema),
+            (Some("json_object"), Some(json!({"type": "object"})))
+        );
+        let f = json!({"format": {"type": "json_schema", "name": "w", "strict": true,
+                                  "schema": {"type": "object"}}});
+        let (echo, schema) = text_format(Some(&f)).unwrap();
+        assert_eq!(echo["name"], "w");
+        assert_eq!(echo["strict"], true);
+        assert_eq!(schema, Some(json!({"type": "object"})));
+        for bad in [
+            json!({"format": {"type": "xml"}}),
+            json!({"format": {"type": "json_schema", "name": "w"}}),
+            json!({"format": {"type": "json_schema", "schema": {"type": "object"}}}),
+            json!({"format": {"type": "json_schema", "name": "a b", "schema": {}}}),
+        ] {
+            let e = text_format(Some(&bad)).unwrap_err();
+            assert_eq!(e.param, Some("text.format"), "{bad}");
         }
     }
 

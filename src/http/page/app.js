@@ -691,6 +691,9 @@ function foldEvents(events) {
       case "ToolChoice":
         item("note", e, { text: `tool choice: ${f.choice}` });
         break;
+      case "OutputFormat":
+        item("note", e, { text: f.schema ? "output format: JSON schema" : "output format: text" });
+        break;
       case "Image":
         item("note", e, { text: `${ROLES[f.role] || "?"}: image ${short(f.blob, 16)}` });
         break;

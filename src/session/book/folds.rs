@@ -28,6 +28,7 @@ impl TurnState {
                 | Record::ToolParseFailure { .. }
                 | Record::EpochBump
                 | Record::ToolChoice { .. }
+                | Record::OutputFormat { .. }
                 | Record::Qos { .. } => continue,
                 Record::GenerationPrompt { .. } => {
                     return TurnState::Open {
@@ -136,6 +137,7 @@ pub(super) fn is_input(r: &Record) -> bool {
             | Record::Rebased { .. }
             | Record::Qos { .. }
             | Record::ToolChoice { .. }
+            | Record::OutputFormat { .. }
             | Record::EpochBump
     )
 }
@@ -172,6 +174,20 @@ pub(super) fn forced_tools_of(events: &[Event]) -> Option<Vec<(String, serde_jso
         Some("required") => Some(tools),
         Some(name) => Some(tools.into_iter().filter(|(n, _)| n == name).collect()),
     }
+}
+
+/// The JSON schema a generation's output must follow (`SetOutputFormat`),
+/// or None for free text.
+pub(super) fn output_format_of(events: &[Event]) -> Option<serde_json::Value> {
+    events
+        .iter()
+        .rev()
+        .find_map(|e| match &e.body {
+            Record::OutputFormat { schema } => Some(schema.clone()),
+            _ => None,
+        })
+        .flatten()
+        .and_then(|s| serde_json::from_str(&s).ok())
 }
 
 pub(super) fn declared_tools(events: &[Event]) -> Vec<String> {

@@ -5,9 +5,11 @@
 
 use serde_json::Value;
 
-use super::folds::{chat_messages, declared_tools, forced_tools_of, input_of, qos_of};
+use super::folds::{
+    chat_messages, declared_tools, forced_tools_of, input_of, output_format_of, qos_of,
+};
 use super::{PlannedEvent, SessionBook, TurnState};
-use crate::session::grammar::{forced_call, SchemaToGrammar};
+use crate::session::grammar::{forced_call, json_format, SchemaToGrammar};
 use crate::session::output::Markers;
 use crate::session::turn::TurnOutput;
 use crate::session::{Render, SessionError};
@@ -34,9 +36,10 @@ pub struct GenerationPlan {
     /// The tools (name, parameters schema) a call is forced to, or None
     /// ("auto").
     pub forced_tools: Option<Vec<(String, Value)>>,
-    /// The grammar forcing that call. It governs the whole turn, from its
-    /// header on, with what the turn holds so far as its prefix, so a cut
-    /// forced call continues where it stopped.
+    /// The grammar forcing that call, or else the output format
+    /// (`SetOutputFormat`). It governs the whole turn, from its header on,
+    /// with what the turn holds so far as its prefix, so a cut forced call
+    /// or answer continues where it stopped.
     pub grammar: Option<String>,
     /// Where on `prompt` the turn's output begins (just after its header):
     /// the grammar's start.
@@ -56,7 +59,7 @@ impl GenerationPlan {
     /// The output side of the planned generation.
     pub fn output(&self) -> TurnOutput {
         TurnOutput::resume(self.markers.clone(), self.opened_in_reasoning, &self.turn)
-            .with_forced_call(self.grammar.is_some())
+            .with_forced_call(self.forced_tools.is_some())
     }
 }
 
@@ -109,13 +112,11 @@ impl SessionBook {
         let opened_in_reasoning =
             think_open.is_some_and(|m| render.detokenize(&header).trim_end().ends_with(m));
         let forced_tools = forced_tools_of(&events);
-        let grammar = match &forced_tools {
-            Some(tools) => Some(forced_call(
-                tools,
-                think_close.filter(|_| opened_in_reasoning),
-                convert,
-            )?),
-            None => None,
+        let close = think_close.filter(|_| opened_in_reasoning);
+        let grammar = match (&forced_tools, output_format_of(&events)) {
+            (Some(tools), _) => Some(forced_call(tools, close, convert)?),
+            (None, Some(schema)) => Some(json_format(&schema, close, convert)?),
+            (None, None) => None,
         };
         let turn = prompt[grammar_from.min(prompt.len())..]
             .iter()

@@ -3,6 +3,7 @@
 
 use super::folds::declared_tools;
 use super::{Planned, Render, SessionBook, SessionError};
+use crate::session::schema_limits::{check_schema, MAX_TOOL_BYTES};
 use crate::wire::{EventId, Record, Role, SessionId, ToolOutcome};
 
 impl SessionBook {
@@ -32,6 +33,39 @@ impl SessionBook {
             }
         }
         self.one_event(s, now, Record::ToolChoice { choice })
+    }
+
+    /// `SetOutputFormat`: a JSON schema (an object, within a tool's size
+    /// and complexity limits) later generations follow, or None.
+    pub fn plan_output_format(
+        &self,
+        s: SessionId,
+        schema: Option<String>,
+        now: u64,
+    ) -> Result<Planned, SessionError> {
+        self.live(s)?;
+        if let Some(text) = &schema {
+            if text.len() > MAX_TOOL_BYTES {
+                return Err(SessionError::Invalid(format!(
+                    "the output schema takes {} bytes, over the limit of {MAX_TOOL_BYTES}",
+                    text.len()
+                )));
+            }
+            let value: serde_json::Value = serde_json::from_str(text).map_err(|e| {
+                SessionError::Invalid(format!("the output schema is not JSON: {e}"))
+            })?;
+            if !value.is_object() {
+                return Err(SessionError::Invalid(
+                    "the output schema must be a JSON object".into(),
+                ));
+            }
+            if let Some(why) = check_schema(&value) {
+                return Err(SessionError::Invalid(format!(
+                    "the output schema is too large for a grammar: {why}"
+                )));
+            }
+        }
+        self.one_event(s, now, Record::OutputFormat { schema })
     }
 
     /// `AppendToolResult`.

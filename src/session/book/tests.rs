@@ -867,6 +867,45 @@ fn a_forced_call_without_a_grammar_commits_nothing() {
     assert_eq!(b.turn_state(s, None).unwrap(), TurnState::Closed);
 }
 
+/// `SetOutputFormat` puts a grammar on every later generation until it is
+/// set back to None; a forced tool call wins over it; bad schemas are
+/// refused before anything is committed.
+#[test]
+fn output_format_builds_a_grammar_until_set_back_and_a_forced_call_wins() {
+    let mut b = SessionBook::new();
+    let s = create(&mut b);
+    let tool = r#"{"name":"f","parameters":{"type":"object"}}"#;
+    commit!(b, b.plan_system(s, None, vec![tool.into()], &Bytes, 1));
+    say(&mut b, s, "q");
+    assert_eq!(plan(&b, s, &Bytes).grammar, None);
+    let len = b.len(s).unwrap();
+    for bad in ["[1]", "not json", "\"x\""] {
+        assert!(matches!(
+            b.plan_output_format(s, Some(bad.into()), 1),
+            Err(SessionError::Invalid(_))
+        ));
+    }
+    let huge = format!(r#"{{"description":"{}"}}"#, "x".repeat(70_000));
+    assert!(b.plan_output_format(s, Some(huge), 1).is_err());
+    assert_eq!(b.len(s).unwrap(), len, "a refused schema commits nothing");
+    let schema = r#"{"type":"object","properties":{"a":{"type":"integer"}}}"#;
+    commit!(b, b.plan_output_format(s, Some(schema.into()), 1));
+    let p = plan(&b, s, &Bytes);
+    let grammar = p.grammar.clone().expect("a grammar");
+    assert!(!grammar.contains("<tool_call>"), "{grammar}");
+    assert_eq!(p.forced_tools, None, "an answer is not a forced call");
+    assert_eq!(b.turn_state(s, None).unwrap(), TurnState::Closed);
+    commit!(b, b.plan_tool_choice(s, "required".into(), 1));
+    let grammar = plan(&b, s, &Bytes).grammar.expect("a grammar");
+    assert!(
+        grammar.contains("<tool_call>"),
+        "the forced call wins: {grammar}"
+    );
+    commit!(b, b.plan_tool_choice(s, "auto".into(), 1));
+    commit!(b, b.plan_output_format(s, None, 1));
+    assert_eq!(plan(&b, s, &Bytes).grammar, None);
+}
+
 #[test]
 fn generation_of_a_turn_opened_in_reasoning() {
     let mut b = SessionBook::new();
