@@ -46,6 +46,11 @@ pub struct ExportArgs {
     /// Allow --include-content with --endpoint: content leaves the machine.
     #[arg(long)]
     allow_content_egress: bool,
+    /// The most bytes one pushed request body takes: a session's spans are
+    /// split over several requests to stay under it (with --endpoint).
+    #[arg(long, value_name = "BYTES", default_value_t = export::otlp::MAX_REQUEST_BYTES,
+          value_parser = clap::value_parser!(usize))]
+    max_request_bytes: usize,
     /// The model's name for gen_ai.request.model (the daemon does not
     /// report which file it serves).
     #[arg(long, value_name = "NAME")]
@@ -120,7 +125,9 @@ pub fn run(client: &mut Client, args: ExportArgs) -> anyhow::Result<()> {
             (Some(url), _) => {
                 let (body, n) = export::otlp::request(&s, &opts);
                 redactions += n;
-                export::push(url, &body.to_string())?;
+                for part in export::otlp::split(&body, args.max_request_bytes)? {
+                    export::push(url, &part)?;
+                }
             }
             (None, Format::Jsonl) => {
                 let path = out_dir.join(format!("session-{id}.jsonl"));

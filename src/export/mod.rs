@@ -37,6 +37,11 @@ pub enum ExportError {
     Endpoint { url: String, reason: String },
     #[error("pushing to {url}: {reason}")]
     Push { url: String, reason: String },
+    #[error(
+        "one span takes {bytes} bytes, over the limit of {cap} bytes a request \
+         (--max-request-bytes); export it to a file instead (nothing was sent)"
+    )]
+    SpanTooLarge { bytes: usize, cap: usize },
 }
 
 /// A session as an export sees it: its inspection and every event of its

@@ -416,6 +416,55 @@ pub fn request(export: &SessionExport, opts: &ExportOptions) -> (Value, usize) {
     (body, redactions)
 }
 
+/// The most bytes one OTLP/HTTP request body takes by default: well under
+/// the OpenTelemetry Collector's default limit (20 MiB) and gRPC's 4 MiB.
+pub const MAX_REQUEST_BYTES: usize = 4 << 20;
+
+/// `body` (one `ExportTraceServiceRequest`, as [`request`] builds it) as one
+/// or more request bodies of at most `cap` bytes each, the spans in order,
+/// each body with the same resource and scope. A span that alone would
+/// make a body over `cap` is an error, found before any body is returned.
+pub fn split(body: &Value, cap: usize) -> Result<Vec<String>, super::ExportError> {
+    let whole = body.to_string();
+    if whole.len() <= cap {
+        return Ok(vec![whole]);
+    }
+    let spans = body["resourceSpans"][0]["scopeSpans"][0]["spans"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let with = |spans: &[Value]| {
+        let mut b = body.clone();
+        b["resourceSpans"][0]["scopeSpans"][0]["spans"] = Value::Array(spans.to_vec());
+        b.to_string()
+    };
+    // The bytes of a body holding no span, and each span's own.
+    let empty = with(&[]).len();
+    let mut out = Vec::new();
+    let mut batch: Vec<Value> = Vec::new();
+    let mut size = empty;
+    for span in spans {
+        let bytes = span.to_string().len() + 1; // and its comma
+        if empty + bytes > cap {
+            return Err(super::ExportError::SpanTooLarge {
+                bytes: empty + bytes,
+                cap,
+            });
+        }
+        if size + bytes > cap && !batch.is_empty() {
+            out.push(with(&batch));
+            batch.clear();
+            size = empty;
+        }
+        size += bytes;
+        batch.push(span);
+    }
+    if !batch.is_empty() {
+        out.push(with(&batch));
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -595,5 +644,47 @@ mod tests {
         // One secret, in one event: counted once, however many spans
         // carry it.
         assert_eq!(n, 1);
+    }
+
+    #[test]
+    fn a_body_over_the_cap_is_split_by_spans_in_order() {
+        let opts = ExportOptions {
+            include_content: true,
+            model: None,
+        };
+        let (body, _) = request(&session(), &opts);
+        let whole = body.to_string();
+        assert_eq!(split(&body, whole.len()).unwrap(), vec![whole.clone()]);
+        let spans = |b: &Value| -> Vec<Value> {
+            b["resourceSpans"][0]["scopeSpans"][0]["spans"]
+                .as_array()
+                .unwrap()
+                .clone()
+        };
+        let all = spans(&body);
+        let biggest = all.iter().map(|s| s.to_string().len()).max().unwrap();
+        // Room for the header and the biggest span, not for all three.
+        let cap =
+            whole.len() - all.iter().map(|s| s.to_string().len()).sum::<usize>() + biggest + 1;
+        let parts = split(&body, cap).unwrap();
+        assert!(parts.len() >= 2, "{} parts", parts.len());
+        let mut again = Vec::new();
+        for p in &parts {
+            assert!(p.len() <= cap, "{} > {cap}", p.len());
+            let v: Value = serde_json::from_str(p).unwrap();
+            assert_eq!(
+                v["resourceSpans"][0]["resource"],
+                body["resourceSpans"][0]["resource"]
+            );
+            again.extend(spans(&v));
+        }
+        assert_eq!(again, all, "every span once, in order");
+        // A cap under the header and the biggest span: refused.
+        let header =
+            whole.len() - all.iter().map(|s| s.to_string().len()).sum::<usize>() + 1 - all.len();
+        assert!(matches!(
+            split(&body, header + biggest - 1),
+            Err(crate::export::ExportError::SpanTooLarge { .. })
+        ));
     }
 }

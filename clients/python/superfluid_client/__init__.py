@@ -709,6 +709,13 @@ class Session:
         or a tool's name (``SetToolChoice``, an extension of the spec)."""
         return self._committed("SetToolChoice", {"choice": choice})
 
+    def set_output_format(self, schema: Optional[Union[str, Dict[str, Any]]]) -> Event:
+        """The JSON schema (a dict or JSON text) later generations' output
+        follows, forced by a grammar; ``None`` sets it back to free text
+        (``SetOutputFormat``, an extension of the spec)."""
+        text = schema if schema is None or isinstance(schema, str) else json.dumps(schema)
+        return self._committed("SetOutputFormat", {"schema": text})
+
     # -- generating -------------------------------------------------------
 
     def stream(self, max_tokens: int = 256, provisional: bool = True) -> Stream:

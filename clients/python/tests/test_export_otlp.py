@@ -155,6 +155,34 @@ def test_push_with_content_is_valid_otlp_and_redacted(daemon, receiver, forked):
     assert all(sp.parent_span_id == spans[0].span_id for sp in gens)
 
 
+def test_a_body_over_the_cap_is_split_into_valid_requests(daemon, receiver, forked):
+    _, f = forked
+    args = [str(f.id), "--endpoint", receiver.url, "--include-content", "--allow-content-egress"]
+    assert export(daemon, *args).returncode == 0
+    assert receiver.errors == [] and len(receiver.requests) == 1
+    _, _, whole, msg = receiver.requests[0]
+    spans = list(msg.resource_spans[0].scope_spans[0].spans)
+    assert len(spans) == 3  # the session's root and two generations
+    biggest = max(len(sp.SerializeToString()) for sp in spans)
+    # A cap under the whole body: the spans arrive over several requests,
+    # each within the cap, each valid OTLP, all of them once and in order.
+    cap = len(whole) - 1
+    receiver.requests.clear()
+    r = export(daemon, *args, "--max-request-bytes", str(cap))
+    assert r.returncode == 0, r.stderr
+    assert receiver.errors == [] and len(receiver.requests) >= 2
+    assert all(len(body) <= cap for _, _, body, _ in receiver.requests)
+    again = [sp for _, _, _, m in receiver.requests for sp in m.resource_spans[0].scope_spans[0].spans]
+    assert again == spans
+    assert all(m.resource_spans[0].resource == msg.resource_spans[0].resource
+               for _, _, _, m in receiver.requests)
+    # A cap no single span fits: refused, nothing sent.
+    receiver.requests.clear()
+    r = export(daemon, *args, "--max-request-bytes", str(biggest // 2))
+    assert r.returncode != 0 and "--max-request-bytes" in r.stderr, r.stderr
+    assert receiver.requests == []
+
+
 def test_push_without_content_carries_none(daemon, receiver, forked):
     s, _ = forked
     r = export(daemon, str(s.id), "--endpoint", receiver.url)

@@ -53,3 +53,25 @@ def test_open_tool_calls_and_tool_result(sf):
     s.set_tool_choice("auto")
     after = s.generate(16)
     assert after.tokens > 0
+
+
+def test_a_malformed_call_from_a_real_generation_is_a_tool_parse_failure(sf):
+    """The model writes a tool call whose body is not JSON: the output
+    decoder commits a ToolParseFailure with the text and the reason, and no
+    ToolUse. A grammar (SetOutputFormat with a constant) makes the real
+    generation write exactly that; the decoder does not know a grammar ran."""
+    s = sf.session(Sampling(seed=1), system="Answer with the tools.", tools=[WEATHER])
+    s.user("Is it raining in Paris?")
+    s.set_output_format({"const": "<tool_call>\nno json here\n</tool_call>"})
+    reply = s.generate(64)
+    assert reply.tool_calls == []
+    kinds = [e.kind for e in s.events()]
+    failures = [e for e in s.events() if e.kind == "ToolParseFailure"]
+    assert len(failures) == 1, kinds
+    assert "no json here" in failures[0].data["text"] and failures[0].data["error"]
+    assert "ToolUse" not in kinds
+    assert s.open_tool_calls() == []
+    # Set back to free text, the session goes on.
+    s.set_output_format(None)
+    s.user("And in Rome?")
+    assert s.generate(8).tokens > 0
