@@ -18,6 +18,10 @@ Writes next to MODEL, and prints the paths of:
   SmolLM2's vocabulary (StarCoder leftovers) that chat never uses and that llama.cpp does not
   already give a role (unlike `<reponame>`/`<file_sep>`, which it detects as FIM repo/sep).
 
+- SmolLM2-135M-other-vocab.gguf: the default model with the text of one unused control token
+  (OTHER_VOCAB_TOKEN below) changed: a file whose vocabulary differs from the default's, for the
+  test that a model swapped under the daemon is refused.
+
 Needs the `gguf` package (pip install gguf). Idempotent: an output newer than both the input and
 this script is left alone.
 """
@@ -33,6 +37,9 @@ DEFAULT_MODEL = os.path.join(
 
 TOOLS_THINK_NAME = "SmolLM2-135M-tools-think.gguf"
 FIM_NAME = "SmolLM2-135M-fim.gguf"
+OTHER_VOCAB_NAME = "SmolLM2-135M-other-vocab.gguf"
+# (token id, its text in the default model, its text in the other vocabulary)
+OTHER_VOCAB_TOKEN = (16, "<empty_output>", "<superfluid_other_vocab>")
 
 # (metadata key, token id, the token's text, checked against the vocabulary)
 FIM_TOKENS = [
@@ -124,8 +131,9 @@ def main():
     folder = os.path.dirname(os.path.abspath(model))
     tools_think = os.path.join(folder, TOOLS_THINK_NAME)
     fim = os.path.join(folder, FIM_NAME)
+    other = os.path.join(folder, OTHER_VOCAB_NAME)
     inputs = [model, os.path.abspath(__file__)]
-    todo = [p for p in (tools_think, fim) if not up_to_date(p, inputs)]
+    todo = [p for p in (tools_think, fim, other) if not up_to_date(p, inputs)]
     if todo:
         reader = gguf.GGUFReader(model, "r")
         tokens = reader.get_field(gguf.Keys.Tokenizer.LIST).contents()
@@ -140,8 +148,16 @@ def main():
             copy_with(reader, tools_think, {gguf.Keys.Tokenizer.CHAT_TEMPLATE: (S, TOOLS_THINK_TEMPLATE)})
         if fim in todo:
             copy_with(reader, fim, {key: (U32, tid) for key, tid, _ in FIM_TOKENS})
+        if other in todo:
+            tid, was, now = OTHER_VOCAB_TOKEN
+            if tokens[tid] != was or types[tid] != gguf.TokenType.CONTROL:
+                sys.exit(f"make-test-models: token {tid} of {model} is not the control token {was!r}")
+            changed = list(tokens)
+            changed[tid] = now
+            copy_with(reader, other, {gguf.Keys.Tokenizer.LIST: (gguf.GGUFValueType.ARRAY, changed)})
     print(tools_think)
     print(fim)
+    print(other)
 
 
 if __name__ == "__main__":

@@ -196,6 +196,10 @@ impl Render for ModelRender {
     fn n_vocab(&self) -> u32 {
         self.vocab.n_vocab()
     }
+
+    fn vocab_digest(&self) -> Option<[u8; 32]> {
+        Some(self.vocab.digest())
+    }
     fn tokenize(&self, text: &str) -> Vec<Token> {
         self.vocab.tokenize(text, false)
     }
@@ -375,6 +379,9 @@ pub fn start_actors(
             park: config
                 .park_budget_gb
                 .map(|gb| (park_dir(&config.sessions), gb)),
+            vocabulary: render
+                .vocab_digest()
+                .map(|digest| (render.n_vocab(), digest)),
         },
         SchedulerState::new(w.n_ctx, w.n_seq, w.n_batch)
             .with_pin_budget_pct(config.pin_budget_pct)

@@ -33,7 +33,7 @@ use tokio::net::unix::pipe;
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::wire::frame::encode_frame;
-use crate::wire::worker::{WorkerConfig, WorkerRequest, WorkerResponse};
+use crate::wire::worker::{ReplyCheck, WorkerConfig, WorkerRequest, WorkerResponse};
 use crate::wire::{from_postcard, read_frame, to_postcard};
 
 /// The first respawn waits this long; each further one in a row doubles it.
@@ -67,6 +67,14 @@ pub enum LaneError {
     Encode(String),
     #[error("the worker is not running")]
     NotRunning,
+    /// The worker loaded a model other than the daemon's (the file changed
+    /// under the daemon): nothing runs on it.
+    #[error("{0}")]
+    WrongModel(String),
+    /// A reply that cannot answer its request (a token id outside the
+    /// vocabulary, draws not asked for): the worker is stopped.
+    #[error("the worker's reply was refused: {0}")]
+    BadReply(String),
     #[error("the model lane stopped")]
     Stopped,
 }
@@ -196,6 +204,9 @@ pub struct LaneConfig {
     pub cache_ram_mb: u64,
     /// `--park`: the park directory and `--park-budget-gb`.
     pub park: Option<(PathBuf, u64)>,
+    /// The vocabulary the daemon tokenizes with (its size and digest): a
+    /// worker whose `Ready` names another is refused.
+    pub vocabulary: Option<(u32, [u8; 32])>,
 }
 
 type Reply = oneshot::Sender<Result<WorkerResponse, LaneError>>;
@@ -209,8 +220,13 @@ pub struct LaneActor {
     /// written when the lane stops (its arbiter may not run the stdin task
     /// again by then).
     stdin_for_shutdown: Option<std::fs::File>,
-    /// Replies awaited from the worker, oldest first.
-    in_flight: VecDeque<Reply>,
+    /// Replies awaited from the worker, oldest first, with what each may hold.
+    in_flight: VecDeque<(Reply, ReplyCheck)>,
+    /// The first worker's `Ready` config: every later worker must match it
+    /// (the scheduler was sized by it).
+    first_config: Option<WorkerConfig>,
+    /// The vocabulary size of the worker now running.
+    n_vocab: u32,
     /// Requests held until the worker says Ready.
     held: VecDeque<(WorkerRequest, Reply)>,
     ready: bool,
@@ -231,6 +247,8 @@ impl LaneActor {
             to_worker: None,
             stdin_for_shutdown: None,
             in_flight: VecDeque::new(),
+            first_config: None,
+            n_vocab: 0,
             held: VecDeque::new(),
             ready: false,
             incarnation: 0,
@@ -375,6 +393,37 @@ impl LaneActor {
         self.child = Some(child);
     }
 
+    /// Why a worker's `Ready` is refused, if it is: another vocabulary than
+    /// the daemon's, or another configuration than the first worker's.
+    fn check_ready(
+        &mut self,
+        config: &WorkerConfig,
+        n_vocab: u32,
+        digest: &[u8; 32],
+    ) -> Result<(), String> {
+        if let Some((want_n, want_digest)) = &self.config.vocabulary {
+            if (n_vocab, digest) != (*want_n, want_digest) {
+                return Err(format!(
+                    "the model file {} changed since the daemon started: its vocabulary \
+                     ({n_vocab} tokens) is not the one the daemon tokenizes with ({want_n} \
+                     tokens); restore the file or restart the daemon",
+                    self.config.model.display()
+                ));
+            }
+        }
+        match &self.first_config {
+            Some(first) if first != config => Err(format!(
+                "the new worker runs {config:?}, not {first:?} like the first one; restart \
+                 the daemon"
+            )),
+            Some(_) => Ok(()),
+            None => {
+                self.first_config = Some(config.clone());
+                Ok(())
+            }
+        }
+    }
+
     fn schedule_respawn(&mut self, ctx: &mut Context<Self>) {
         self.state.send_replace(LaneState::Respawning);
         let shift = self.failures_in_a_row.min(6);
@@ -401,7 +450,9 @@ impl LaneActor {
             }
         };
         match &self.to_worker {
-            Some(tx) if tx.send(frame).is_ok() => self.in_flight.push_back(reply),
+            Some(tx) if tx.send(frame).is_ok() => {
+                self.in_flight.push_back((reply, ReplyCheck::of(&request)))
+            }
             _ => {
                 let _ = reply.send(Err(LaneError::NotRunning));
             }
@@ -480,14 +531,33 @@ impl Handler<FromWorker> for LaneActor {
                 return;
             }
         }
-        if let WorkerResponse::Ready { config, n_vocab } = &msg.response {
+        if let WorkerResponse::Ready {
+            config,
+            n_vocab,
+            vocab_digest,
+        } = &msg.response
+        {
+            if let Err(why) = self.check_ready(config, *n_vocab, vocab_digest) {
+                // Refused: the held requests fail with why, and the worker
+                // is stopped; the respawn (with its growing delay) tries
+                // again, so restoring the file brings the lane back.
+                let error = LaneError::WrongModel(why);
+                log::error!("{error}");
+                for (_, reply) in self.held.drain(..) {
+                    let _ = reply.send(Err(error.clone()));
+                }
+                if let Some(child) = &mut self.child {
+                    let _ = child.kill();
+                }
+                return;
+            }
+            self.n_vocab = *n_vocab;
             log::info!(
                 "worker ready: {n_vocab} tokens, {} KV cells, {} sequences",
                 config.n_ctx,
                 config.n_seq
             );
             self.ready = true;
-            self.failures_in_a_row = 0;
             self.state.send_replace(LaneState::Ready);
             while let Some((request, reply)) = self.held.pop_front() {
                 self.send_now(request, reply);
@@ -495,9 +565,25 @@ impl Handler<FromWorker> for LaneActor {
             return;
         }
         match self.in_flight.pop_front() {
-            Some(reply) => {
-                let _ = reply.send(Ok(msg.response));
-            }
+            Some((reply, check)) => match check.verify(&msg.response, self.n_vocab) {
+                Ok(()) => {
+                    // A worker that answered is a good start: the respawn
+                    // delay starts over (not at Ready, or a request that
+                    // crashes each new worker would be retried at full speed).
+                    self.failures_in_a_row = 0;
+                    let _ = reply.send(Ok(msg.response));
+                }
+                Err(why) => {
+                    // A worker that answers nonsense is broken: nothing of
+                    // it is used, and it is replaced.
+                    let error = LaneError::BadReply(why);
+                    log::error!("{error}; stopping the worker");
+                    let _ = reply.send(Err(error));
+                    if let Some(child) = &mut self.child {
+                        let _ = child.kill();
+                    }
+                }
+            },
             None => log::warn!("unexpected reply from the worker: {:?}", msg.response),
         }
     }
@@ -529,7 +615,7 @@ impl Handler<WorkerGone> for LaneActor {
         self.to_worker = None;
         self.stdin_for_shutdown = None;
         self.ready = false;
-        for reply in self.in_flight.drain(..) {
+        for (reply, _) in self.in_flight.drain(..) {
             let _ = reply.send(Err(error.clone()));
         }
         // Requests held for a worker that never became ready fail too: a

@@ -41,7 +41,29 @@ impl std::fmt::Debug for Vocab {
     }
 }
 
+/// SHA-256 of a model's vocabulary: its size, then every token's text
+/// (control tokens as their text) in id order, each length-prefixed. Two
+/// files whose digests differ do not give their ids the same meaning.
+pub fn vocab_digest(model: &LlamaModel) -> [u8; 32] {
+    use sha2::{Digest, Sha256};
+    let vocab = model.vocab();
+    let n = vocab.n_tokens().max(0);
+    let mut h = Sha256::new();
+    h.update(u64::from(n.unsigned_abs()).to_le_bytes());
+    for t in 0..n {
+        let piece = vocab.token_to_piece(LlamaToken(t), true, None);
+        h.update((piece.len() as u64).to_le_bytes());
+        h.update(&piece);
+    }
+    h.finalize().into()
+}
+
 impl Vocab {
+    /// The digest of this vocabulary ([`vocab_digest`]).
+    pub fn digest(&self) -> [u8; 32] {
+        vocab_digest(&self.model)
+    }
+
     /// Load the vocabulary of the GGUF model at `path`.
     ///
     /// The path must exist and start with the `GGUF` magic bytes; both are checked here, before

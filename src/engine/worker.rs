@@ -4,7 +4,7 @@
 //! them in length-prefixed postcard frames ([`crate::wire::frame`]):
 //!
 //! 1. The worker loads the model and creates its context ([`WorkerEngine::new`]), then writes
-//!    `Ready { config, n_vocab }` as its first frame (`config` as llama.cpp applied it: `n_ctx`
+//!    `Ready { config, n_vocab, vocab_digest }` as its first frame (`config` as llama.cpp applied it: `n_ctx`
 //!    padded to a multiple of 256, `n_batch` capped at `n_ctx`). If loading fails it writes one
 //!    `Err { message }` frame instead and exits with status 1.
 //! 2. Then, for each request frame on stdin, exactly one reply frame, in order, flushed at once.

@@ -89,6 +89,11 @@ pub fn conversation_by_spans<R: Render + ?Sized>(
 pub trait Render: Send + Sync {
     /// The vocabulary's size: every token id must be below it.
     fn n_vocab(&self) -> u32;
+    /// SHA-256 of the vocabulary (`engine::vocab::vocab_digest`), when the
+    /// renderer has a real one: the lane checks each worker's against it.
+    fn vocab_digest(&self) -> Option<[u8; 32]> {
+        None
+    }
     /// Plain text to tokens, with no special-token parsing and no BOS.
     fn tokenize(&self, text: &str) -> Vec<Token>;
     /// Tokens back to text.

@@ -167,6 +167,9 @@ pub enum WorkerResponse {
     Ready {
         config: WorkerConfig,
         n_vocab: u32,
+        /// SHA-256 of the vocabulary (every token's text in id order): a
+        /// model file swapped under the daemon shows here.
+        vocab_digest: [u8; 32],
     },
     Decoded {
         drawn: Vec<Drawn>,
@@ -196,4 +199,145 @@ pub enum WorkerResponse {
     NotRestored {
         seq: u32,
     },
+}
+
+/// What a reply may hold, kept by the lane for each request in flight (a
+/// few numbers, not the request): the draws of a `Decode` or `DecodeNext`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ReplyCheck {
+    /// `Decode`: exactly one draw per sampling item, on its sequence, in
+    /// order.
+    Decode { seqs: Vec<u32> },
+    /// `DecodeNext`: at most `steps` draws per item (none when the draw
+    /// before it ended the turn: it was queued before that draw was known),
+    /// each on one of the items' sequences.
+    Next { seqs: Vec<(u32, u32)> },
+    /// Anything else: the reply's kind is not checked here.
+    Other,
+}
+
+impl ReplyCheck {
+    pub fn of(request: &WorkerRequest) -> ReplyCheck {
+        match request {
+            WorkerRequest::Decode { items } => ReplyCheck::Decode {
+                seqs: items
+                    .iter()
+                    .filter(|i| i.sample.is_some())
+                    .map(|i| i.seq)
+                    .collect(),
+            },
+            WorkerRequest::DecodeNext { items } => ReplyCheck::Next {
+                seqs: items.iter().map(|i| (i.seq, i.steps)).collect(),
+            },
+            _ => ReplyCheck::Other,
+        }
+    }
+
+    /// Why `reply` cannot be the worker's answer to the request, if it
+    /// cannot: a token id outside the vocabulary of `n_vocab` tokens, or
+    /// draws that do not match what was asked.
+    pub fn verify(&self, reply: &WorkerResponse, n_vocab: u32) -> Result<(), String> {
+        let WorkerResponse::Decoded { drawn, .. } = reply else {
+            return Ok(());
+        };
+        if let Some(d) = drawn.iter().find(|d| d.token >= n_vocab) {
+            return Err(format!(
+                "the worker drew token {} on sequence {}, outside the vocabulary of {n_vocab} tokens",
+                d.token, d.seq
+            ));
+        }
+        match self {
+            ReplyCheck::Decode { seqs } => {
+                let got: Vec<u32> = drawn.iter().map(|d| d.seq).collect();
+                if &got != seqs {
+                    return Err(format!(
+                        "the worker drew on sequences {got:?} where {seqs:?} were asked"
+                    ));
+                }
+            }
+            ReplyCheck::Next { seqs } => {
+                for &(seq, steps) in seqs {
+                    let n = drawn.iter().filter(|d| d.seq == seq).count();
+                    if n > steps as usize {
+                        return Err(format!(
+                            "the worker drew {n} tokens on sequence {seq} where at most {steps} \
+                             were asked"
+                        ));
+                    }
+                }
+                if let Some(d) = drawn
+                    .iter()
+                    .find(|d| !seqs.iter().any(|&(s, _)| s == d.seq))
+                {
+                    return Err(format!(
+                        "the worker drew on sequence {}, which was not asked",
+                        d.seq
+                    ));
+                }
+            }
+            ReplyCheck::Other => {
+                return Err("the worker answered Decoded to a request that decodes nothing".into())
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod check_tests {
+    use super::*;
+
+    fn drawn(seq: u32, token: Token) -> Drawn {
+        Drawn {
+            seq,
+            token,
+            eog: false,
+            logprob: None,
+        }
+    }
+
+    fn decoded(d: Vec<Drawn>) -> WorkerResponse {
+        WorkerResponse::Decoded {
+            drawn: d,
+            tokens: 1,
+            decode_us: 1,
+        }
+    }
+
+    #[test]
+    fn draws_are_checked_against_what_was_asked_and_the_vocabulary() {
+        let c = ReplyCheck::Decode { seqs: vec![0, 2] };
+        assert!(c
+            .verify(&decoded(vec![drawn(0, 5), drawn(2, 9)]), 10)
+            .is_ok());
+        // An id outside the vocabulary, a missing draw, a draw not asked for.
+        assert!(c
+            .verify(&decoded(vec![drawn(0, 5), drawn(2, 10)]), 10)
+            .is_err());
+        assert!(c.verify(&decoded(vec![drawn(0, 5)]), 10).is_err());
+        assert!(c
+            .verify(&decoded(vec![drawn(0, 5), drawn(1, 1)]), 10)
+            .is_err());
+        // Errors and other replies are the caller's to read.
+        assert!(c
+            .verify(
+                &WorkerResponse::KvFull {
+                    n_ctx: 1,
+                    tokens: 2
+                },
+                10
+            )
+            .is_ok());
+        let n = ReplyCheck::Next { seqs: vec![(1, 3)] };
+        assert!(n
+            .verify(&decoded(vec![drawn(1, 1), drawn(1, 2)]), 10)
+            .is_ok());
+        assert!(n.verify(&decoded(vec![]), 10).is_ok(), "the turn had ended");
+        assert!(n.verify(&decoded(vec![drawn(1, 1); 4]), 10).is_err());
+        assert!(n
+            .verify(&decoded(vec![drawn(1, 1), drawn(3, 1)]), 10)
+            .is_err());
+        assert!(ReplyCheck::Other.verify(&decoded(vec![]), 10).is_err());
+        assert!(ReplyCheck::Other.verify(&WorkerResponse::Done, 10).is_ok());
+    }
 }

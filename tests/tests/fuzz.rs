@@ -330,6 +330,7 @@ fn regenerate_corpus() {
                 threads: 4,
             },
             n_vocab: 32000,
+            vocab_digest: [7; 32],
         },
         WorkerResponse::Decoded {
             drawn: vec![

@@ -303,6 +303,78 @@ fn worker_killed_mid_generation() {
     assert_ne!(worker_pid(d.pid()), worker, "a new worker runs");
 }
 
+/// A model file swapped under the daemon (another vocabulary, so its ids
+/// mean other text) is refused when the next worker starts: generations
+/// fail with a message naming the file and commit no output, and putting the
+/// file back brings the lane back.
+#[test]
+fn a_worker_on_a_swapped_model_file_is_refused() {
+    let mut d = TestDaemon::new();
+    let model = d.path().join("model.gguf");
+    std::fs::copy(crate::util::model_path(), &model).unwrap();
+    d.model = model.clone();
+    d.spawn_and_wait();
+    let mut c = d.client();
+    let s = asked(&mut c, sampled(5), QUESTION);
+    assert!(matches!(
+        generate(&mut c, s, 4).1,
+        Response::Generated { .. }
+    ));
+    let swap = |from: &std::path::Path| {
+        let part = d.path().join("model.part");
+        std::fs::copy(from, &part).unwrap();
+        std::fs::rename(&part, &model).unwrap();
+    };
+    swap(&crate::util::derived_model("SmolLM2-135M-other-vocab.gguf"));
+    let outputs = |events: &[Event]| {
+        events
+            .iter()
+            .filter(|e| matches!(e.body, Record::Generated { .. } | Record::ToolUse { .. }))
+            .count()
+    };
+    let before = outputs(&d.read_all(s));
+    unsafe { libc::kill(worker_pid(d.pid()) as i32, libc::SIGKILL) };
+    // Until the new worker is refused, a request can still meet the dead
+    // one ("the worker died"); none may generate.
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        let (_, last) = generate(&mut c, s, 4);
+        let Response::Err { message } = &last else {
+            panic!("a worker on another vocabulary generated: {last:?}");
+        };
+        if message.contains("changed since the daemon started") {
+            assert!(message.contains("model.gguf"), "{message}");
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never refused: {message}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(
+        outputs(&d.read_all(s)),
+        before,
+        "nothing generated was committed"
+    );
+    swap(&crate::util::model_path());
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        match generate(&mut c, s, 4).1 {
+            Response::Generated { .. } => break,
+            Response::Err { message } => {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "never back: {message}"
+                );
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert!(outputs(&d.read_all(s)) > before);
+}
+
 fn worker_pid(daemon: u32) -> u32 {
     for _ in 0..500 {
         let children = std::fs::read_dir(format!("/proc/{daemon}/task"))

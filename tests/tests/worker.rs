@@ -79,7 +79,10 @@ impl Worker {
             .expect("read Ready")
             .expect("EOF before Ready");
         let ready: WorkerResponse = from_postcard(&body).expect("Ready parses");
-        let WorkerResponse::Ready { config, n_vocab } = ready else {
+        let WorkerResponse::Ready {
+            config, n_vocab, ..
+        } = ready
+        else {
             panic!("first frame is not Ready: {ready:?}");
         };
         Worker {

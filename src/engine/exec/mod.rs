@@ -108,6 +108,8 @@ pub struct WorkerEngine {
     /// The configuration as llama.cpp applied it (`n_ctx` padded, `n_batch` capped).
     config: WorkerConfig,
     n_vocab: u32,
+    /// The vocabulary's digest, for `Ready`.
+    vocab_digest: [u8; 32],
     /// Per sequence: its length and its last draw.
     seqs: SeqTable,
     /// Per sequence: its generation's draws, for penalties.
@@ -168,6 +170,7 @@ impl WorkerEngine {
             }
         })?;
         let model = Box::new(model);
+        let vocab_digest = crate::engine::vocab::vocab_digest(&model);
         let n_vocab = u32::try_from(model.vocab().n_tokens()).unwrap_or(0);
         if n_vocab == 0 {
             return Err(EngineError::EmptyVocabulary);
@@ -218,6 +221,7 @@ impl WorkerEngine {
             penalties: Penalties::new(n_seq),
             config: effective,
             n_vocab,
+            vocab_digest,
             row: Vec::with_capacity(n_vocab as usize),
             mask: Vec::new(),
             spill: SpillStore::new(0),
@@ -265,6 +269,7 @@ impl WorkerEngine {
         WorkerResponse::Ready {
             config: self.config.clone(),
             n_vocab: self.n_vocab,
+            vocab_digest: self.vocab_digest,
         }
     }
 
