@@ -25,6 +25,8 @@ use std::os::fd::OwnedFd;
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use actix::prelude::*;
@@ -67,6 +69,11 @@ pub enum LaneError {
     Encode(String),
     #[error("the worker is not running")]
     NotRunning,
+    /// The worker died before the request reached it (its stdin was
+    /// already closed): nothing of it ran, so the scheduler may run it
+    /// again on the next worker.
+    #[error("the worker died before it got the request ({0})")]
+    NotDelivered(String),
     /// The worker loaded a model other than the daemon's (the file changed
     /// under the daemon): nothing runs on it.
     #[error("{0}")]
@@ -220,13 +227,21 @@ pub struct LaneActor {
     /// written when the lane stops (its arbiter may not run the stdin task
     /// again by then).
     stdin_for_shutdown: Option<std::fs::File>,
-    /// Replies awaited from the worker, oldest first, with what each may hold.
-    in_flight: VecDeque<(Reply, ReplyCheck)>,
+    /// Replies awaited from the worker, oldest first, with what each may
+    /// hold and the number of its frame (this worker's first is 0).
+    in_flight: VecDeque<(Reply, ReplyCheck, u64)>,
+    /// Frames handed to this worker's stdin task, and (shared with it)
+    /// frames it wrote whole into the pipe.
+    frames_sent: u64,
+    frames_written: Arc<AtomicU64>,
     /// The first worker's `Ready` config: every later worker must match it
     /// (the scheduler was sized by it).
     first_config: Option<WorkerConfig>,
     /// The vocabulary size of the worker now running.
     n_vocab: u32,
+    /// Why the lane stopped the worker now exiting (its `Ready` was
+    /// refused): what it leaves fails with this, not as a death.
+    refused: Option<LaneError>,
     /// Requests held until the worker says Ready.
     held: VecDeque<(WorkerRequest, Reply)>,
     ready: bool,
@@ -247,8 +262,11 @@ impl LaneActor {
             to_worker: None,
             stdin_for_shutdown: None,
             in_flight: VecDeque::new(),
+            frames_sent: 0,
+            frames_written: Arc::default(),
             first_config: None,
             n_vocab: 0,
+            refused: None,
             held: VecDeque::new(),
             ready: false,
             incarnation: 0,
@@ -379,14 +397,19 @@ impl LaneActor {
         };
         actix::spawn(relay_stderr(stderr));
         let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
+        self.frames_sent = 0;
+        self.frames_written = Arc::default();
+        let written = self.frames_written.clone();
         actix::spawn(async move {
             // Ends when the lane drops the sender (the worker is gone or
             // being replaced), closing the worker's stdin, or on a write
-            // error (the reader reports the death).
+            // error (the reader reports the death). The count tells the lane
+            // which requests the worker could have read.
             while let Some(frame) = rx.recv().await {
                 if stdin.write_all(&frame).await.is_err() {
                     break;
                 }
+                written.fetch_add(1, Ordering::SeqCst);
             }
         });
         self.to_worker = Some(tx);
@@ -451,7 +474,9 @@ impl LaneActor {
         };
         match &self.to_worker {
             Some(tx) if tx.send(frame).is_ok() => {
-                self.in_flight.push_back((reply, ReplyCheck::of(&request)))
+                self.in_flight
+                    .push_back((reply, ReplyCheck::of(&request), self.frames_sent));
+                self.frames_sent += 1;
             }
             _ => {
                 let _ = reply.send(Err(LaneError::NotRunning));
@@ -546,6 +571,7 @@ impl Handler<FromWorker> for LaneActor {
                 for (_, reply) in self.held.drain(..) {
                     let _ = reply.send(Err(error.clone()));
                 }
+                self.refused = Some(error);
                 if let Some(child) = &mut self.child {
                     let _ = child.kill();
                 }
@@ -565,7 +591,7 @@ impl Handler<FromWorker> for LaneActor {
             return;
         }
         match self.in_flight.pop_front() {
-            Some((reply, check)) => match check.verify(&msg.response, self.n_vocab) {
+            Some((reply, check, _)) => match check.verify(&msg.response, self.n_vocab) {
                 Ok(()) => {
                     // A worker that answered is a good start: the respawn
                     // delay starts over (not at Ready, or a request that
@@ -607,16 +633,24 @@ impl Handler<WorkerGone> for LaneActor {
             })
             .map(|s| s.to_string())
             .unwrap_or_else(|| "unknown status".into());
-        let error = LaneError::WorkerDied {
+        let error = self.refused.take().unwrap_or(LaneError::WorkerDied {
             reason: msg.reason,
             status,
-        };
+        });
         log::error!("{error}; starting a new one");
         self.to_worker = None;
         self.stdin_for_shutdown = None;
         self.ready = false;
-        for (reply, _) in self.in_flight.drain(..) {
-            let _ = reply.send(Err(error.clone()));
+        // What the worker could have read fails; what never reached it (its
+        // stdin was closed, or the write not yet tried) is NotDelivered, which
+        // the scheduler runs again on the next worker.
+        let written = self.frames_written.load(Ordering::SeqCst);
+        for (reply, _, frame) in self.in_flight.drain(..) {
+            let _ = reply.send(Err(if frame < written {
+                error.clone()
+            } else {
+                LaneError::NotDelivered(error.to_string())
+            }));
         }
         // Requests held for a worker that never became ready fail too: a
         // respawn that keeps failing must not leave them waiting forever.

@@ -11,7 +11,7 @@ use std::collections::HashMap;
 
 use actix::prelude::*;
 
-use super::lane::{Exec, LaneActor, LaneReset};
+use super::lane::{Exec, LaneActor, LaneError, LaneReset};
 use crate::scheduler::pipeline::{Pipeline, StepOutput, StepResult, PIPELINE_DEPTH};
 use crate::scheduler::{Admit, GenEvent, GenId, SchedulerError, SchedulerState, Stats, StepError};
 
@@ -101,6 +101,7 @@ impl SchedulerActor {
                 async move {
                     match reply.await {
                         Ok(Ok(replies)) => StepOutput::from_replies(replies),
+                        Ok(Err(LaneError::NotDelivered(why))) => Err(StepError::NotDelivered(why)),
                         Ok(Err(e)) => Err(StepError::Failed(e.to_string())),
                         Err(e) => Err(StepError::Failed(e.to_string())),
                     }
@@ -179,9 +180,10 @@ impl Handler<LaneReset> for SchedulerActor {
 
     fn handle(&mut self, msg: LaneReset, ctx: &mut Context<Self>) {
         // A step in flight fails by itself (its Exec errs); idle state is
-        // forgotten here so nothing trusts the dead worker's KV.
+        // forgotten here so nothing trusts the dead worker's KV (a generation
+        // between two steps fails; one with nothing drawn runs again).
         if self.pipeline.is_empty() {
-            let events = self.state.fail_all(&msg.0.to_string());
+            let events = self.state.lane_failed(&[], &msg.0.to_string());
             self.notify_owners(events);
             self.kick(ctx);
         }

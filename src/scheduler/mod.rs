@@ -101,9 +101,14 @@ pub enum StepError {
     /// back): the scheduler makes room, or ends a generation.
     #[error("the worker's KV cache is full")]
     KvFull,
-    /// The lane or the worker failed it; every generation fails with this text.
+    /// The lane or the worker failed it: its generations, and every one that
+    /// has drawn tokens, fail with this text; the others run again.
     #[error("{0}")]
     Failed(String),
+    /// The worker died before the step reached it: nothing of it ran. Only
+    /// generations that have drawn tokens fail; the step's others run again.
+    #[error("{0}")]
+    NotDelivered(String),
     /// A `KvRestore` of the step found nothing to restore or no room: the
     /// sequence is empty, and its generation prefills instead.
     #[error("sequence {seq} was not restored from host memory")]

@@ -43,7 +43,8 @@ impl SchedulerState {
                 }
                 return match e {
                     StepError::KvFull => self.kv_full(step),
-                    StepError::Failed(message) => self.fail_all(&message),
+                    StepError::Failed(message) => self.lane_failed(&step.gens, &message),
+                    StepError::NotDelivered(message) => self.lane_failed(&[], &message),
                     StepError::NotRestored { seq } => self.not_restored(seq),
                 };
             }
@@ -281,24 +282,38 @@ impl SchedulerState {
         }
     }
 
-    /// The lane failed (a decode error or a worker crash): every generation
-    /// fails and no sequence's contents can be trusted.
-    pub fn fail_all(&mut self, message: &str) -> Vec<GenEvent> {
-        let gens: Vec<GenId> = self.gens.keys().copied().collect();
+    /// The lane failed: a decode error, or a worker that died. No
+    /// sequence's contents can be trusted. What was really in flight fails
+    /// with `message`: the generations of `in_step` (a step the worker got)
+    /// and every generation that has drawn tokens for its client. The
+    /// others, of which nothing was computed for their clients, wait again
+    /// and run from their prompts on the next worker; cancelled ones end.
+    pub fn lane_failed(&mut self, in_step: &[GenId], message: &str) -> Vec<GenEvent> {
         for s in &mut self.seqs {
             *s = Seq::default();
         }
         self.dirty = true;
-        // The worker's host store is as untrusted as its cells.
         let keys = self.spill.clear();
         self.spill_orphans.extend(keys);
-        gens.into_iter()
-            .filter_map(|gen| {
-                self.gens.remove(&gen).map(|_| GenEvent::Failed {
+        for g in self.gens.values_mut() {
+            g.seq = None;
+            g.inflight = 0;
+        }
+        let mut ids: Vec<GenId> = self.gens.keys().copied().collect();
+        ids.sort_unstable();
+        let mut events = Vec::new();
+        for gen in ids {
+            let g = &self.gens[&gen];
+            if g.cancelled {
+                events.extend(self.finish_gen(gen, Some(Finish::Cancelled), ""));
+            } else if in_step.contains(&gen) || g.produced > 0 {
+                self.gens.remove(&gen);
+                events.push(GenEvent::Failed {
                     gen,
                     message: message.to_string(),
-                })
-            })
-            .collect()
+                });
+            }
+        }
+        events
     }
 }

@@ -245,6 +245,67 @@ fn failure_fails_everything_and_forgets_the_kv() {
     assert!(s.resident(0).is_empty());
 }
 
+/// A step the worker never got (it had died) fails nothing that had not
+/// drawn: the step's generations run again from their prompts on the next
+/// worker. One that had drawn tokens fails (it was running on the dead
+/// worker), and so do the generations of a step the worker did get.
+#[test]
+fn a_step_the_dead_worker_never_got_runs_again() {
+    let mut s = SchedulerState::new(4096, 2, 512);
+    let a = s.admit(admit(1, &[1, 2, 3], 5)).unwrap();
+    let (step, _) = s.plan();
+    let step = step.unwrap();
+    assert_eq!(step.gens, vec![a]);
+    let events = s.step_done(&step, Err(StepError::NotDelivered("worker died".into())));
+    assert_eq!(events, vec![], "nothing of a ran, so nothing fails");
+    assert!(
+        s.resident(0).is_empty(),
+        "the dead worker's KV is forgotten"
+    );
+    // It runs again, from its prompt, to its end.
+    let events = run_to_end(&mut s);
+    assert_eq!(finish_of(&events, a), Some(Finish::MaxTokens));
+    assert_eq!(tokens_of(&events, a).len(), 5);
+
+    // b has drawn; c waits for a sequence: the worker dies under a step of
+    // b's that it never got. b fails, c runs.
+    let mut s = SchedulerState::new(4096, 1, 512);
+    let b = s.admit(admit(2, &[4, 5], 5)).unwrap();
+    let c = s.admit(admit(3, &[6, 7], 2)).unwrap();
+    let (step, _) = s.plan();
+    let drawn = vec![Drawn {
+        seq: 0,
+        token: 9,
+        eog: false,
+        logprob: None,
+    }];
+    s.step_done(&step.unwrap(), Ok(drawn));
+    let (step, _) = s.plan();
+    let events = s.step_done(&step.unwrap(), Err(StepError::NotDelivered("gone".into())));
+    assert_eq!(
+        events,
+        vec![GenEvent::Failed {
+            gen: b,
+            message: "gone".into()
+        }]
+    );
+    let events = run_to_end(&mut s);
+    assert_eq!(finish_of(&events, c), Some(Finish::MaxTokens));
+
+    // A step the worker got fails its generations even before they drew.
+    let mut s = SchedulerState::new(4096, 1, 512);
+    let d = s.admit(admit(4, &[1], 3)).unwrap();
+    let (step, _) = s.plan();
+    let events = s.step_done(&step.unwrap(), Err(StepError::Failed("died".into())));
+    assert_eq!(
+        events,
+        vec![GenEvent::Failed {
+            gen: d,
+            message: "died".into()
+        }]
+    );
+}
+
 #[test]
 fn qos_and_background_rate_and_batch_invariance() {
     let mut s = SchedulerState::new(4096, 1, 512);
@@ -1038,16 +1099,25 @@ fn a_waiter_runs_when_the_generation_it_waits_on_is_cancelled() {
     assert_eq!(tokens_of(&events, b).len(), 5);
     assert_eq!(s.stats().prefilled_tokens, prompt.len() as u64);
 
-    // A waiter whose awaited generation fails is failed too, and the lane
-    // goes on: nothing waits on a dead generation.
+    // A waiter whose awaited generation fails stops waiting and runs: the
+    // step failed only what it held, and nothing waits on a dead generation.
     let mut s = SchedulerState::new(4096, 2, 8);
-    s.admit(stateless(&prompt, 5)).unwrap();
-    s.admit(stateless(&prompt, 5)).unwrap();
+    let a = s.admit(stateless(&prompt, 5)).unwrap();
+    let b = s.admit(stateless(&prompt, 5)).unwrap();
     let (step, _) = s.plan();
-    let failed = s.step_done(&step.unwrap(), Err(StepError::Failed("boom".into())));
-    assert_eq!(failed.len(), 2);
+    let step = step.unwrap();
+    assert_eq!(step.gens, vec![a], "b waits for a's prefill");
+    let failed = s.step_done(&step, Err(StepError::Failed("boom".into())));
+    assert_eq!(
+        failed,
+        vec![GenEvent::Failed {
+            gen: a,
+            message: "boom".into()
+        }]
+    );
     let c = s.admit(stateless(&prompt, 1)).unwrap();
     let events = run_to_end(&mut s);
+    assert_eq!(finish_of(&events, b), Some(Finish::MaxTokens));
     assert_eq!(finish_of(&events, c), Some(Finish::MaxTokens));
 }
 
@@ -1364,7 +1434,7 @@ fn a_failed_lane_forgets_the_tier_and_the_worker_drops_it() {
     run_one(&mut s, &mut w, admit(1, &conversation(0), 8));
     run_one(&mut s, &mut w, admit(2, &conversation(1), 8));
     assert_eq!(w.store.len(), 1);
-    s.fail_all("the worker died");
+    s.lane_failed(&[], "the worker died");
     assert_eq!(s.stats().spilled_entries, 0);
     // The next step drops the keys in a worker that still has them.
     let g = s.admit(admit(1, &conversation(0), 1)).unwrap();

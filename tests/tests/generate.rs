@@ -303,6 +303,62 @@ fn worker_killed_mid_generation() {
     assert_ne!(worker_pid(d.pid()), worker, "a new worker runs");
 }
 
+/// A worker killed under one generation fails that one only: another,
+/// admitted but waiting for a sequence (`--parallel 1`), had nothing
+/// computed and runs on the next worker to its end.
+#[test]
+fn a_killed_worker_fails_only_what_it_was_running() {
+    let mut d = TestDaemon::new();
+    d.extra_args = vec!["--parallel".into(), "1".into()];
+    d.spawn_and_wait();
+    let mut c = d.client();
+    let running = asked(&mut c, sampled(5), QUESTION);
+    let waiting = asked(&mut c, sampled(6), "Name a colour.");
+    let start = |s: SessionId, max_tokens: u32| {
+        let socket = d.socket.clone();
+        std::thread::spawn(move || {
+            let mut c = Client::connect(&socket).unwrap();
+            c.generate(&Request::Generate {
+                session: s,
+                max_tokens,
+            })
+            .unwrap()
+        })
+    };
+    let a = start(running, 400);
+    d.until_generated(running);
+    let b = start(waiting, 8);
+    // b's turn is open (its header committed, then it is admitted) and it
+    // waits: the one sequence is a's.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !d
+        .read_all(waiting)
+        .iter()
+        .any(|e| matches!(e.body, Record::GenerationPrompt { .. }))
+    {
+        assert!(std::time::Instant::now() < deadline, "b never started");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        !d.read_all(waiting)
+            .iter()
+            .any(|e| matches!(e.body, Record::Generated { .. })),
+        "b drew before a ended: the test needs it waiting"
+    );
+    unsafe { libc::kill(worker_pid(d.pid()) as i32, libc::SIGKILL) };
+    let last_a = a.join().unwrap().pop().unwrap();
+    assert!(
+        matches!(&last_a, Response::Err { message } if message.contains("worker")),
+        "{last_a:?}"
+    );
+    let last_b = b.join().unwrap().pop().unwrap();
+    assert!(
+        matches!(last_b, Response::Generated { .. }),
+        "the waiting generation failed with the worker: {last_b:?}"
+    );
+}
+
 /// A model file swapped under the daemon (another vocabulary, so its ids
 /// mean other text) is refused when the next worker starts: generations
 /// fail with a message naming the file and commit no output, and putting the
@@ -336,7 +392,7 @@ fn a_worker_on_a_swapped_model_file_is_refused() {
     unsafe { libc::kill(worker_pid(d.pid()) as i32, libc::SIGKILL) };
     // Until the new worker is refused, a request can still meet the dead
     // one ("the worker died"); none may generate.
-    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
     loop {
         let (_, last) = generate(&mut c, s, 4);
         let Response::Err { message } = &last else {
@@ -348,7 +404,8 @@ fn a_worker_on_a_swapped_model_file_is_refused() {
         }
         assert!(
             std::time::Instant::now() < deadline,
-            "never refused: {message}"
+            "never refused: {message}\n{}",
+            d.stderr()
         );
         std::thread::sleep(Duration::from_millis(100));
     }
