@@ -26,6 +26,10 @@ use crate::wire::{Request, Response};
 /// queue fills meanwhile (see `bus`).
 pub const CONNECTION_QUEUE_FRAMES: usize = 64;
 
+/// The most live subscriptions one connection may hold: each is an actor
+/// and a bus queue, so a client cannot pile them up past this.
+pub const MAX_SUBSCRIPTIONS_PER_CONNECTION: usize = 64;
+
 /// The client is gone: its writer dropped the queue.
 #[derive(Debug)]
 pub struct Closed;
@@ -77,6 +81,16 @@ impl Connection {
                 cursor,
                 provisional,
             } => {
+                self.subs.retain(|_, a| a.connected());
+                if self.subs.len() >= MAX_SUBSCRIPTIONS_PER_CONNECTION {
+                    return self
+                        .reply(Response::err(format!(
+                            "this connection holds {} subscriptions, the most one may: \
+                             Unsubscribe one first",
+                            self.subs.len()
+                        )))
+                        .await;
+                }
                 let started = self
                     .registry
                     .send(Subscribe {
@@ -90,7 +104,6 @@ impl Connection {
                     .and_then(|started| started.map_err(|e| e.to_string()));
                 match started {
                     Ok((sub, addr)) => {
-                        self.subs.retain(|_, a| a.connected());
                         self.subs.insert(sub, addr.clone());
                         self.reply(Response::Subscribed { sub }).await?;
                         addr.do_send(Begin);

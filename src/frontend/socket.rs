@@ -130,11 +130,29 @@ async fn send<W: tokio::io::AsyncWrite + Unpin>(
     stream: &mut W,
     response: &Response,
 ) -> Result<(), FrameError> {
+    write_frame(stream, &encode_reply(response)).await
+}
+
+/// A reply's frame body. One over the frame cap (a `Read` of a huge
+/// session) becomes an `Err` saying so, so the client gets an answer and
+/// the connection stays usable instead of closing.
+pub fn encode_reply(response: &Response) -> Vec<u8> {
     let bytes = match to_postcard(response) {
         Ok(b) => b,
-        Err(e) => to_postcard(&Response::err(e.to_string())).unwrap_or_default(),
+        Err(e) => return to_postcard(&Response::err(e.to_string())).unwrap_or_default(),
     };
-    write_frame(stream, &bytes).await
+    if bytes.len() <= MAX_FRAME_BYTES {
+        return bytes;
+    }
+    let message = format!(
+        "the reply takes {} bytes, over the {MAX_FRAME_BYTES}-byte frame cap{}",
+        bytes.len(),
+        match response {
+            Response::Events { .. } => ": Read from a later cursor, in parts",
+            _ => "",
+        }
+    );
+    to_postcard(&Response::err(message)).unwrap_or_default()
 }
 
 /// Reads requests and runs them through a `Connection`; a writer task turns
@@ -232,5 +250,42 @@ impl Client {
         let bytes = to_postcard(request)?;
         crate::wire::write_frame_blocking(&mut self.stream, &bytes)?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::{from_postcard, Event, Record};
+
+    #[test]
+    fn a_reply_over_the_frame_cap_is_an_err_naming_it() {
+        let small = Response::Events { events: vec![] };
+        assert_eq!(
+            from_postcard::<Response>(&encode_reply(&small)).unwrap(),
+            small
+        );
+        let text = "x".repeat(MAX_FRAME_BYTES / 4 + 1);
+        let events = (0..4)
+            .map(|i| Event {
+                event_id: i,
+                epoch: 1,
+                ts_unix_ms: 0,
+                body: Record::Appended {
+                    text: text.clone(),
+                    span: vec![],
+                },
+            })
+            .collect();
+        let reply = from_postcard::<Response>(&encode_reply(&Response::Events { events })).unwrap();
+        match reply {
+            Response::Err { message } => {
+                assert!(
+                    message.contains("frame cap") && message.contains("later cursor"),
+                    "{message}"
+                )
+            }
+            other => panic!("{other:?}"),
+        }
     }
 }

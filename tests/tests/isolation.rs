@@ -91,3 +91,50 @@ fn a_huge_tool_schema_is_refused_fast_and_others_generate() {
     let replies = gen.join().unwrap();
     assert!(last_finish(&replies).is_ok(), "{replies:?}");
 }
+
+/// A connection holds at most `MAX_SUBSCRIPTIONS_PER_CONNECTION` live
+/// subscriptions: one more is an Err (and another connection is not
+/// affected); an Unsubscribe makes room again.
+#[test]
+fn subscriptions_per_connection_are_capped() {
+    use superfluid::frontend::conn::MAX_SUBSCRIPTIONS_PER_CONNECTION as MAX;
+    let d = TestDaemon::start();
+    let mut c = d.client();
+    let s = d.create(&mut c);
+    // The reply to a request, past the sub frames queued before it.
+    let reply = |c: &mut Client, req: &Request| {
+        let mut r = c.call(req).unwrap();
+        while matches!(
+            r,
+            Response::SubEvent { .. } | Response::SubProvisional { .. } | Response::SubEnded { .. }
+        ) {
+            r = c.read().unwrap();
+        }
+        r
+    };
+    let subscribe = Request::Subscribe {
+        session: s,
+        cursor: 0,
+        provisional: false,
+    };
+    let mut subs = Vec::new();
+    for _ in 0..MAX {
+        match reply(&mut c, &subscribe) {
+            Response::Subscribed { sub } => subs.push(sub),
+            other => panic!("{other:?}"),
+        }
+    }
+    match reply(&mut c, &subscribe) {
+        Response::Err { message } => assert!(message.contains("Unsubscribe"), "{message}"),
+        other => panic!("one over the cap was taken: {other:?}"),
+    }
+    let mut other = d.client();
+    assert!(matches!(
+        reply(&mut other, &subscribe),
+        Response::Subscribed { .. }
+    ));
+    let r = reply(&mut c, &Request::Unsubscribe { sub: subs[0] });
+    assert!(matches!(r, Response::Unsubscribed), "{r:?}");
+    let r = reply(&mut c, &subscribe);
+    assert!(matches!(r, Response::Subscribed { .. }), "{r:?}");
+}
