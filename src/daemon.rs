@@ -67,7 +67,13 @@ pub struct ServeConfig {
     pub cache_ram_mb: u64,
     /// `--park` with `--park-budget-gb` (0: unbounded); None: off.
     pub park_budget_gb: Option<u64>,
+    /// `--step-timeout-secs`: how long a worker step may run before the
+    /// worker is taken for hung (plus an allowance per token of work).
+    pub step_timeout: std::time::Duration,
 }
+
+/// `--step-timeout-secs` default.
+pub const DEFAULT_STEP_TIMEOUT_SECS: u64 = 60;
 
 /// `--park-budget-gb` default.
 pub const DEFAULT_PARK_BUDGET_GB: u64 = 20;
@@ -382,6 +388,7 @@ pub fn start_actors(
             vocabulary: render
                 .vocab_digest()
                 .map(|digest| (render.n_vocab(), digest)),
+            step_timeout: config.step_timeout,
         },
         SchedulerState::new(w.n_ctx, w.n_seq, w.n_batch)
             .with_pin_budget_pct(config.pin_budget_pct)

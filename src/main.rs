@@ -136,6 +136,12 @@ struct Serve {
     /// it is ended as lagged.
     #[arg(long, value_name = "EVENTS", default_value_t = superfluid::actors::bus::SUB_BUFFER_EVENTS)]
     sub_buffer: usize,
+    /// How long one worker step (a decode, a KV operation) may run, plus an
+    /// allowance per token it carries, before the worker is taken for hung:
+    /// it is killed, what it was running fails, and a new one starts.
+    #[arg(long, value_name = "SECS", default_value_t = daemon::DEFAULT_STEP_TIMEOUT_SECS,
+          value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    step_timeout_secs: u64,
 }
 
 #[derive(clap::Args)]
@@ -219,6 +225,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             sub_buffer: s.sub_buffer,
             cache_ram_mb: s.cache_ram_mb.unwrap_or_else(daemon::default_cache_ram_mb),
             park_budget_gb: s.park.then_some(s.park_budget_gb),
+            step_timeout: std::time::Duration::from_secs(s.step_timeout_secs),
         })
         .map_err(Into::into),
         Command::Worker(w) => superfluid::engine::worker::run(

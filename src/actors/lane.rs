@@ -27,7 +27,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
@@ -42,6 +42,8 @@ use crate::wire::{from_postcard, read_frame, to_postcard};
 const RESPAWN_DELAY_MS: u64 = 100;
 /// The longest wait between respawns.
 const RESPAWN_DELAY_MAX_MS: u64 = 5_000;
+/// How often the lane looks for a step past its deadline.
+const DEADLINE_CHECK: Duration = Duration::from_millis(250);
 /// OpenMP spin iterations before a waiting worker thread sleeps (libgomp's
 /// default is 300,000, a millisecond or so of two busy cores after each step).
 pub const WORKER_SPINCOUNT: &str = "20000";
@@ -78,6 +80,9 @@ pub enum LaneError {
     /// under the daemon): nothing runs on it.
     #[error("{0}")]
     WrongModel(String),
+    /// The worker did not answer within the step's deadline: it was killed.
+    #[error("{0}")]
+    Hung(String),
     /// A reply that cannot answer its request (a token id outside the
     /// vocabulary, draws not asked for): the worker is stopped.
     #[error("the worker's reply was refused: {0}")]
@@ -214,6 +219,35 @@ pub struct LaneConfig {
     /// The vocabulary the daemon tokenizes with (its size and digest): a
     /// worker whose `Ready` names another is refused.
     pub vocabulary: Option<(u32, [u8; 32])>,
+    /// `--step-timeout-secs`: the base of each request's deadline.
+    pub step_timeout: Duration,
+}
+
+/// The deadline of a request of `work` tokens: the base, plus 20 times what
+/// that many tokens took at the slowest rate seen (10 ms a token before any
+/// was seen), so a big prefill on a slow model is not taken for a hang.
+pub fn step_deadline(base: Duration, work: u64, slowest_us_per_token: u64) -> Duration {
+    let per_token = if slowest_us_per_token == 0 {
+        10_000
+    } else {
+        slowest_us_per_token.saturating_mul(20)
+    };
+    base + Duration::from_micros(work.saturating_mul(per_token))
+}
+
+/// The tokens of work a request carries, for its deadline.
+fn work_of(request: &WorkerRequest) -> u64 {
+    match request {
+        WorkerRequest::Decode { items } => items.iter().map(|i| i.tokens.len() as u64).sum(),
+        WorkerRequest::DecodeNext { items } => items.iter().map(|i| u64::from(i.steps)).sum(),
+        WorkerRequest::KvRestore { len, .. } | WorkerRequest::KvSpill { len, .. } => {
+            u64::from(*len)
+        }
+        WorkerRequest::KvPark { tokens, .. } | WorkerRequest::KvUnpark { tokens, .. } => {
+            tokens.len() as u64
+        }
+        _ => 0,
+    }
 }
 
 type Reply = oneshot::Sender<Result<WorkerResponse, LaneError>>;
@@ -228,8 +262,14 @@ pub struct LaneActor {
     /// again by then).
     stdin_for_shutdown: Option<std::fs::File>,
     /// Replies awaited from the worker, oldest first, with what each may
-    /// hold and the number of its frame (this worker's first is 0).
-    in_flight: VecDeque<(Reply, ReplyCheck, u64)>,
+    /// hold, the number of its frame (this worker's first is 0) and how long
+    /// the worker may take over it.
+    in_flight: VecDeque<(Reply, ReplyCheck, u64, Duration)>,
+    /// When the worker started on the oldest request in flight (the reply
+    /// before it arrived, or it was sent to an idle worker).
+    head_since: Instant,
+    /// The slowest decode rate seen, in µs a token (0: none seen yet).
+    slowest_us_per_token: u64,
     /// Frames handed to this worker's stdin task, and (shared with it)
     /// frames it wrote whole into the pipe.
     frames_sent: u64,
@@ -264,6 +304,8 @@ impl LaneActor {
             in_flight: VecDeque::new(),
             frames_sent: 0,
             frames_written: Arc::default(),
+            head_since: Instant::now(),
+            slowest_us_per_token: 0,
             first_config: None,
             n_vocab: 0,
             refused: None,
@@ -416,6 +458,46 @@ impl LaneActor {
         self.child = Some(child);
     }
 
+    /// The worker answered the oldest request in flight: it moves on to the
+    /// next one now, its decode rate is noted, and the reply is checked.
+    fn took_reply(&mut self, check: &ReplyCheck, response: &WorkerResponse) -> Result<(), String> {
+        self.head_since = Instant::now();
+        if let WorkerResponse::Decoded {
+            tokens, decode_us, ..
+        } = response
+        {
+            if *tokens > 0 {
+                let rate = decode_us / u64::from(*tokens);
+                self.slowest_us_per_token = self.slowest_us_per_token.max(rate);
+            }
+        }
+        check.verify(response, self.n_vocab)
+    }
+
+    /// A worker past the deadline of the request it is on is taken for hung
+    /// (a llama.cpp call that never returns, a pathological grammar): it is
+    /// killed, and the respawn path fails what it was running.
+    fn check_deadline(&mut self) {
+        let Some((_, _, _, deadline)) = self.in_flight.front() else {
+            return;
+        };
+        let waited = self.head_since.elapsed();
+        if waited <= *deadline || self.refused.is_some() {
+            return;
+        }
+        let error = LaneError::Hung(format!(
+            "the worker did not answer a step within {:.1} s (--step-timeout-secs {}, \
+             plus its work); it was stopped",
+            deadline.as_secs_f64(),
+            self.config.step_timeout.as_secs()
+        ));
+        log::error!("{error}");
+        self.refused = Some(error);
+        if let Some(child) = &mut self.child {
+            let _ = child.kill();
+        }
+    }
+
     /// Why a worker's `Ready` is refused, if it is: another vocabulary than
     /// the daemon's, or another configuration than the first worker's.
     fn check_ready(
@@ -474,8 +556,20 @@ impl LaneActor {
         };
         match &self.to_worker {
             Some(tx) if tx.send(frame).is_ok() => {
-                self.in_flight
-                    .push_back((reply, ReplyCheck::of(&request), self.frames_sent));
+                if self.in_flight.is_empty() {
+                    self.head_since = Instant::now();
+                }
+                let deadline = step_deadline(
+                    self.config.step_timeout,
+                    work_of(&request),
+                    self.slowest_us_per_token,
+                );
+                self.in_flight.push_back((
+                    reply,
+                    ReplyCheck::of(&request),
+                    self.frames_sent,
+                    deadline,
+                ));
                 self.frames_sent += 1;
             }
             _ => {
@@ -490,6 +584,7 @@ impl Actor for LaneActor {
 
     fn started(&mut self, ctx: &mut Context<Self>) {
         self.spawn_worker(ctx);
+        ctx.run_interval(DEADLINE_CHECK, |this, _| this.check_deadline());
     }
 
     fn stopped(&mut self, _: &mut Context<Self>) {
@@ -591,7 +686,7 @@ impl Handler<FromWorker> for LaneActor {
             return;
         }
         match self.in_flight.pop_front() {
-            Some((reply, check, _)) => match check.verify(&msg.response, self.n_vocab) {
+            Some((reply, check, _, _)) => match self.took_reply(&check, &msg.response) {
                 Ok(()) => {
                     // A worker that answered is a good start: the respawn
                     // delay starts over (not at Ready, or a request that
@@ -645,7 +740,7 @@ impl Handler<WorkerGone> for LaneActor {
         // stdin was closed, or the write not yet tried) is NotDelivered, which
         // the scheduler runs again on the next worker.
         let written = self.frames_written.load(Ordering::SeqCst);
-        for (reply, _, frame) in self.in_flight.drain(..) {
+        for (reply, _, frame, _) in self.in_flight.drain(..) {
             let _ = reply.send(Err(if frame < written {
                 error.clone()
             } else {
@@ -665,6 +760,19 @@ impl Handler<WorkerGone> for LaneActor {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_deadline_grows_with_the_work_at_the_slowest_rate_seen() {
+        let base = Duration::from_secs(60);
+        assert_eq!(step_deadline(base, 0, 0), base);
+        // Before any decode: 10 ms a token.
+        assert_eq!(step_deadline(base, 100, 0), base + Duration::from_secs(1));
+        // 2 ms a token seen: 20 times that.
+        assert_eq!(
+            step_deadline(base, 1000, 2_000),
+            base + Duration::from_secs(40)
+        );
+    }
 
     #[test]
     fn the_state_in_metrics_is_one_gauge_per_state() {

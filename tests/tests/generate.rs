@@ -432,7 +432,7 @@ fn a_worker_on_a_swapped_model_file_is_refused() {
     assert!(outputs(&d.read_all(s)) > before);
 }
 
-fn worker_pid(daemon: u32) -> u32 {
+pub(crate) fn worker_pid(daemon: u32) -> u32 {
     for _ in 0..500 {
         let children = std::fs::read_dir(format!("/proc/{daemon}/task"))
             .unwrap()

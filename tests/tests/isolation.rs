@@ -138,3 +138,64 @@ fn subscriptions_per_connection_are_capped() {
     let r = reply(&mut c, &subscribe);
     assert!(matches!(r, Response::Subscribed { .. }), "{r:?}");
 }
+
+/// Item 2: a worker that stops answering (here SIGSTOPped, as a llama.cpp
+/// call that never returns would) is taken for hung past its step's
+/// deadline: it is killed, the generation on it fails with a message saying
+/// so, the session is free again, and the next generation runs on a new
+/// worker.
+#[test]
+fn a_hung_worker_is_killed_past_the_step_deadline() {
+    let mut d = TestDaemon::new();
+    // Short enough for a test, long enough that the new worker's steps on a
+    // loaded machine (the suite runs many daemons at once) are not taken for
+    // hangs too.
+    d.extra_args = vec!["--step-timeout-secs".into(), "10".into()];
+    d.spawn_and_wait();
+    let mut c = d.client();
+    let s = d.create(&mut c);
+    user(&mut c, s, "Count from one to a thousand.");
+    let gen = generate_in_thread(&d, s, 2000);
+    d.until_generated(s);
+    let worker = crate::generate::worker_pid(d.pid());
+    // SAFETY: kill(2) on the test daemon's own worker.
+    unsafe { libc::kill(worker as libc::pid_t, libc::SIGSTOP) };
+    let started = Instant::now();
+    // Waited for with a bound of its own, so a lane that never notices the
+    // hang fails here instead of hanging the suite.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(gen.join());
+    });
+    let replies = rx
+        .recv_timeout(Duration::from_secs(90))
+        .expect("the generation on a hung worker never ended")
+        .unwrap();
+    let message = last_finish(&replies).expect_err("the generation went on");
+    assert!(message.contains("did not answer"), "{message}");
+    assert!(
+        started.elapsed() < Duration::from_secs(60),
+        "the hang was noticed after {:?}",
+        started.elapsed()
+    );
+    // The stopped worker is gone (SIGKILL ends a stopped process too).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::path::Path::new(&format!("/proc/{worker}")).exists()
+        && std::fs::read_to_string(format!("/proc/{worker}/stat")).is_ok_and(|st| {
+            !st.rsplit_once(')')
+                .is_some_and(|x| x.1.trim_start().starts_with('Z'))
+        })
+    {
+        assert!(Instant::now() < deadline, "the hung worker still runs");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The session is not left busy, and a new worker serves it.
+    user(&mut c, s, "Now name a colour.");
+    let replies = generate_in_thread(&d, s, 8).join().unwrap();
+    let finish = last_finish(&replies);
+    assert!(
+        matches!(finish, Ok(Finish::MaxTokens | Finish::EndOfTurn)),
+        "{finish:?}\n{}",
+        d.stderr()
+    );
+}

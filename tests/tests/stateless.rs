@@ -47,6 +47,7 @@ where
             sub_buffer: SUB_BUFFER_EVENTS,
             cache_ram_mb: 0,
             park_budget_gb: None,
+            step_timeout: std::time::Duration::from_secs(60),
         };
         let shared = start_actors(&config, crate::util::bin().into(), book, w, render);
         body(shared).await;
