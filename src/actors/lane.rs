@@ -279,9 +279,10 @@ pub struct LaneActor {
     first_config: Option<WorkerConfig>,
     /// The vocabulary size of the worker now running.
     n_vocab: u32,
-    /// Why the lane stopped the worker now exiting (its `Ready` was
-    /// refused): what it leaves fails with this, not as a death.
-    refused: Option<LaneError>,
+    /// Why the lane stopped the worker now exiting (its `Ready` refused,
+    /// a step past its deadline): what it leaves fails with this, not as a
+    /// death.
+    stop_reason: Option<LaneError>,
     /// Requests held until the worker says Ready.
     held: VecDeque<(WorkerRequest, Reply)>,
     ready: bool,
@@ -308,7 +309,7 @@ impl LaneActor {
             slowest_us_per_token: 0,
             first_config: None,
             n_vocab: 0,
-            refused: None,
+            stop_reason: None,
             held: VecDeque::new(),
             ready: false,
             incarnation: 0,
@@ -482,7 +483,7 @@ impl LaneActor {
             return;
         };
         let waited = self.head_since.elapsed();
-        if waited <= *deadline || self.refused.is_some() {
+        if waited <= *deadline || self.stop_reason.is_some() {
             return;
         }
         let error = LaneError::Hung(format!(
@@ -492,7 +493,22 @@ impl LaneActor {
             self.config.step_timeout.as_secs()
         ));
         log::error!("{error}");
-        self.refused = Some(error);
+        self.stop_worker(Some(error));
+    }
+
+    /// Fails every request held for a worker that is not ready.
+    fn fail_held(&mut self, error: &LaneError) {
+        for (_, reply) in self.held.drain(..) {
+            let _ = reply.send(Err(error.clone()));
+        }
+    }
+
+    /// Kills the running worker; its exit (WorkerGone) then fails what it
+    /// leaves with `reason` when one is given, else as a death.
+    fn stop_worker(&mut self, reason: Option<LaneError>) {
+        if reason.is_some() {
+            self.stop_reason = reason;
+        }
         if let Some(child) = &mut self.child {
             let _ = child.kill();
         }
@@ -645,9 +661,7 @@ impl Handler<FromWorker> for LaneActor {
             if let WorkerResponse::Err { message } = &msg.response {
                 let error = LaneError::CouldNotStart(message.clone());
                 log::error!("{error}");
-                for (_, reply) in self.held.drain(..) {
-                    let _ = reply.send(Err(error.clone()));
-                }
+                self.fail_held(&error);
                 return;
             }
         }
@@ -663,13 +677,8 @@ impl Handler<FromWorker> for LaneActor {
                 // again, so restoring the file brings the lane back.
                 let error = LaneError::WrongModel(why);
                 log::error!("{error}");
-                for (_, reply) in self.held.drain(..) {
-                    let _ = reply.send(Err(error.clone()));
-                }
-                self.refused = Some(error);
-                if let Some(child) = &mut self.child {
-                    let _ = child.kill();
-                }
+                self.fail_held(&error);
+                self.stop_worker(Some(error));
                 return;
             }
             self.n_vocab = *n_vocab;
@@ -700,9 +709,7 @@ impl Handler<FromWorker> for LaneActor {
                     let error = LaneError::BadReply(why);
                     log::error!("{error}; stopping the worker");
                     let _ = reply.send(Err(error));
-                    if let Some(child) = &mut self.child {
-                        let _ = child.kill();
-                    }
+                    self.stop_worker(None);
                 }
             },
             None => log::warn!("unexpected reply from the worker: {:?}", msg.response),
@@ -728,7 +735,7 @@ impl Handler<WorkerGone> for LaneActor {
             })
             .map(|s| s.to_string())
             .unwrap_or_else(|| "unknown status".into());
-        let error = self.refused.take().unwrap_or(LaneError::WorkerDied {
+        let error = self.stop_reason.take().unwrap_or(LaneError::WorkerDied {
             reason: msg.reason,
             status,
         });
@@ -749,9 +756,7 @@ impl Handler<WorkerGone> for LaneActor {
         }
         // Requests held for a worker that never became ready fail too: a
         // respawn that keeps failing must not leave them waiting forever.
-        for (_, reply) in self.held.drain(..) {
-            let _ = reply.send(Err(error.clone()));
-        }
+        self.fail_held(&error);
         self.listener.do_send(LaneReset(error));
         self.schedule_respawn(ctx);
     }

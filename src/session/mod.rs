@@ -22,7 +22,10 @@ pub mod output;
 pub mod schema_limits;
 pub mod turn;
 
-pub use book::{ApplyError, GenerationPlan, Planned, PlannedEvent, SessionBook, TurnState};
+pub use book::{
+    output_schema_of, tool_choice_of, ApplyError, GenerationPlan, Planned, PlannedEvent,
+    SessionBook, TurnState,
+};
 
 use crate::wire::{LedgerStatus, Role, Token, UnknownCode};
 

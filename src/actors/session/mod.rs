@@ -24,6 +24,7 @@ mod generation;
 mod messages;
 mod meta;
 mod schema_cache;
+pub(crate) use schema_cache::grammar_of;
 mod tools;
 
 use std::sync::atomic::{AtomicUsize, Ordering};

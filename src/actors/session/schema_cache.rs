@@ -30,6 +30,18 @@ pub(super) fn cached(schema: &str) -> Option<Result<String, GrammarError>> {
     cache.get(schema).cloned()
 }
 
+/// The grammar of `schema` (JSON text): from the cache, or converted off
+/// the calling thread within `CONVERT_BUDGET` and remembered, so a route
+/// that checks a schema before any session is touched also warms what the
+/// session's planning reads.
+pub(crate) async fn grammar_of(schema: &str) -> Result<String, GrammarError> {
+    if let Some(result) = cached(schema) {
+        return result;
+    }
+    convert_off_thread(schema.to_owned(), CONVERT_BUDGET).await;
+    cached(schema).unwrap_or(Err(GrammarError::Pending))
+}
+
 fn remember(schema: String, result: Result<String, GrammarError>) {
     let mut cache = cache().lock().unwrap_or_else(|e| e.into_inner());
     if cache.len() >= CAPACITY {

@@ -35,7 +35,9 @@ use crate::actors::registry::DispatchStream;
 use crate::actors::session::STREAM_REPLY_CAPACITY;
 use crate::frontend::conn::dispatch;
 use crate::http::routes::WebState;
+use crate::session::grammar::GrammarError;
 use crate::session::output::Markers;
+use crate::session::{output_schema_of, tool_choice_of};
 use crate::wire::{
     Channel, Event, EventId, Finish, Inspection, Params, PurgeMode, Record, Request, Response,
     Role, SessionId,
@@ -881,23 +883,6 @@ pub(crate) fn text_format(text: Option<&Value>) -> Result<(Value, Option<Value>)
     }
 }
 
-/// The tool choice and output schema a session's later generations follow,
-/// from its last `ToolChoice` and `OutputFormat` records.
-fn session_settings(events: &[Event]) -> (String, Option<String>) {
-    let choice = events.iter().rev().find_map(|e| match &e.body {
-        Record::ToolChoice { choice } => Some(choice.clone()),
-        _ => None,
-    });
-    let schema = events.iter().rev().find_map(|e| match &e.body {
-        Record::OutputFormat { schema } => Some(schema.clone()),
-        _ => None,
-    });
-    (
-        choice.unwrap_or_else(|| "auto".to_owned()),
-        schema.flatten(),
-    )
-}
-
 fn response_choice(chat: &Value) -> Value {
     match chat.get("function").and_then(|f| f.get("name")) {
         Some(name) => json!({"type": "function", "name": name}),
@@ -1158,8 +1143,18 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
     let choice = r.tool_choice.as_ref().map(chat_choice).transpose()?;
     let (format_echo, schema) = text_format(r.text.as_ref())?;
     if let Some(schema) = &schema {
-        // Refused here, before any session is touched, when it has no grammar.
-        super::json_grammar(F, schema, None).map_err(|e| e.with_param("text.format"))?;
+        // Refused here, before any session is touched, when it has no grammar
+        // (converted off this thread, into the cache the session plans from).
+        let bad = |e: GrammarError| {
+            ApiError::invalid(F, format!("the JSON schema has no grammar: {e}"))
+                .with_param("text.format")
+        };
+        if let Some(why) = crate::session::schema_limits::check_schema(schema) {
+            return Err(bad(GrammarError::Limit(why)));
+        }
+        crate::actors::session::grammar_of(&schema.to_string())
+            .await
+            .map_err(bad)?;
     }
     let p = params(r.temperature, r.top_p, None, None, None, F)?;
     if r.max_output_tokens == Some(0) {
@@ -1269,7 +1264,8 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
         _ => "auto".to_owned(),
     };
     let wanted_schema = schema.as_ref().map(Value::to_string);
-    let (had_choice, had_schema) = session_settings(&read(state, s).await?);
+    let events = read(state, s).await?;
+    let (had_choice, had_schema) = (tool_choice_of(&events), output_schema_of(&events));
     if wanted_choice != had_choice {
         call(
             state,
@@ -1543,18 +1539,11 @@ pub(crate) async fn open_stored(state: &WebState, id: &str) -> Result<StoredResp
         .filter_map(|t| serde_json::from_str::<Value>(t).ok())
         .map(|t| response_tool(&t))
         .collect();
-    let choice = events[..st.prompt]
-        .iter()
-        .rev()
-        .find_map(|e| match &e.body {
-            Record::ToolChoice { choice } => Some(match choice.as_str() {
-                "auto" | "required" => json!(choice),
-                name => json!({"type": "function", "name": name}),
-            }),
-            _ => None,
-        })
-        .unwrap_or(json!("auto"));
-    let (_, schema) = session_settings(&events[..st.prompt]);
+    let choice = match tool_choice_of(&events[..st.prompt]).as_str() {
+        c @ ("auto" | "required") => json!(c),
+        name => json!({"type": "function", "name": name}),
+    };
+    let schema = output_schema_of(&events[..st.prompt]);
     let text_format = match schema.and_then(|s| serde_json::from_str::<Value>(&s).ok()) {
         Some(schema) => json!({"type": "json_schema", "name": "response", "schema": schema,
                                "description": null, "strict": false}),

@@ -158,27 +158,20 @@ pub(super) fn qos_of(events: &[Event]) -> (QosClass, bool) {
         .unwrap_or((QosClass::First, false))
 }
 
-/// The tools (name, parameters schema) a generation must call one of, or
-/// None when tool calls are not forced ("auto").
-pub(super) fn forced_tools_of(events: &[Event]) -> Option<Vec<(String, serde_json::Value)>> {
-    let choice = events.iter().rev().find_map(|e| match &e.body {
-        Record::ToolChoice { choice } => Some(choice.clone()),
-        _ => None,
-    });
-    let tools: Vec<(String, serde_json::Value)> = declared_tools(events)
+/// The tool choice the last `ToolChoice` record set ("auto" when none did).
+pub fn tool_choice_of(events: &[Event]) -> String {
+    events
         .iter()
-        .filter_map(|t| crate::session::grammar::tool_signature(t))
-        .collect();
-    match choice.as_deref() {
-        None | Some("auto") => None,
-        Some("required") => Some(tools),
-        Some(name) => Some(tools.into_iter().filter(|(n, _)| n == name).collect()),
-    }
+        .rev()
+        .find_map(|e| match &e.body {
+            Record::ToolChoice { choice } => Some(choice.clone()),
+            _ => None,
+        })
+        .unwrap_or_else(|| "auto".to_owned())
 }
 
-/// The JSON schema a generation's output must follow (`SetOutputFormat`),
-/// or None for free text.
-pub(super) fn output_format_of(events: &[Event]) -> Option<serde_json::Value> {
+/// The JSON schema text the last `OutputFormat` record set (None: free text).
+pub fn output_schema_of(events: &[Event]) -> Option<String> {
     events
         .iter()
         .rev()
@@ -187,7 +180,27 @@ pub(super) fn output_format_of(events: &[Event]) -> Option<serde_json::Value> {
             _ => None,
         })
         .flatten()
-        .and_then(|s| serde_json::from_str(&s).ok())
+}
+
+/// The tools (name, parameters schema) a generation must call one of, or
+/// None when tool calls are not forced ("auto").
+pub(super) fn forced_tools_of(events: &[Event]) -> Option<Vec<(String, serde_json::Value)>> {
+    let choice = tool_choice_of(events);
+    let tools: Vec<(String, serde_json::Value)> = declared_tools(events)
+        .iter()
+        .filter_map(|t| crate::session::grammar::tool_signature(t))
+        .collect();
+    match choice.as_str() {
+        "auto" => None,
+        "required" => Some(tools),
+        name => Some(tools.into_iter().filter(|(n, _)| n == name).collect()),
+    }
+}
+
+/// The JSON schema a generation's output must follow (`SetOutputFormat`),
+/// or None for free text.
+pub(super) fn output_format_of(events: &[Event]) -> Option<serde_json::Value> {
+    output_schema_of(events).and_then(|s| serde_json::from_str(&s).ok())
 }
 
 pub(super) fn declared_tools(events: &[Event]) -> Vec<String> {

@@ -32,7 +32,7 @@ mod plan_tools;
 mod view;
 
 pub use apply::ApplyError;
-pub use folds::TurnState;
+pub use folds::{output_schema_of, tool_choice_of, TurnState};
 pub use plan_generation::GenerationPlan;
 use view::ViewRange;
 
