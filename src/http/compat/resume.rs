@@ -24,6 +24,7 @@ use tokio::sync::mpsc;
 use super::error::{ApiError, Family, Kind};
 use super::responses::{
     call, inspect, is_output, load, not_found, open_stored, parse_response_id, read, Replay,
+    StoredResponse,
 };
 use super::{authorize, event_stream, sse};
 use crate::actors::bus::{BusItem, EndReason, Subscriber};
@@ -147,32 +148,39 @@ impl Sink {
     }
 }
 
-/// Follows the response `id` to its end, its stream's events (sequence
-/// numbers from 0) going to `sink`.
-async fn follow(state: &WebState, id: &str, sink: &Sink) -> Result<(), ApiError> {
+/// The response `id` as the log holds it, and a subscription to its
+/// session made before the read, so nothing committed in between is missed.
+async fn open_followed(
+    state: &WebState,
+    id: &str,
+) -> Result<(Subscriber, StoredResponse), ApiError> {
     let (s, _) = parse_response_id(id).ok_or_else(|| not_found("response", id))?;
-    // Subscribe before reading, so nothing committed in between is missed.
     let sub = state.shared.bus.subscribe(s, false);
-    let sr = open_stored(state, id).await?;
+    Ok((sub, open_stored(state, id).await?))
+}
+
+/// Follows a stored response to its end, its stream's events (sequence
+/// numbers from 0) going to `sink`; the response object as it ended.
+async fn follow(state: &WebState, sub: Subscriber, sr: StoredResponse, sink: &Sink) -> Value {
     let mut replay = Replay::new(state, &sr);
     if !sink.emit(replay.em.start()).await {
-        return Ok(());
+        return replay.em.response();
     }
     for e in Replay::logged(&sr) {
         if !sink.emit(replay.take(e)).await {
-            return Ok(());
+            return replay.em.response();
         }
     }
     // Something other than output follows: the response is over.
     let closed = (sr.st.end as usize) < sr.events.len();
     if !closed && !replay.ended() {
-        let mut live = Follow::new(s, sub, sr.st.end);
+        let mut live = Follow::new(sr.session, sub, sr.st.end);
         while let Some(e) = live.next(state).await {
             if !is_output(&e.body) {
                 break;
             }
             if !sink.emit(replay.take(&e)).await {
-                return Ok(());
+                return replay.em.response();
             }
             if replay.ended() {
                 break;
@@ -180,7 +188,7 @@ async fn follow(state: &WebState, id: &str, sink: &Sink) -> Result<(), ApiError>
         }
     }
     sink.emit(replay.end(false)).await;
-    Ok(())
+    replay.em.response()
 }
 
 /// `GET /v1/responses/{id}`: the response object, or with `stream=true` its
@@ -200,16 +208,14 @@ pub async fn retrieve(
         return Ok(HttpResponse::Ok().json(em.response()));
     }
     // Unknown ids are a 404 before the stream starts.
-    open_stored(&state, &id).await?;
+    let (sub, sr) = open_followed(&state, &id).await?;
     let (tx, rx) = mpsc::channel(64);
     let sink = Sink::Stream {
         tx,
         after: query.starting_after,
     };
     actix_rt::spawn(async move {
-        if let Err(e) = follow(&state, &id, &sink).await {
-            log::debug!("streaming the stored response {id}: {e}");
-        }
+        follow(&state, sub, sr, &sink).await;
     });
     Ok(event_stream(0, rx))
 }
@@ -224,7 +230,7 @@ pub async fn cancel(
 ) -> Result<HttpResponse, ApiError> {
     authorize(&state, F, &req)?;
     let id = path.into_inner();
-    let sr = open_stored(&state, &id).await?;
+    let (sub, sr) = open_followed(&state, &id).await?;
     if !sr.in_flight {
         return Err(ApiError::invalid(
             F,
@@ -240,14 +246,14 @@ pub async fn cancel(
         },
     )
     .await;
-    let waited = actix_rt::time::timeout(CANCEL_WAIT, follow(&state, &id, &Sink::Discard)).await;
-    if waited.is_err() {
-        return Err(ApiError::new(
-            F,
-            Kind::Unavailable,
-            format!("response {id} did not stop within {CANCEL_WAIT:?}"),
-        ));
-    }
-    let (em, _, _) = load(&state, &id).await?;
-    Ok(HttpResponse::Ok().json(em.response()))
+    let ended = actix_rt::time::timeout(CANCEL_WAIT, follow(&state, sub, sr, &Sink::Discard))
+        .await
+        .map_err(|_| {
+            ApiError::new(
+                F,
+                Kind::Unavailable,
+                format!("response {id} did not stop within {CANCEL_WAIT:?}"),
+            )
+        })?;
+    Ok(HttpResponse::Ok().json(ended))
 }
