@@ -22,6 +22,13 @@ Writes next to MODEL, and prints the paths of:
   (OTHER_VOCAB_TOKEN below) changed: a file whose vocabulary differs from the default's, for the
   test that a model swapped under the daemon is refused.
 
+- SmolLM2-135M-llama3-style.gguf and SmolLM2-135M-gemma-style.gguf: the default model with the
+  chat template of another family, written with SmolLM2's own control tokens: LLAMA3_STYLE_TEMPLATE
+  (a header per turn, content `| trim`med, no default system prompt) and GEMMA_STYLE_TEMPLATE (the
+  system text folded into the first user turn, `model` for the assistant, content `| trim`med).
+  Templates that trim are the ones whose rendering cannot be cut back into content and template
+  text, for the tests that client text never becomes a control token on any path.
+
 Needs the `gguf` package (pip install gguf). Idempotent: an output newer than both the input and
 this script is left alone.
 """
@@ -38,6 +45,8 @@ DEFAULT_MODEL = os.path.join(
 TOOLS_THINK_NAME = "SmolLM2-135M-tools-think.gguf"
 FIM_NAME = "SmolLM2-135M-fim.gguf"
 OTHER_VOCAB_NAME = "SmolLM2-135M-other-vocab.gguf"
+LLAMA3_STYLE_NAME = "SmolLM2-135M-llama3-style.gguf"
+GEMMA_STYLE_NAME = "SmolLM2-135M-gemma-style.gguf"
 # (token id, its text in the default model, its text in the other vocabulary)
 OTHER_VOCAB_TOKEN = (16, "<empty_output>", "<superfluid_other_vocab>")
 
@@ -78,6 +87,38 @@ TOOLS_THINK_TEMPLATE = """\
 {%- endfor %}
 {%- if add_generation_prompt %}
     {{- '<|im_start|>assistant\\n<think>\\n' }}
+{%- endif %}
+"""
+
+# Llama 3's shape: `<|start_header_id|>role<|end_header_id|>\n\n` + content | trim + `<|eot_id|>`,
+# here with <|im_start|>, <empty_output> and <|im_end|>.
+LLAMA3_STYLE_TEMPLATE = """\
+{%- for message in messages %}
+    {{- '<|im_start|>' + message['role'] + '<empty_output>\\n\\n' + message['content'] | trim + '<|im_end|>' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant<empty_output>\\n\\n' }}
+{%- endif %}
+"""
+
+# Gemma's shape: the system text opens the first user turn, the assistant is `model`, content is
+# trimmed; `<start_of_turn>`/`<end_of_turn>` are <|im_start|>/<|im_end|> here.
+GEMMA_STYLE_TEMPLATE = """\
+{%- if messages[0]['role'] == 'system' %}
+    {%- set first_user_prefix = messages[0]['content'] + '\\n\\n' %}
+    {%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set first_user_prefix = '' %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+{%- for message in loop_messages %}
+    {%- if message['role'] == 'assistant' %}{%- set role = 'model' %}{%- else %}{%- set role = message['role'] %}{%- endif %}
+    {{- '<|im_start|>' + role + '\\n' + (first_user_prefix if loop.first else '') }}
+    {{- message['content'] | trim }}
+    {{- '<|im_end|>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>model\\n' }}
 {%- endif %}
 """
 
@@ -132,8 +173,12 @@ def main():
     tools_think = os.path.join(folder, TOOLS_THINK_NAME)
     fim = os.path.join(folder, FIM_NAME)
     other = os.path.join(folder, OTHER_VOCAB_NAME)
+    styles = {
+        os.path.join(folder, LLAMA3_STYLE_NAME): LLAMA3_STYLE_TEMPLATE,
+        os.path.join(folder, GEMMA_STYLE_NAME): GEMMA_STYLE_TEMPLATE,
+    }
     inputs = [model, os.path.abspath(__file__)]
-    todo = [p for p in (tools_think, fim, other) if not up_to_date(p, inputs)]
+    todo = [p for p in (tools_think, fim, other, *styles) if not up_to_date(p, inputs)]
     if todo:
         reader = gguf.GGUFReader(model, "r")
         tokens = reader.get_field(gguf.Keys.Tokenizer.LIST).contents()
@@ -155,9 +200,11 @@ def main():
             changed = list(tokens)
             changed[tid] = now
             copy_with(reader, other, {gguf.Keys.Tokenizer.LIST: (gguf.GGUFValueType.ARRAY, changed)})
-    print(tools_think)
-    print(fim)
-    print(other)
+        for path, template in styles.items():
+            if path in todo:
+                copy_with(reader, path, {gguf.Keys.Tokenizer.CHAT_TEMPLATE: (S, template)})
+    for path in (tools_think, fim, other, *styles):
+        print(path)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ pub mod exec;
 pub mod park;
 pub mod render;
 pub mod sample;
+pub mod shield;
 pub mod template;
 pub mod vocab;
 pub mod worker;

@@ -30,6 +30,8 @@ pub struct Vocab {
     model: LlamaModel,
     n_vocab: u32,
     chat_template: Option<String>,
+    /// Finds control tokens' texts in client text (built on first use; see [`super::shield`]).
+    control_matcher: std::sync::OnceLock<Option<aho_corasick::AhoCorasick>>,
 }
 
 impl std::fmt::Debug for Vocab {
@@ -93,6 +95,7 @@ impl Vocab {
             model,
             n_vocab,
             chat_template,
+            control_matcher: std::sync::OnceLock::new(),
         })
     }
 
@@ -208,6 +211,28 @@ impl Vocab {
         self.llama_token(t)
             .map(|t| self.model.vocab().is_control(t))
             .unwrap_or(false)
+    }
+
+    /// A matcher for the texts of every control token (leftmost-longest), or `None` when the
+    /// vocabulary has no control token with a text.
+    pub fn control_matcher(&self) -> Option<&aho_corasick::AhoCorasick> {
+        self.control_matcher
+            .get_or_init(|| {
+                let texts: Vec<String> = (0..self.n_vocab)
+                    .filter(|&t| self.is_control(t))
+                    .filter_map(|t| self.token_text(t))
+                    .filter(|s| !s.is_empty())
+                    .collect();
+                if texts.is_empty() {
+                    return None;
+                }
+                aho_corasick::AhoCorasick::builder()
+                    .match_kind(aho_corasick::MatchKind::LeftmostLongest)
+                    .build(&texts)
+                    .map_err(|e| log::error!("cannot index the control tokens' texts: {e}"))
+                    .ok()
+            })
+            .as_ref()
     }
 
     /// The Jinja chat template of the GGUF (`tokenizer.chat_template`), if any.
