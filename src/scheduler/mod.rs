@@ -270,6 +270,9 @@ pub struct Stats {
     pub parked_artifacts: u64,
     /// Park artifacts sealed (`--park`).
     pub parks: u64,
+    /// Generations the worker refused on their own in a batched step (a
+    /// grammar that does not parse or dead-ends): each failed alone.
+    pub refused: u64,
 }
 
 /// The scheduler of one lane.

@@ -15,7 +15,7 @@
 use std::collections::VecDeque;
 
 use super::{GenEvent, SchedulerState, Step, StepError};
-use crate::wire::worker::{Drawn, WorkerRequest, WorkerResponse};
+use crate::wire::worker::{Drawn, Refused, WorkerRequest, WorkerResponse};
 
 /// The most steps in flight at once (one running, one queued behind it).
 pub const PIPELINE_DEPTH: usize = 2;
@@ -32,6 +32,8 @@ pub struct StepOutput {
     pub decode_us: u64,
     /// The worker's `Spilled` replies: (key, bytes stored).
     pub spilled: Vec<(u64, u64)>,
+    /// Items of the step's `Decode` that failed on their own.
+    pub refused: Vec<Refused>,
 }
 
 /// A step's outcome.
@@ -49,8 +51,10 @@ impl StepOutput {
                     drawn,
                     tokens,
                     decode_us,
+                    refused,
                 } => {
                     out.drawn = drawn;
+                    out.refused = refused;
                     out.tokens = u64::from(tokens);
                     out.decode_us = decode_us;
                 }
@@ -169,12 +173,14 @@ impl Pipeline {
                 continue;
             }
             let failed = result.is_err();
+            let mut refused = Vec::new();
             let result = result.map(|out| {
                 state.note_decode(out.tokens, out.decode_us);
                 state.note_spilled(&out.spilled);
+                refused = out.refused;
                 out.drawn
             });
-            events.extend(state.step_done(&step, result));
+            events.extend(state.step_done_refusing(&step, result, &refused));
             if failed {
                 for behind in &mut self.in_flight {
                     behind.dropped = true;

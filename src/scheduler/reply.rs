@@ -4,7 +4,7 @@
 //! forgotten).
 
 use super::{GenEvent, GenId, SchedulerState, Seq, Step, StepError, NO_SESSION};
-use crate::wire::worker::{Drawn, WorkerRequest};
+use crate::wire::worker::{Drawn, Refused, WorkerRequest};
 use crate::wire::{Finish, Token};
 
 impl SchedulerState {
@@ -33,6 +33,19 @@ impl SchedulerState {
         &mut self,
         step: &Step,
         result: Result<Vec<Drawn>, StepError>,
+    ) -> Vec<GenEvent> {
+        self.step_done_refusing(step, result, &[])
+    }
+
+    /// Takes a step's result where the worker refused some items of its
+    /// `Decode` on their own (`refused`): each such generation fails with
+    /// the worker's reason, its sequence as it was before the step (the
+    /// worker put it back), and the rest of the step goes on as usual.
+    pub fn step_done_refusing(
+        &mut self,
+        step: &Step,
+        result: Result<Vec<Drawn>, StepError>,
+        refused: &[Refused],
     ) -> Vec<GenEvent> {
         let drawn = match result {
             Ok(d) => d,
@@ -66,6 +79,22 @@ impl SchedulerState {
         }
         for (item, gen) in step.decode.iter().zip(&step.gens) {
             let seq = item.seq as usize;
+            if let Some(r) = refused.iter().find(|r| r.seq == item.seq) {
+                self.seqs[seq].last_draw = None;
+                if let Some(mut g) = self.gens.remove(gen) {
+                    log::info!("generation {gen} failed on its own: {}", r.message);
+                    self.stats.refused += 1;
+                    g.inflight = 0;
+                    if g.seq == Some(item.seq) {
+                        self.seqs[seq].active = None;
+                    }
+                    events.push(GenEvent::Failed {
+                        gen: *gen,
+                        message: r.message.clone(),
+                    });
+                }
+                continue;
+            }
             self.seqs[seq].resident.extend_from_slice(&item.tokens);
             // Prompt tokens among them were prefill; the rest were draws fed.
             if let Some(g) = self.gens.get(gen) {

@@ -6,7 +6,7 @@ use super::pipeline::{Pipeline, StepId, StepOutput, StepResult};
 use super::*;
 use crate::engine::exec::error::RequestError;
 use crate::engine::exec::seqs::SeqTable;
-use crate::wire::worker::{DecodeItem, Drawn};
+use crate::wire::worker::{DecodeItem, Drawn, Refused};
 
 const P: Params = Params::greedy(1);
 const EOG: Token = 2;
@@ -243,6 +243,48 @@ fn failure_fails_everything_and_forgets_the_kv() {
         }]
     );
     assert!(s.resident(0).is_empty());
+}
+
+/// Issue 15, item 3: an item the worker refused on its own (a grammar that
+/// does not parse) fails its generation alone; the other generation of the
+/// step takes its draw and runs on, and the refused one's sequence is as it
+/// was before the step.
+#[test]
+fn a_refused_item_fails_only_its_generation() {
+    let mut s = SchedulerState::new(4096, 2, 512);
+    let a = s.admit(admit(1, &[1, 2, 3], 4)).unwrap();
+    let b = s.admit(admit(2, &[4, 5, 6], 4)).unwrap();
+    let (step, _) = s.plan();
+    let step = step.unwrap();
+    assert_eq!(step.gens.len(), 2, "both prefill in one step");
+    let seq_of = |g: GenId| step.decode[step.gens.iter().position(|x| *x == g).unwrap()].seq;
+    let (seq_a, seq_b) = (seq_of(a), seq_of(b));
+    let drawn = vec![Drawn {
+        seq: seq_a,
+        token: 100,
+        eog: false,
+        logprob: None,
+    }];
+    let refused = [Refused {
+        seq: seq_b,
+        message: "the grammar does not parse".into(),
+    }];
+    let events = s.step_done_refusing(&step, Ok(drawn), &refused);
+    assert!(
+        events.contains(&GenEvent::Failed {
+            gen: b,
+            message: "the grammar does not parse".into()
+        }),
+        "{events:?}"
+    );
+    assert_eq!(tokens_of(&events, a), [100]);
+    assert!(s.resident(seq_b).is_empty());
+    assert_eq!(s.resident(seq_a), [1, 2, 3]);
+    assert_eq!(s.stats().refused, 1);
+    let events = run_to_end(&mut s);
+    assert_eq!(finish_of(&events, a), Some(Finish::MaxTokens));
+    assert_eq!(tokens_of(&events, a).len(), 3, "a's other three tokens");
+    assert!(tokens_of(&events, b).is_empty());
 }
 
 /// A step the worker never got (it had died) fails nothing that had not

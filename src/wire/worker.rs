@@ -99,11 +99,20 @@ pub struct Drawn {
     pub logprob: Option<TokenLogprob>,
 }
 
+/// One sequence of a `Decode` that failed on its own, and why.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Refused {
+    pub seq: u32,
+    pub message: String,
+}
+
 /// Daemon → worker.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum WorkerRequest {
     /// Decode every item (one llama.cpp batch where they fit, chunked by
-    /// n_batch where not) and draw a token for each item that asks.
+    /// n_batch where not) and draw a token for each item that asks. An item
+    /// whose grammar fails (does not parse, dead-ends) is refused on its own
+    /// (`Decoded::refused`); a llama.cpp failure fails the whole request.
     Decode { items: Vec<DecodeItem> },
     /// Forget positions `from..` of a sequence.
     KvTrim { seq: u32, from: u32 },
@@ -176,6 +185,11 @@ pub enum WorkerResponse {
         /// Tokens decoded, and time spent in llama.cpp's decode.
         tokens: u32,
         decode_us: u64,
+        /// `Decode` items that failed on their own (a grammar that does not
+        /// parse or dead-ends, a draw it rejects): each such sequence is back
+        /// at its length before the request, with no draw; every other item
+        /// of the request was decoded and drew as usual.
+        refused: Vec<Refused>,
     },
     Done,
     Err {
@@ -237,7 +251,7 @@ impl ReplyCheck {
     /// cannot: a token id outside the vocabulary of `n_vocab` tokens, or
     /// draws that do not match what was asked.
     pub fn verify(&self, reply: &WorkerResponse, n_vocab: u32) -> Result<(), String> {
-        let WorkerResponse::Decoded { drawn, .. } = reply else {
+        let WorkerResponse::Decoded { drawn, refused, .. } = reply else {
             return Ok(());
         };
         if let Some(d) = drawn.iter().find(|d| d.token >= n_vocab) {
@@ -248,14 +262,29 @@ impl ReplyCheck {
         }
         match self {
             ReplyCheck::Decode { seqs } => {
-                let got: Vec<u32> = drawn.iter().map(|d| d.seq).collect();
-                if &got != seqs {
+                // Every sampling item drew once, in order, unless refused.
+                if let Some(r) = refused.iter().find(|r| !seqs.contains(&r.seq)) {
                     return Err(format!(
-                        "the worker drew on sequences {got:?} where {seqs:?} were asked"
+                        "the worker refused sequence {}, which was not asked to draw",
+                        r.seq
+                    ));
+                }
+                let got: Vec<u32> = drawn.iter().map(|d| d.seq).collect();
+                let want: Vec<u32> = seqs
+                    .iter()
+                    .copied()
+                    .filter(|s| !refused.iter().any(|r| r.seq == *s))
+                    .collect();
+                if got != want {
+                    return Err(format!(
+                        "the worker drew on sequences {got:?} where {want:?} were asked"
                     ));
                 }
             }
             ReplyCheck::Next { seqs } => {
+                if !refused.is_empty() {
+                    return Err("the worker refused an item of a DecodeNext".into());
+                }
                 for &(seq, steps) in seqs {
                     let n = drawn.iter().filter(|d| d.seq == seq).count();
                     if n > steps as usize {
@@ -301,7 +330,31 @@ mod check_tests {
             drawn: d,
             tokens: 1,
             decode_us: 1,
+            refused: vec![],
         }
+    }
+
+    #[test]
+    fn a_refused_item_draws_nothing() {
+        let c = ReplyCheck::Decode { seqs: vec![0, 2] };
+        let refused = |seq, d: Vec<Drawn>| WorkerResponse::Decoded {
+            drawn: d,
+            tokens: 1,
+            decode_us: 1,
+            refused: vec![Refused {
+                seq,
+                message: "no".into(),
+            }],
+        };
+        assert!(c.verify(&refused(2, vec![drawn(0, 5)]), 10).is_ok());
+        assert!(c
+            .verify(&refused(2, vec![drawn(0, 5), drawn(2, 1)]), 10)
+            .is_err());
+        assert!(c
+            .verify(&refused(1, vec![drawn(0, 5), drawn(2, 1)]), 10)
+            .is_err());
+        let n = ReplyCheck::Next { seqs: vec![(1, 3)] };
+        assert!(n.verify(&refused(1, vec![]), 10).is_err());
     }
 
     #[test]

@@ -349,6 +349,10 @@ fn regenerate_corpus() {
             ],
             tokens: 17,
             decode_us: 1234,
+            refused: vec![superfluid::wire::worker::Refused {
+                seq: 2,
+                message: "the grammar does not parse".into(),
+            }],
         },
         WorkerResponse::Done,
         WorkerResponse::Err {

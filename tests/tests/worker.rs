@@ -354,17 +354,6 @@ fn bad_inputs_answer_err_and_the_worker_goes_on() {
         ),
         (
             WorkerRequest::Decode {
-                items: vec![item(
-                    3,
-                    0,
-                    vec![1, 2],
-                    sample(SAMPLED, 2, Some("root ::= (")),
-                )],
-            },
-            "grammar",
-        ),
-        (
-            WorkerRequest::Decode {
                 items: vec![item(3, 0, vec![7; 2049], None)],
             },
             "n_ctx",
@@ -389,6 +378,69 @@ fn bad_inputs_answer_err_and_the_worker_goes_on() {
         from_postcard::<WorkerResponse>(&body).unwrap(),
         WorkerResponse::Err { .. }
     ));
+}
+
+/// Issue 15, item 3: a grammar that does not parse fails its own item of a
+/// batched Decode, not the step. The other items decode and draw; the
+/// refused sequence is left as it was (it takes its prompt again at its old
+/// position), and the sequence beside it goes on from its draw.
+#[test]
+fn a_bad_grammar_fails_only_its_own_item() {
+    let mut w = shared();
+    w.clear(&[2, 3]);
+    let p = prompt();
+    let n = p.len() as u32;
+    let alone = {
+        let drawn = w.decode(vec![item(
+            2,
+            0,
+            p.clone(),
+            sample(GREEDY, u64::from(n), None),
+        )]);
+        w.clear(&[2]);
+        drawn[0].0
+    };
+    let r = w.call(&WorkerRequest::Decode {
+        items: vec![
+            item(
+                3,
+                0,
+                p.clone(),
+                sample(SAMPLED, u64::from(n), Some("root ::= (")),
+            ),
+            item(2, 0, p.clone(), sample(GREEDY, u64::from(n), None)),
+        ],
+    });
+    let WorkerResponse::Decoded { drawn, refused, .. } = r else {
+        panic!("the step failed as a whole: {r:?}");
+    };
+    assert_eq!(drawn.len(), 1, "{drawn:?}");
+    assert_eq!((drawn[0].seq, drawn[0].token), (2, alone), "{drawn:?}");
+    assert_eq!(refused.len(), 1, "{refused:?}");
+    assert_eq!(refused[0].seq, 3);
+    assert!(refused[0].message.contains("grammar"), "{refused:?}");
+    // Sequence 3 holds nothing: its prompt goes in at position 0 again.
+    let again = w.decode(vec![item(
+        3,
+        0,
+        p.clone(),
+        sample(GREEDY, u64::from(n), None),
+    )]);
+    assert_eq!(again[0].0, alone);
+    // Sequence 2 goes on from its draw, as a DecodeNext would have it.
+    let next = w.call(&WorkerRequest::DecodeNext {
+        items: vec![NextItem {
+            seq: 2,
+            pos: n,
+            steps: 2,
+            sample: sample(GREEDY, u64::from(n) + 1, None).unwrap(),
+        }],
+    });
+    assert!(
+        matches!(&next, WorkerResponse::Decoded { drawn, .. } if !drawn.is_empty()),
+        "{next:?}"
+    );
+    w.clear(&[2, 3]);
 }
 
 #[test]

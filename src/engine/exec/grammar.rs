@@ -20,7 +20,7 @@ use llama_cpp_2::token::LlamaToken;
 
 use super::error::RequestError;
 use super::seqs::SeqTable;
-use crate::wire::worker::DecodeItem;
+use crate::wire::worker::{DecodeItem, Refused};
 
 /// A grammar a draw asks for: its GBNF text and the tokens it already governed.
 type GrammarAsk<'a> = (&'a str, &'a [u32]);
@@ -93,14 +93,16 @@ impl Grammars {
         self.0.get_mut(seq).and_then(Option::as_mut)
     }
 
-    /// Builds (or keeps) the grammar state every sampling item asks for; a grammar that does not
-    /// parse fails the request before anything is decoded.
+    /// Builds (or keeps) the grammar state every sampling item asks for. A
+    /// grammar that does not parse (or a prefix with a token outside the
+    /// vocabulary) refuses its own sequence, whose state is then dropped;
+    /// the others are built.
     pub(super) fn prepare(
         &mut self,
         model: &LlamaModel,
         seqs: &SeqTable,
         items: &[DecodeItem],
-    ) -> Result<(), RequestError> {
+    ) -> Vec<Refused> {
         // Per sequence: the grammar (GBNF, prefix) its draw asks for, if any.
         let mut wanted: Vec<(usize, Option<GrammarAsk>)> = Vec::new();
         for item in items {
@@ -116,6 +118,7 @@ impl Grammars {
         }
         let is_eog = |t: u32| seqs.is_token(t) && model.vocab().is_eog(LlamaToken(t as i32));
         let mut built: Vec<(usize, Option<SeqGrammar>)> = Vec::new();
+        let mut refused = Vec::new();
         for (s, grammar) in wanted {
             let Some((g, prefix)) = grammar else {
                 built.push((s, None));
@@ -127,41 +130,61 @@ impl Grammars {
             {
                 continue;
             }
-            let build = || {
-                LlamaSampler::grammar(model, g, "root").map_err(|e| RequestError::GrammarParse {
-                    seq: s,
-                    reason: e.to_string(),
-                })
-            };
-            let mut sampler = build()?;
-            if let Some(&bad) = prefix.iter().find(|&&t| !seqs.is_token(t)) {
-                return Err(RequestError::GrammarPrefixToken(bad));
+            match build_state(model, s, g, prefix, is_eog, seqs) {
+                Ok(state) => built.push((s, Some(state))),
+                Err(e) => {
+                    log::info!("sequence {s}: {e}");
+                    refused.push(Refused {
+                        seq: s as u32,
+                        message: e.to_string(),
+                    });
+                    built.push((s, None));
+                }
             }
-            let rejected = prefix
-                .iter()
-                .copied()
-                .find(|&t| !is_eog(t) && sampler.try_accept(LlamaToken(t as i32)).is_err());
-            if let Some(t) = rejected {
-                // The turn so far was not written under this grammar (the tool
-                // choice changed while the turn was open): it governs from here on.
-                log::info!(
-                    "sequence {s}: the turn so far does not fit its grammar (token {t}); \
-                     the grammar starts at this draw"
-                );
-                sampler = build()?;
-            }
-            built.push((
-                s,
-                Some(SeqGrammar {
-                    gbnf: g.to_owned(),
-                    sampler,
-                    accepted: prefix.to_vec(),
-                }),
-            ));
         }
         for (s, g) in built {
             self.0[s] = g;
         }
-        Ok(())
+        refused
     }
+}
+
+/// A grammar state for sequence `s`: `gbnf` parsed, `prefix` accepted (or,
+/// when the grammar rejects it, counted as governed).
+fn build_state(
+    model: &LlamaModel,
+    s: usize,
+    gbnf: &str,
+    prefix: &[u32],
+    is_eog: impl Fn(u32) -> bool,
+    seqs: &SeqTable,
+) -> Result<SeqGrammar, RequestError> {
+    let build = || {
+        LlamaSampler::grammar(model, gbnf, "root").map_err(|e| RequestError::GrammarParse {
+            seq: s,
+            reason: e.to_string(),
+        })
+    };
+    let mut sampler = build()?;
+    if let Some(&bad) = prefix.iter().find(|&&t| !seqs.is_token(t)) {
+        return Err(RequestError::GrammarPrefixToken(bad));
+    }
+    let rejected = prefix
+        .iter()
+        .copied()
+        .find(|&t| !is_eog(t) && sampler.try_accept(LlamaToken(t as i32)).is_err());
+    if let Some(t) = rejected {
+        // The turn so far was not written under this grammar (the tool
+        // choice changed while the turn was open): it governs from here on.
+        log::info!(
+            "sequence {s}: the turn so far does not fit its grammar (token {t}); \
+             the grammar starts at this draw"
+        );
+        sampler = build()?;
+    }
+    Ok(SeqGrammar {
+        gbnf: gbnf.to_owned(),
+        sampler,
+        accepted: prefix.to_vec(),
+    })
 }

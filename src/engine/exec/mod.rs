@@ -17,7 +17,7 @@
 //! where its sequence's KV ends, as tracked here), sizes (a batch never exceeds the context's
 //! `n_batch`/`n_ubatch`; a request never carries more than `n_ctx` tokens, nor takes a sequence
 //! past `n_ctx` positions), and a grammar is parsed before anything is decoded. Bad input is an
-//! `Err` reply; nothing is touched.
+//! `Err` reply; nothing is touched (a grammar that does not parse refuses its own item only).
 //!
 //! # Decode semantics
 //!
@@ -29,10 +29,13 @@
 //! penalties over the draws its generation made so far on the sequence), and reports the drawn
 //! token's log-probabilities off that row ([`sample::logprobs`]) when asked.
 //!
-//! A Decode is all or nothing: if llama.cpp fails (KV cache full, ...) or a grammar dead-ends after
-//! some batches went in, every sequence the request touched is trimmed back to its length before
-//! the request, its grammar state is dropped, and the reply is `Err` (`KvFull` when the cache had
-//! no room). The tracked lengths are then re-read from the KV cache (`kv_cache_seq_pos_max`).
+//! A Decode is all or nothing where llama.cpp fails (KV cache full, ...): every sequence the
+//! request touched is trimmed back to its length before the request, its grammar state is
+//! dropped, and the reply is `Err` (`KvFull` when the cache had no room). The tracked lengths are
+//! then re-read from the KV cache (`kv_cache_seq_pos_max`). What belongs to one item fails that
+//! item alone: a grammar that does not parse leaves it out of the decode, and a draw that fails
+//! (a grammar that dead-ends or rejects the token) trims its sequence back; either way the reply
+//! is `Decoded` with the item among `refused`, and every other item decoded and drew.
 //!
 //! # DecodeNext
 //!
@@ -64,7 +67,7 @@ use llama_cpp_2::DecodeError;
 
 use super::{backend, check_gguf, sample, EngineError};
 use crate::wire::worker::{
-    DecodeItem, Drawn, NextItem, Sample, WorkerConfig, WorkerRequest, WorkerResponse,
+    DecodeItem, Drawn, NextItem, Refused, Sample, WorkerConfig, WorkerRequest, WorkerResponse,
 };
 use error::RequestError;
 use grammar::Grammars;
@@ -82,6 +85,8 @@ struct Decoded {
     drawn: Vec<Drawn>,
     tokens: u32,
     decode_us: u64,
+    /// Items that failed on their own (see `WorkerResponse::Decoded`).
+    refused: Vec<Refused>,
 }
 
 impl Decoded {
@@ -90,6 +95,7 @@ impl Decoded {
             drawn: self.drawn,
             tokens: self.tokens,
             decode_us: self.decode_us,
+            refused: self.refused,
         }
     }
 }
@@ -621,11 +627,40 @@ impl WorkerEngine {
 
     fn decode(&mut self, items: &[DecodeItem]) -> Result<Decoded, RequestError> {
         self.seqs.validate_decode(items)?;
-        self.grammars.prepare(&self.model, &self.seqs, items)?;
+        // A grammar that does not parse fails its own item only: the item is
+        // left out, its sequence untouched.
+        let refused = self.grammars.prepare(&self.model, &self.seqs, items);
+        let kept: Vec<DecodeItem>;
+        let items = if refused.is_empty() {
+            items
+        } else {
+            kept = items
+                .iter()
+                .filter(|i| !refused.iter().any(|r| r.seq == i.seq))
+                .cloned()
+                .collect();
+            &kept
+        };
         let before = self.seqs.lens().to_vec();
-        match self.decode_items(items) {
-            Ok(out) => {
-                self.seqs.decoded(items, &out.drawn);
+        let result = if items.is_empty() {
+            Ok(Decoded::default())
+        } else {
+            self.decode_items(items)
+        };
+        match result {
+            Ok(mut out) => {
+                // A draw that failed fails its own item: its sequence goes
+                // back to where it was, the others keep what they decoded.
+                let failed = |seq: u32| out.refused.iter().any(|r| r.seq == seq);
+                let done: Vec<DecodeItem> =
+                    items.iter().filter(|i| !failed(i.seq)).cloned().collect();
+                self.seqs.decoded(&done, &out.drawn);
+                for r in out.refused.iter().chain(&refused) {
+                    let s = r.seq as usize;
+                    let _ = self.ctx.kv_cache_seq_rm(s as i32, Some(before[s]), None);
+                    self.changed(s);
+                }
+                out.refused.extend(refused);
                 Ok(out)
             }
             Err(error) => {
@@ -691,7 +726,20 @@ impl WorkerEngine {
         })?;
         out.tokens += n as u32;
         for (k, i) in pending.drain(..) {
-            out.drawn.push(self.draw(&items[k], i)?);
+            let seq = items[k].seq;
+            if out.refused.iter().any(|r| r.seq == seq) {
+                continue;
+            }
+            match self.draw(&items[k], i) {
+                Ok(d) => out.drawn.push(d),
+                Err(e) => {
+                    log::debug!("sequence {seq}: the draw failed: {e}");
+                    out.refused.push(Refused {
+                        seq,
+                        message: e.to_string(),
+                    });
+                }
+            }
         }
         Ok(())
     }
