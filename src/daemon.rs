@@ -70,6 +70,8 @@ pub struct ServeConfig {
     /// `--step-timeout-secs`: how long a worker step may run before the
     /// worker is taken for hung (plus an allowance per token of work).
     pub step_timeout: std::time::Duration,
+    /// `--max-connections`: live connections on the socket, and on `--web`.
+    pub max_connections: usize,
 }
 
 /// `--step-timeout-secs` default.
@@ -443,6 +445,7 @@ async fn run(
                     .unwrap_or_else(|_| ([127, 0, 0, 1], 0).into()),
                 origins: Vec::new(),
                 api_key: None,
+                max_connections: config.max_connections,
             });
             let model = ModelInfo::from_path(&config.model, now_ms() / 1000);
             let web = crate::http::start(
@@ -475,7 +478,11 @@ async fn run(
         }
         None => None,
     };
-    let socket_task = actix_rt::spawn(crate::frontend::socket::serve(listener, registry));
+    let socket_task = actix_rt::spawn(crate::frontend::socket::serve(
+        listener,
+        registry,
+        config.max_connections,
+    ));
     tokio::select! {
         _ = int.recv() => {}
         _ = term.recv() => {}

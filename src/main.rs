@@ -142,6 +142,12 @@ struct Serve {
     #[arg(long, value_name = "SECS", default_value_t = daemon::DEFAULT_STEP_TIMEOUT_SECS,
           value_parser = clap::value_parser!(u64).range(1..=86_400))]
     step_timeout_secs: u64,
+    /// Connections served at once on the socket, and on the --web listener
+    /// (each): one more is refused (the socket answers it an Err; HTTP
+    /// waits for a free one).
+    #[arg(long, value_name = "N", default_value_t = superfluid::frontend::socket::DEFAULT_MAX_CONNECTIONS as u64,
+          value_parser = clap::value_parser!(u64).range(1..=65_536))]
+    max_connections: u64,
 }
 
 #[derive(clap::Args)]
@@ -221,11 +227,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 addr,
                 origins: s.web_origin,
                 api_key: s.api_key,
+                max_connections: s.max_connections as usize,
             }),
             sub_buffer: s.sub_buffer,
             cache_ram_mb: s.cache_ram_mb.unwrap_or_else(daemon::default_cache_ram_mb),
             park_budget_gb: s.park.then_some(s.park_budget_gb),
             step_timeout: std::time::Duration::from_secs(s.step_timeout_secs),
+            max_connections: s.max_connections as usize,
         })
         .map_err(Into::into),
         Command::Worker(w) => superfluid::engine::worker::run(

@@ -71,12 +71,16 @@ pub async fn complete(
     let Ok(mode) = FimMode::try_from(mode) else {
         return Response::err(BadFimMode(mode).to_string());
     };
-    let prompt = fim_prompt(
-        fim,
-        &render.tokenize(&prefix),
-        &render.tokenize(&suffix),
-        mode,
-    );
+    // Off the actor thread: the texts may be large.
+    let tokenizer = render.clone();
+    let tokenized = actix_rt::task::spawn_blocking(move || {
+        (tokenizer.tokenize(&prefix), tokenizer.tokenize(&suffix))
+    })
+    .await;
+    let Ok((prefix, suffix)) = tokenized else {
+        return Response::err("tokenizing the completion's texts failed");
+    };
+    let prompt = fim_prompt(fim, &prefix, &suffix, mode);
     let generation = StatelessGen {
         prompt,
         params: FIM_PARAMS,

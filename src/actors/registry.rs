@@ -38,6 +38,16 @@ pub struct DispatchStream {
     pub provisional: bool,
 }
 
+/// `Complete` from a frontend that can tell when its client leaves: the
+/// answer goes to `reply`, and the completion is dropped (its generation
+/// cancelled) as soon as the frontend drops the other end.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct DispatchComplete {
+    pub request: Request,
+    pub reply: tokio::sync::oneshot::Sender<Response>,
+}
+
 /// `Subscribe` from a frontend: starts a `SubscriptionActor` whose replies
 /// go to `out` (the connection's queue); it waits for `Begin`.
 #[derive(Message)]
@@ -93,21 +103,14 @@ impl Registry {
 
     /// The registry's own gauges, in the Prometheus exposition format.
     fn gauges(&self) -> String {
-        let book = self.shared.read();
-        let ids = book.list();
-        let (events, tokens) = ids
-            .iter()
-            .fold((0, 0), |(e, t), id| match book.inspect(*id) {
-                Ok(i) => (e + i.events, t + i.tokens),
-                Err(_) => (e, t),
-            });
+        let (sessions, events, tokens) = self.shared.read().totals();
         let mut out = String::new();
         metric(
             &mut out,
             "superfluid_sessions",
             "gauge",
             "Sessions not purged.",
-            ids.len() as u64,
+            sessions,
         );
         metric(
             &mut out,
@@ -142,7 +145,7 @@ impl Registry {
             "superfluid_epoch",
             "gauge",
             "Daemon starts recorded in the log.",
-            book.epoch(),
+            self.shared.read().epoch(),
         );
         metric(
             &mut out,
@@ -299,6 +302,14 @@ fn counters(stats: crate::scheduler::Stats) -> String {
     );
     metric(
         &mut out,
+        "superfluid_generations_refused_total",
+        "counter",
+        "Generations the worker refused on their own in a batched step (a grammar that does \
+         not parse or dead-ends); the others in the step went on.",
+        stats.refused,
+    );
+    metric(
+        &mut out,
         "superfluid_prefill_tokens_total",
         "counter",
         "Prompt tokens the worker decoded (prefill), drawn tokens not counted.",
@@ -365,6 +376,25 @@ impl Handler<DispatchStream> for Registry {
             request: msg.request,
             reply: msg.reply,
             provisional: msg.provisional,
+        });
+    }
+}
+
+impl Handler<DispatchComplete> for Registry {
+    type Result = ();
+
+    fn handle(&mut self, msg: DispatchComplete, ctx: &mut Context<Self>) {
+        let DispatchComplete { request, mut reply } = msg;
+        let answer = <Self as Handler<Dispatch>>::handle(self, Dispatch(request), ctx);
+        actix_rt::spawn(async move {
+            tokio::select! {
+                response = answer => {
+                    let _ = reply.send(response);
+                }
+                () = reply.closed() => {
+                    log::debug!("a Complete's client left; its generation is cancelled");
+                }
+            }
         });
     }
 }

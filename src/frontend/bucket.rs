@@ -1,6 +1,8 @@
 //! `TokenBucket`: how `Complete` is metered. Plain data, time passed in, so
 //! it is tested without a clock. One bucket per socket or /web/ws
-//! connection, and one for the whole /web/rpc listener.
+//! connection, and one for the whole /web/rpc listener (the spec's); besides
+//! those, one for all the socket's connections together and one for all of
+//! /web/ws's, so opening more connections does not buy more completions.
 //!
 //! Tokens are counted in thousandths so a refill rate of `r` per second is
 //! exactly `r` thousandths per millisecond: no floating point, no drift.
@@ -64,13 +66,38 @@ impl TokenBucket {
 
     /// Takes one token, or says in how many milliseconds one will be there.
     pub fn try_take(&mut self, now: Instant) -> Result<(), u64> {
+        self.ready(now)?;
+        self.tokens_milli -= MILLI;
+        Ok(())
+    }
+
+    /// Whether a token is there (none is taken), or in how many milliseconds one will be.
+    fn ready(&mut self, now: Instant) -> Result<(), u64> {
         self.refill(now);
         if self.tokens_milli >= MILLI {
-            self.tokens_milli -= MILLI;
             return Ok(());
         }
         let missing = MILLI - self.tokens_milli;
         Err(missing.div_ceil(self.refill_per_ms).max(1))
+    }
+
+    /// Takes one token from each bucket when both have one, or none, saying in how many
+    /// milliseconds both will (a connection's bucket and its listener's: a refusal by one never
+    /// costs the other a token).
+    pub fn try_take_both(
+        a: &mut TokenBucket,
+        b: &mut TokenBucket,
+        now: Instant,
+    ) -> Result<(), u64> {
+        match (a.ready(now), b.ready(now)) {
+            (Ok(()), Ok(())) => {
+                a.tokens_milli -= MILLI;
+                b.tokens_milli -= MILLI;
+                Ok(())
+            }
+            (Err(x), Ok(())) | (Ok(()), Err(x)) => Err(x),
+            (Err(x), Err(y)) => Err(x.max(y)),
+        }
     }
 }
 
@@ -91,6 +118,29 @@ mod tests {
         assert_eq!(b.try_take(t0 + Duration::from_millis(200)), Err(300));
         assert_eq!(b.try_take(t0 + Duration::from_millis(500)), Ok(()));
         assert_eq!(b.try_take(t0 + Duration::from_millis(500)), Err(500));
+    }
+
+    #[test]
+    fn both_buckets_or_neither() {
+        let t0 = Instant::now();
+        let (mut conn, mut all) = (TokenBucket::new(2, 1, t0), TokenBucket::new(1, 1, t0));
+        assert_eq!(TokenBucket::try_take_both(&mut conn, &mut all, t0), Ok(()));
+        // The listener's is empty: the connection keeps its token.
+        assert_eq!(
+            TokenBucket::try_take_both(&mut conn, &mut all, t0),
+            Err(1000)
+        );
+        let mut other = TokenBucket::new(2, 1, t0);
+        assert_eq!(
+            TokenBucket::try_take_both(&mut other, &mut all, t0),
+            Err(1000)
+        );
+        let t1 = t0 + Duration::from_secs(1);
+        assert_eq!(TokenBucket::try_take_both(&mut conn, &mut all, t1), Ok(()));
+        assert_eq!(
+            TokenBucket::try_take_both(&mut conn, &mut all, t1),
+            Err(1000)
+        );
     }
 
     #[test]

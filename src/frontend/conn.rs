@@ -8,15 +8,20 @@
 //! sub frames interleaved with replies, told apart by their variant.
 //! Subscriptions belong to their connection: `Unsubscribe` names one of
 //! this connection's, and closing the connection ends them all.
+//!
+//! The transport reads requests on a task of its own, so it sees the client
+//! leave while a request runs, and says so on `gone`: a `Complete` whose
+//! client left is dropped, which cancels its generation.
 
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use actix::Addr;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot, watch};
 
 use super::bucket::TokenBucket;
-use crate::actors::registry::{Dispatch, DispatchStream, Registry, Subscribe};
+use crate::actors::registry::{Dispatch, DispatchComplete, DispatchStream, Registry, Subscribe};
 use crate::actors::session::STREAM_REPLY_CAPACITY;
 use crate::actors::subscription::{Begin, End, SubscriptionActor};
 use crate::wire::{Request, Response};
@@ -34,25 +39,67 @@ pub const MAX_SUBSCRIPTIONS_PER_CONNECTION: usize = 64;
 #[derive(Debug)]
 pub struct Closed;
 
+/// What a connection shares with the other connections of its listener.
+#[derive(Clone)]
+pub struct Listener {
+    pub registry: Addr<Registry>,
+    /// Meters the `Complete`s of all its connections together.
+    pub completes: Arc<Mutex<TokenBucket>>,
+}
+
+impl Listener {
+    pub fn new(registry: Addr<Registry>) -> Listener {
+        Listener {
+            registry,
+            completes: Arc::new(Mutex::new(TokenBucket::per_listener(Instant::now()))),
+        }
+    }
+}
+
 pub struct Connection {
     registry: Addr<Registry>,
     out: mpsc::Sender<Response>,
     subs: HashMap<u64, Addr<SubscriptionActor>>,
     /// Meters this connection's `Complete`s.
     bucket: TokenBucket,
+    /// Meters those of the whole listener.
+    listener_bucket: Arc<Mutex<TokenBucket>>,
+    /// Turns true when the transport saw the client leave.
+    gone: watch::Receiver<bool>,
 }
 
 impl Connection {
     /// A connection and the receiving end of its queue, for its writer.
-    pub fn new(registry: Addr<Registry>) -> (Connection, mpsc::Receiver<Response>) {
+    /// `gone` turns true when the client has left (its sender dropped
+    /// without that means nothing).
+    pub fn new(
+        listener: &Listener,
+        gone: watch::Receiver<bool>,
+    ) -> (Connection, mpsc::Receiver<Response>) {
         let (out, rx) = mpsc::channel(CONNECTION_QUEUE_FRAMES);
         let conn = Connection {
-            registry,
+            registry: listener.registry.clone(),
             out,
             subs: HashMap::new(),
             bucket: TokenBucket::per_connection(Instant::now()),
+            listener_bucket: listener.completes.clone(),
+            gone,
         };
         (conn, rx)
+    }
+
+    /// Resolves when the client has left: the transport said so, or the
+    /// writer could not write to it.
+    async fn client_gone(&mut self) {
+        let told = async {
+            if self.gone.wait_for(|g| *g).await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        };
+        tokio::select! {
+            () = told => {}
+            () = self.out.closed() => {}
+        }
     }
 
     /// Queues one reply.
@@ -128,10 +175,24 @@ impl Connection {
                 }
             },
             Request::Complete { .. } => {
-                if let Err(retry_after_ms) = self.bucket.try_take(Instant::now()) {
+                let taken = TokenBucket::try_take_both(
+                    &mut self.bucket,
+                    &mut self
+                        .listener_bucket
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner()),
+                    Instant::now(),
+                );
+                if let Err(retry_after_ms) = taken {
                     return self.reply(Response::Throttled { retry_after_ms }).await;
                 }
-                let response = dispatch(&self.registry, request).await;
+                let (reply, answer) = oneshot::channel();
+                self.registry.do_send(DispatchComplete { request, reply });
+                // A client that leaves drops `answer`, which cancels the completion.
+                let response = tokio::select! {
+                    r = answer => r.unwrap_or_else(|_| Response::err("the daemon is shutting down")),
+                    () = self.client_gone() => return Err(Closed),
+                };
                 self.reply(response).await
             }
             other => {

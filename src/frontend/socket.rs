@@ -1,19 +1,24 @@
 //! The unix-socket frontend: frames of a `u32` little-endian length and a
 //! postcard `Request`; one request at a time per connection, in order.
 //! After a `Subscribe`, the connection also carries that subscription's
-//! `SubEvent`/`SubEnded` frames between replies (see `conn`).
+//! `SubEvent`/`SubEnded` frames between replies (see `conn`). At most
+//! `--max-connections` at once; the next one gets an `Err` and is closed.
 //!
 //! The socket is created mode 0600 in a directory created 0700. A socket
 //! file left by a dead daemon is replaced; one a live daemon answers on is
 //! refused.
 
+use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use actix::Addr;
 use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::{mpsc, watch};
 
-use super::conn::Connection;
+use super::conn::{Connection, Listener};
 use crate::actors::registry::Registry;
 use crate::wire::{
     from_postcard, read_frame, to_postcard, write_frame, FrameError, Request, Response,
@@ -103,8 +108,18 @@ impl SocketId {
     }
 }
 
+/// The most connections the socket serves at once by default
+/// (`--max-connections`).
+pub const DEFAULT_MAX_CONNECTIONS: usize = 256;
+
 /// Accepts connections until the listener fails; each runs on its own task.
-pub async fn serve(listener: std::os::unix::net::UnixListener, registry: Addr<Registry>) {
+/// Past `max_connections` live ones, a new connection gets one `Err` saying
+/// so and is closed.
+pub async fn serve(
+    listener: std::os::unix::net::UnixListener,
+    registry: Addr<Registry>,
+    max_connections: usize,
+) {
     let listener = match UnixListener::from_std(listener) {
         Ok(l) => l,
         Err(e) => {
@@ -112,11 +127,28 @@ pub async fn serve(listener: std::os::unix::net::UnixListener, registry: Addr<Re
             return;
         }
     };
+    let shared = Listener::new(registry);
+    let live = Arc::new(AtomicUsize::new(0));
     loop {
         match listener.accept().await {
-            Ok((stream, _)) => {
-                let registry = registry.clone();
-                actix_rt::spawn(async move { connection(stream, registry).await });
+            Ok((mut stream, _)) => {
+                if live.load(Ordering::Relaxed) >= max_connections {
+                    log::warn!("socket: {max_connections} connections open; refusing one more");
+                    let refusal = Response::err(format!(
+                        "the daemon serves at most {max_connections} socket connections at once \
+                         (--max-connections); close one or try again later"
+                    ));
+                    actix_rt::spawn(async move {
+                        let _ = send(&mut stream, &refusal).await;
+                    });
+                    continue;
+                }
+                live.fetch_add(1, Ordering::Relaxed);
+                let (shared, live) = (shared.clone(), live.clone());
+                actix_rt::spawn(async move {
+                    connection(stream, &shared).await;
+                    live.fetch_sub(1, Ordering::Relaxed);
+                });
             }
             Err(e) => {
                 log::error!("socket accept failed: {e}");
@@ -125,6 +157,23 @@ pub async fn serve(listener: std::os::unix::net::UnixListener, registry: Addr<Re
         }
     }
 }
+
+/// Whether the peer of `fd` has closed its end entirely (`POLLHUP`), not
+/// just shut down its writing half.
+fn hung_up(fd: std::os::fd::BorrowedFd<'_>) -> bool {
+    let mut p = libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: 0,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, for a descriptor that stays open (borrowed)
+    // during the call; a timeout of 0 never blocks.
+    let n = unsafe { libc::poll(&mut p, 1, 0) };
+    n > 0 && p.revents & (libc::POLLHUP | libc::POLLERR) != 0
+}
+
+/// How often a half-closed connection is checked for the peer leaving.
+const HANGUP_POLL: std::time::Duration = std::time::Duration::from_millis(100);
 
 async fn send<W: tokio::io::AsyncWrite + Unpin>(
     stream: &mut W,
@@ -155,11 +204,25 @@ pub fn encode_reply(response: &Response) -> Vec<u8> {
     to_postcard(&Response::err(message)).unwrap_or_default()
 }
 
-/// Reads requests and runs them through a `Connection`; a writer task turns
-/// its queue into frames, so subscription frames interleave with replies.
-async fn connection(stream: UnixStream, registry: Addr<Registry>) {
+/// What the reading task hands the request loop.
+enum Incoming {
+    Frame(Vec<u8>),
+    /// A frame over the cap: answered, then the connection closes.
+    TooLarge {
+        len: usize,
+        max: usize,
+    },
+}
+
+/// Reads requests on a task of its own and runs them through a
+/// `Connection`, one at a time; a writer task turns its queue into frames,
+/// so subscription frames interleave with replies. The reading task tells
+/// the connection when the client has left (`gone`), even mid-request; a
+/// client that only shut down its writing half still gets its replies.
+async fn connection(stream: UnixStream, listener: &Listener) {
     let (mut reader, mut writer) = stream.into_split();
-    let (mut conn, mut queue) = Connection::new(registry);
+    let (gone_tx, gone) = watch::channel(false);
+    let (mut conn, mut queue) = Connection::new(listener, gone);
     actix_rt::spawn(async move {
         while let Some(response) = queue.recv().await {
             if send(&mut writer, &response).await.is_err() {
@@ -167,20 +230,46 @@ async fn connection(stream: UnixStream, registry: Addr<Registry>) {
             }
         }
     });
-    loop {
-        let frame = match read_frame(&mut reader, MAX_FRAME_BYTES).await {
-            Ok(Some(frame)) => frame,
-            Ok(None) => return,
-            Err(FrameError::TooLarge { len, max }) => {
+    let (incoming, mut requests) = mpsc::channel::<Incoming>(1);
+    actix_rt::spawn(async move {
+        loop {
+            let item = match read_frame(&mut reader, MAX_FRAME_BYTES).await {
+                Ok(Some(frame)) => Incoming::Frame(frame),
+                Err(FrameError::TooLarge { len, max }) => Incoming::TooLarge { len, max },
+                Ok(None) => {
+                    // End of input: the client left, or shut down only its
+                    // writing half and waits for its replies.
+                    let fd = reader.as_ref().as_fd();
+                    while !hung_up(fd) {
+                        tokio::select! {
+                            () = tokio::time::sleep(HANGUP_POLL) => {}
+                            () = incoming.closed() => return,
+                        }
+                    }
+                    let _ = gone_tx.send(true);
+                    return;
+                }
+                Err(e) => {
+                    log::debug!("socket connection ended: {e}");
+                    let _ = gone_tx.send(true);
+                    return;
+                }
+            };
+            let last = matches!(item, Incoming::TooLarge { .. });
+            if incoming.send(item).await.is_err() || last {
+                return;
+            }
+        }
+    });
+    while let Some(item) = requests.recv().await {
+        let frame = match item {
+            Incoming::Frame(frame) => frame,
+            Incoming::TooLarge { len, max } => {
                 // The stream cannot be resynchronised past a bogus length.
                 let msg = format!(
                     "frame of {len} bytes exceeds the {max}-byte cap; closing the connection"
                 );
                 let _ = conn.reply(Response::err(msg)).await;
-                return;
-            }
-            Err(e) => {
-                log::debug!("socket connection ended: {e}");
                 return;
             }
         };

@@ -29,9 +29,42 @@ use actix_web::{web, App, HttpServer};
 use crate::actors::registry::Registry;
 use crate::actors::Shared;
 use crate::frontend::bucket::TokenBucket;
+use crate::frontend::conn::Listener;
 
 /// HTTP worker threads: the work is in the actors, these only move bytes.
 const WEB_WORKERS: usize = 1;
+
+/// How long the listener waits for a client's request head, its close, or
+/// its next request on a kept-alive connection.
+const CLIENT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Closes the connection after any 401 or 403: a client without the
+/// credential (or from a refused origin) does not keep a connection open.
+fn close_when_denied<S, B>(
+    req: actix_web::dev::ServiceRequest,
+    srv: &S,
+) -> impl std::future::Future<Output = Result<actix_web::dev::ServiceResponse<B>, actix_web::Error>>
+where
+    S: actix_web::dev::Service<
+        actix_web::dev::ServiceRequest,
+        Response = actix_web::dev::ServiceResponse<B>,
+        Error = actix_web::Error,
+    >,
+{
+    let call = srv.call(req);
+    async move {
+        let mut res = call.await?;
+        let status = res.status();
+        if status == actix_web::http::StatusCode::UNAUTHORIZED
+            || status == actix_web::http::StatusCode::FORBIDDEN
+        {
+            res.response_mut()
+                .head_mut()
+                .set_connection_type(actix_web::http::ConnectionType::Close);
+        }
+        Ok(res)
+    }
+}
 
 /// `--web` and `--web-origin`.
 #[derive(Debug, Clone)]
@@ -40,6 +73,9 @@ pub struct WebConfig {
     pub origins: Vec<String>,
     /// `--api-key`: also accepted by the compatible routes.
     pub api_key: Option<String>,
+    /// `--max-connections`: connections served at once; more wait in the
+    /// listen backlog.
+    pub max_connections: usize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -114,6 +150,7 @@ pub fn start(
         source,
     })?;
     let page_url = page::url(addr, &token);
+    let ws = Listener::new(registry.clone());
     let state = web::Data::new(routes::WebState {
         registry,
         lane: shared.lane.clone(),
@@ -122,15 +159,23 @@ pub fn start(
         shared,
         model,
         rpc_bucket: Mutex::new(TokenBucket::per_listener(Instant::now())),
+        ws,
     });
     let server = HttpServer::new(move || {
         App::new()
             .app_data(state.clone())
+            .wrap_fn(close_when_denied)
             .configure(routes::configure)
             .configure(page::configure)
             .configure(compat::configure)
     })
     .workers(WEB_WORKERS)
+    .max_connections(config.max_connections)
+    // A client gets this long to send a request's head, and to close once
+    // answered; an idle keep-alive connection closes after as long.
+    .client_request_timeout(CLIENT_TIMEOUT)
+    .client_disconnect_timeout(CLIENT_TIMEOUT)
+    .keep_alive(CLIENT_TIMEOUT)
     .disable_signals()
     .shutdown_timeout(1)
     .listen(listener)

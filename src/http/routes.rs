@@ -12,7 +12,7 @@ use actix_web::web::{self, Bytes, BytesMut};
 use actix_web::{HttpRequest, HttpResponse};
 use futures_util::{Stream, StreamExt};
 use serde::Deserialize;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 
 use super::auth::{authorize, Policy, Presented, Route, PROTOCOL};
 use super::error::WebError;
@@ -20,7 +20,7 @@ use crate::actors::lane::LaneHealth;
 use crate::actors::registry::{DispatchStream, Registry};
 use crate::actors::session::STREAM_REPLY_CAPACITY;
 use crate::frontend::bucket::TokenBucket;
-use crate::frontend::conn::{dispatch, Connection};
+use crate::frontend::conn::{dispatch, Connection, Listener};
 use crate::wire::{Record, Request, Response};
 
 /// The largest request body of /web/rpc and /web/stream, and the largest
@@ -35,6 +35,8 @@ pub struct WebState {
     pub policy: Policy,
     /// Meters `Complete` on /web/rpc, for the whole listener.
     pub rpc_bucket: Mutex<TokenBucket>,
+    /// What the /web/ws connections share (their `Complete`s, metered together).
+    pub ws: Listener,
     /// What the compatible routes generate with.
     pub shared: crate::actors::Shared,
     /// The model they serve.
@@ -270,12 +272,21 @@ async fn ws(
     check(&state, Route::Ws, &req)?;
     let (response, session, messages) = actix_ws::handle_with_protocols(&req, payload, &[PROTOCOL])
         .map_err(|e| WebError::Handshake(e.to_string()))?;
-    actix_rt::spawn(ws_connection(state.registry.clone(), session, messages));
+    actix_rt::spawn(ws_connection(state.ws.clone(), session, messages));
     Ok(response)
 }
 
+/// What the reading task of a /web/ws connection hands its request loop.
+enum WsIn {
+    Text(String),
+    /// Answered with an `Err`; the connection goes on.
+    Refused(&'static str),
+    /// Answered with an `Err`; the connection closes.
+    Fatal(String),
+}
+
 async fn ws_connection(
-    registry: Addr<Registry>,
+    listener: Listener,
     mut session: actix_ws::Session,
     messages: actix_ws::MessageStream,
 ) {
@@ -283,7 +294,8 @@ async fn ws_connection(
         .max_frame_size(MAX_BODY_BYTES)
         .aggregate_continuations()
         .max_continuation_size(MAX_BODY_BYTES);
-    let (mut conn, mut queue) = Connection::new(registry);
+    let (gone_tx, gone) = watch::channel(false);
+    let (mut conn, mut queue) = Connection::new(&listener, gone);
     let mut writer = session.clone();
     actix_rt::spawn(async move {
         while let Some(response) = queue.recv().await {
@@ -296,31 +308,47 @@ async fn ws_connection(
         }
         let _ = writer.close(None).await;
     });
+    // Messages are read on a task of their own, so a client that leaves is
+    // seen even while a request runs (`gone`).
     use actix_ws::AggregatedMessage as M;
-    while let Some(message) = messages.next().await {
-        let done = match message {
-            Ok(M::Text(text)) => match serde_json::from_str::<Request>(&text) {
+    let (incoming, mut requests) = mpsc::channel::<WsIn>(1);
+    actix_rt::spawn(async move {
+        while let Some(message) = messages.next().await {
+            let item = match message {
+                Ok(M::Text(text)) => WsIn::Text(text.to_string()),
+                Ok(M::Binary(_)) => WsIn::Refused("send requests as JSON text frames"),
+                Ok(M::Ping(bytes)) => {
+                    let _ = session.pong(&bytes).await;
+                    continue;
+                }
+                Ok(M::Pong(_)) => continue,
+                Ok(M::Close(_)) => break,
+                Err(e) => {
+                    // Past the frame cap, or not WebSocket: the stream cannot go on.
+                    let _ = incoming
+                        .send(WsIn::Fatal(format!("closing the connection: {e}")))
+                        .await;
+                    break;
+                }
+            };
+            if incoming.send(item).await.is_err() {
+                return;
+            }
+        }
+        let _ = gone_tx.send(true);
+    });
+    while let Some(item) = requests.recv().await {
+        let done = match item {
+            WsIn::Text(text) => match serde_json::from_str::<Request>(&text) {
                 Ok(request) => conn.handle(request).await,
                 Err(e) => {
                     conn.reply(Response::err(format!("not a request: {e}")))
                         .await
                 }
             },
-            Ok(M::Binary(_)) => {
-                conn.reply(Response::err("send requests as JSON text frames"))
-                    .await
-            }
-            Ok(M::Ping(bytes)) => {
-                let _ = session.pong(&bytes).await;
-                Ok(())
-            }
-            Ok(M::Pong(_)) => Ok(()),
-            Ok(M::Close(_)) => break,
-            Err(e) => {
-                // Past the frame cap, or not WebSocket: the stream cannot go on.
-                let _ = conn
-                    .reply(Response::err(format!("closing the connection: {e}")))
-                    .await;
+            WsIn::Refused(message) => conn.reply(Response::err(message)).await,
+            WsIn::Fatal(message) => {
+                let _ = conn.reply(Response::err(message)).await;
                 break;
             }
         };

@@ -30,7 +30,7 @@ pub use book::{
 use crate::wire::{LedgerStatus, Role, Token, UnknownCode};
 
 /// One message as the chat template sees it.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct ChatMessage {
     pub role: Role,
     pub content: String,

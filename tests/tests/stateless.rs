@@ -48,6 +48,7 @@ where
             cache_ram_mb: 0,
             park_budget_gb: None,
             step_timeout: std::time::Duration::from_secs(60),
+            max_connections: superfluid::frontend::socket::DEFAULT_MAX_CONNECTIONS,
         };
         let shared = start_actors(&config, crate::util::bin().into(), book, w, render);
         body(shared).await;

@@ -837,3 +837,118 @@ fn web_ws_accepts_the_listeners_own_origin_and_serves_the_page() {
         Some("text/javascript; charset=utf-8")
     );
 }
+
+/// Issue 15, item 7: a request without the credential is answered and its
+/// connection closed at once, though it asked to keep the connection alive
+/// (an authorised one keeps it).
+#[test]
+fn web_closes_an_unauthenticated_connection() {
+    let (_d, web) = web_daemon(&[]);
+    for (path, headers) in [
+        ("/v1/models", vec![("Connection", "keep-alive")]),
+        (
+            "/metrics",
+            vec![
+                ("Connection", "keep-alive"),
+                ("Authorization", "Bearer wrong"),
+            ],
+        ),
+    ] {
+        let mut s = connect(web.port);
+        s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        send_request(&mut s, web.port, "GET", path, &headers, b"");
+        let (status, head, rest) = read_head(&mut s);
+        assert!(status == 401 || status == 403, "{path}: {status}");
+        let len: usize = head
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case("content-length"))
+            .map(|(_, v)| v.parse().unwrap())
+            .unwrap_or(0);
+        let mut body = rest;
+        let mut b = [0u8; 4096];
+        let t = Instant::now();
+        let closed = loop {
+            match s.read(&mut b) {
+                Ok(0) => break true,
+                Ok(n) => body.extend_from_slice(&b[..n]),
+                Err(_) => break false,
+            }
+        };
+        assert!(body.len() >= len);
+        assert!(
+            closed && t.elapsed() < Duration::from_secs(2),
+            "{path}: the connection stayed open after {status}"
+        );
+    }
+    // An authorised keep-alive request keeps its connection.
+    let mut s = connect(web.port);
+    s.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+    let auth = web.auth();
+    send_request(
+        &mut s,
+        web.port,
+        "GET",
+        "/v1/models",
+        &[
+            ("Connection", "keep-alive"),
+            ("Authorization", auth.as_str()),
+        ],
+        b"",
+    );
+    let (status, _, _) = read_head(&mut s);
+    assert_eq!(status, 200);
+    let mut b = [0u8; 65536];
+    let mut open = false;
+    for _ in 0..4 {
+        match s.read(&mut b) {
+            Ok(0) => break,
+            Ok(_) => continue,
+            Err(_) => {
+                open = true;
+                break;
+            }
+        }
+    }
+    assert!(open, "an authorised keep-alive connection stays open");
+}
+
+/// Issue 15, item 7: the listener serves at most `--max-connections`
+/// connections at once; one more waits until one closes (here: two idle
+/// connections that never send a request, closed by the server's 5-second
+/// request timeout).
+#[test]
+fn web_connections_are_capped_and_idle_ones_closed() {
+    let (_d, web) = web_daemon(&["--max-connections", "2"]);
+    let idle: Vec<TcpStream> = (0..2).map(|_| connect(web.port)).collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let t = Instant::now();
+    let mut s = connect(web.port);
+    let auth = web.auth();
+    send_request(
+        &mut s,
+        web.port,
+        "GET",
+        "/web/health",
+        &[("Authorization", auth.as_str())],
+        b"",
+    );
+    let (status, _, _) = read_head(&mut s);
+    let waited = t.elapsed();
+    assert_eq!(status, 200);
+    assert!(
+        waited > Duration::from_secs(2) && waited < Duration::from_secs(15),
+        "the third connection was served after {waited:?}: not held back by the cap, or \
+         the idle ones were not closed"
+    );
+    // The idle ones were closed by the server (after a 408).
+    for mut c in idle {
+        c.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+        let mut got = Vec::new();
+        assert!(
+            c.read_to_end(&mut got).is_ok(),
+            "an idle connection is still open"
+        );
+        let text = String::from_utf8_lossy(&got);
+        assert!(got.is_empty() || text.starts_with("HTTP/1.1 408"), "{text}");
+    }
+}

@@ -4,6 +4,7 @@
 //! first, and never reused even if the commit fails.
 
 use super::commit;
+use super::prepared::plan_off_thread;
 use crate::actors::{now_ms, Shared};
 use crate::session::SessionError;
 use crate::wire::{Edit, EventId, Params, Response, SessionId};
@@ -30,11 +31,12 @@ pub(super) async fn rebase(
     edits: Vec<Edit>,
     params: Option<Params>,
 ) -> Result<Response, SessionError> {
-    let render = shared.render.as_ref();
-    let planned = {
-        let mut book = shared.write();
-        let id = book.reserve_id();
-        book.plan_rebase(id, session, edits, params, render, now_ms())?
-    };
+    let id = shared.write().reserve_id();
+    let now = now_ms();
+    // The Replace edits render off the actor thread, under no write lock.
+    let planned = plan_off_thread(shared, |book, render| {
+        book.plan_rebase(id, session, edits.clone(), params, render, now)
+    })
+    .await?;
     commit(shared, planned).await
 }

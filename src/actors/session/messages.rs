@@ -1,7 +1,9 @@
 //! Appends to the session's input (raw text or tokens, chat messages, the
-//! opening system turn, blocks) and the reads (events, inspection).
+//! opening system turn, blocks) and the reads (events, inspection). Appends
+//! render and tokenize off the actor thread (`prepared`).
 
 use super::commit;
+use super::prepared::plan_off_thread;
 use crate::actors::{now_ms, Shared};
 use crate::session::SessionError;
 use crate::wire::{EventId, Response, SessionId, Token};
@@ -13,10 +15,11 @@ pub(super) async fn append(
     text: Option<String>,
     span: Vec<Token>,
 ) -> Result<Response, SessionError> {
-    let render = shared.render.as_ref();
-    let planned = shared
-        .read()
-        .plan_append(session, text, span, render, now_ms())?;
+    let now = now_ms();
+    let planned = plan_off_thread(shared, |book, render| {
+        book.plan_append(session, text.clone(), span.clone(), render, now)
+    })
+    .await?;
     commit(shared, planned).await
 }
 
@@ -27,10 +30,11 @@ pub(super) async fn message(
     role: u8,
     text: String,
 ) -> Result<Response, SessionError> {
-    let render = shared.render.as_ref();
-    let planned = shared
-        .read()
-        .plan_message(session, role, text, render, now_ms())?;
+    let now = now_ms();
+    let planned = plan_off_thread(shared, |book, render| {
+        book.plan_message(session, role, text.clone(), render, now)
+    })
+    .await?;
     commit(shared, planned).await
 }
 
@@ -41,10 +45,11 @@ pub(super) async fn system(
     text: Option<String>,
     tools: Vec<String>,
 ) -> Result<Response, SessionError> {
-    let render = shared.render.as_ref();
-    let planned = shared
-        .read()
-        .plan_system(session, text, tools, render, now_ms())?;
+    let now = now_ms();
+    let planned = plan_off_thread(shared, |book, render| {
+        book.plan_system(session, text.clone(), tools.clone(), render, now)
+    })
+    .await?;
     commit(shared, planned).await
 }
 
@@ -56,10 +61,11 @@ pub(super) async fn block(
     kind: String,
     payload: String,
 ) -> Result<Response, SessionError> {
-    let render = shared.render.as_ref();
-    let planned = shared
-        .read()
-        .plan_block(session, role, kind, payload, render, now_ms())?;
+    let now = now_ms();
+    let planned = plan_off_thread(shared, |book, render| {
+        book.plan_block(session, role, kind.clone(), payload.clone(), render, now)
+    })
+    .await?;
     commit(shared, planned).await
 }
 

@@ -23,6 +23,7 @@ mod branches;
 mod generation;
 mod messages;
 mod meta;
+mod prepared;
 mod schema_cache;
 pub(crate) use schema_cache::grammar_of;
 mod tools;

@@ -3,6 +3,7 @@
 //! next generation to call one.
 
 use super::commit;
+use super::prepared::plan_off_thread;
 use crate::actors::{now_ms, Shared};
 use crate::session::SessionError;
 use crate::wire::{EventId, Response, SessionId};
@@ -14,10 +15,11 @@ pub(super) async fn result(
     call_id: EventId,
     content: String,
 ) -> Result<Response, SessionError> {
-    let render = shared.render.as_ref();
-    let planned = shared
-        .read()
-        .plan_tool_result(session, call_id, content, render, now_ms())?;
+    let now = now_ms();
+    let planned = plan_off_thread(shared, |book, render| {
+        book.plan_tool_result(session, call_id, content.clone(), render, now)
+    })
+    .await?;
     commit(shared, planned).await
 }
 

@@ -251,6 +251,15 @@ impl SessionBook {
             .collect()
     }
 
+    /// Sessions not purged, and their events and input tokens summed (each
+    /// session's stored counts: nothing is read or copied).
+    pub fn totals(&self) -> (u64, u64, u64) {
+        self.sessions
+            .values()
+            .filter(|s| !s.purged)
+            .fold((0, 0, 0), |(n, e, t), s| (n + 1, e + s.len, t + s.tokens))
+    }
+
     /// `List`: the ids of every session shown, neither purged nor archived.
     pub fn list_shown(&self) -> Vec<SessionId> {
         self.sessions

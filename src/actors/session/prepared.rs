@@ -1,0 +1,206 @@
+//! Planning with the chat template off the actor thread.
+//!
+//! Rendering a message renders the whole conversation with the template
+//! (several times), and an `Append` of a large text tokenizes all of it:
+//! work that grows with the session and would hold every other session's
+//! requests on the actor thread. So a request is planned against a
+//! [`Prepared`] render, which answers only from results already computed
+//! and notes each call it cannot answer. The noted calls then run on a
+//! blocking thread (the session's other requests wait, being serialised by
+//! its actor; no other session does), and the request is planned again,
+//! now answered. Planning is a pure read of the book, so planning twice is
+//! safe; the session cannot change in between.
+
+use std::collections::hash_map::DefaultHasher;
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+use std::sync::{Arc, Mutex};
+
+use crate::actors::Shared;
+use crate::session::SessionBook;
+use crate::session::{ChatMessage, Render, RenderError, RenderedConversation, SessionError};
+use crate::wire::Token;
+
+/// A render call whose answer is not known yet: its inputs, owned.
+#[derive(Debug, Clone, Hash)]
+enum Call {
+    Tokenize(String),
+    Message {
+        history: Vec<ChatMessage>,
+        tools: Vec<String>,
+        new: ChatMessage,
+        first: bool,
+    },
+    System {
+        text: Option<String>,
+        tools: Vec<String>,
+    },
+    Prompt {
+        history: Vec<ChatMessage>,
+        tools: Vec<String>,
+    },
+}
+
+/// What a call answered.
+type Answer = Result<Vec<Token>, RenderError>;
+
+impl Call {
+    fn run(&self, render: &dyn Render) -> Answer {
+        match self {
+            Call::Tokenize(text) => Ok(render.tokenize(text)),
+            Call::Message {
+                history,
+                tools,
+                new,
+                first,
+            } => render.message_span(history, tools, new, *first),
+            Call::System { text, tools } => render.system_span(text.as_deref(), tools),
+            Call::Prompt { history, tools } => render.generation_prompt_span(history, tools),
+        }
+    }
+}
+
+/// A call's key: a hash of its kind and inputs (hashed, never compared
+/// whole, so a key costs one pass over the inputs and no copy).
+fn key(kind: u8, hash: impl FnOnce(&mut DefaultHasher)) -> u64 {
+    let mut h = DefaultHasher::new();
+    kind.hash(&mut h);
+    hash(&mut h);
+    h.finish()
+}
+
+/// A `Render` answering the span and tokenize calls from `answers`; every
+/// other method goes to the real one.
+struct Prepared<'a> {
+    inner: &'a dyn Render,
+    answers: &'a HashMap<u64, Answer>,
+    missing: Mutex<Vec<(u64, Call)>>,
+}
+
+/// What an unanswered call returns; the plan is thrown away anyway.
+fn pending() -> RenderError {
+    RenderError("the rendering is being computed".into())
+}
+
+impl Prepared<'_> {
+    fn answer(&self, key: u64, call: impl FnOnce() -> Call) -> Answer {
+        match self.answers.get(&key) {
+            Some(a) => a.clone(),
+            None => {
+                self.missing
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push((key, call()));
+                Err(pending())
+            }
+        }
+    }
+}
+
+impl Render for Prepared<'_> {
+    fn n_vocab(&self) -> u32 {
+        self.inner.n_vocab()
+    }
+    fn vocab_digest(&self) -> Option<[u8; 32]> {
+        self.inner.vocab_digest()
+    }
+    fn tokenize(&self, text: &str) -> Vec<Token> {
+        let k = key(0, |h| text.hash(h));
+        self.answer(k, || Call::Tokenize(text.to_owned()))
+            .unwrap_or_default()
+    }
+    fn detokenize(&self, span: &[Token]) -> String {
+        self.inner.detokenize(span)
+    }
+    fn message_span(
+        &self,
+        history: &[ChatMessage],
+        tools: &[String],
+        new: &ChatMessage,
+        first: bool,
+    ) -> Result<Vec<Token>, RenderError> {
+        let k = key(1, |h| (history, tools, new, first).hash(h));
+        self.answer(k, || Call::Message {
+            history: history.to_vec(),
+            tools: tools.to_vec(),
+            new: new.clone(),
+            first,
+        })
+    }
+    fn system_span(&self, text: Option<&str>, tools: &[String]) -> Result<Vec<Token>, RenderError> {
+        let k = key(2, |h| (text, tools).hash(h));
+        self.answer(k, || Call::System {
+            text: text.map(str::to_owned),
+            tools: tools.to_vec(),
+        })
+    }
+    fn generation_prompt_span(
+        &self,
+        history: &[ChatMessage],
+        tools: &[String],
+    ) -> Result<Vec<Token>, RenderError> {
+        let k = key(3, |h| (history, tools).hash(h));
+        self.answer(k, || Call::Prompt {
+            history: history.to_vec(),
+            tools: tools.to_vec(),
+        })
+    }
+    fn conversation(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[String],
+    ) -> Result<RenderedConversation, RenderError> {
+        crate::session::conversation_by_spans(self, messages, tools)
+    }
+    fn piece(&self, token: Token) -> Vec<u8> {
+        self.inner.piece(token)
+    }
+    fn is_eog(&self, token: Token) -> bool {
+        self.inner.is_eog(token)
+    }
+    fn template_source(&self) -> String {
+        self.inner.template_source()
+    }
+    fn fim(&self) -> Option<[Token; 3]> {
+        self.inner.fim()
+    }
+}
+
+/// The most rounds of "plan, compute what was missing": a plan whose later
+/// calls depend on earlier answers needs more than one. Past them the plan
+/// renders inline.
+const ROUNDS: usize = 32;
+
+/// Plans with `plan`, every render call computed off the actor thread.
+pub(super) async fn plan_off_thread<T>(
+    shared: &Shared,
+    plan: impl Fn(&SessionBook, &dyn Render) -> Result<T, SessionError>,
+) -> Result<T, SessionError> {
+    let mut answers: HashMap<u64, Answer> = HashMap::new();
+    for _ in 0..ROUNDS {
+        let prepared = Prepared {
+            inner: shared.render.as_ref(),
+            answers: &answers,
+            missing: Mutex::new(Vec::new()),
+        };
+        let result = plan(&shared.read(), &prepared);
+        let missing = prepared
+            .missing
+            .into_inner()
+            .unwrap_or_else(|e| e.into_inner());
+        if missing.is_empty() {
+            return result;
+        }
+        let render: Arc<dyn Render> = shared.render.clone();
+        let computed = actix_rt::task::spawn_blocking(move || {
+            missing
+                .into_iter()
+                .map(|(k, call)| (k, call.run(render.as_ref())))
+                .collect::<Vec<_>>()
+        })
+        .await
+        .map_err(|e| SessionError::Render(RenderError(format!("rendering failed: {e}"))))?;
+        answers.extend(computed);
+    }
+    plan(&shared.read(), shared.render.as_ref())
+}
