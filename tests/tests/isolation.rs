@@ -430,7 +430,7 @@ fn a_complete_is_cancelled_when_its_client_leaves() {
     assert!(at_cancel < 1500.0, "{at_cancel}");
 }
 
-/// Item 5: a huge text (an `AppendMessage` of ~40 MB, a `Complete` of as
+/// Item 5: a huge text (an `AppendMessage` of ~12 MB, a `Complete` of as
 /// much) is rendered and tokenized off the actor thread: while it is, another
 /// client's requests on another session are answered as usual. Each big
 /// request runs on a thread of its own while this one keeps reading the
@@ -446,7 +446,7 @@ fn a_huge_text_does_not_stall_other_clients() {
     let other = d.create(&mut c);
     user(&mut c, other, "hi");
     let target = d.create(&mut c);
-    let big: String = (0..4_000_000u32)
+    let big: String = (0..1_600_000u32)
         .map(|i| format!("w{} ", i % 9973))
         .collect();
     let requests = [
@@ -480,10 +480,14 @@ fn a_huge_text_does_not_stall_other_clients() {
         }
         let reply = handle.join().unwrap();
         let total = t0.elapsed();
+        let kind = match &reply {
+            Response::Err { message } => message.chars().take(200).collect(),
+            other => format!("{:?}", std::mem::discriminant(other)),
+        };
         assert!(
             during >= 3 && slowest < Duration::from_secs(1),
             "{name}: {during} reads answered during the {total:?} it took, the slowest in \
-             {slowest:?}: {reply:?}"
+             {slowest:?} (its reply: {kind})"
         );
     }
 }
