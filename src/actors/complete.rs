@@ -73,11 +73,10 @@ pub async fn complete(
     };
     // Off the actor thread: the texts may be large.
     let tokenizer = render.clone();
-    let tokenized = actix_rt::task::spawn_blocking(move || {
-        (tokenizer.tokenize(&prefix), tokenizer.tokenize(&suffix))
-    })
-    .await;
-    let Ok((prefix, suffix)) = tokenized else {
+    let tokenized =
+        super::render_pool::run(move || (tokenizer.tokenize(&prefix), tokenizer.tokenize(&suffix)))
+            .await;
+    let Some((prefix, suffix)) = tokenized else {
         return Response::err("tokenizing the completion's texts failed");
     };
     let prompt = fim_prompt(fim, &prefix, &suffix, mode);

@@ -30,6 +30,7 @@ pub mod bus;
 pub mod complete;
 pub mod lane;
 pub mod registry;
+pub mod render_pool;
 pub mod scheduler;
 pub mod session;
 pub mod stateless;

@@ -6,7 +6,7 @@
 //! requests on the actor thread. So a request is planned against a
 //! [`Prepared`] render, which answers only from results already computed
 //! and notes each call it cannot answer. The noted calls then run on a
-//! blocking thread (the session's other requests wait, being serialised by
+//! render thread (`actors::render_pool`) (the session's other requests wait, being serialised by
 //! its actor; no other session does), and the request is planned again,
 //! now answered. Planning is a pure read of the book, so planning twice is
 //! safe; the session cannot change in between.
@@ -192,14 +192,14 @@ pub(super) async fn plan_off_thread<T>(
             return result;
         }
         let render: Arc<dyn Render> = shared.render.clone();
-        let computed = actix_rt::task::spawn_blocking(move || {
+        let computed = crate::actors::render_pool::run(move || {
             missing
                 .into_iter()
                 .map(|(k, call)| (k, call.run(render.as_ref())))
                 .collect::<Vec<_>>()
         })
         .await
-        .map_err(|e| SessionError::Render(RenderError(format!("rendering failed: {e}"))))?;
+        .ok_or_else(|| SessionError::Render(RenderError("the rendering failed".into())))?;
         answers.extend(computed);
     }
     plan(&shared.read(), shared.render.as_ref())
