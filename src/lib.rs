@@ -33,6 +33,7 @@ pub mod histogram;
 pub mod http;
 pub mod logging;
 pub mod media;
+pub mod models;
 pub mod scheduler;
 pub mod session;
 pub mod store;

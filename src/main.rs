@@ -6,6 +6,7 @@ use clap::{Parser, Subcommand};
 
 mod cli_salvage;
 use superfluid::daemon::{self, ServeConfig};
+use superfluid::models::{hub, ModelRef};
 
 mod cli;
 
@@ -33,6 +34,19 @@ enum Command {
     /// llama.cpp and speaks length-prefixed postcard frames on stdin/stdout.
     #[command(hide = true)]
     Worker(Worker),
+    /// Fetch a model by reference (owner/repo:QUANT, owner/repo/FILE.gguf)
+    /// into the Hugging Face cache, with progress; print its path.
+    Pull {
+        /// owner/repo:QUANT, owner/repo/FILE.gguf, or owner/repo.
+        reference: String,
+    },
+    /// List the GGUF models in the Hugging Face cache (reference, file, size, quant).
+    Models,
+    /// Remove a model (its files and their blobs) from the Hugging Face cache.
+    Rm {
+        /// owner/repo:QUANT or owner/repo/FILE.gguf, as `models` lists it.
+        reference: String,
+    },
     /// Cut a damaged wal.log at a byte offset (the one a corruption error
     /// named), keeping the cut bytes in a side file. Refuses while a daemon
     /// holds the sessions directory.
@@ -69,8 +83,9 @@ struct Worker {
 
 #[derive(clap::Args)]
 struct Serve {
-    /// Path of the model's GGUF file.
-    model: PathBuf,
+    /// The model: a GGUF file, or a reference (owner/repo:QUANT,
+    /// owner/repo/FILE.gguf) fetched from the Hugging Face hub first.
+    model: String,
     /// Directory of the session log (wal.log) [default: ~/.superfluid/sessions]
     #[arg(long, value_name = "DIR")]
     sessions: Option<PathBuf>,
@@ -212,7 +227,7 @@ fn main() {
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Serve(s) => daemon::serve(ServeConfig {
-            model: s.model,
+            model: resolve_model(&s.model)?,
             sessions: s.sessions.unwrap_or_else(daemon::default_sessions_dir),
             socket: s.socket.unwrap_or_else(daemon::default_socket),
             sessions_cache: s.sessions_cache,
@@ -272,7 +287,49 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             !o.no_browser,
         ),
         Command::Salvage(s) => cli_salvage::run(s),
+        Command::Pull { reference } => {
+            let resolved = hub::resolve(&ModelRef::parse(&reference)?)?;
+            for f in &resolved.files {
+                println!("{}", f.display());
+            }
+            Ok(())
+        }
+        Command::Models => {
+            let models = hub::list_cached();
+            println!("{:<48} {:>10}  {:<10} FILE", "REFERENCE", "SIZE", "QUANT");
+            for m in models {
+                println!(
+                    "{:<48} {:>7.1} MB  {:<10} {}",
+                    m.reference,
+                    m.bytes as f64 / 1e6,
+                    m.quant.as_deref().unwrap_or("-"),
+                    m.file
+                );
+            }
+            Ok(())
+        }
+        Command::Rm { reference } => {
+            let removed = hub::remove(&ModelRef::parse(&reference)?)?;
+            for p in &removed {
+                println!("removed {}", p.display());
+            }
+            Ok(())
+        }
     }
+}
+
+/// `serve`'s model: a path as given, a reference fetched (or found in the
+/// cache) first.
+fn resolve_model(model: &str) -> anyhow::Result<PathBuf> {
+    let reference = ModelRef::parse(model)?;
+    let resolved = hub::resolve(&reference)?;
+    if let ModelRef::Hub { .. } = reference {
+        eprintln!("superfluid: {reference} is {}", resolved.model.display());
+        if let Some(p) = &resolved.mmproj {
+            eprintln!("superfluid: its vision projector is {}", p.display());
+        }
+    }
+    Ok(resolved.model)
 }
 
 /// `superfluid open`: the page's URL from the files `serve --web` wrote.

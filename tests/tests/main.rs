@@ -31,6 +31,7 @@ mod export;
 mod fuzz;
 mod generate;
 mod http;
+mod hub;
 mod isolation;
 mod kv_tiers;
 mod logging;

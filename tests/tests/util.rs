@@ -66,6 +66,8 @@ pub struct TestDaemon {
     pub model: PathBuf,
     /// `RUST_LOG` of `serve` (`info` unless a test sets another).
     pub rust_log: String,
+    /// More environment variables of `serve`.
+    pub env: Vec<(String, String)>,
     /// SIGKILL the daemon when the thread that spawned it exits (the shared
     /// daemon, which no `Drop` ever stops).
     die_with_spawner: bool,
@@ -89,6 +91,7 @@ impl TestDaemon {
             extra_args: Vec::new(),
             model: model_path(),
             rust_log: "info".into(),
+            env: Vec::new(),
             die_with_spawner: false,
         }
     }
@@ -152,6 +155,7 @@ impl TestDaemon {
             .arg(socket)
             .args(extra)
             .env("RUST_LOG", &self.rust_log)
+            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdin(Stdio::null())
             .stdout(std::fs::File::create(&out).unwrap())
             .stderr(std::fs::File::create(&err).unwrap())
