@@ -73,9 +73,33 @@ fn offline() -> bool {
         .unwrap_or(false)
 }
 
+/// Makes each download's progress report: given the file's name and the
+/// hub's SHA-256 of it.
+pub type ProgressFactory<'a> = &'a dyn Fn(&str, Option<&str>) -> Box<dyn Progress>;
+
+/// A boxed progress, for hf-hub's generic download.
+struct Boxed(Box<dyn Progress>);
+
+impl Progress for Boxed {
+    fn init(&mut self, size: usize, filename: &str) {
+        self.0.init(size, filename)
+    }
+    fn update(&mut self, size: usize) {
+        self.0.update(size)
+    }
+    fn finish(&mut self) {
+        self.0.finish()
+    }
+}
+
 /// Makes `reference` a file on disk: a path as it is (checked to exist),
-/// a hub reference fetched (or found in the cache).
+/// a hub reference fetched (or found in the cache), progress on stderr.
 pub fn resolve(reference: &ModelRef) -> Result<Resolved, HubError> {
+    resolve_with(reference, &|_, _| Box::new(PullProgress::new()))
+}
+
+/// [`resolve`], each download reporting to a progress `progress` makes.
+pub fn resolve_with(reference: &ModelRef, progress: ProgressFactory) -> Result<Resolved, HubError> {
     let (repo, pick) = match reference {
         ModelRef::Path(p) => {
             return Ok(Resolved {
@@ -133,7 +157,7 @@ pub fn resolve(reference: &ModelRef) -> Result<Resolved, HubError> {
             .iter()
             .find(|f| &f.name == file)
             .and_then(|f| f.sha256.clone());
-        files.push(fetch(&name, &remote, file, want.as_deref())?);
+        files.push(fetch(&name, &remote, file, want.as_deref(), progress)?);
     }
     Ok(assemble(&chosen, files))
 }
@@ -206,6 +230,7 @@ fn fetch(
     remote: &ApiRepo,
     file: &str,
     want: Option<&str>,
+    progress: ProgressFactory,
 ) -> Result<PathBuf, HubError> {
     // Already in the cache, its blob named by the digest the hub gives now.
     if let Some(path) = cache().model(repo_of(remote)).get(file) {
@@ -218,9 +243,8 @@ fn fetch(
             return Ok(path);
         }
     }
-    let progress = PullProgress::new();
     let path = remote
-        .download_with_progress(file, progress)
+        .download_with_progress(file, Boxed(progress(file, want)))
         .map_err(|e| classify(reference, e))?;
     if let Some(want) = want {
         let got = sha256_of(&path).map_err(|e| HubError::Other {

@@ -20,7 +20,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from . import Client, SuperfluidError
 
@@ -75,6 +75,7 @@ class Daemon:
         dir: Optional[str] = None,
         port: Optional[int] = None,
         extra_args: Optional[List[str]] = None,
+        env: Optional[Dict[str, str]] = None,
     ):
         self.binary = binary or find_binary()
         self.model = model or default_model()
@@ -85,6 +86,7 @@ class Daemon:
         self.socket = os.path.join(self.dir, "sf.sock")
         self.port = port or free_port()
         self.extra_args = list(extra_args or [])
+        self.env = dict(env or {})
         self.proc: Optional[subprocess.Popen] = None
         self.starts = 0
 
@@ -125,7 +127,8 @@ class Daemon:
         ] + self.extra_args
         deadline = time.time() + timeout
         while True:
-            self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out, stderr=err)
+            self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                         env={**os.environ, **self.env})
             while time.time() < deadline:
                 if self.proc.poll() is not None:
                     break

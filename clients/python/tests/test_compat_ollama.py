@@ -199,12 +199,10 @@ def test_errors(daemon):
         c.chat(model="default", messages=[{"role": "user", "content": "what is this?", "images": [b"\x89PNG"]}],
                stream=False)
     assert e.value.status_code == 400 and "vision" in e.value.error
+    # pull and delete: test_compat_ollama_pull.py (against a fake hub).
     with pytest.raises(ollama.ResponseError) as e:
-        c.pull("some/model")
-    assert e.value.status_code == 501 and "models issue" in e.value.error
-    with pytest.raises(ollama.ResponseError) as e:
-        c.delete("default")
-    assert e.value.status_code == 501
+        c.pull("not a reference", stream=False)
+    assert e.value.status_code == 400 and "reference" in e.value.error
     with pytest.raises(ollama.ResponseError) as e:
         c.embed(model="default", input="hi")
     assert e.value.status_code == 501 and "embedding" in e.value.error

@@ -108,11 +108,11 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
     .route("/api/ps", web::get().to(ollama::ps))
     .route("/api/show", web::post().to(ollama::show))
     .route("/api/version", web::get().to(ollama::version))
-    .route("/api/pull", web::post().to(ollama::models_later))
+    .route("/api/pull", web::post().to(ollama::pull))
     .route("/api/push", web::post().to(ollama::models_later))
     .route("/api/create", web::post().to(ollama::models_later))
     .route("/api/copy", web::post().to(ollama::models_later))
-    .route("/api/delete", web::delete().to(ollama::models_later))
+    .route("/api/delete", web::delete().to(ollama::delete))
     .route("/api/embed", web::post().to(ollama::embeddings))
     .route("/api/embeddings", web::post().to(ollama::embeddings));
 }

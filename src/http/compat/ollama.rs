@@ -934,7 +934,165 @@ fn not_yet(state: &WebState, req: &HttpRequest, message: &str) -> Result<HttpRes
     Err(ApiError::new(F, Kind::NotImplemented, message))
 }
 
-/// `POST /api/pull`, `POST /api/push`, `DELETE /api/delete`,
+/// The body of `POST /api/pull`.
+#[derive(Debug, Deserialize)]
+pub struct PullRequest {
+    pub model: Option<String>,
+    /// The older spelling of `model`.
+    pub name: Option<String>,
+    /// Stream status objects (the default) or answer once at the end.
+    pub stream: Option<bool>,
+    /// Accepted and ignored (the hub is always HTTPS unless `HF_ENDPOINT`
+    /// says otherwise).
+    #[serde(default)]
+    pub insecure: bool,
+}
+
+/// Progress of one file as Ollama's status objects, at most every 200 ms.
+struct OllamaProgress {
+    tx: mpsc::Sender<Bytes>,
+    status: String,
+    digest: Option<String>,
+    total: u64,
+    completed: u64,
+    last: Option<Instant>,
+}
+
+impl OllamaProgress {
+    fn send(&mut self, force: bool) {
+        let now = Instant::now();
+        if !force
+            && self
+                .last
+                .is_some_and(|t| now - t < std::time::Duration::from_millis(200))
+        {
+            return;
+        }
+        self.last = Some(now);
+        let mut v =
+            json!({"status": self.status, "total": self.total, "completed": self.completed});
+        if let Some(d) = &self.digest {
+            v["digest"] = json!(format!("sha256:{d}"));
+        }
+        // A client that left stops getting them; the download goes on.
+        let _ = self.tx.blocking_send(ndjson(&v));
+    }
+}
+
+impl hf_hub::api::Progress for OllamaProgress {
+    fn init(&mut self, size: usize, _filename: &str) {
+        self.total = size as u64;
+        self.completed = 0;
+        self.send(true);
+    }
+    fn update(&mut self, size: usize) {
+        self.completed += size as u64;
+        self.send(false);
+    }
+    fn finish(&mut self) {
+        self.send(true);
+    }
+}
+
+/// `POST /api/pull`: fetches a model reference (`owner/repo:QUANT`,
+/// `owner/repo/FILE.gguf`) into the Hugging Face cache, as `superfluid pull`
+/// does, streaming Ollama's status objects (`pulling manifest`, one
+/// `pulling <file>` per file with `total` and `completed`, `verifying sha256
+/// digest`, `success`), or one object at the end with `"stream": false`. The
+/// daemon goes on serving the model it was started with.
+pub async fn pull(
+    req: HttpRequest,
+    payload: web::Payload,
+    state: web::Data<WebState>,
+) -> Result<HttpResponse, ApiError> {
+    let r: PullRequest = accept(&state, F, &req, payload).await?;
+    let name = r.model.or(r.name).ok_or_else(|| bad("model is required"))?;
+    let reference = match crate::models::ModelRef::parse(&name) {
+        Ok(m @ crate::models::ModelRef::Hub { .. }) => m,
+        Ok(_) => {
+            return Err(bad(&format!(
+                "{name:?} is not a model reference: pull takes owner/repo:QUANT or owner/repo/FILE.gguf"
+            )))
+        }
+        Err(e) => return Err(bad(&e.to_string())),
+    };
+    let (tx, mut rx) = mpsc::channel::<Bytes>(64);
+    let streaming = r.stream.unwrap_or(true);
+    let worker_tx = tx.clone();
+    let spawned = std::thread::Builder::new()
+        .name("pull".into())
+        .spawn(move || {
+            let _ = worker_tx.blocking_send(ndjson(&json!({"status": "pulling manifest"})));
+            let sink = worker_tx.clone();
+            let factory = move |file: &str, sha: Option<&str>| -> Box<dyn hf_hub::api::Progress> {
+                Box::new(OllamaProgress {
+                    tx: sink.clone(),
+                    status: format!("pulling {file}"),
+                    digest: sha.map(str::to_owned),
+                    total: 0,
+                    completed: 0,
+                    last: None,
+                })
+            };
+            let last = match crate::models::hub::resolve_with(&reference, &factory) {
+                Ok(_) => {
+                    let _ = worker_tx
+                        .blocking_send(ndjson(&json!({"status": "verifying sha256 digest"})));
+                    json!({"status": "success"})
+                }
+                Err(e) => json!({"error": e.to_string()}),
+            };
+            let _ = worker_tx.blocking_send(ndjson(&last));
+        });
+    if let Err(e) = spawned {
+        return Err(ApiError::new(
+            F,
+            Kind::Internal,
+            format!("cannot start the pull: {e}"),
+        ));
+    }
+    drop(tx);
+    if streaming {
+        return Ok(ndjson_stream(0, rx));
+    }
+    // One answer: the last object, its error as the status.
+    let mut last = Bytes::new();
+    while let Some(b) = rx.recv().await {
+        last = b;
+    }
+    let v: Value =
+        serde_json::from_slice(&last).unwrap_or(json!({"error": "the pull ended early"}));
+    match v.get("error").and_then(Value::as_str) {
+        Some(message) => Err(ApiError::new(F, Kind::Invalid, message.to_owned())),
+        None => Ok(HttpResponse::Ok().json(v)),
+    }
+}
+
+/// `DELETE /api/delete`: removes a model reference's files from the
+/// Hugging Face cache (`superfluid rm`); 404 when it is not there.
+pub async fn delete(
+    req: HttpRequest,
+    payload: web::Payload,
+    state: web::Data<WebState>,
+) -> Result<HttpResponse, ApiError> {
+    let r: ShowRequest = accept(&state, F, &req, payload).await?;
+    let name = r.model.or(r.name).ok_or_else(|| bad("model is required"))?;
+    let reference = crate::models::ModelRef::parse(&name).map_err(|e| bad(&e.to_string()))?;
+    let removed = actix_web::web::block(move || crate::models::hub::remove(&reference))
+        .await
+        .map_err(|e| ApiError::new(F, Kind::Internal, e.to_string()))?;
+    match removed {
+        Ok(paths) if !paths.is_empty() => Ok(HttpResponse::Ok().finish()),
+        Ok(_) => Err(ApiError::new(
+            F,
+            Kind::NotFound,
+            format!("model {name:?} not found"),
+        )),
+        Err(e) => Err(ApiError::new(F, Kind::NotFound, e.to_string())),
+    }
+}
+
+/// `POST /api/push`,
 /// `POST /api/copy`, `POST /api/create`.
 pub async fn models_later(
     req: HttpRequest,
