@@ -1010,11 +1010,11 @@ pub async fn pull(
     let reference = match crate::models::ModelRef::parse(&name) {
         Ok(m @ crate::models::ModelRef::Hub { .. }) => m,
         Ok(_) => {
-            return Err(bad(&format!(
+            return Err(bad(format!(
                 "{name:?} is not a model reference: pull takes owner/repo:QUANT or owner/repo/FILE.gguf"
             )))
         }
-        Err(e) => return Err(bad(&e.to_string())),
+        Err(e) => return Err(bad(e.to_string())),
     };
     let (tx, mut rx) = mpsc::channel::<Bytes>(64);
     let streaming = r.stream.unwrap_or(true);
@@ -1077,7 +1077,7 @@ pub async fn delete(
 ) -> Result<HttpResponse, ApiError> {
     let r: ShowRequest = accept(&state, F, &req, payload).await?;
     let name = r.model.or(r.name).ok_or_else(|| bad("model is required"))?;
-    let reference = crate::models::ModelRef::parse(&name).map_err(|e| bad(&e.to_string()))?;
+    let reference = crate::models::ModelRef::parse(&name).map_err(|e| bad(e.to_string()))?;
     let removed = actix_web::web::block(move || crate::models::hub::remove(&reference))
         .await
         .map_err(|e| ApiError::new(F, Kind::Internal, e.to_string()))?;
