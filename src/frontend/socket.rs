@@ -172,6 +172,34 @@ fn hung_up(fd: std::os::fd::BorrowedFd<'_>) -> bool {
     n > 0 && p.revents & (libc::POLLHUP | libc::POLLERR) != 0
 }
 
+/// Hands `item` to the request loop; while it waits there (a request is
+/// running), a client that leaves is told to the connection. False when
+/// the loop is gone.
+async fn hand_over(
+    incoming: &mpsc::Sender<Incoming>,
+    item: Incoming,
+    fd: std::os::fd::BorrowedFd<'_>,
+    gone: &watch::Sender<bool>,
+) -> bool {
+    let permit = loop {
+        tokio::select! {
+            permit = incoming.reserve() => break permit,
+            () = tokio::time::sleep(HANGUP_POLL) => {
+                if !*gone.borrow() && hung_up(fd) {
+                    let _ = gone.send(true);
+                }
+            }
+        }
+    };
+    match permit {
+        Ok(p) => {
+            p.send(item);
+            true
+        }
+        Err(_) => false,
+    }
+}
+
 /// How often a half-closed connection is checked for the peer leaving.
 const HANGUP_POLL: std::time::Duration = std::time::Duration::from_millis(100);
 
@@ -207,6 +235,8 @@ pub fn encode_reply(response: &Response) -> Vec<u8> {
 /// What the reading task hands the request loop.
 enum Incoming {
     Frame(Vec<u8>),
+    /// The client will send nothing more: end after what is queued.
+    Eof,
     /// A frame over the cap: answered, then the connection closes.
     TooLarge {
         len: usize,
@@ -236,27 +266,32 @@ async fn connection(stream: UnixStream, listener: &Listener) {
             let item = match read_frame(&mut reader, MAX_FRAME_BYTES).await {
                 Ok(Some(frame)) => Incoming::Frame(frame),
                 Err(FrameError::TooLarge { len, max }) => Incoming::TooLarge { len, max },
-                Ok(None) => {
-                    // End of input: the client left, or shut down only its
-                    // writing half and waits for its replies.
-                    let fd = reader.as_ref().as_fd();
-                    while !hung_up(fd) {
-                        tokio::select! {
-                            () = tokio::time::sleep(HANGUP_POLL) => {}
-                            () = incoming.closed() => return,
-                        }
-                    }
-                    let _ = gone_tx.send(true);
-                    return;
-                }
+                // End of input: the client left, or shut down only its
+                // writing half and waits for its replies. The request loop
+                // ends after what is queued (so the writer closes, and a
+                // half-closed client reads its replies, then EOF); a full
+                // close meanwhile is told to the request running.
+                Ok(None) => Incoming::Eof,
                 Err(e) => {
                     log::debug!("socket connection ended: {e}");
                     let _ = gone_tx.send(true);
                     return;
                 }
             };
-            let last = matches!(item, Incoming::TooLarge { .. });
-            if incoming.send(item).await.is_err() || last {
+            let last = !matches!(item, Incoming::Frame(_));
+            let fd = reader.as_ref().as_fd();
+            if !hand_over(&incoming, item, fd, &gone_tx).await || last {
+                // Until the request loop ends, a client that leaves is told.
+                while !incoming.is_closed() && !*gone_tx.borrow() {
+                    if hung_up(fd) {
+                        let _ = gone_tx.send(true);
+                        break;
+                    }
+                    tokio::select! {
+                        () = tokio::time::sleep(HANGUP_POLL) => {}
+                        () = incoming.closed() => {}
+                    }
+                }
                 return;
             }
         }
@@ -264,6 +299,7 @@ async fn connection(stream: UnixStream, listener: &Listener) {
     while let Some(item) = requests.recv().await {
         let frame = match item {
             Incoming::Frame(frame) => frame,
+            Incoming::Eof => return,
             Incoming::TooLarge { len, max } => {
                 // The stream cannot be resynchronised past a bogus length.
                 let msg = format!(

@@ -157,7 +157,14 @@ pub fn resolve_with(reference: &ModelRef, progress: ProgressFactory) -> Result<R
             .iter()
             .find(|f| &f.name == file)
             .and_then(|f| f.sha256.clone());
-        files.push(fetch(&name, &remote, file, want.as_deref(), progress)?);
+        files.push(fetch(
+            &name,
+            repo,
+            &remote,
+            file,
+            want.as_deref(),
+            progress,
+        )?);
     }
     Ok(assemble(&chosen, files))
 }
@@ -227,13 +234,14 @@ fn classify(reference: &str, e: ApiError) -> HubError {
 /// else downloaded (resumed where a `.part` was left), then checked.
 fn fetch(
     reference: &str,
+    repo: &str,
     remote: &ApiRepo,
     file: &str,
     want: Option<&str>,
     progress: ProgressFactory,
 ) -> Result<PathBuf, HubError> {
     // Already in the cache, its blob named by the digest the hub gives now.
-    if let Some(path) = cache().model(repo_of(remote)).get(file) {
+    if let Some(path) = cache().model(repo.to_owned()).get(file) {
         let blob = std::fs::canonicalize(&path).ok();
         let named = blob
             .as_ref()
@@ -265,14 +273,6 @@ fn fetch(
         }
     }
     Ok(path)
-}
-
-/// The repo id of a handle (hf-hub keeps it private): from its URL.
-fn repo_of(remote: &ApiRepo) -> String {
-    let url = remote.url("x");
-    let path = url.split("://").nth(1).unwrap_or(&url);
-    let path = path.split_once('/').map_or("", |(_, p)| p);
-    path.split("/resolve/").next().unwrap_or("").to_owned()
 }
 
 fn sha256_of(path: &Path) -> std::io::Result<String> {
@@ -343,6 +343,14 @@ fn cached(reference: &str, repo: &str, pick: &Pick) -> Result<Resolved, HubError
     Ok(assemble(&chosen, files))
 }
 
+/// A hub reference's files as the cache holds them (no request).
+pub fn in_cache(reference: &ModelRef) -> Result<Resolved, HubError> {
+    match reference {
+        ModelRef::Hub { repo, pick } => cached(&reference.to_string(), repo, pick),
+        ModelRef::Path(_) => Err(HubError::Ref(RefError::NotARef(reference.to_string()))),
+    }
+}
+
 /// A cached model file, as `superfluid models` lists it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CachedModel {
@@ -398,24 +406,55 @@ pub fn list_cached() -> Vec<CachedModel> {
     out
 }
 
-/// Removes a reference's files from the cache (their snapshot pointers, and
-/// the blobs no other pointer uses); the paths removed.
+/// Removes a reference's model files from the cache: their snapshot
+/// pointers, and each blob no other pointer of the repo still uses. The
+/// repo's projector stays while another model of it is cached. The paths
+/// removed.
 pub fn remove(reference: &ModelRef) -> Result<Vec<PathBuf>, HubError> {
     let ModelRef::Hub { repo, pick } = reference else {
         return Err(HubError::Ref(RefError::NotARef(reference.to_string())));
     };
     let name = reference.to_string();
     let resolved = cached(&name, repo, pick)?;
+    let root = cache().path().join(Repo::model(repo.clone()).folder_name());
+    let mut doomed: Vec<PathBuf> = resolved
+        .files
+        .iter()
+        .filter(|f| Some(*f) != resolved.mmproj.as_ref())
+        .cloned()
+        .collect();
     let mut removed = Vec::new();
-    for pointer in &resolved.files {
-        let blob = std::fs::canonicalize(pointer).ok();
-        if std::fs::remove_file(pointer).is_ok() {
-            removed.push(pointer.clone());
-        }
-        if let Some(blob) = blob.filter(|b| b != pointer) {
-            if std::fs::remove_file(&blob).is_ok() {
+    let unlink = |pointers: &[PathBuf], removed: &mut Vec<PathBuf>| {
+        for pointer in pointers {
+            let blob = std::fs::canonicalize(pointer).ok();
+            if std::fs::remove_file(pointer).is_ok() {
+                removed.push(pointer.clone());
+            }
+            let Some(blob) = blob.filter(|b| b != pointer) else {
+                continue;
+            };
+            let still_used = files_under(&root.join("snapshots")).iter().any(|p| {
+                std::fs::canonicalize(root.join("snapshots").join(p))
+                    .ok()
+                    .as_ref()
+                    == Some(&blob)
+            });
+            if !still_used && std::fs::remove_file(&blob).is_ok() {
                 removed.push(blob);
             }
+        }
+    };
+    unlink(&doomed, &mut removed);
+    // The projector goes with the last model of the repo.
+    if let (Some(mmproj), Some(dir)) = (&resolved.mmproj, snapshot(repo)) {
+        let models_left = files_under(&dir).iter().any(|f| {
+            let lower = f.to_ascii_lowercase();
+            lower.ends_with(".gguf")
+                && !lower.rsplit('/').next().unwrap_or("").starts_with("mmproj")
+        });
+        if !models_left {
+            doomed = vec![mmproj.clone()];
+            unlink(&doomed, &mut removed);
         }
     }
     Ok(removed)

@@ -70,10 +70,14 @@ impl ModelRef {
     /// Parses a reference. An existing file, or anything that looks like a
     /// path (starts with `/`, `.` or `~`, or has no `/`), is a path.
     pub fn parse(s: &str) -> Result<ModelRef, RefError> {
+        // `dir/file.gguf` (one `/`) is a path too, never sent to the hub.
+        let one_slash_gguf =
+            s.matches('/').count() == 1 && s.to_ascii_lowercase().ends_with(".gguf");
         let looks_like_path = s.starts_with('/')
             || s.starts_with('.')
             || s.starts_with('~')
             || !s.contains('/')
+            || one_slash_gguf
             || Path::new(s).exists();
         if looks_like_path {
             return Ok(ModelRef::Path(PathBuf::from(s)));
@@ -131,10 +135,8 @@ pub struct Chosen {
 
 /// `name` without the `-00001-of-00003` of a split part, and whether it had one.
 fn split_stem(stem: &str) -> (&str, bool) {
-    let b = stem.as_bytes();
-    // "-NNNNN-of-NNNNN": 15 bytes.
-    if b.len() > 15 {
-        let tail = &stem[stem.len() - 15..];
+    // "-NNNNN-of-NNNNN": 15 bytes (ASCII, so a char boundary when it matches).
+    if let Some(tail) = stem.len().checked_sub(15).and_then(|at| stem.get(at..)) {
         let t = tail.as_bytes();
         let digits = |r: std::ops::Range<usize>| t[r].iter().all(u8::is_ascii_digit);
         if t[0] == b'-' && digits(1..6) && &tail[6..10] == "-of-" && digits(10..15) {
@@ -200,6 +202,13 @@ fn matches_quant(file: &str, quant: &str) -> bool {
 /// The files of `listing` (a repo's file names) that `pick` names, for
 /// reference `reference` (in errors).
 pub fn choose(reference: &str, listing: &[String], pick: &Pick) -> Result<Chosen, RefError> {
+    // Names a file can be fetched under: plain segments, no `..`.
+    let listing: Vec<String> = listing
+        .iter()
+        .filter(|f| f.split('/').all(hub_name))
+        .cloned()
+        .collect();
+    let listing = &listing[..];
     let models: Vec<&String> = listing
         .iter()
         .filter(|f| is_gguf(f) && !is_mmproj(f))
@@ -327,7 +336,13 @@ mod tests {
             ModelRef::parse("owner/repo").unwrap(),
             hub("owner/repo", Pick::Default)
         );
-        for path in ["/models/a.gguf", "./a.gguf", "a.gguf", "~/a.gguf"] {
+        for path in [
+            "/models/a.gguf",
+            "./a.gguf",
+            "a.gguf",
+            "~/a.gguf",
+            "models/qwen.gguf",
+        ] {
             assert_eq!(ModelRef::parse(path).unwrap(), ModelRef::Path(path.into()));
         }
         for bad in [

@@ -288,16 +288,6 @@ fn control_token_text_from_clients_stays_text_on_every_template_family() {
     }
 }
 
-fn metric_of(d: &TestDaemon, name: &str) -> f64 {
-    let Response::Text { text } = d.call(&Request::Metrics) else {
-        panic!("Metrics");
-    };
-    text.lines()
-        .find_map(|l| l.strip_prefix(&format!("{name} ")))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or_else(|| panic!("{name} missing:\n{text}"))
-}
-
 /// Item 7: at most `--max-connections` socket connections at once; one more
 /// is answered an `Err` naming the flag and closed, and a slot freed serves
 /// the next.
@@ -397,7 +387,7 @@ fn a_complete_is_cancelled_when_its_client_leaves() {
     d.model = derived_model("SmolLM2-135M-fim.gguf");
     d.spawn_and_wait();
     let cancelled = "superfluid_generations_total{finish=\"cancelled\"}";
-    let before = metric_of(&d, cancelled);
+    let before = metric(&d, cancelled);
     let generated = "superfluid_generated_tokens_total";
     let mut raw = Raw::connect(&d.socket);
     raw.send_request(&Request::Complete {
@@ -409,24 +399,24 @@ fn a_complete_is_cancelled_when_its_client_leaves() {
     });
     // It generates...
     let deadline = Instant::now() + Duration::from_secs(60);
-    while metric_of(&d, generated) < 20.0 {
+    while metric(&d, generated) < 20.0 {
         assert!(Instant::now() < deadline, "the completion never generated");
         std::thread::sleep(Duration::from_millis(20));
     }
     // ...its client leaves, and it stops.
     drop(raw);
     let deadline = Instant::now() + Duration::from_secs(10);
-    while metric_of(&d, cancelled) < before + 1.0 {
+    while metric(&d, cancelled) < before + 1.0 {
         assert!(
             Instant::now() < deadline,
             "the completion ran on after its client left ({} tokens generated)",
-            metric_of(&d, generated)
+            metric(&d, generated)
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    let at_cancel = metric_of(&d, generated);
+    let at_cancel = metric(&d, generated);
     std::thread::sleep(Duration::from_millis(500));
-    assert_eq!(metric_of(&d, generated), at_cancel, "nothing more is drawn");
+    assert_eq!(metric(&d, generated), at_cancel, "nothing more is drawn");
     assert!(at_cancel < 1500.0, "{at_cancel}");
 }
 
@@ -490,4 +480,31 @@ fn a_huge_text_does_not_stall_other_clients() {
              {slowest:?} (its reply: {kind})"
         );
     }
+}
+
+/// A client that sends its requests, shuts down its writing half and reads
+/// until EOF gets every reply, then EOF (the reading task that watches for
+/// a client leaving must not hold the connection open).
+#[test]
+fn a_half_closed_client_gets_its_replies_then_eof() {
+    use std::io::Read;
+    let d = TestDaemon::start();
+    let mut s = std::os::unix::net::UnixStream::connect(&d.socket).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    for _ in 0..3 {
+        let body = superfluid::wire::to_postcard(&Request::List).unwrap();
+        superfluid::wire::write_frame_blocking(&mut s, &body).unwrap();
+    }
+    s.shutdown(std::net::Shutdown::Write).unwrap();
+    for _ in 0..3 {
+        let frame =
+            superfluid::wire::read_frame_blocking(&mut s, superfluid::wire::MAX_FRAME_BYTES)
+                .unwrap()
+                .expect("a reply");
+        let r: Response = superfluid::wire::from_postcard(&frame).unwrap();
+        assert!(matches!(r, Response::Sessions { .. }), "{r:?}");
+    }
+    let mut rest = Vec::new();
+    assert!(s.read_to_end(&mut rest).is_ok(), "EOF, not a timeout");
+    assert!(rest.is_empty());
 }

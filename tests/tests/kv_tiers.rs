@@ -7,7 +7,7 @@ use std::time::Instant;
 use superfluid::frontend::socket::Client;
 use superfluid::wire::{Record, Request, Response, Role, SessionId, Token};
 
-use crate::util::{commit, created, params, TestDaemon};
+use crate::util::{commit, created, metric, params, TestDaemon};
 
 /// About 300 tokens of a conversation's own.
 fn long_message(n: usize) -> String {
@@ -59,16 +59,6 @@ fn generate(c: &mut Client, s: SessionId, max_tokens: u32) -> (u64, Vec<Token>, 
         }
         other => panic!("{other:?}"),
     }
-}
-
-fn metric(d: &TestDaemon, name: &str) -> f64 {
-    let Response::Text { text } = d.call(&Request::Metrics) else {
-        panic!("Metrics");
-    };
-    text.lines()
-        .find_map(|l| l.strip_prefix(&format!("{name} ")))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or_else(|| panic!("{name} missing:\n{text}"))
 }
 
 /// Five conversations of ~300 tokens on a daemon started with `args`, then

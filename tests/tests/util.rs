@@ -613,3 +613,15 @@ pub fn forced_weather_session(c: &mut Client) -> SessionId {
     tool_choice(c, s, "required");
     s
 }
+
+/// The value of the Prometheus sample `name` (with its labels, if any) in
+/// the daemon's `Metrics`; panics when it is missing.
+pub fn metric(d: &TestDaemon, name: &str) -> f64 {
+    let Response::Text { text } = d.call(&Request::Metrics) else {
+        panic!("Metrics");
+    };
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name} ")))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{name} missing:\n{text}"))
+}

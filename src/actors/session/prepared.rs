@@ -11,9 +11,9 @@
 //! now answered. Planning is a pure read of the book, so planning twice is
 //! safe; the session cannot change in between.
 
-use std::collections::hash_map::DefaultHasher;
+use std::collections::hash_map::{DefaultHasher, RandomState};
 use std::collections::HashMap;
-use std::hash::{Hash, Hasher};
+use std::hash::{BuildHasher, Hash, Hasher};
 use std::sync::{Arc, Mutex};
 
 use crate::actors::Shared;
@@ -60,10 +60,11 @@ impl Call {
     }
 }
 
-/// A call's key: a hash of its kind and inputs (hashed, never compared
-/// whole, so a key costs one pass over the inputs and no copy).
-fn key(kind: u8, hash: impl FnOnce(&mut DefaultHasher)) -> u64 {
-    let mut h = DefaultHasher::new();
+/// A call's key: a hash of its kind and inputs, under keys drawn at random
+/// per request (so no client can craft two calls that collide); hashed,
+/// never compared whole, so a key costs one pass over the inputs and no copy.
+fn key(seed: &RandomState, kind: u8, hash: impl FnOnce(&mut DefaultHasher)) -> u64 {
+    let mut h = seed.build_hasher();
     kind.hash(&mut h);
     hash(&mut h);
     h.finish()
@@ -73,6 +74,7 @@ fn key(kind: u8, hash: impl FnOnce(&mut DefaultHasher)) -> u64 {
 /// other method goes to the real one.
 struct Prepared<'a> {
     inner: &'a dyn Render,
+    seed: &'a RandomState,
     answers: &'a HashMap<u64, Answer>,
     missing: Mutex<Vec<(u64, Call)>>,
 }
@@ -105,7 +107,7 @@ impl Render for Prepared<'_> {
         self.inner.vocab_digest()
     }
     fn tokenize(&self, text: &str) -> Vec<Token> {
-        let k = key(0, |h| text.hash(h));
+        let k = key(self.seed, 0, |h| text.hash(h));
         self.answer(k, || Call::Tokenize(text.to_owned()))
             .unwrap_or_default()
     }
@@ -119,7 +121,7 @@ impl Render for Prepared<'_> {
         new: &ChatMessage,
         first: bool,
     ) -> Result<Vec<Token>, RenderError> {
-        let k = key(1, |h| (history, tools, new, first).hash(h));
+        let k = key(self.seed, 1, |h| (history, tools, new, first).hash(h));
         self.answer(k, || Call::Message {
             history: history.to_vec(),
             tools: tools.to_vec(),
@@ -128,7 +130,7 @@ impl Render for Prepared<'_> {
         })
     }
     fn system_span(&self, text: Option<&str>, tools: &[String]) -> Result<Vec<Token>, RenderError> {
-        let k = key(2, |h| (text, tools).hash(h));
+        let k = key(self.seed, 2, |h| (text, tools).hash(h));
         self.answer(k, || Call::System {
             text: text.map(str::to_owned),
             tools: tools.to_vec(),
@@ -139,7 +141,7 @@ impl Render for Prepared<'_> {
         history: &[ChatMessage],
         tools: &[String],
     ) -> Result<Vec<Token>, RenderError> {
-        let k = key(3, |h| (history, tools).hash(h));
+        let k = key(self.seed, 3, |h| (history, tools).hash(h));
         self.answer(k, || Call::Prompt {
             history: history.to_vec(),
             tools: tools.to_vec(),
@@ -166,20 +168,22 @@ impl Render for Prepared<'_> {
     }
 }
 
-/// The most rounds of "plan, compute what was missing": a plan whose later
-/// calls depend on earlier answers needs more than one. Past them the plan
-/// renders inline.
-const ROUNDS: usize = 32;
+/// The most rounds of "plan, compute what was missing": each round answers
+/// at least one more call (a Rebase needs one per Replace edit, its calls
+/// depending on the answers before), so this only stops a runaway plan.
+const ROUNDS: usize = 4096;
 
 /// Plans with `plan`, every render call computed off the actor thread.
 pub(super) async fn plan_off_thread<T>(
     shared: &Shared,
     plan: impl Fn(&SessionBook, &dyn Render) -> Result<T, SessionError>,
 ) -> Result<T, SessionError> {
+    let seed = RandomState::new();
     let mut answers: HashMap<u64, Answer> = HashMap::new();
     for _ in 0..ROUNDS {
         let prepared = Prepared {
             inner: shared.render.as_ref(),
+            seed: &seed,
             answers: &answers,
             missing: Mutex::new(Vec::new()),
         };
@@ -202,5 +206,7 @@ pub(super) async fn plan_off_thread<T>(
         .ok_or_else(|| SessionError::Render(RenderError("the rendering failed".into())))?;
         answers.extend(computed);
     }
-    plan(&shared.read(), shared.render.as_ref())
+    Err(SessionError::Render(RenderError(format!(
+        "the request needs more than {ROUNDS} renders"
+    ))))
 }

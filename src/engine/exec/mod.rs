@@ -355,7 +355,16 @@ impl WorkerEngine {
             if items.is_empty() {
                 break;
             }
-            match self.decode(&items) {
+            // A DecodeNext stays all or nothing: an item refused on its own
+            // (a failed draw) fails the request, as any failure does.
+            let result = self.decode(&items).and_then(|d| match d.refused.first() {
+                Some(r) => Err(RequestError::Internal(format!(
+                    "sequence {}: {}",
+                    r.seq, r.message
+                ))),
+                None => Ok(d),
+            });
+            match result {
                 Ok(d) => {
                     out.drawn.extend(d.drawn);
                     out.tokens += d.tokens;

@@ -1078,9 +1078,26 @@ pub async fn delete(
     let r: ShowRequest = accept(&state, F, &req, payload).await?;
     let name = r.model.or(r.name).ok_or_else(|| bad("model is required"))?;
     let reference = crate::models::ModelRef::parse(&name).map_err(|e| bad(e.to_string()))?;
-    let removed = actix_web::web::block(move || crate::models::hub::remove(&reference))
-        .await
-        .map_err(|e| ApiError::new(F, Kind::Internal, e.to_string()))?;
+    let served = std::fs::canonicalize(&state.model.path).ok();
+    let removed = actix_web::web::block(move || {
+        use crate::models::hub::{in_cache, remove, HubError};
+        // The file the daemon serves (its worker may need it again) stays.
+        let files = in_cache(&reference)?.files;
+        if files.iter().any(|f| {
+            std::fs::canonicalize(f)
+                .ok()
+                .is_some_and(|f| Some(f) == served)
+        }) {
+            return Err(HubError::Other {
+                reference: reference.to_string(),
+                reason: "it is the model this daemon serves; stop the daemon first".into(),
+            });
+        }
+        remove(&reference)
+    })
+    .await
+    .map_err(|e| ApiError::new(F, Kind::Internal, e.to_string()))?;
+    use crate::models::hub::HubError;
     match removed {
         Ok(paths) if !paths.is_empty() => Ok(HttpResponse::Ok().finish()),
         Ok(_) => Err(ApiError::new(
@@ -1088,7 +1105,11 @@ pub async fn delete(
             Kind::NotFound,
             format!("model {name:?} not found"),
         )),
-        Err(e) => Err(ApiError::new(F, Kind::NotFound, e.to_string())),
+        Err(e @ (HubError::NotCached { .. } | HubError::Ref(_))) => {
+            Err(ApiError::new(F, Kind::NotFound, e.to_string()))
+        }
+        Err(e @ HubError::Other { .. }) => Err(ApiError::new(F, Kind::Invalid, e.to_string())),
+        Err(e) => Err(ApiError::new(F, Kind::Internal, e.to_string())),
     }
 }
 
