@@ -24,6 +24,7 @@ mod generation;
 mod messages;
 mod meta;
 mod prepared;
+pub use prepared::INLINE_BYTES;
 mod schema_cache;
 pub(crate) use schema_cache::grammar_of;
 mod tools;

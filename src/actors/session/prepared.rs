@@ -3,8 +3,8 @@
 //! Rendering a message renders the whole conversation with the template
 //! (several times), and an `Append` of a large text tokenizes all of it:
 //! work that grows with the session and would hold every other session's
-//! requests on the actor thread. So a request is planned against a
-//! [`Prepared`] render, which answers only from results already computed
+//! requests on the actor thread. So a request whose texts are large (over
+//! [`INLINE_BYTES`]) is planned against a [`Prepared`] render, which answers only from results already computed
 //! and notes each call it cannot answer. The noted calls then run on a
 //! render thread (`actors::render_pool`) (the session's other requests wait, being serialised by
 //! its actor; no other session does), and the request is planned again,
@@ -84,8 +84,35 @@ fn pending() -> RenderError {
     RenderError("the rendering is being computed".into())
 }
 
+/// Calls whose inputs (texts and tool definitions together) are smaller
+/// than this render inline: a few milliseconds at most, cheaper than a trip
+/// to a render thread, and allocation stays on the actor thread (the
+/// 10-minute soak's memory grew twice as fast when every call went to the
+/// render threads).
+pub const INLINE_BYTES: usize = 64 << 10;
+
+fn messages_bytes(m: &[ChatMessage]) -> usize {
+    m.iter().map(|m| m.content.len()).sum()
+}
+
+fn tools_bytes(t: &[String]) -> usize {
+    t.iter().map(String::len).sum()
+}
+
 impl Prepared<'_> {
-    fn answer(&self, key: u64, call: impl FnOnce() -> Call) -> Answer {
+    /// The answer to a call of `bytes` of input: inline when small, else
+    /// from what was computed off the thread (or noted as missing).
+    fn answer(
+        &self,
+        bytes: usize,
+        key: impl FnOnce() -> u64,
+        inline: impl FnOnce() -> Answer,
+        call: impl FnOnce() -> Call,
+    ) -> Answer {
+        if bytes < INLINE_BYTES {
+            return inline();
+        }
+        let key = key();
         match self.answers.get(&key) {
             Some(a) => a.clone(),
             None => {
@@ -107,9 +134,13 @@ impl Render for Prepared<'_> {
         self.inner.vocab_digest()
     }
     fn tokenize(&self, text: &str) -> Vec<Token> {
-        let k = key(self.seed, 0, |h| text.hash(h));
-        self.answer(k, || Call::Tokenize(text.to_owned()))
-            .unwrap_or_default()
+        self.answer(
+            text.len(),
+            || key(self.seed, 0, |h| text.hash(h)),
+            || Ok(self.inner.tokenize(text)),
+            || Call::Tokenize(text.to_owned()),
+        )
+        .unwrap_or_default()
     }
     fn detokenize(&self, span: &[Token]) -> String {
         self.inner.detokenize(span)
@@ -121,31 +152,43 @@ impl Render for Prepared<'_> {
         new: &ChatMessage,
         first: bool,
     ) -> Result<Vec<Token>, RenderError> {
-        let k = key(self.seed, 1, |h| (history, tools, new, first).hash(h));
-        self.answer(k, || Call::Message {
-            history: history.to_vec(),
-            tools: tools.to_vec(),
-            new: new.clone(),
-            first,
-        })
+        self.answer(
+            messages_bytes(history) + tools_bytes(tools) + new.content.len(),
+            || key(self.seed, 1, |h| (history, tools, new, first).hash(h)),
+            || self.inner.message_span(history, tools, new, first),
+            || Call::Message {
+                history: history.to_vec(),
+                tools: tools.to_vec(),
+                new: new.clone(),
+                first,
+            },
+        )
     }
     fn system_span(&self, text: Option<&str>, tools: &[String]) -> Result<Vec<Token>, RenderError> {
-        let k = key(self.seed, 2, |h| (text, tools).hash(h));
-        self.answer(k, || Call::System {
-            text: text.map(str::to_owned),
-            tools: tools.to_vec(),
-        })
+        self.answer(
+            text.map_or(0, str::len) + tools_bytes(tools),
+            || key(self.seed, 2, |h| (text, tools).hash(h)),
+            || self.inner.system_span(text, tools),
+            || Call::System {
+                text: text.map(str::to_owned),
+                tools: tools.to_vec(),
+            },
+        )
     }
     fn generation_prompt_span(
         &self,
         history: &[ChatMessage],
         tools: &[String],
     ) -> Result<Vec<Token>, RenderError> {
-        let k = key(self.seed, 3, |h| (history, tools).hash(h));
-        self.answer(k, || Call::Prompt {
-            history: history.to_vec(),
-            tools: tools.to_vec(),
-        })
+        self.answer(
+            messages_bytes(history) + tools_bytes(tools),
+            || key(self.seed, 3, |h| (history, tools).hash(h)),
+            || self.inner.generation_prompt_span(history, tools),
+            || Call::Prompt {
+                history: history.to_vec(),
+                tools: tools.to_vec(),
+            },
+        )
     }
     fn conversation(
         &self,
