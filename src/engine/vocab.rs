@@ -213,13 +213,26 @@ impl Vocab {
             .unwrap_or(false)
     }
 
-    /// A matcher for the texts of every control token (leftmost-longest), or `None` when the
-    /// vocabulary has no control token with a text.
+    /// A matcher for the texts of every control and unknown token (leftmost-longest), or `None`
+    /// when the vocabulary has none with a text.
     pub fn control_matcher(&self) -> Option<&aho_corasick::AhoCorasick> {
         self.control_matcher
             .get_or_init(|| {
+                // What llama.cpp parses as a special token when asked to:
+                // CONTROL and UNKNOWN tokens. (USER_DEFINED ones it parses
+                // in any text, as the model's reference tokenizer does with
+                // its non-special added tokens: they are text by design.)
+                let special = |t: Token| {
+                    self.is_control(t)
+                        || self.llama_token(t).is_ok_and(|lt| {
+                            self.model
+                                .vocab()
+                                .attr(lt)
+                                .contains(llama_cpp_2::token_type::LlamaTokenAttr::Unknown)
+                        })
+                };
                 let texts: Vec<String> = (0..self.n_vocab)
-                    .filter(|&t| self.is_control(t))
+                    .filter(|&t| special(t))
                     .filter_map(|t| self.token_text(t))
                     .filter(|s| !s.is_empty())
                     .collect();
