@@ -166,16 +166,20 @@ pub fn resolve_with(reference: &ModelRef, progress: ProgressFactory) -> Result<R
             progress,
         )?);
     }
-    Ok(assemble(&chosen, files))
+    assemble(&name, &chosen, files)
 }
 
-fn assemble(chosen: &Chosen, files: Vec<PathBuf>) -> Resolved {
+fn assemble(reference: &str, chosen: &Chosen, files: Vec<PathBuf>) -> Result<Resolved, HubError> {
     let mmproj = chosen.mmproj.as_ref().and_then(|_| files.last().cloned());
-    Resolved {
-        model: files[0].clone(),
+    let model = files.first().cloned().ok_or_else(|| HubError::Other {
+        reference: reference.to_owned(),
+        reason: "no model file was chosen".into(),
+    })?;
+    Ok(Resolved {
+        model,
         files,
         mmproj,
-    }
+    })
 }
 
 /// One file of a repo's listing.
@@ -340,7 +344,7 @@ fn cached(reference: &str, repo: &str, pick: &Pick) -> Result<Resolved, HubError
             reason: format!("{} is not in the cache", missing.display()),
         });
     }
-    Ok(assemble(&chosen, files))
+    assemble(reference, &chosen, files)
 }
 
 /// A hub reference's files as the cache holds them (no request).

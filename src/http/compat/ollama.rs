@@ -868,6 +868,11 @@ pub struct ShowRequest {
     pub name: Option<String>,
 }
 
+/// A request's `model`, or its older spelling `name`.
+fn model_field(model: Option<String>, name: Option<String>) -> Result<String, ApiError> {
+    model.or(name).ok_or_else(|| bad("model is required"))
+}
+
 /// What the template lets the model do, as Ollama's `capabilities`.
 fn capabilities(state: &WebState) -> Vec<&'static str> {
     let m = Markers::from_template(&state.shared.render.template_source());
@@ -891,7 +896,7 @@ pub async fn show(
     state: web::Data<WebState>,
 ) -> Result<HttpResponse, ApiError> {
     let r: ShowRequest = accept(&state, F, &req, payload).await?;
-    let name = r.model.or(r.name).ok_or_else(|| bad("model is required"))?;
+    let name = model_field(r.model, r.name)?;
     check_model(&state, F, model_name(&name))?;
     let i = identity(&state).await?;
     let template = state.shared.render.template_source();
@@ -1006,7 +1011,7 @@ pub async fn pull(
     state: web::Data<WebState>,
 ) -> Result<HttpResponse, ApiError> {
     let r: PullRequest = accept(&state, F, &req, payload).await?;
-    let name = r.model.or(r.name).ok_or_else(|| bad("model is required"))?;
+    let name = model_field(r.model, r.name)?;
     let reference = match crate::models::ModelRef::parse(&name) {
         Ok(m @ crate::models::ModelRef::Hub { .. }) => m,
         Ok(_) => {
@@ -1076,7 +1081,7 @@ pub async fn delete(
     state: web::Data<WebState>,
 ) -> Result<HttpResponse, ApiError> {
     let r: ShowRequest = accept(&state, F, &req, payload).await?;
-    let name = r.model.or(r.name).ok_or_else(|| bad("model is required"))?;
+    let name = model_field(r.model, r.name)?;
     let reference = crate::models::ModelRef::parse(&name).map_err(|e| bad(e.to_string()))?;
     let served = std::fs::canonicalize(&state.model.path).ok();
     let removed = actix_web::web::block(move || {
