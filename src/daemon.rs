@@ -8,8 +8,10 @@ use std::sync::{Arc, RwLock};
 use actix::prelude::*;
 
 use crate::actors::lane::{LaneActor, LaneConfig, LaneHealth};
+use crate::actors::load_gate::{Entry as GateEntry, GateState, LoadGate};
 use crate::actors::registry::Registry;
 use crate::actors::scheduler::SchedulerActor;
+use crate::actors::served::{Served, ServedModel};
 use crate::actors::wal::{Shutdown, WalActor};
 use crate::actors::{now_ms, Shared};
 use crate::engine::render::Renderer;
@@ -43,6 +45,11 @@ pub enum DaemonError {
     WalWriter(std::io::Error),
     #[error("cannot record this start in the log: {0}")]
     Boot(crate::actors::CommitError),
+    #[error(
+        "two models, or a model and \"default\", have the id {0:?} (a model's id is its \
+         file name without .gguf): rename one file"
+    )]
+    ModelId(String),
     /// Signal handlers, the executable's path.
     #[error(transparent)]
     Io(#[from] std::io::Error),
@@ -72,6 +79,63 @@ pub struct ServeConfig {
     pub step_timeout: std::time::Duration,
     /// `--max-connections`: live connections on the socket, and on `--web`.
     pub max_connections: usize,
+    /// `--model`: more models served beside `model`, each with its own log
+    /// under `<sessions>/models/<id>/`, loaded on first use.
+    pub more_models: Vec<PathBuf>,
+    /// `--keep-alive`: how long a `--model` stays loaded with no request, in
+    /// ms; None: for ever.
+    pub keep_alive_ms: Option<u64>,
+    /// `--max-loaded-models`: models loaded at once, the first included.
+    pub max_loaded_models: usize,
+    /// `--memory-limit-mb`: what the loaded models may need together; None:
+    /// the machine's available memory decides at each load.
+    pub memory_limit_mb: Option<u64>,
+}
+
+/// `--keep-alive` default: Ollama's five minutes.
+pub const DEFAULT_KEEP_ALIVE: &str = "5m";
+
+/// `--max-loaded-models` default: Ollama's on a machine without a GPU.
+pub const DEFAULT_MAX_LOADED_MODELS: usize = 3;
+
+/// A served model's id: its file stem (`SmolLM2-135M-Instruct.Q4_1`).
+pub fn model_id(path: &Path) -> String {
+    path.file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "default".into())
+}
+
+/// The directory of a `--model`'s log (and park and media directories).
+pub fn model_dir(sessions: &Path, id: &str) -> PathBuf {
+    sessions.join("models").join(id)
+}
+
+/// What a model needs loaded, in bytes, for the load gate: its file, its
+/// KV cache at `--ctx-size` (f16 K and V for every layer, from the GGUF's
+/// header), and a tenth of the file for llama.cpp's compute buffers.
+pub fn model_need(path: &Path, worker: &WorkerConfig) -> u64 {
+    use crate::http::compat::gguf;
+    let size = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
+    let kv = std::fs::File::open(path)
+        .ok()
+        .and_then(|f| gguf::read_meta(&mut std::io::BufReader::new(f)).ok())
+        .map(|meta| {
+            let arch = meta
+                .get("general.architecture")
+                .and_then(|v| v.as_str())
+                .unwrap_or("llama")
+                .to_string();
+            let get = |k: &str| meta.get(&format!("{arch}.{k}")).and_then(|v| v.as_u64());
+            let layers = get("block_count").unwrap_or(0);
+            let embd = get("embedding_length").unwrap_or(0);
+            let heads = get("attention.head_count").unwrap_or(1).max(1);
+            let heads_kv = get("attention.head_count_kv").unwrap_or(heads);
+            let k = get("attention.key_length").unwrap_or(embd / heads);
+            let v = get("attention.value_length").unwrap_or(embd / heads);
+            u64::from(worker.n_ctx) * layers * heads_kv * (k + v) * 2
+        })
+        .unwrap_or(0);
+    size + kv + size / 10
 }
 
 /// `--step-timeout-secs` default.
@@ -316,23 +380,52 @@ pub fn serve(config: ServeConfig) -> Result<(), DaemonError> {
         Some(web) => Some(crate::http::bind(web.addr)?),
         None => None,
     };
-    let render = Arc::new(ModelRender::load(&config.model)?);
     let mode = if config.sessions_cache {
         OpenMode::Cache
     } else {
         OpenMode::Durable
     };
-    let (file, book) = replay(&config.sessions, mode)?;
-    let writer = WalWriter::spawn(file, None).map_err(DaemonError::WalWriter)?;
+    let mut models = Vec::new();
+    for (i, path) in std::iter::once(&config.model)
+        .chain(&config.more_models)
+        .enumerate()
+    {
+        let id = model_id(path);
+        if id == "default" || id.starts_with('.') || models.iter().any(|m: &Loaded| m.id == id) {
+            return Err(DaemonError::ModelId(id));
+        }
+        let dir = if i == 0 {
+            config.sessions.clone()
+        } else {
+            model_dir(&config.sessions, &id)
+        };
+        let render = Arc::new(ModelRender::load(path)?);
+        let (file, book) = replay(&dir, mode)?;
+        let writer = WalWriter::spawn(file, None).map_err(DaemonError::WalWriter)?;
+        models.push(Loaded {
+            id,
+            config: ServeConfig {
+                model: path.clone(),
+                sessions: dir,
+                ..config.clone()
+            },
+            book,
+            writer,
+            render,
+        });
+    }
     let system = actix::System::new();
-    system.block_on(run(
-        config.clone(),
-        listener,
-        web_listener,
-        book,
-        writer,
-        render,
-    ))
+    system.block_on(run(config.clone(), listener, web_listener, models))
+}
+
+/// A model's log replayed and its writer started, before the actors.
+struct Loaded {
+    id: String,
+    /// The daemon's config with this model's file and directory.
+    config: ServeConfig,
+    book: SessionBook,
+    writer: WalWriter,
+    render: Arc<ModelRender>,
 }
 
 /// Unlinks the daemon's socket when `serve` returns, if it is still ours.
@@ -375,7 +468,11 @@ pub fn start_actors(
     book: SessionBook,
     writer: WalWriter,
     render: Arc<dyn Render>,
+    gate: Option<(LoadGate, usize)>,
 ) -> Shared {
+    // Every model but the first loads on first use.
+    let lazy = gate.as_ref().is_some_and(|(_, slot)| *slot > 0);
+    let load = gate.clone();
     let wal = WalActor::new(writer).start();
     let w = &config.worker;
     let (scheduler, lane) = start_lane(
@@ -391,6 +488,8 @@ pub fn start_actors(
                 .vocab_digest()
                 .map(|digest| (render.n_vocab(), digest)),
             step_timeout: config.step_timeout,
+            gate,
+            lazy,
         },
         SchedulerState::new(w.n_ctx, w.n_seq, w.n_batch)
             .with_pin_budget_pct(config.pin_budget_pct)
@@ -413,6 +512,7 @@ pub fn start_actors(
         generations: Arc::default(),
         media: crate::media::MediaStore::new(&config.sessions),
         park_dir: config.park_budget_gb.map(|_| park_dir(&config.sessions)),
+        load,
     }
 }
 
@@ -420,23 +520,63 @@ async fn run(
     config: ServeConfig,
     listener: std::os::unix::net::UnixListener,
     web_listener: Option<std::net::TcpListener>,
-    book: SessionBook,
-    writer: WalWriter,
-    render: Arc<ModelRender>,
+    models: Vec<Loaded>,
 ) -> Result<(), DaemonError> {
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
-    let shared = start_actors(&config, std::env::current_exe()?, book, writer, render);
-    let boot = shared.read().plan_boot(now_ms());
-    shared.commit(boot).await.map_err(DaemonError::Boot)?;
-    let registry = Registry::new(shared.clone()).start();
-    println!(
-        "superfluid: serving {} on {} (sessions in {}, epoch {})",
-        config.model.display(),
-        config.socket.display(),
-        config.sessions.display(),
-        shared.read().epoch()
-    );
+    let exe = std::env::current_exe()?;
+    let gate = LoadGate::new(GateState {
+        entries: models
+            .iter()
+            .enumerate()
+            .map(|(i, m)| GateEntry {
+                id: m.id.clone(),
+                need: model_need(&m.config.model, &config.worker),
+                loaded: false,
+                pinned: i == 0,
+                active: false,
+                last_used_ms: now_ms(),
+                keep_alive_ms: if i == 0 { None } else { config.keep_alive_ms },
+            })
+            .collect(),
+        max_loaded: config.max_loaded_models.max(1),
+        limit: config.memory_limit_mb.map(|mb| mb.saturating_mul(1 << 20)),
+    });
+    let mut served = Vec::new();
+    let mut infos = Vec::new();
+    for (slot, m) in models.into_iter().enumerate() {
+        let shared = start_actors(
+            &m.config,
+            exe.clone(),
+            m.book,
+            m.writer,
+            m.render,
+            Some((gate.clone(), slot)),
+        );
+        let boot = shared.read().plan_boot(now_ms());
+        shared.commit(boot).await.map_err(DaemonError::Boot)?;
+        let registry = Registry::new(shared.clone()).start();
+        println!(
+            "superfluid: serving {} on {} (sessions in {}, epoch {}){}",
+            m.config.model.display(),
+            config.socket.display(),
+            m.config.sessions.display(),
+            shared.read().epoch(),
+            if slot == 0 {
+                String::new()
+            } else {
+                format!(" as model {:?}, loaded on first use", m.id)
+            }
+        );
+        infos.push(ModelInfo::from_path(&m.config.model, now_ms() / 1000));
+        served.push(ServedModel {
+            id: m.id,
+            file: m.config.model.clone(),
+            shared,
+            registry,
+        });
+    }
+    let served = Served::new(served);
     let web = match web_listener {
         Some(l) => {
             let web_config = config.web.clone().unwrap_or_else(|| WebConfig {
@@ -447,15 +587,8 @@ async fn run(
                 api_key: None,
                 max_connections: config.max_connections,
             });
-            let model = ModelInfo::from_path(&config.model, now_ms() / 1000);
-            let web = crate::http::start(
-                l,
-                &web_config,
-                &config.sessions,
-                registry.clone(),
-                shared.clone(),
-                model.clone(),
-            )?;
+            let ids = served.ids();
+            let web = crate::http::start(l, &web_config, &config.sessions, served.clone(), infos)?;
             let key = if web_config.api_key.is_some() {
                 format!("--api-key, or the token in {}", web.token_path.display())
             } else {
@@ -470,8 +603,12 @@ async fn run(
             println!(
                 "superfluid: OpenAI API at http://{addr}/v1 , Anthropic API at http://{addr} , \
                  Ollama API at http://{addr} , Prometheus metrics at http://{addr}/metrics \
-                 (model {:?}; key: {key})",
-                model.id,
+                 (model{} {}; key: {key})",
+                if ids.len() > 1 { "s" } else { "" },
+                ids.iter()
+                    .map(|id| format!("{id:?}"))
+                    .collect::<Vec<_>>()
+                    .join(", "),
                 addr = web.addr,
             );
             Some(web)
@@ -480,7 +617,7 @@ async fn run(
     };
     let socket_task = actix_rt::spawn(crate::frontend::socket::serve(
         listener,
-        registry,
+        served.clone(),
         config.max_connections,
     ));
     tokio::select! {
@@ -488,7 +625,11 @@ async fn run(
         _ = term.recv() => {}
     }
     log::info!("shutting down");
-    if shared.bus.close() > 0 {
+    let mut open_subs = 0;
+    for m in served.all() {
+        open_subs += m.shared.bus.close();
+    }
+    if open_subs > 0 {
         // Let the subscriptions' `SubEnded { "publisher closed" }` go out.
         tokio::time::sleep(std::time::Duration::from_millis(SUB_END_FLUSH_MS)).await;
     }
@@ -496,7 +637,9 @@ async fn run(
         web.handle.stop(false).await;
     }
     socket_task.abort();
-    let _ = shared.wal.send(Shutdown).await;
+    for m in served.all() {
+        let _ = m.shared.wal.send(Shutdown).await;
+    }
     System::current().stop();
     Ok(())
 }

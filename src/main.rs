@@ -163,6 +163,38 @@ struct Serve {
     #[arg(long, value_name = "N", default_value_t = superfluid::frontend::socket::DEFAULT_MAX_CONNECTIONS as u64,
           value_parser = clap::value_parser!(u64).range(1..=65_536))]
     max_connections: u64,
+    /// Another model to serve beside the first (a GGUF file or a
+    /// reference, like MODEL); repeatable. Each has its own log under
+    /// <sessions>/models/<id>/ (its id: the file name without .gguf), loads
+    /// on its first request and unloads after --keep-alive without one.
+    /// The HTTP routes pick it by their `model` field; the session API by
+    /// `UseModel`.
+    #[arg(long = "model", value_name = "MODEL")]
+    more_models: Vec<String>,
+    /// How long a --model stays loaded with no request: a duration (30s,
+    /// 5m, 1h), 0 to unload at once, or -1 to keep it. The first model stays
+    /// loaded.
+    #[arg(long, value_name = "DURATION", default_value = daemon::DEFAULT_KEEP_ALIVE,
+          value_parser = keep_alive_arg, allow_hyphen_values = true)]
+    keep_alive: KeepAlive,
+    /// Models loaded at once, the first included; loading one more unloads
+    /// the least recently used idle one, or is refused.
+    #[arg(long, value_name = "N", default_value_t = daemon::DEFAULT_MAX_LOADED_MODELS as u64,
+          value_parser = clap::value_parser!(u64).range(1..=64))]
+    max_loaded_models: u64,
+    /// The memory the loaded models may need together (files, KV caches),
+    /// in MiB: a model past it is refused, or idle ones unloaded to make
+    /// room [default: the machine's available memory at each load]
+    #[arg(long, value_name = "MIB", value_parser = clap::value_parser!(u64).range(1..))]
+    memory_limit_mb: Option<u64>,
+}
+
+/// `--keep-alive` in ms; None: for ever.
+#[derive(Debug, Clone, Copy)]
+struct KeepAlive(Option<u64>);
+
+fn keep_alive_arg(text: &str) -> Result<KeepAlive, String> {
+    superfluid::actors::load_gate::parse_keep_alive(text).map(KeepAlive)
 }
 
 #[derive(clap::Args)]
@@ -249,6 +281,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             park_budget_gb: s.park.then_some(s.park_budget_gb),
             step_timeout: std::time::Duration::from_secs(s.step_timeout_secs),
             max_connections: s.max_connections as usize,
+            more_models: s
+                .more_models
+                .iter()
+                .map(|m| resolve_model(m))
+                .collect::<anyhow::Result<_>>()?,
+            keep_alive_ms: s.keep_alive.0,
+            max_loaded_models: s.max_loaded_models as usize,
+            memory_limit_mb: s.memory_limit_mb,
         })
         .map_err(Into::into),
         Command::Worker(w) => superfluid::engine::worker::run(

@@ -72,9 +72,12 @@ struct State {
 #[derive(Clone)]
 pub struct Bus {
     state: Arc<Mutex<State>>,
-    next_sub: Arc<AtomicU64>,
     capacity: usize,
 }
+
+/// Subscription ids, unique across every bus of the process (a connection
+/// may hold subscriptions on more than one model's bus).
+static NEXT_SUB: AtomicU64 = AtomicU64::new(1);
 
 impl Default for Bus {
     fn default() -> Self {
@@ -130,7 +133,6 @@ impl Bus {
     pub fn new(capacity: usize) -> Bus {
         Bus {
             state: Arc::default(),
-            next_sub: Arc::new(AtomicU64::new(1)),
             capacity: capacity.max(1),
         }
     }
@@ -143,7 +145,7 @@ impl Bus {
     /// the backlog, with the book locked (read) so no commit is half-seen.
     /// A closed bus answers with a subscriber that ends at once.
     pub fn subscribe(&self, session: SessionId, provisional: bool) -> Subscriber {
-        let sub = self.next_sub.fetch_add(1, Ordering::Relaxed);
+        let sub = NEXT_SUB.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = mpsc::channel(self.capacity);
         let reason = Arc::new(OnceLock::new());
         let mut state = self.lock();

@@ -34,6 +34,7 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
 use tokio::net::unix::pipe;
 use tokio::sync::{mpsc, oneshot, watch};
 
+use super::load_gate::{available_memory, LoadGate};
 use crate::wire::frame::encode_frame;
 use crate::wire::worker::{ReplyCheck, WorkerConfig, WorkerRequest, WorkerResponse};
 use crate::wire::{from_postcard, read_frame, to_postcard};
@@ -42,7 +43,8 @@ use crate::wire::{from_postcard, read_frame, to_postcard};
 const RESPAWN_DELAY_MS: u64 = 100;
 /// The longest wait between respawns.
 const RESPAWN_DELAY_MAX_MS: u64 = 5_000;
-/// How often the lane looks for a step past its deadline.
+/// How often the lane looks for a step past its deadline, and whether its
+/// idle model's keep-alive ran out.
 const DEADLINE_CHECK: Duration = Duration::from_millis(250);
 /// OpenMP spin iterations before a waiting worker thread sleeps (libgomp's
 /// default is 300,000, a millisecond or so of two busy cores after each step).
@@ -89,6 +91,14 @@ pub enum LaneError {
     BadReply(String),
     #[error("the model lane stopped")]
     Stopped,
+    /// The model could not be loaded (it does not fit, or too many are
+    /// loaded): the gate's message.
+    #[error("{0}")]
+    CannotLoad(String),
+    /// The lane unloaded its idle model (`--keep-alive`, or room for
+    /// another model).
+    #[error("the model was unloaded")]
+    Unloaded,
 }
 
 /// Run requests on the worker, in order: one reply per request, or Err when
@@ -115,6 +125,9 @@ pub enum LaneState {
     /// The worker died (or could not start) and a new one is on its way;
     /// requests wait for it.
     Respawning,
+    /// No worker runs: a `--model` not used yet, or unloaded after its
+    /// keep-alive. The next request loads it.
+    Unloaded,
 }
 
 /// Re-logs the worker's stderr lines in the daemon's log until its EOF: each
@@ -160,7 +173,12 @@ async fn relay_stderr(stderr: pipe::Receiver) {
 pub type LaneHealth = watch::Receiver<LaneState>;
 
 impl LaneState {
-    const ALL: [LaneState; 3] = [LaneState::Loading, LaneState::Ready, LaneState::Respawning];
+    const ALL: [LaneState; 4] = [
+        LaneState::Loading,
+        LaneState::Ready,
+        LaneState::Respawning,
+        LaneState::Unloaded,
+    ];
 
     /// Its name in /web/health and in Metrics.
     pub fn name(self) -> &'static str {
@@ -168,6 +186,7 @@ impl LaneState {
             LaneState::Loading => "loading",
             LaneState::Ready => "ready",
             LaneState::Respawning => "respawning",
+            LaneState::Unloaded => "unloaded",
         }
     }
 
@@ -176,7 +195,7 @@ impl LaneState {
     pub fn metrics(self) -> String {
         let mut out = String::from(
             "# HELP superfluid_lane_state The model lane's worker: loading (the first start), \
-             ready, or respawning (after a death).\n# TYPE superfluid_lane_state gauge\n",
+             ready, respawning (after a death), or unloaded (idle past its keep-alive).\n# TYPE superfluid_lane_state gauge\n",
         );
         for s in LaneState::ALL {
             out.push_str(&format!(
@@ -221,6 +240,12 @@ pub struct LaneConfig {
     pub vocabulary: Option<(u32, [u8; 32])>,
     /// `--step-timeout-secs`: the base of each request's deadline.
     pub step_timeout: Duration,
+    /// The daemon's load gate and this lane's line in it; `None`: the lane
+    /// loads at start and never unloads, with no one to ask.
+    pub gate: Option<(LoadGate, usize)>,
+    /// Starts unloaded, loads on the first request, and unloads after its
+    /// keep-alive (a `--model`).
+    pub lazy: bool,
 }
 
 /// The deadline of a request of `work` tokens: the base, plus 20 times what
@@ -251,6 +276,18 @@ fn work_of(request: &WorkerRequest) -> u64 {
 }
 
 type Reply = oneshot::Sender<Result<WorkerResponse, LaneError>>;
+
+/// Whether a request needs the model loaded: a decode, or a restore of KV
+/// kept outside the cells. The rest manage KV a worker holds.
+fn needs_model(request: &WorkerRequest) -> bool {
+    matches!(
+        request,
+        WorkerRequest::Decode { .. }
+            | WorkerRequest::DecodeNext { .. }
+            | WorkerRequest::KvRestore { .. }
+            | WorkerRequest::KvUnpark { .. }
+    )
+}
 
 pub struct LaneActor {
     config: LaneConfig,
@@ -293,10 +330,27 @@ pub struct LaneActor {
     listener: Recipient<LaneReset>,
     /// Where the lane publishes its [`LaneState`].
     state: watch::Sender<LaneState>,
+    /// The worker now exiting is being unloaded, not replaced.
+    unloading: bool,
+    /// When the lane last had a request, or answered one.
+    last_used: Instant,
 }
+
+/// Unload the idle model to make room for another (sent by the lane that
+/// loads it, which the gate told to). A lane with work in flight keeps its
+/// worker, and says so in the gate.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Unload;
+
+/// Load the model now if it is not (Ollama's request with no messages).
+#[derive(Message)]
+#[rtype(result = "Result<(), String>")]
+pub struct Load;
 
 impl LaneActor {
     pub fn new(config: LaneConfig, listener: Recipient<LaneReset>) -> LaneActor {
+        let config_lazy = config.lazy;
         LaneActor {
             config,
             child: None,
@@ -315,7 +369,13 @@ impl LaneActor {
             incarnation: 0,
             failures_in_a_row: 0,
             listener,
-            state: watch::Sender::new(LaneState::Loading),
+            state: watch::Sender::new(if config_lazy {
+                LaneState::Unloaded
+            } else {
+                LaneState::Loading
+            }),
+            unloading: false,
+            last_used: Instant::now(),
         }
     }
 
@@ -387,7 +447,12 @@ impl LaneActor {
                 return;
             }
         };
-        log::info!("worker {} started (pid {})", incarnation, child.id());
+        log::info!(
+            "worker {} of {} started (pid {})",
+            incarnation,
+            self.config.model.display(),
+            child.id()
+        );
         let (stdin, stdout, stderr) = (
             child.stdin.take().expect("piped"),
             child.stdout.take().expect("piped"),
@@ -496,6 +561,79 @@ impl LaneActor {
         self.stop_worker(Some(error));
     }
 
+    /// Changes this lane's line in the gate, if it has one.
+    fn gate_update(&self, f: impl FnOnce(&mut super::load_gate::Entry)) {
+        if let Some((gate, slot)) = &self.config.gate {
+            gate.update(*slot, f);
+        }
+    }
+
+    /// Notes a request coming in (`incoming`) or a reply going out: when
+    /// the lane was last used, and whether it has work.
+    fn touch(&mut self, incoming: bool) {
+        self.last_used = Instant::now();
+        let active = incoming || !self.in_flight.is_empty() || !self.held.is_empty();
+        let now = super::now_ms();
+        self.gate_update(|e| {
+            e.active = active;
+            e.last_used_ms = now;
+        });
+    }
+
+    /// Loads the unloaded model: asks the gate (which may have idle models
+    /// unload to make room) and starts the worker; Err when it does not fit.
+    fn load(&mut self, ctx: &mut Context<Self>) -> Result<(), LaneError> {
+        if let Some((gate, slot)) = &self.config.gate {
+            let victims = gate
+                .with(|g| g.plan_load(*slot, available_memory(), super::now_ms()))
+                .map_err(|why| {
+                    log::warn!("{why}");
+                    LaneError::CannotLoad(why)
+                })?;
+            for v in victims {
+                gate.unload(v);
+            }
+        }
+        log::info!("loading the model {}", self.config.model.display());
+        self.state.send_replace(LaneState::Loading);
+        self.spawn_worker(ctx);
+        Ok(())
+    }
+
+    /// Unloads an idle lazy model whose keep-alive ran out.
+    fn check_keep_alive(&mut self) {
+        if !self.config.lazy
+            || !self.ready
+            || self.unloading
+            || !self.in_flight.is_empty()
+            || !self.held.is_empty()
+        {
+            return;
+        }
+        let Some((gate, slot)) = &self.config.gate else {
+            return;
+        };
+        if let Some(keep) = gate.entry(*slot).keep_alive_ms {
+            if self.last_used.elapsed() >= Duration::from_millis(keep) {
+                self.unload(&format!(
+                    "idle for {:.1} s, its keep-alive",
+                    keep as f64 / 1e3
+                ));
+            }
+        }
+    }
+
+    /// Stops the worker of an idle model; its exit leaves the lane unloaded.
+    fn unload(&mut self, why: &str) {
+        log::info!(
+            "unloading the model {} ({why})",
+            self.config.model.display()
+        );
+        self.unloading = true;
+        self.ready = false;
+        self.stop_worker(Some(LaneError::Unloaded));
+    }
+
     /// Fails every request held for a worker that is not ready.
     fn fail_held(&mut self, error: &LaneError) {
         for (_, reply) in self.held.drain(..) {
@@ -599,8 +737,19 @@ impl Actor for LaneActor {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Context<Self>) {
-        self.spawn_worker(ctx);
-        ctx.run_interval(DEADLINE_CHECK, |this, _| this.check_deadline());
+        if let Some((gate, slot)) = &self.config.gate {
+            gate.register(*slot, ctx.address());
+        }
+        if self.config.lazy {
+            self.gate_update(|e| e.loaded = false);
+        } else {
+            self.gate_update(|e| e.loaded = true);
+            self.spawn_worker(ctx);
+        }
+        ctx.run_interval(DEADLINE_CHECK, |this, _| {
+            this.check_deadline();
+            this.check_keep_alive();
+        });
     }
 
     fn stopped(&mut self, _: &mut Context<Self>) {
@@ -629,7 +778,19 @@ impl Actor for LaneActor {
 impl Handler<Exec> for LaneActor {
     type Result = ResponseFuture<Result<Vec<WorkerResponse>, LaneError>>;
 
-    fn handle(&mut self, msg: Exec, _: &mut Context<Self>) -> Self::Result {
+    fn handle(&mut self, msg: Exec, ctx: &mut Context<Self>) -> Self::Result {
+        let unloaded = self.child.is_none() && *self.state.borrow() == LaneState::Unloaded;
+        if (unloaded || self.unloading) && !msg.0.iter().any(needs_model) {
+            // Housekeeping of a KV that is gone with the worker (a spill,
+            // a clear): nothing to do, and no reason to load the model.
+            return Box::pin(async { Err(LaneError::Unloaded) });
+        }
+        if unloaded {
+            if let Err(error) = self.load(ctx) {
+                return Box::pin(async move { Err(error) });
+            }
+        }
+        self.touch(true);
         let mut replies = Vec::with_capacity(msg.0.len());
         for request in msg.0 {
             let (tx, rx) = oneshot::channel();
@@ -702,6 +863,9 @@ impl Handler<FromWorker> for LaneActor {
                     // crashes each new worker would be retried at full speed).
                     self.failures_in_a_row = 0;
                     let _ = reply.send(Ok(msg.response));
+                    if self.in_flight.is_empty() {
+                        self.touch(false);
+                    }
                 }
                 Err(why) => {
                     // A worker that answers nonsense is broken: nothing of
@@ -739,7 +903,12 @@ impl Handler<WorkerGone> for LaneActor {
             reason: msg.reason,
             status,
         });
-        log::error!("{error}; starting a new one");
+        let unloaded = std::mem::take(&mut self.unloading);
+        if unloaded {
+            log::info!("the model {} is unloaded", self.config.model.display());
+        } else {
+            log::error!("{error}; starting a new one");
+        }
         self.to_worker = None;
         self.stdin_for_shutdown = None;
         self.ready = false;
@@ -754,11 +923,52 @@ impl Handler<WorkerGone> for LaneActor {
                 LaneError::NotDelivered(error.to_string())
             }));
         }
+        if unloaded {
+            // The KV is gone as after a death; requests that came while the
+            // worker exited load the model again.
+            self.listener.do_send(LaneReset(error));
+            self.state.send_replace(LaneState::Unloaded);
+            self.gate_update(|e| e.loaded = false);
+            if !self.held.is_empty() {
+                if let Err(error) = self.load(ctx) {
+                    self.fail_held(&error);
+                }
+            }
+            self.touch(false);
+            return;
+        }
         // Requests held for a worker that never became ready fail too: a
         // respawn that keeps failing must not leave them waiting forever.
         self.fail_held(&error);
         self.listener.do_send(LaneReset(error));
         self.schedule_respawn(ctx);
+    }
+}
+
+impl Handler<Load> for LaneActor {
+    type Result = Result<(), String>;
+
+    fn handle(&mut self, _: Load, ctx: &mut Context<Self>) -> Self::Result {
+        if self.child.is_none() && *self.state.borrow() == LaneState::Unloaded {
+            self.load(ctx).map_err(|e| e.to_string())?;
+        }
+        self.touch(false);
+        Ok(())
+    }
+}
+
+impl Handler<Unload> for LaneActor {
+    type Result = ();
+
+    fn handle(&mut self, _: Unload, _: &mut Context<Self>) {
+        let busy = !self.in_flight.is_empty() || !self.held.is_empty();
+        if busy || self.child.is_none() || self.unloading {
+            // Work came in since the gate chose it: it stays loaded.
+            let loaded = self.child.is_some() && !self.unloading;
+            self.gate_update(|e| e.loaded = loaded);
+            return;
+        }
+        self.unload("room for another model");
     }
 }
 

@@ -29,9 +29,11 @@
 pub mod bus;
 pub mod complete;
 pub mod lane;
+pub mod load_gate;
 pub mod registry;
 pub mod render_pool;
 pub mod scheduler;
+pub mod served;
 pub mod session;
 pub mod stateless;
 pub mod subscription;
@@ -69,6 +71,9 @@ pub struct Shared {
     pub media: crate::media::MediaStore,
     /// `--park`'s directory: a purged session's artifact is deleted there.
     pub park_dir: Option<std::path::PathBuf>,
+    /// The daemon's load gate and this model's line in it (`serve
+    /// --model`); None in a daemon built without one (in-process tests).
+    pub load: Option<(load_gate::LoadGate, usize)>,
 }
 
 /// Why a record was not committed.

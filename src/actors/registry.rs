@@ -505,6 +505,10 @@ impl Handler<Dispatch> for Registry {
                     }
                 })
             }
+            Request::UseModel { .. } | Request::Models => reply(Response::err(
+                "UseModel and Models are answered by a connection (the socket, /web/ws) \
+                 or /web/rpc; /web/rpc and /web/stream pick a model with ?model=ID",
+            )),
             other => reply(Response::err(format!(
                 "{} is not served by this daemon yet",
                 name(&other)

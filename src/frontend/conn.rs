@@ -22,6 +22,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 
 use super::bucket::TokenBucket;
 use crate::actors::registry::{Dispatch, DispatchComplete, DispatchStream, Registry, Subscribe};
+use crate::actors::served::Served;
 use crate::actors::session::STREAM_REPLY_CAPACITY;
 use crate::actors::subscription::{Begin, End, SubscriptionActor};
 use crate::wire::{Request, Response};
@@ -42,22 +43,25 @@ pub struct Closed;
 /// What a connection shares with the other connections of its listener.
 #[derive(Clone)]
 pub struct Listener {
-    pub registry: Addr<Registry>,
+    /// The models served; connections start on the first.
+    pub served: Served,
     /// Meters the `Complete`s of all its connections together.
     pub completes: Arc<Mutex<TokenBucket>>,
 }
 
 impl Listener {
-    pub fn new(registry: Addr<Registry>) -> Listener {
+    pub fn new(served: Served) -> Listener {
         Listener {
-            registry,
+            served,
             completes: Arc::new(Mutex::new(TokenBucket::per_listener(Instant::now()))),
         }
     }
 }
 
 pub struct Connection {
+    /// The registry of the model this connection's requests go to.
     registry: Addr<Registry>,
+    served: Served,
     out: mpsc::Sender<Response>,
     subs: HashMap<u64, Addr<SubscriptionActor>>,
     /// Meters this connection's `Complete`s.
@@ -78,7 +82,8 @@ impl Connection {
     ) -> (Connection, mpsc::Receiver<Response>) {
         let (out, rx) = mpsc::channel(CONNECTION_QUEUE_FRAMES);
         let conn = Connection {
-            registry: listener.registry.clone(),
+            registry: listener.served.default_model().registry.clone(),
+            served: listener.served.clone(),
             out,
             subs: HashMap::new(),
             bucket: TokenBucket::per_connection(Instant::now()),
@@ -99,6 +104,18 @@ impl Connection {
         tokio::select! {
             () = told => {}
             () = self.out.closed() => {}
+        }
+    }
+
+    /// Moves the connection to the model `name` names (`UseModel`, or
+    /// `?model=` on /web/ws).
+    pub fn use_model(&mut self, name: &str) -> Result<(), String> {
+        match self.served.find(name) {
+            Some(m) => {
+                self.registry = m.registry.clone();
+                Ok(())
+            }
+            None => Err(self.served.unknown(name)),
         }
     }
 
@@ -194,6 +211,17 @@ impl Connection {
                     () = self.client_gone() => return Err(Closed),
                 };
                 self.reply(response).await
+            }
+            Request::UseModel { model } => {
+                let response = match self.use_model(&model) {
+                    Ok(()) => Response::Ack,
+                    Err(message) => Response::Err { message },
+                };
+                self.reply(response).await
+            }
+            Request::Models => {
+                let models = self.served.summaries();
+                self.reply(Response::Models { models }).await
             }
             other => {
                 let response = dispatch(&self.registry, other).await;

@@ -14,12 +14,11 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use actix::Addr;
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{mpsc, watch};
 
 use super::conn::{Connection, Listener};
-use crate::actors::registry::Registry;
+use crate::actors::served::Served;
 use crate::wire::{
     from_postcard, read_frame, to_postcard, write_frame, FrameError, Request, Response,
     MAX_FRAME_BYTES,
@@ -117,7 +116,7 @@ pub const DEFAULT_MAX_CONNECTIONS: usize = 256;
 /// so and is closed.
 pub async fn serve(
     listener: std::os::unix::net::UnixListener,
-    registry: Addr<Registry>,
+    served: Served,
     max_connections: usize,
 ) {
     let listener = match UnixListener::from_std(listener) {
@@ -127,7 +126,7 @@ pub async fn serve(
             return;
         }
     };
-    let shared = Listener::new(registry);
+    let shared = Listener::new(served);
     let live = Arc::new(AtomicUsize::new(0));
     loop {
         match listener.accept().await {

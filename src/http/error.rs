@@ -19,6 +19,9 @@ pub enum WebError {
     Body(String),
     #[error("not a WebSocket handshake: {0}")]
     Handshake(String),
+    /// `?model=` names no served model.
+    #[error("{0}")]
+    NoModel(String),
     /// A `Complete` past its bucket.
     #[error("throttled: retry after {retry_after_ms} ms")]
     Throttled { retry_after_ms: u64 },
@@ -31,6 +34,7 @@ impl ResponseError for WebError {
             WebError::Denied(_) => StatusCode::FORBIDDEN,
             WebError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             WebError::Body(_) | WebError::Handshake(_) => StatusCode::BAD_REQUEST,
+            WebError::NoModel(_) => StatusCode::NOT_FOUND,
             WebError::Throttled { .. } => StatusCode::TOO_MANY_REQUESTS,
         }
     }

@@ -20,14 +20,12 @@ pub mod token;
 
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use actix::Addr;
 use actix_web::{web, App, HttpServer};
 
-use crate::actors::registry::Registry;
-use crate::actors::Shared;
+use crate::actors::served::Served;
 use crate::frontend::bucket::TokenBucket;
 use crate::frontend::conn::Listener;
 
@@ -135,9 +133,8 @@ pub fn start(
     listener: TcpListener,
     config: &WebConfig,
     sessions: &Path,
-    registry: Addr<Registry>,
-    shared: Shared,
-    model: compat::ModelInfo,
+    served: Served,
+    infos: Vec<compat::ModelInfo>,
 ) -> Result<Web, StartError> {
     let addr = listener.local_addr().map_err(StartError::Server)?;
     let token = token::mint().map_err(StartError::Random)?;
@@ -150,16 +147,26 @@ pub fn start(
         source,
     })?;
     let page_url = page::url(addr, &token);
-    let ws = Listener::new(registry.clone());
+    let models = served
+        .all()
+        .iter()
+        .zip(infos)
+        .map(|(m, model)| routes::ModelView {
+            registry: m.registry.clone(),
+            lane: m.shared.lane.clone(),
+            shared: m.shared.clone(),
+            model,
+        })
+        .collect();
     let state = web::Data::new(routes::WebState {
-        registry,
-        lane: shared.lane.clone(),
-        policy: auth::Policy::new(token, addr, config.origins.clone())
-            .with_api_key(config.api_key.clone()),
-        shared,
-        model,
-        rpc_bucket: Mutex::new(TokenBucket::per_listener(Instant::now())),
-        ws,
+        policy: Arc::new(
+            auth::Policy::new(token, addr, config.origins.clone())
+                .with_api_key(config.api_key.clone()),
+        ),
+        rpc_bucket: Arc::new(Mutex::new(TokenBucket::per_listener(Instant::now()))),
+        ws: Listener::new(served),
+        models: Arc::new(models),
+        current: 0,
     });
     let server = HttpServer::new(move || {
         App::new()

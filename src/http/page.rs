@@ -59,7 +59,7 @@ async fn to_index(req: HttpRequest, state: web::Data<WebState>) -> Result<HttpRe
 
 async fn index(req: HttpRequest, state: web::Data<WebState>) -> Result<HttpResponse, WebError> {
     check(&state, Route::Page, &req)?;
-    let html = INDEX_HTML.replace(MODEL_PLACEHOLDER, &escape_html(&state.model.id));
+    let html = INDEX_HTML.replace(MODEL_PLACEHOLDER, &escape_html(&state.m().model.id));
     Ok(file("text/html; charset=utf-8", html))
 }
 

@@ -3,7 +3,7 @@
 //! socket does; statuses other than 200 come only from `WebError`.
 
 use std::convert::Infallible;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use actix::Addr;
@@ -27,20 +27,60 @@ use crate::wire::{Record, Request, Response};
 /// WebSocket message.
 pub const MAX_BODY_BYTES: usize = 16 << 20;
 
-/// What every handler shares.
-pub struct WebState {
+/// One served model, as the handlers see it.
+pub struct ModelView {
     pub registry: Addr<Registry>,
     /// The model lane's state, reported by /web/health.
     pub lane: LaneHealth,
-    pub policy: Policy,
-    /// Meters `Complete` on /web/rpc, for the whole listener.
-    pub rpc_bucket: Mutex<TokenBucket>,
-    /// What the /web/ws connections share (their `Complete`s, metered together).
-    pub ws: Listener,
     /// What the compatible routes generate with.
     pub shared: crate::actors::Shared,
     /// The model they serve.
     pub model: super::compat::ModelInfo,
+}
+
+/// What every handler shares, looking at one model (`m()`): the default
+/// one, until a handler picks the model a request names (`pick`). Cheap to
+/// clone.
+#[derive(Clone)]
+pub struct WebState {
+    pub policy: Arc<Policy>,
+    /// Meters `Complete` on /web/rpc, for the whole listener.
+    pub rpc_bucket: Arc<Mutex<TokenBucket>>,
+    /// What the /web/ws connections share (their `Complete`s, metered together).
+    pub ws: Listener,
+    /// Every served model, the default first.
+    pub models: Arc<Vec<ModelView>>,
+    /// The one this state looks at.
+    pub current: usize,
+}
+
+impl WebState {
+    /// The model this state looks at.
+    pub fn m(&self) -> &ModelView {
+        &self.models[self.current]
+    }
+
+    /// The state looking at the `i`th model.
+    pub fn at(&self, i: usize) -> WebState {
+        WebState {
+            current: i,
+            ..self.clone()
+        }
+    }
+
+    /// The state looking at the model `name` names (its id, its file name,
+    /// or "default"), if one does.
+    pub fn pick(&self, name: &str) -> Option<WebState> {
+        let i = if name == "default" {
+            0
+        } else {
+            self.models.iter().position(|v| v.model.answers_to(name))?
+        };
+        Some(WebState {
+            current: i,
+            ..self.clone()
+        })
+    }
 }
 
 pub fn configure(cfg: &mut web::ServiceConfig) {
@@ -106,16 +146,37 @@ pub(super) async fn read_body_capped(
 /// doing, and whether its log still takes commits.
 async fn health(req: HttpRequest, state: web::Data<WebState>) -> Result<HttpResponse, WebError> {
     check(&state, Route::Health, &req)?;
-    let lane = state.lane.borrow().name();
+    let lane = state.m().lane.borrow().name();
     // The log writer: "failed" once a write or fdatasync failed (the daemon
     // then refuses every commit until restarted; docs/wal-format.md).
     let wal = state
+        .m()
         .shared
         .wal
         .send(crate::actors::wal::GetWalStats)
         .await
         .map_or("failed", |s| if s.failed { "failed" } else { "ok" });
     Ok(HttpResponse::Ok().json(serde_json::json!({ "ok": true, "lane": lane, "wal": wal })))
+}
+
+/// `?model=ID` on /web/rpc, /web/stream and /web/ws: the model the
+/// requests go to (the first when absent).
+#[derive(Debug, Deserialize)]
+struct ModelQuery {
+    model: Option<String>,
+}
+
+/// The state looking at the model the query names; 404 naming the served
+/// models when it names none.
+fn model_of(state: &WebState, req: &HttpRequest) -> Result<WebState, WebError> {
+    let query = web::Query::<ModelQuery>::from_query(req.query_string())
+        .map_err(|e| WebError::Body(format!("the query: {e}")))?;
+    match query.into_inner().model {
+        None => Ok(state.at(0)),
+        Some(name) => state
+            .pick(&name)
+            .ok_or_else(|| WebError::NoModel(state.ws.served.unknown(&name))),
+    }
 }
 
 /// One request, one reply.
@@ -125,6 +186,7 @@ async fn rpc(
     state: web::Data<WebState>,
 ) -> Result<HttpResponse, WebError> {
     check(&state, Route::Post, &req)?;
+    let state = model_of(&state, &req)?;
     let body = read_body(&req, payload).await?;
     let response = match serde_json::from_slice::<Request>(&body) {
         Err(e) => Response::err(format!("not a request: {e}")),
@@ -134,6 +196,13 @@ async fn rpc(
         Ok(Request::Subscribe { .. } | Request::Unsubscribe { .. }) => {
             Response::err("subscriptions need a connection: use /web/ws")
         }
+        Ok(Request::Models) => Response::Models {
+            models: state.ws.served.summaries(),
+        },
+        Ok(Request::UseModel { .. }) => Response::err(
+            "/web/rpc takes one request a call: name its model with ?model=ID \
+             (UseModel moves a /web/ws connection)",
+        ),
         Ok(request @ Request::Complete { .. }) => {
             let allowed = state
                 .rpc_bucket
@@ -141,11 +210,11 @@ async fn rpc(
                 .unwrap_or_else(|e| e.into_inner())
                 .try_take(Instant::now());
             match allowed {
-                Ok(()) => dispatch(&state.registry, request).await,
+                Ok(()) => dispatch(&state.m().registry, request).await,
                 Err(retry_after_ms) => Response::Throttled { retry_after_ms },
             }
         }
-        Ok(request) => dispatch(&state.registry, request).await,
+        Ok(request) => dispatch(&state.m().registry, request).await,
     };
     if let Response::Throttled { retry_after_ms } = response {
         return Err(WebError::Throttled { retry_after_ms });
@@ -236,11 +305,12 @@ async fn stream(
     state: web::Data<WebState>,
 ) -> Result<HttpResponse, WebError> {
     check(&state, Route::Post, &req)?;
+    let state = model_of(&state, &req)?;
     let body = read_body(&req, payload).await?;
     let events = match serde_json::from_slice::<StreamBody>(&body) {
         Ok(b) => {
             let (tx, rx) = mpsc::channel(STREAM_REPLY_CAPACITY);
-            state.registry.do_send(DispatchStream {
+            state.m().registry.do_send(DispatchStream {
                 request: Request::Generate {
                     session: b.session,
                     max_tokens: b.max_tokens,
@@ -270,9 +340,10 @@ async fn ws(
     state: web::Data<WebState>,
 ) -> Result<HttpResponse, WebError> {
     check(&state, Route::Ws, &req)?;
+    let model = model_of(&state, &req)?.current;
     let (response, session, messages) = actix_ws::handle_with_protocols(&req, payload, &[PROTOCOL])
         .map_err(|e| WebError::Handshake(e.to_string()))?;
-    actix_rt::spawn(ws_connection(state.ws.clone(), session, messages));
+    actix_rt::spawn(ws_connection(state.ws.clone(), model, session, messages));
     Ok(response)
 }
 
@@ -287,6 +358,7 @@ enum WsIn {
 
 async fn ws_connection(
     listener: Listener,
+    model: usize,
     mut session: actix_ws::Session,
     messages: actix_ws::MessageStream,
 ) {
@@ -296,6 +368,10 @@ async fn ws_connection(
         .max_continuation_size(MAX_BODY_BYTES);
     let (gone_tx, gone) = watch::channel(false);
     let (mut conn, mut queue) = Connection::new(&listener, gone);
+    let id = listener.served.all()[model].id.clone();
+    if let Err(e) = conn.use_model(&id) {
+        log::error!("/web/ws: {e}");
+    }
     let mut writer = session.clone();
     actix_rt::spawn(async move {
         while let Some(response) = queue.recv().await {

@@ -438,6 +438,16 @@ pub enum Request {
         session: SessionId,
         schema: Option<String>,
     },
+    /// Not in the spec's table (an extension, docs/protocol.md): the model
+    /// this connection's later requests go to (a daemon serving more than
+    /// one, `serve --model`): its id, its file name, or "default" (the
+    /// first model, where every connection starts). Answers `Ack`.
+    UseModel {
+        model: String,
+    },
+    /// Not in the spec's table (an extension): the models the daemon
+    /// serves. Answers `Models`.
+    Models,
 }
 
 impl Request {
@@ -481,7 +491,9 @@ impl Request {
             | PutMedia { .. }
             | GcMedia
             | SetLogLevel { .. }
-            | Metrics => None,
+            | Metrics
+            | UseModel { .. }
+            | Models => None,
         }
     }
 }
@@ -627,6 +639,24 @@ pub enum Response {
     Err {
         message: String,
     },
+    /// Not in the spec (an extension): `Models`' answer, the first model
+    /// first.
+    Models {
+        models: Vec<ModelSummary>,
+    },
+}
+
+/// One model a daemon serves (`Models`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelSummary {
+    /// What `UseModel` and the HTTP routes' `model` name it by.
+    pub id: String,
+    /// Its GGUF file.
+    pub file: String,
+    /// The first model: where connections start.
+    pub default: bool,
+    /// Its lane: "loading", "ready", "respawning" or "unloaded".
+    pub state: String,
 }
 
 impl Response {

@@ -37,6 +37,7 @@ mod kv_tiers;
 mod logging;
 mod media;
 mod metrics;
+mod models;
 mod ordering;
 mod qos;
 mod soak;

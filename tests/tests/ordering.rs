@@ -83,8 +83,19 @@ fn no_reply_before_the_fsync_that_covers_it() {
             park_budget_gb: None,
             step_timeout: std::time::Duration::from_secs(60),
             max_connections: superfluid::frontend::socket::DEFAULT_MAX_CONNECTIONS,
+            more_models: Vec::new(),
+            keep_alive_ms: None,
+            max_loaded_models: 1,
+            memory_limit_mb: None,
         };
-        let shared = start_actors(&config, crate::util::bin().into(), book, w.clone(), render);
+        let shared = start_actors(
+            &config,
+            crate::util::bin().into(),
+            book,
+            w.clone(),
+            render,
+            None,
+        );
         let registry = Registry::new(shared.clone()).start();
         let session = match registry
             .send(Dispatch(Request::Create {

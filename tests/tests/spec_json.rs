@@ -537,6 +537,8 @@ fn request_index(r: &Request) -> u8 {
         Metrics => 34,
         SetToolChoice { .. } => 35,
         SetOutputFormat { .. } => 36,
+        UseModel { .. } => 37,
+        Models => 38,
     }
 }
 
@@ -692,6 +694,10 @@ fn all_requests() -> Vec<Request> {
             session: 1,
             schema: Some(r#"{"type":"object"}"#.into()),
         },
+        UseModel {
+            model: "SmolLM2-135M-llama3-style".into(),
+        },
+        Models,
     ]
 }
 
@@ -725,6 +731,7 @@ fn response_index(r: &Response) -> u8 {
         Gc { .. } => 24,
         Text { .. } => 25,
         Err { .. } => 26,
+        Models { .. } => 27,
     }
 }
 
@@ -834,6 +841,14 @@ fn all_responses() -> Vec<Response> {
         },
         Err {
             message: "no session 9".into(),
+        },
+        Models {
+            models: vec![superfluid::wire::ModelSummary {
+                id: "SmolLM2-135M-Instruct.Q4_1".into(),
+                file: "/models/SmolLM2-135M-Instruct.Q4_1.gguf".into(),
+                default: true,
+                state: "ready".into(),
+            }],
         },
     ]
 }

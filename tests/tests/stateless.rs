@@ -49,8 +49,12 @@ where
             park_budget_gb: None,
             step_timeout: std::time::Duration::from_secs(60),
             max_connections: superfluid::frontend::socket::DEFAULT_MAX_CONNECTIONS,
+            more_models: Vec::new(),
+            keep_alive_ms: None,
+            max_loaded_models: 1,
+            memory_limit_mb: None,
         };
-        let shared = start_actors(&config, crate::util::bin().into(), book, w, render);
+        let shared = start_actors(&config, crate::util::bin().into(), book, w, render, None);
         body(shared).await;
         actix::System::current().stop();
     });

@@ -298,8 +298,10 @@ class Client:
     read from ``<sessions_dir>/web-token`` (default ``SUPERFLUID_SESSIONS``,
     else ``~/.superfluid/sessions``), and read again when the daemon answers 401,
     since a restarted daemon writes a new one. ``timeout`` bounds each socket
-    operation, in seconds. Each request uses its own HTTP connection, so one
-    Client may be shared by threads.
+    operation, in seconds. ``model`` picks which of the daemon's models
+    (``serve --model``) the requests go to: its id, or ``None`` for the first;
+    each model has its own sessions. Each request uses its own HTTP
+    connection, so one Client may be shared by threads.
     """
 
     def __init__(
@@ -308,6 +310,7 @@ class Client:
         token: Optional[str] = None,
         timeout: float = 120.0,
         sessions_dir: Optional[str] = None,
+        model: Optional[str] = None,
     ):
         url = url or os.environ.get("SUPERFLUID_URL") or DEFAULT_URL
         parsed = urllib.parse.urlsplit(url if "//" in url else "http://" + url)
@@ -317,6 +320,8 @@ class Client:
         self.host = parsed.hostname or "127.0.0.1"
         self.port = parsed.port or 80
         self.timeout = timeout
+        self.model = model
+        self._query = "" if model is None else "?" + urllib.parse.urlencode({"model": model})
         self._token_path = None
         if token is None:
             self._token_path = os.path.join(
@@ -349,7 +354,7 @@ class Client:
         for attempt in (0, 1):
             conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
             try:
-                conn.request("POST", path, body=data, headers=self._headers())
+                conn.request("POST", path + self._query, body=data, headers=self._headers())
                 resp = conn.getresponse()
             except (OSError, http.client.HTTPException) as e:
                 conn.close()
@@ -442,6 +447,12 @@ class Client:
     def tree(self) -> List[Tuple[int, Optional[int], Optional[int]]]:
         """The fork tree (``Tree``): ``(id, parent, fork_at)`` per session."""
         return [tuple(n) for n in self._expect("Tree", "Tree")["nodes"]]
+
+    def models(self) -> List[Dict[str, Any]]:
+        """The daemon's models (``Models``): ``id``, ``file``, ``default``
+        (the first) and ``state`` ("ready", "loading", "respawning" or
+        "unloaded") of each."""
+        return self._expect("Models", "Models")["models"]
 
     def metrics(self) -> str:
         """The Prometheus exposition (``Metrics``)."""

@@ -21,7 +21,7 @@ use super::drive::{self, End, Out};
 use super::error::{ApiError, Family, Kind};
 use super::{
     accept, budget, chat_error, check_lane, check_model, event_stream, logged, markers, new_id,
-    ok_with_warm, params, sse, start_all, Access, Prepared,
+    ok_with_warm, params, pick, sse, start_all, Access, Prepared,
 };
 use super::{close_reasoning, forced_grammar};
 use crate::http::routes::WebState;
@@ -286,7 +286,7 @@ fn render(
             )))
         }
     };
-    let prompt = prompt_tokens(state.shared.render.as_ref(), &conv.msgs, &tools)
+    let prompt = prompt_tokens(state.m().shared.render.as_ref(), &conv.msgs, &tools)
         .map_err(|e| chat_error(F, e))?;
     let pin = conv
         .pin
@@ -306,7 +306,7 @@ pub async fn count_tokens(
     state: web::Data<WebState>,
 ) -> Result<HttpResponse, ApiError> {
     let r: CountRequest = accept(&state, F, &req, payload).await?;
-    check_model(&state, F, &r.model)?;
+    let state = pick(&state, F, &r.model)?;
     let rendered = render(
         &state,
         r.system.as_ref(),
@@ -355,6 +355,7 @@ pub async fn messages(
         .await
         .map_err(|e| logged(&access, e))?;
     access.model = r.model.clone();
+    let state = pick(&state, F, &r.model).map_err(|e| logged(&access, e))?;
     let run = async {
         check_lane(&state, F)?;
         check_model(&state, F, &r.model)?;
@@ -417,7 +418,7 @@ pub async fn messages(
     access.prompt = prompt;
     access.cached = warm;
     let id = new_id("msg_");
-    let model = state.model.id.clone();
+    let model = state.m().model.id.clone();
     if r.stream {
         let (tx, rx) = mpsc::channel(64);
         let head = json!({

@@ -180,28 +180,44 @@ pub(crate) fn parse<T: DeserializeOwned>(family: Family, body: &Bytes) -> Result
     serde_json::from_value(value).map_err(|e| ApiError::invalid(family, e.to_string()))
 }
 
-/// 404 unless `name` is the served model.
+/// 404 unless `name` is the model `state` looks at (see [`pick`]).
 pub(crate) fn check_model(state: &WebState, family: Family, name: &str) -> Result<(), ApiError> {
-    if state.model.answers_to(name) {
+    if state.m().model.answers_to(name) {
         Ok(())
     } else {
-        Err(ApiError::new(
-            family,
-            Kind::NoModel,
-            format!(
-                "the model {name:?} does not exist; this daemon serves {:?}",
-                state.model.id
-            ),
-        )
-        .with_param("model"))
+        Err(no_model(state, family, name))
     }
+}
+
+/// The state looking at the model a request's `model` names (an id, a file
+/// name, or "default"); 404 naming the served models when none.
+pub(crate) fn pick(state: &WebState, family: Family, name: &str) -> Result<WebState, ApiError> {
+    state
+        .pick(name)
+        .ok_or_else(|| no_model(state, family, name))
+}
+
+fn no_model(state: &WebState, family: Family, name: &str) -> ApiError {
+    let ids: Vec<&str> = state.models.iter().map(|v| v.model.id.as_str()).collect();
+    let served = if ids.len() == 1 {
+        format!("this daemon serves {:?}", ids[0])
+    } else {
+        format!("this daemon serves {ids:?}")
+    };
+    ApiError::new(
+        family,
+        Kind::NoModel,
+        format!("the model {name:?} does not exist; {served}"),
+    )
+    .with_param("model")
 }
 
 /// 503 unless the lane's worker is up.
 pub(crate) fn check_lane(state: &WebState, family: Family) -> Result<(), ApiError> {
-    // A loading lane is waited for; a worker that died is reported.
-    match *state.lane.borrow() {
-        LaneState::Ready | LaneState::Loading => Ok(()),
+    // A loading lane is waited for, an unloaded one loads; a worker that
+    // died is reported.
+    match *state.m().lane.borrow() {
+        LaneState::Ready | LaneState::Loading | LaneState::Unloaded => Ok(()),
         other => Err(ApiError::new(
             family,
             Kind::Unavailable,
@@ -220,7 +236,7 @@ pub(crate) fn budget(
     asked: Option<u32>,
     param: &'static str,
 ) -> Result<u32, ApiError> {
-    let n_ctx = state.shared.n_ctx as usize;
+    let n_ctx = state.m().shared.n_ctx as usize;
     if prompt >= n_ctx {
         return Err(ApiError::new(
             family,
@@ -326,7 +342,7 @@ pub(crate) fn forced_grammar(
 /// The markers of the served template, and whether a generation prompt
 /// `header` opens a thinking block.
 pub(crate) fn markers(state: &WebState, header: &[Token]) -> (Markers, bool) {
-    let render = &state.shared.render;
+    let render = &state.m().shared.render;
     let markers = Markers::from_template(&render.template_source());
     let opens = markers.think.as_ref().is_some_and(|(open, _)| {
         render
@@ -420,7 +436,7 @@ pub(crate) async fn start_all(
             pin: p.pin.map(|(len, ttl_ms)| PrefixPin { len, ttl_ms }),
             extras: p.extras.clone(),
         };
-        drive::start(&state.shared, spec)
+        drive::start(&state.m().shared, spec)
     });
     for (i, run) in futures_util::future::join_all(starts)
         .await
@@ -518,10 +534,23 @@ pub(crate) fn event_stream(warm: u64, rx: tokio::sync::mpsc::Receiver<Bytes>) ->
         .streaming(body)
 }
 
-/// `GET /metrics`: the Prometheus text of the `Metrics` request.
+/// `?model=ID` on /metrics.
+#[derive(Debug, serde::Deserialize)]
+struct MetricsQuery {
+    model: Option<String>,
+}
+
+/// `GET /metrics`: the Prometheus text of the `Metrics` request, of the
+/// first model or of the one `?model=ID` names.
 async fn metrics(req: HttpRequest, state: web::Data<WebState>) -> Result<HttpResponse, ApiError> {
     authorize(&state, Family::OpenAi, &req)?;
-    match dispatch(&state.registry, Request::Metrics).await {
+    let query = web::Query::<MetricsQuery>::from_query(req.query_string())
+        .map_err(|e| ApiError::invalid(Family::OpenAi, format!("the query: {e}")))?;
+    let state = match query.into_inner().model {
+        Some(name) => pick(&state, Family::OpenAi, &name)?,
+        None => state.at(0),
+    };
+    match dispatch(&state.m().registry, Request::Metrics).await {
         Response::Text { text } => Ok(HttpResponse::Ok()
             .insert_header(("content-type", "text/plain; version=0.0.4; charset=utf-8"))
             .body(text)),

@@ -22,7 +22,7 @@ use super::error::{ApiError, Family, Kind};
 use super::gguf::Identity;
 use super::{
     accept, authorize, chat_error, check_lane, check_model, json_grammar, logged, markers,
-    ok_with_warm, params, start_all, Access, Prepared,
+    ok_with_warm, params, pick, start_all, Access, Prepared,
 };
 use super::{close_reasoning, forced_grammar};
 use crate::actors::complete::fim_prompt;
@@ -103,7 +103,7 @@ pub fn model_name(name: &str) -> &str {
 
 /// The name the routes list the model under (Ollama's `name:tag`).
 fn listed_name(state: &WebState) -> String {
-    format!("{}:latest", state.model.id)
+    format!("{}:latest", state.m().model.id)
 }
 
 /// Ollama's messages as superfluid's. Ollama's calls carry no ids: each gets
@@ -434,10 +434,15 @@ pub fn unloads(k: &Value) -> bool {
     }
 }
 
-/// A request that only loads (no messages, no prompt): answered at once with
-/// `done_reason` `load`, or `unload` for `keep_alive: 0` (the model stays
-/// loaded: this daemon serves it while it runs).
-fn load_reply(state: &WebState, shape: Shape, keep_alive: Option<&Value>) -> HttpResponse {
+/// A request that only loads (no messages, no prompt): loads the model,
+/// answered with `done_reason` `load` once it is loading; or, for
+/// `keep_alive: 0`, unloads it once idle and answers `unload` (the first
+/// model stays loaded: the daemon serves it while it runs).
+async fn load_reply(
+    state: &WebState,
+    shape: Shape,
+    keep_alive: Option<&Value>,
+) -> Result<HttpResponse, ApiError> {
     let head = Head {
         shape,
         model: listed_name(state),
@@ -445,8 +450,16 @@ fn load_reply(state: &WebState, shape: Shape, keep_alive: Option<&Value>) -> Htt
     };
     let mut v = head.object("", "", &[], true);
     let zero = keep_alive.is_some_and(unloads);
+    apply_keep_alive(state, keep_alive)?;
+    if !zero {
+        if let Some((gate, slot)) = &state.m().shared.load {
+            gate.load(*slot)
+                .await
+                .map_err(|e| ApiError::new(F, Kind::Unavailable, e))?;
+        }
+    }
     v["done_reason"] = json!(if zero { "unload" } else { "load" });
-    HttpResponse::Ok().json(v)
+    Ok(HttpResponse::Ok().json(v))
 }
 
 /// A prepared generation and how to reply to it.
@@ -503,8 +516,8 @@ fn prepare_chat(state: &WebState, r: &ChatRequest) -> Result<Job, ApiError> {
         .map(|t| tool_signature(t).ok_or_else(|| bad("each tool needs a function with a name")))
         .collect::<Result<_, _>>()?;
     let forced = forced_tools(choice, &sigs)?;
-    let prompt =
-        prompt_tokens(state.shared.render.as_ref(), &msgs, &tools).map_err(|e| chat_error(F, e))?;
+    let prompt = prompt_tokens(state.m().shared.render.as_ref(), &msgs, &tools)
+        .map_err(|e| chat_error(F, e))?;
     let (mut markers, in_reasoning) = markers(state, prompt.header());
     if none {
         markers.tool_call = None;
@@ -517,7 +530,7 @@ fn prepare_chat(state: &WebState, r: &ChatRequest) -> Result<Job, ApiError> {
     };
     let prompt = prompt.tokens;
     let max = max_tokens(
-        state.shared.n_ctx,
+        state.m().shared.n_ctx,
         o.and_then(|o| o.num_ctx),
         prompt.len(),
         o.and_then(|o| o.num_predict),
@@ -557,7 +570,7 @@ fn prepare_generate(state: &WebState, r: &GenerateRequest) -> Result<Job, ApiErr
              prompt (send raw: true to lay the prompt out yourself)",
         ));
     }
-    let render = state.shared.render.as_ref();
+    let render = state.m().shared.render.as_ref();
     let text = r.prompt.clone().unwrap_or_default();
     let (prompt, markers, in_reasoning, trim_leading) = match (&r.suffix, r.raw) {
         (Some(suffix), _) => {
@@ -592,7 +605,7 @@ fn prepare_generate(state: &WebState, r: &GenerateRequest) -> Result<Job, ApiErr
     let grammar = format_grammar(r.format.as_ref(), close.as_deref())?;
     let o = r.options.as_ref();
     let max = max_tokens(
-        state.shared.n_ctx,
+        state.m().shared.n_ctx,
         o.and_then(|o| o.num_ctx),
         prompt.len(),
         o.and_then(|o| o.num_predict),
@@ -768,11 +781,16 @@ pub async fn chat(
         .await
         .map_err(|e| logged(&access, e))?;
     access.model = r.model.clone();
+    let state = pick(&state, F, model_name(&r.model)).map_err(|e| logged(&access, e))?;
     if r.messages.is_empty() {
         check_model(&state, F, model_name(&r.model)).map_err(|e| logged(&access, e))?;
+        let reply = load_reply(&state, Shape::Chat, r.keep_alive.as_ref())
+            .await
+            .map_err(|e| logged(&access, e))?;
         access.log(200);
-        return Ok(load_reply(&state, Shape::Chat, r.keep_alive.as_ref()));
+        return Ok(reply);
     }
+    apply_keep_alive(&state, r.keep_alive.as_ref()).map_err(|e| logged(&access, e))?;
     let job = prepare_chat(&state, &r);
     run(&state, job, access).await
 }
@@ -788,21 +806,26 @@ pub async fn generate(
         .await
         .map_err(|e| logged(&access, e))?;
     access.model = r.model.clone();
+    let state = pick(&state, F, model_name(&r.model)).map_err(|e| logged(&access, e))?;
     if r.prompt.as_deref().unwrap_or_default().is_empty() && r.suffix.is_none() {
         check_model(&state, F, model_name(&r.model)).map_err(|e| logged(&access, e))?;
+        let reply = load_reply(&state, Shape::Generate, r.keep_alive.as_ref())
+            .await
+            .map_err(|e| logged(&access, e))?;
         access.log(200);
-        return Ok(load_reply(&state, Shape::Generate, r.keep_alive.as_ref()));
+        return Ok(reply);
     }
+    apply_keep_alive(&state, r.keep_alive.as_ref()).map_err(|e| logged(&access, e))?;
     let job = prepare_generate(&state, &r);
     run(&state, job, access).await
 }
 
 /// The file's identity, read once (off the actix threads) and kept.
-async fn identity(state: &web::Data<WebState>) -> Result<Identity, ApiError> {
-    if let Some(i) = state.model.identity.get() {
+async fn identity(state: &WebState) -> Result<Identity, ApiError> {
+    if let Some(i) = state.m().model.identity.get() {
         return Ok(i.clone());
     }
-    let path = state.model.path.clone();
+    let path = state.m().model.path.clone();
     let i = web::block(move || super::gguf::identify(&path))
         .await
         .map_err(|e| ApiError::new(F, Kind::Internal, e.to_string()))?
@@ -813,7 +836,7 @@ async fn identity(state: &web::Data<WebState>) -> Result<Identity, ApiError> {
                 format!("cannot read the model file: {e}"),
             )
         })?;
-    Ok(state.model.identity.get_or_init(|| i).clone())
+    Ok(state.m().model.identity.get_or_init(|| i).clone())
 }
 
 fn details_json(i: &Identity) -> Value {
@@ -827,38 +850,82 @@ fn details_json(i: &Identity) -> Value {
     })
 }
 
-/// `GET /api/tags`: the served model.
+/// `GET /api/tags`: every served model, the first first.
 pub async fn tags(req: HttpRequest, state: web::Data<WebState>) -> Result<HttpResponse, ApiError> {
     authorize(&state, F, &req)?;
-    let i = identity(&state).await?;
-    let name = listed_name(&state);
-    Ok(HttpResponse::Ok().json(json!({"models": [{
-        "name": name,
-        "model": name,
-        "modified_at": rfc3339(i.modified_ms),
-        "size": i.size,
-        "digest": i.digest.trim_start_matches("sha256:"),
-        "details": details_json(&i),
-    }]})))
+    let mut models = Vec::new();
+    for k in 0..state.models.len() {
+        let state = state.at(k);
+        let i = identity(&state).await?;
+        let name = listed_name(&state);
+        models.push(json!({
+            "name": name,
+            "model": name,
+            "modified_at": rfc3339(i.modified_ms),
+            "size": i.size,
+            "digest": i.digest.trim_start_matches("sha256:"),
+            "details": details_json(&i),
+        }));
+    }
+    Ok(HttpResponse::Ok().json(json!({ "models": models })))
 }
 
-/// `GET /api/ps`: the served model, always loaded while the daemon runs.
+/// `GET /api/ps`: the loaded models, with when each unloads (the first
+/// never does: a date far ahead, as Ollama shows `keep_alive: -1`).
 pub async fn ps(req: HttpRequest, state: web::Data<WebState>) -> Result<HttpResponse, ApiError> {
     authorize(&state, F, &req)?;
-    let i = identity(&state).await?;
-    let name = listed_name(&state);
-    // Never unloaded: a date far ahead, as Ollama shows keep_alive -1.
     let forever = crate::actors::now_ms() + 100 * 365 * 86_400_000;
-    Ok(HttpResponse::Ok().json(json!({"models": [{
-        "name": name,
-        "model": name,
-        "size": i.size,
-        "digest": i.digest.trim_start_matches("sha256:"),
-        "details": details_json(&i),
-        "expires_at": rfc3339(forever),
-        "size_vram": 0,
-        "context_length": state.shared.n_ctx,
-    }]})))
+    let mut models = Vec::new();
+    for k in 0..state.models.len() {
+        let state = state.at(k);
+        if *state.m().lane.borrow() == crate::actors::lane::LaneState::Unloaded {
+            continue;
+        }
+        let expires = state
+            .m()
+            .shared
+            .load
+            .as_ref()
+            .and_then(|(gate, slot)| gate.entry(*slot).expires_ms())
+            .unwrap_or(forever);
+        let i = identity(&state).await?;
+        let name = listed_name(&state);
+        models.push(json!({
+            "name": name,
+            "model": name,
+            "size": i.size,
+            "digest": i.digest.trim_start_matches("sha256:"),
+            "details": details_json(&i),
+            "expires_at": rfc3339(expires),
+            "size_vram": 0,
+            "context_length": state.m().shared.n_ctx,
+        }));
+    }
+    Ok(HttpResponse::Ok().json(json!({ "models": models })))
+}
+
+/// A request's `keep_alive` (seconds, or a duration like "5m"; negative:
+/// for ever) becomes its model's: how long it stays loaded after this
+/// request. The first model stays loaded whatever it says.
+fn apply_keep_alive(state: &WebState, keep_alive: Option<&Value>) -> Result<(), ApiError> {
+    let Some(k) = keep_alive else {
+        return Ok(());
+    };
+    let text = match k {
+        Value::Number(n) => n.to_string(),
+        Value::String(s) => s.clone(),
+        Value::Null => return Ok(()),
+        _ => {
+            return Err(bad(
+                "keep_alive must be a number of seconds or a duration like \"5m\"",
+            ))
+        }
+    };
+    let ms = crate::actors::load_gate::parse_keep_alive(&text).map_err(bad)?;
+    if let Some((gate, slot)) = &state.m().shared.load {
+        gate.set_keep_alive(*slot, ms);
+    }
+    Ok(())
 }
 
 #[derive(Debug, Deserialize)]
@@ -875,7 +942,7 @@ fn model_field(model: Option<String>, name: Option<String>) -> Result<String, Ap
 
 /// What the template lets the model do, as Ollama's `capabilities`.
 fn capabilities(state: &WebState) -> Vec<&'static str> {
-    let m = Markers::from_template(&state.shared.render.template_source());
+    let m = Markers::from_template(&state.m().shared.render.template_source());
     let mut c = vec!["completion"];
     if m.tool_call.is_some() {
         c.push("tools");
@@ -883,7 +950,7 @@ fn capabilities(state: &WebState) -> Vec<&'static str> {
     if m.think.is_some() {
         c.push("thinking");
     }
-    if state.shared.render.fim().is_some() {
+    if state.m().shared.render.fim().is_some() {
         c.push("insert");
     }
     c
@@ -897,16 +964,17 @@ pub async fn show(
 ) -> Result<HttpResponse, ApiError> {
     let r: ShowRequest = accept(&state, F, &req, payload).await?;
     let name = model_field(r.model, r.name)?;
-    check_model(&state, F, model_name(&name))?;
+    let state = pick(&state, F, model_name(&name))?;
     let i = identity(&state).await?;
-    let template = state.shared.render.template_source();
+    let template = state.m().shared.render.template_source();
     let file = state
+        .m()
         .model
         .path
         .file_name()
         .map(|f| f.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let parameters = format!("num_ctx {}", state.shared.n_ctx);
+    let parameters = format!("num_ctx {}", state.m().shared.n_ctx);
     let modelfile = format!(
         "# Modelfile generated by superfluid\nFROM {file}\nTEMPLATE \"\"\"{template}\"\"\"\nPARAMETER {parameters}\n"
     );
@@ -1083,7 +1151,11 @@ pub async fn delete(
     let r: ShowRequest = accept(&state, F, &req, payload).await?;
     let name = model_field(r.model, r.name)?;
     let reference = crate::models::ModelRef::parse(&name).map_err(|e| bad(e.to_string()))?;
-    let served = std::fs::canonicalize(&state.model.path).ok();
+    let served: Vec<_> = state
+        .models
+        .iter()
+        .filter_map(|v| std::fs::canonicalize(&v.model.path).ok())
+        .collect();
     let removed = actix_web::web::block(move || {
         use crate::models::hub::{in_cache, remove, HubError};
         // The file the daemon serves (its worker may need it again) stays.
@@ -1091,11 +1163,11 @@ pub async fn delete(
         if files.iter().any(|f| {
             std::fs::canonicalize(f)
                 .ok()
-                .is_some_and(|f| Some(f) == served)
+                .is_some_and(|f| served.contains(&f))
         }) {
             return Err(HubError::Other {
                 reference: reference.to_string(),
-                reason: "it is the model this daemon serves; stop the daemon first".into(),
+                reason: "it is a model this daemon serves; stop the daemon first".into(),
             });
         }
         remove(&reference)

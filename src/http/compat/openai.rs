@@ -17,7 +17,7 @@ use super::drive::{self, Collected, End, Logprob, Out};
 use super::error::{ApiError, Family, Kind};
 use super::{
     accept, authorize, budget, chat_error, check_lane, check_model, event_stream, json_grammar,
-    logged, markers, new_id, now_secs, ok_with_warm, params, start_all, Access, Prepared,
+    logged, markers, new_id, now_secs, ok_with_warm, params, pick, start_all, Access, Prepared,
 };
 use super::{close_reasoning, forced_grammar};
 use crate::actors::complete::fim_prompt;
@@ -208,7 +208,7 @@ pub(crate) fn prepare_chat(state: &WebState, r: &ChatRequest) -> Result<Prepared
             })
         })
         .collect::<Result<_, _>>()?;
-    let render = state.shared.render.as_ref();
+    let render = state.m().shared.render.as_ref();
     let prompt = prompt_tokens(render, &msgs, &tools).map_err(|e| chat_error(F, e))?;
     let (mut markers, in_reasoning) = markers(state, prompt.header());
     let prompt = prompt.tokens;
@@ -414,6 +414,7 @@ pub async fn chat_completions(
         .await
         .map_err(|e| logged(&access, e))?;
     access.model = r.model.clone();
+    let state = pick(&state, F, &r.model).map_err(|e| logged(&access, e))?;
     let run = async {
         check_lane(&state, F)?;
         let n = choices(r.n)?;
@@ -539,7 +540,7 @@ async fn reply(
     let head = ChunkHead {
         id: new_id(route.id_prefix()),
         created: now_secs(),
-        model: state.model.id.clone(),
+        model: state.m().model.id.clone(),
         object: route.object(stream),
     };
     if stream {
@@ -719,7 +720,7 @@ pub struct CompletionRequest {
 
 /// The prompt of a completion: a string, or token ids (one prompt only).
 fn completion_prompt(state: &WebState, r: &CompletionRequest) -> Result<Vec<Token>, ApiError> {
-    let render = &state.shared.render;
+    let render = &state.m().shared.render;
     let bad = |m: &str| ApiError::invalid(F, m.to_owned()).with_param("prompt");
     let ids = |a: &[Value]| -> Option<Vec<Token>> {
         a.iter()
@@ -786,6 +787,7 @@ pub async fn completions(
         .await
         .map_err(|e| logged(&access, e))?;
     access.model = r.model.clone();
+    let state = pick(&state, F, &r.model).map_err(|e| logged(&access, e))?;
     let run = async {
         check_lane(&state, F)?;
         check_model(&state, F, &r.model)?;
@@ -894,9 +896,9 @@ async fn stream_completion(
 
 fn model_json(state: &WebState) -> Value {
     json!({
-        "id": state.model.id,
+        "id": state.m().model.id,
         "object": "model",
-        "created": state.model.created,
+        "created": state.m().model.created,
         "owned_by": "superfluid",
     })
 }
@@ -907,7 +909,10 @@ pub async fn models(
     state: web::Data<WebState>,
 ) -> Result<HttpResponse, ApiError> {
     authorize(&state, F, &req)?;
-    Ok(HttpResponse::Ok().json(json!({"object": "list", "data": [model_json(&state)]})))
+    let data: Vec<Value> = (0..state.models.len())
+        .map(|i| model_json(&state.at(i)))
+        .collect();
+    Ok(HttpResponse::Ok().json(json!({"object": "list", "data": data})))
 }
 
 /// `GET /v1/models/{id}`.
@@ -917,6 +922,6 @@ pub async fn model(
     state: web::Data<WebState>,
 ) -> Result<HttpResponse, ApiError> {
     authorize(&state, F, &req)?;
-    check_model(&state, F, &path)?;
+    let state = pick(&state, F, &path)?;
     Ok(HttpResponse::Ok().json(model_json(&state)))
 }

@@ -29,7 +29,7 @@ use super::error::{ApiError, Family, Kind};
 use super::openai::{prepare_chat, ChatRequest};
 use super::{
     accept, authorize, check_lane, check_model, event_stream, new_id, now_secs, ok_with_warm,
-    params, sse, start_all, Access,
+    params, pick, sse, start_all, Access,
 };
 use crate::actors::registry::DispatchStream;
 use crate::actors::session::STREAM_REPLY_CAPACITY;
@@ -295,7 +295,7 @@ fn call_event(call_id: &str) -> Option<EventId> {
 /// One session request; its `Err` as a 400 (or 404 when it names no
 /// session).
 pub(crate) async fn call(state: &WebState, request: Request) -> Result<Response, ApiError> {
-    match dispatch(&state.registry, request).await {
+    match dispatch(&state.m().registry, request).await {
         Response::Err { message } => {
             let kind = if message.contains("no session") || message.contains("purged") {
                 Kind::NotFound
@@ -316,7 +316,7 @@ pub(crate) async fn inspect(
     state: &WebState,
     s: SessionId,
 ) -> Result<Option<Inspection>, ApiError> {
-    match dispatch(&state.registry, Request::Inspect { session: s }).await {
+    match dispatch(&state.m().registry, Request::Inspect { session: s }).await {
         Response::Inspection { inspection } if !inspection.purged => Ok(Some(inspection)),
         Response::Inspection { .. } | Response::Err { .. } => Ok(None),
         other => Err(unexpected(other)),
@@ -1007,6 +1007,7 @@ pub async fn create(
     let started = std::time::Instant::now();
     let r: CreateRequest = accept(&state, F, &req, payload).await?;
     let mut access = Access::new("/v1/responses", &r.model, started);
+    let state = pick(&state, F, &r.model).map_err(|e| super::logged(&access, e))?;
     let running = prepare(&state, &r)
         .await
         .map_err(|e| super::logged(&access, e))?;
@@ -1173,7 +1174,7 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
     let head = Head {
         id: String::new(),
         created_at: now_secs(),
-        model: state.model.id.clone(),
+        model: state.m().model.id.clone(),
         instructions: r.instructions.clone(),
         tools: chat_tools.iter().map(response_tool).collect(),
         tool_choice: choice.as_ref().map_or(json!("auto"), response_choice),
@@ -1292,13 +1293,13 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
     let before = inspect(state, s)
         .await?
         .ok_or_else(|| not_found("session", &s.to_string()))?;
-    let n_ctx = state.shared.n_ctx;
+    let n_ctx = state.m().shared.n_ctx;
     let max_tokens = r
         .max_output_tokens
         .unwrap_or(n_ctx)
         .min(n_ctx.saturating_sub(before.tokens as u32).max(1));
     let (tx, rx) = mpsc::channel(STREAM_REPLY_CAPACITY);
-    state.registry.do_send(DispatchStream {
+    state.m().registry.do_send(DispatchStream {
         request: Request::Generate {
             session: s,
             max_tokens,
@@ -1567,7 +1568,7 @@ pub(crate) async fn open_stored(state: &WebState, id: &str) -> Result<StoredResp
     let head = Head {
         id: id.to_owned(),
         created_at: events[start as usize].ts_unix_ms / 1000,
-        model: state.model.id.clone(),
+        model: state.m().model.id.clone(),
         instructions,
         tools,
         tool_choice: choice,

@@ -72,7 +72,7 @@ impl Follow {
     /// Subscribes again and reads what the old subscription missed from the
     /// log (after it lagged).
     async fn catch_up(&mut self, state: &WebState) -> Result<(), ApiError> {
-        self.sub = state.shared.bus.subscribe(self.session, false);
+        self.sub = state.m().shared.bus.subscribe(self.session, false);
         let events = read(state, self.session).await?;
         self.backlog
             .extend(events.into_iter().skip(self.next as usize));
@@ -155,7 +155,7 @@ async fn open_followed(
     id: &str,
 ) -> Result<(Subscriber, StoredResponse), ApiError> {
     let (s, _) = parse_response_id(id).ok_or_else(|| not_found("response", id))?;
-    let sub = state.shared.bus.subscribe(s, false);
+    let sub = state.m().shared.bus.subscribe(s, false);
     Ok((sub, open_stored(state, id).await?))
 }
 

@@ -1,0 +1,329 @@
+//! More than one model per daemon (`serve MODEL --model MODEL...`): each
+//! with its own log under `<sessions>/models/<id>/`, its sessions kept apart
+//! across a restart, `UseModel` and `Models` on the socket, loading on first
+//! use, unloading after `--keep-alive`, `--max-loaded-models` and
+//! `--memory-limit-mb`.
+//!
+//! The second model is a derived test model with a Llama 3 style template
+//! (a header per turn), so the same message puts other tokens on its input
+//! than on the default model's: which template rendered a message shows
+//! which model served it.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use superfluid::frontend::socket::Client;
+use superfluid::wire::{ModelSummary, Record, Request, Response, SessionId};
+
+use crate::util::{commit, created, derived_model, params, TestDaemon};
+
+const LLAMA3: &str = "SmolLM2-135M-llama3-style.gguf";
+const GEMMA: &str = "SmolLM2-135M-gemma-style.gguf";
+
+fn id_of(path: &Path) -> String {
+    path.file_stem().unwrap().to_string_lossy().into_owned()
+}
+
+fn daemon_with(models: &[PathBuf], extra: &[&str]) -> TestDaemon {
+    let mut d = TestDaemon::new();
+    for m in models {
+        d.extra_args.push("--model".into());
+        d.extra_args.push(m.display().to_string());
+    }
+    d.extra_args.extend(extra.iter().map(|s| s.to_string()));
+    d.spawn_and_wait();
+    d
+}
+
+fn models(c: &mut Client) -> Vec<ModelSummary> {
+    match c.call(&Request::Models).unwrap() {
+        Response::Models { models } => models,
+        other => panic!("Models: {other:?}"),
+    }
+}
+
+fn state_of(c: &mut Client, id: &str) -> String {
+    models(c)
+        .into_iter()
+        .find(|m| m.id == id)
+        .unwrap_or_else(|| panic!("{id} is not listed"))
+        .state
+}
+
+fn use_model(c: &mut Client, name: &str) {
+    let r = c.call(&Request::UseModel { model: name.into() }).unwrap();
+    assert_eq!(r, Response::Ack, "UseModel {name}");
+}
+
+/// A session holding one user message; its id and the message's tokens.
+fn session_with_message(c: &mut Client, text: &str) -> (SessionId, Vec<u32>) {
+    let s = created(
+        c,
+        Request::Create {
+            parent: None,
+            params: params(7),
+        },
+    );
+    let e = commit(
+        c,
+        Request::AppendMessage {
+            session: s,
+            role: 1,
+            text: text.into(),
+        },
+    );
+    (s, e.body.span().to_vec())
+}
+
+/// Generates up to `n` tokens; the reply's text.
+fn generate(c: &mut Client, s: SessionId, n: u32) -> Result<String, String> {
+    let replies = c
+        .generate(&Request::Generate {
+            session: s,
+            max_tokens: n,
+        })
+        .unwrap();
+    let mut text = String::new();
+    for r in &replies {
+        match r {
+            Response::Delta { event } => {
+                if let Record::Generated { text: t, .. } = &event.body {
+                    text.push_str(t);
+                }
+            }
+            Response::Err { message } => return Err(message.clone()),
+            _ => {}
+        }
+    }
+    match replies.last() {
+        Some(Response::Generated { .. }) => Ok(text),
+        other => Err(format!("{other:?}")),
+    }
+}
+
+/// The pids of the daemon's workers serving `model`.
+fn workers_of(daemon: u32, model: &Path) -> Vec<u32> {
+    let want = model.display().to_string();
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(cmd) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+            continue;
+        };
+        let args: Vec<String> = cmd
+            .split(|b| *b == 0)
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        // Field 4 of stat is the parent pid (after the parenthesised name).
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+            .and_then(|p| p.parse::<u32>().ok());
+        if ppid == Some(daemon)
+            && args.get(1).map(String::as_str) == Some("worker")
+            && args.contains(&want)
+        {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+/// Polls `f` every 100 ms for up to `secs`.
+fn eventually(secs: u64, what: &str, mut f: impl FnMut() -> bool) {
+    let until = Instant::now() + Duration::from_secs(secs);
+    while !f() {
+        assert!(Instant::now() < until, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn two_models_keep_their_own_logs_and_sessions_across_a_restart() {
+    let second = derived_model(LLAMA3);
+    let id = id_of(&second);
+    let mut d = daemon_with(std::slice::from_ref(&second), &[]);
+    let mut c = d.client();
+
+    let listed = models(&mut c);
+    assert_eq!(listed.len(), 2, "{listed:?}");
+    assert!(listed[0].default && !listed[1].default, "{listed:?}");
+    assert_eq!(listed[1].id, id);
+    assert_eq!(listed[1].state, "unloaded", "a --model loads on first use");
+
+    // The same message on each model: each template renders it its way.
+    let (a, a_span) = session_with_message(&mut c, "Name a colour.");
+    use_model(&mut c, &id);
+    let (b, b_span) = session_with_message(&mut c, "Name a colour.");
+    assert_eq!(a, b, "each model numbers its own sessions");
+    assert_ne!(a_span, b_span, "the second model's template rendered it");
+    let b_text = generate(&mut c, b, 8).expect("a generation on the second model");
+    assert_eq!(state_of(&mut c, &id), "ready");
+    assert!(!workers_of(d.pid(), &second).is_empty());
+
+    // "default" goes back; an unknown name is refused, naming what is served.
+    use_model(&mut c, "default");
+    match c.call(&Request::Inspect { session: a }).unwrap() {
+        Response::Inspection { inspection } => assert_eq!(inspection.events, 2),
+        other => panic!("{other:?}"),
+    }
+    let r = c
+        .call(&Request::UseModel {
+            model: "no-such-model".into(),
+        })
+        .unwrap();
+    let Response::Err { message } = r else {
+        panic!("{r:?}")
+    };
+    assert!(
+        message.contains(&id) && message.contains("no-such-model"),
+        "{message}"
+    );
+
+    // Each model's log is its own file.
+    assert!(d.sessions.join("wal.log").is_file());
+    assert!(d
+        .sessions
+        .join("models")
+        .join(&id)
+        .join("wal.log")
+        .is_file());
+
+    d.kill9();
+    d.spawn_and_wait();
+    let mut c = d.client();
+    let default_events = d.read_all(a);
+    assert_eq!(default_events.last().unwrap().body.span(), &a_span[..]);
+    assert!(
+        !default_events
+            .iter()
+            .any(|e| matches!(e.body, Record::Generated { .. })),
+        "the generation ran on the other model's session"
+    );
+    use_model(&mut c, &id);
+    let Response::Events { events } = c
+        .call(&Request::Read {
+            session: b,
+            cursor: 0,
+        })
+        .unwrap()
+    else {
+        panic!("Read")
+    };
+    assert_eq!(events[1].body.span(), &b_span[..]);
+    let generated: String = events
+        .iter()
+        .filter_map(|e| match &e.body {
+            Record::Generated { text, .. } => Some(text.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        generated, b_text,
+        "the second model's session came back whole"
+    );
+}
+
+#[test]
+fn a_second_model_loads_on_first_use_and_unloads_after_its_keep_alive() {
+    let second = derived_model(LLAMA3);
+    let id = id_of(&second);
+    let d = daemon_with(std::slice::from_ref(&second), &["--keep-alive", "2s"]);
+    let mut c = d.client();
+    use_model(&mut c, &id);
+    // Nothing loads it until a request needs its worker.
+    let (s, _) = session_with_message(&mut c, "Say one word.");
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(workers_of(d.pid(), &second).is_empty(), "loaded before use");
+    assert_eq!(state_of(&mut c, &id), "unloaded");
+
+    let first = generate(&mut c, s, 6).expect("the first generation loads it");
+    assert_eq!(workers_of(d.pid(), &second).len(), 1);
+
+    // Idle past its keep-alive: the worker goes, the sessions stay.
+    eventually(20, "the model to unload", || {
+        workers_of(d.pid(), &second).is_empty() && state_of(&mut c, &id) == "unloaded"
+    });
+
+    // The next request loads it again, and greedy decoding says the same.
+    let (s2, _) = session_with_message(&mut c, "Say one word.");
+    assert_eq!(generate(&mut c, s2, 6).as_deref(), Ok(first.as_str()));
+    assert_eq!(state_of(&mut c, &id), "ready");
+    // The default model never unloads.
+    assert_eq!(models(&mut c)[0].state, "ready");
+}
+
+#[test]
+fn past_max_loaded_models_the_least_recently_used_idle_model_unloads() {
+    let (b, g) = (derived_model(LLAMA3), derived_model(GEMMA));
+    let (b_id, g_id) = (id_of(&b), id_of(&g));
+    let d = daemon_with(
+        &[b.clone(), g.clone()],
+        &["--max-loaded-models", "2", "--keep-alive", "-1"],
+    );
+    let mut c = d.client();
+    use_model(&mut c, &b_id);
+    let (sb, _) = session_with_message(&mut c, "Hi.");
+    generate(&mut c, sb, 4).unwrap();
+    assert_eq!(state_of(&mut c, &b_id), "ready");
+    // Idle for over a second, b may make room for g.
+    std::thread::sleep(Duration::from_millis(1_500));
+    use_model(&mut c, &g_id);
+    let (sg, _) = session_with_message(&mut c, "Hi.");
+    generate(&mut c, sg, 4).unwrap();
+    assert_eq!(state_of(&mut c, &g_id), "ready");
+    eventually(10, "b to unload", || {
+        workers_of(d.pid(), &b).is_empty() && state_of(&mut c, &b_id) == "unloaded"
+    });
+    assert_eq!(models(&mut c)[0].state, "ready", "the first model stays");
+}
+
+#[test]
+fn a_model_past_max_loaded_models_with_none_idle_is_refused() {
+    let second = derived_model(LLAMA3);
+    let id = id_of(&second);
+    // The first model is never unloaded to make room.
+    let d = daemon_with(std::slice::from_ref(&second), &["--max-loaded-models", "1"]);
+    let mut c = d.client();
+    use_model(&mut c, &id);
+    let (s, _) = session_with_message(&mut c, "Hi.");
+    let e = generate(&mut c, s, 4).unwrap_err();
+    assert!(
+        e.contains(&format!("cannot load the model {id:?}")) && e.contains("--max-loaded-models 1"),
+        "{e}"
+    );
+    assert!(workers_of(d.pid(), &second).is_empty());
+}
+
+#[test]
+fn a_model_that_does_not_fit_is_refused_with_a_clear_error() {
+    let second = derived_model(LLAMA3);
+    let id = id_of(&second);
+    let d = daemon_with(std::slice::from_ref(&second), &["--memory-limit-mb", "100"]);
+    let mut c = d.client();
+    use_model(&mut c, &id);
+    let (s, _) = session_with_message(&mut c, "Hi.");
+    let e = generate(&mut c, s, 4).unwrap_err();
+    assert!(
+        e.contains(&format!("cannot load the model {id:?}")) && e.contains("--memory-limit-mb 100"),
+        "{e}"
+    );
+    assert!(workers_of(d.pid(), &second).is_empty());
+    assert_eq!(state_of(&mut c, &id), "unloaded");
+    // The default model is unharmed.
+    use_model(&mut c, "default");
+    let (s, _) = session_with_message(&mut c, "Hi.");
+    generate(&mut c, s, 4).expect("the default model still serves");
+}
+
+#[test]
+fn two_models_with_one_id_are_refused_at_start() {
+    let mut d = TestDaemon::new();
+    let model = d.model.display().to_string();
+    let failed = d.start_expect_exit(&["--model".into(), model]);
+    assert!(!failed.status.success());
+    assert!(failed.stderr.contains("have the id"), "{}", failed.stderr);
+}
