@@ -243,6 +243,12 @@ enum MediaCommand {
     },
 }
 
+/// jemalloc, not glibc's malloc: under the soak's churn (the 10-minute run of
+/// issue 15) glibc's arenas kept freed memory and the daemon's RSS grew
+/// 13.4 MiB with a flat live heap; with jemalloc it grew 7.4 MiB.
+#[global_allocator]
+static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 fn main() {
     let cli = Cli::parse();
     if matches!(cli.command, Command::Worker(_)) {
