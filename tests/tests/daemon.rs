@@ -15,7 +15,8 @@ use superfluid::wire::{
 };
 
 use crate::util::{
-    bin, commit, created, params, shared_daemon, wal_group_end, wal_records, TestDaemon,
+    bin, children_of, commit, created, params, shared_daemon, wal_group_end, wal_records,
+    TestDaemon,
 };
 
 const WEATHER_TOOL: &str = r#"{"type":"function","function":{"name":"get_weather","description":"Current weather","parameters":{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}}}"#;
@@ -743,25 +744,6 @@ fn sigkill_under_concurrent_appends_loses_nothing_committed() {
             );
         }
     }
-}
-
-/// The worker processes a daemon spawned (its children, from /proc).
-fn children_of(pid: u32) -> Vec<u32> {
-    let mut out = Vec::new();
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(child) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{child}/stat")) else {
-            continue;
-        };
-        // The parent pid is the second field after the ")" closing the name.
-        let after = stat.rsplit_once(')').map(|x| x.1).unwrap_or_default();
-        if after.split_whitespace().nth(1) == Some(&pid.to_string()) {
-            out.push(child);
-        }
-    }
-    out
 }
 
 /// Whether `pid` is still a live process (not gone, not a zombie).

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use superfluid::frontend::socket::Client;
 use superfluid::wire::{ModelSummary, Record, Request, Response, SessionId};
 
-use crate::util::{commit, created, derived_model, params, TestDaemon};
+use crate::util::{children_of, commit, created, derived_model, params, TestDaemon};
 
 const LLAMA3: &str = "SmolLM2-135M-llama3-style.gguf";
 const GEMMA: &str = "SmolLM2-135M-gemma-style.gguf";
@@ -104,32 +104,17 @@ fn generate(c: &mut Client, s: SessionId, n: u32) -> Result<String, String> {
 /// The pids of the daemon's workers serving `model`.
 fn workers_of(daemon: u32, model: &Path) -> Vec<u32> {
     let want = model.display().to_string();
-    let mut pids = Vec::new();
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let Ok(cmd) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
-            continue;
-        };
-        let args: Vec<String> = cmd
-            .split(|b| *b == 0)
-            .map(|a| String::from_utf8_lossy(a).into_owned())
-            .collect();
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-        // Field 4 of stat is the parent pid (after the parenthesised name).
-        let ppid = stat
-            .rsplit_once(')')
-            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
-            .and_then(|p| p.parse::<u32>().ok());
-        if ppid == Some(daemon)
-            && args.get(1).map(String::as_str) == Some("worker")
-            && args.contains(&want)
-        {
-            pids.push(pid);
-        }
-    }
-    pids
+    children_of(daemon)
+        .into_iter()
+        .filter(|pid| {
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let args: Vec<String> = cmd
+                .split(|b| *b == 0)
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect();
+            args.get(1).map(String::as_str) == Some("worker") && args.contains(&want)
+        })
+        .collect()
 }
 
 /// Polls `f` every 100 ms for up to `secs`.

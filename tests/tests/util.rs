@@ -625,3 +625,22 @@ pub fn metric(d: &TestDaemon, name: &str) -> f64 {
         .and_then(|v| v.trim().parse().ok())
         .unwrap_or_else(|| panic!("{name} missing:\n{text}"))
 }
+
+/// The worker processes a daemon spawned (its children, from /proc).
+pub fn children_of(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(child) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{child}/stat")) else {
+            continue;
+        };
+        // The parent pid is the second field after the ")" closing the name.
+        let after = stat.rsplit_once(')').map(|x| x.1).unwrap_or_default();
+        if after.split_whitespace().nth(1) == Some(&pid.to_string()) {
+            out.push(child);
+        }
+    }
+    out
+}

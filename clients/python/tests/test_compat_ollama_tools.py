@@ -6,7 +6,7 @@ opens a thinking block): a tool round trip (the call forced by superfluid's
 
 import ollama
 
-from compat import KEY, access_lines
+from compat import KEY, access_lines, number
 
 MODEL = "SmolLM2-135M-tools-think.gguf"
 EXTRA_ARGS = ["--api-key", KEY]
@@ -76,10 +76,15 @@ def test_thinking_comes_back_in_message_thinking(daemon):
     streamed = "".join(p.message.thinking or "" for p in parts)
     assert streamed.strip() and "<think>" not in streamed and "</think>" not in streamed
     assert parts[-1].done and 0 < parts[-1].eval_count <= 12
-    # think: false leaves the reasoning out of the reply.
+    # think: false closes the thinking block empty on the prompt: the model
+    # answers at once, every token it draws is content, and the prompt is
+    # longer by the closing tag.
+    with_think = number(r"prompt=(\d+)", access_lines(daemon)[-1])
     r = c.chat(model="default", messages=[{"role": "user", "content": "What is 2 + 2?"}], think=False,
                options={"temperature": 0, "num_predict": 12}, stream=False)
     assert not r.message.thinking
+    assert r.message.content.strip() and "</think>" not in r.message.content
+    assert number(r"prompt=(\d+)", access_lines(daemon)[-1]) > with_think
     g = c.generate(model="default", prompt="What is 2 + 2?", think=True, options={"temperature": 0, "num_predict": 12},
                    stream=False)
     assert g.thinking and "<think>" not in g.thinking

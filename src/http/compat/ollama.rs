@@ -483,6 +483,27 @@ fn sampling(o: &Options) -> Result<crate::wire::Params, ApiError> {
     )
 }
 
+/// `think: false` on a turn the template opens inside a thinking block:
+/// the block is closed empty on the prompt (`\n</think>\n\n`, what Qwen3's
+/// template writes with `enable_thinking` off), so the model answers without
+/// reasoning. Returns whether the turn is still in reasoning.
+fn skip_thinking(
+    state: &WebState,
+    think_v: Option<&Value>,
+    m: &Markers,
+    in_reasoning: bool,
+    prompt: &mut Vec<crate::wire::Token>,
+) -> Result<bool, ApiError> {
+    match (think(think_v)?, &m.think) {
+        (Some(false), Some((_, close))) if in_reasoning => {
+            let render = &state.m().shared.render;
+            prompt.extend(render.tokenize(&format!("\n{close}\n\n")));
+            Ok(false)
+        }
+        _ => Ok(in_reasoning),
+    }
+}
+
 /// Refuses `think: true` on a model whose template has no thinking block,
 /// as Ollama does; whether reasoning is shown.
 fn show_thinking(state: &WebState, think_v: Option<&Value>, m: &Markers) -> Result<bool, ApiError> {
@@ -523,12 +544,13 @@ fn prepare_chat(state: &WebState, r: &ChatRequest) -> Result<Job, ApiError> {
         markers.tool_call = None;
     }
     let show = show_thinking(state, r.think.as_ref(), &markers)?;
+    let mut prompt = prompt.tokens;
+    let in_reasoning = skip_thinking(state, r.think.as_ref(), &markers, in_reasoning, &mut prompt)?;
     let close = close_reasoning(&markers, in_reasoning);
     let grammar = match forced {
         Some(tools) => Some(forced_grammar(F, &tools, close.as_deref())?),
         None => format_grammar(r.format.as_ref(), close.as_deref())?,
     };
-    let prompt = prompt.tokens;
     let max = max_tokens(
         state.m().shared.n_ctx,
         o.and_then(|o| o.num_ctx),
@@ -601,6 +623,8 @@ fn prepare_generate(state: &WebState, r: &GenerateRequest) -> Result<Job, ApiErr
         }
     };
     let show = show_thinking(state, r.think.as_ref(), &markers)?;
+    let mut prompt = prompt;
+    let in_reasoning = skip_thinking(state, r.think.as_ref(), &markers, in_reasoning, &mut prompt)?;
     let close = close_reasoning(&markers, in_reasoning);
     let grammar = format_grammar(r.format.as_ref(), close.as_deref())?;
     let o = r.options.as_ref();
