@@ -25,6 +25,10 @@ pub struct SessionArgs {
     /// The daemon's socket [default: ~/.superfluid/superfluid.sock]
     #[arg(long, value_name = "PATH", global = true)]
     socket: Option<PathBuf>,
+    /// The model whose sessions to work on, on a daemon serving more than
+    /// one (`serve --model`): its id [default: the first model]
+    #[arg(long, value_name = "ID", global = true)]
+    model: Option<String>,
 }
 
 #[derive(Subcommand)]
@@ -152,6 +156,15 @@ pub fn run(args: SessionArgs) -> anyhow::Result<()> {
     let mut client = Client::connect(&socket)
         .map_err(|e| anyhow::anyhow!("cannot reach the daemon at {}: {e}", socket.display()))?;
     let c = &mut client;
+    if let Some(model) = &args.model {
+        match c.call(&superfluid::wire::Request::UseModel {
+            model: model.clone(),
+        })? {
+            superfluid::wire::Response::Ack => {}
+            superfluid::wire::Response::Err { message } => anyhow::bail!("{message}"),
+            other => anyhow::bail!("UseModel answered {other:?}"),
+        }
+    }
     match args.command {
         SessionCommand::Ls { archived, json } => ls(c, archived, json),
         SessionCommand::Tree { json } => tree(c, json),

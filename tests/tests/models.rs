@@ -210,6 +210,34 @@ fn two_models_keep_their_own_logs_and_sessions_across_a_restart() {
         generated, b_text,
         "the second model's session came back whole"
     );
+
+    // `superfluid session --model ID` works on that model's sessions.
+    let cli = |args: &[&str]| {
+        std::process::Command::new(crate::util::bin())
+            .arg("session")
+            .args(args)
+            .arg("--socket")
+            .arg(&d.socket)
+            .output()
+            .unwrap()
+    };
+    let out = cli(&["inspect", &b.to_string(), "--model", &id, "--json"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // One JSON value a line; the first is the inspection.
+    let first = |out: &std::process::Output| -> serde_json::Value {
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        serde_json::from_str(text.lines().next().unwrap_or_default()).unwrap()
+    };
+    assert_eq!(first(&out)["events"], events.len() as u64);
+    let out = cli(&["inspect", &a.to_string(), "--json"]);
+    assert_eq!(first(&out)["events"], default_events.len() as u64);
+    let out = cli(&["ls", "--model", "no-such-model"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no-such-model"));
 }
 
 #[test]
