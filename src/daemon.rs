@@ -74,6 +74,8 @@ pub struct ServeConfig {
     pub cache_ram_mb: u64,
     /// `--park` with `--park-budget-gb` (0: unbounded); None: off.
     pub park_budget_gb: Option<u64>,
+    /// `--park-lossy`: park artifacts with their KV rows as Q8_0.
+    pub park_lossy: bool,
     /// `--step-timeout-secs`: how long a worker step may run before the
     /// worker is taken for hung (plus an allowance per token of work).
     pub step_timeout: std::time::Duration,
@@ -484,6 +486,7 @@ pub fn start_actors(
             park: config
                 .park_budget_gb
                 .map(|gb| (park_dir(&config.sessions), gb)),
+            park_lossy: config.park_lossy,
             vocabulary: render
                 .vocab_digest()
                 .map(|digest| (render.n_vocab(), digest)),

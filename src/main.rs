@@ -79,6 +79,9 @@ struct Worker {
     /// The park directory's size bound in GiB (0: unbounded).
     #[arg(long, default_value_t = 0)]
     park_budget_gb: u64,
+    /// Store the park artifacts' KV rows as Q8_0.
+    #[arg(long)]
+    park_lossy: bool,
 }
 
 #[derive(clap::Args)]
@@ -101,6 +104,11 @@ struct Serve {
     /// a restart) instead of a prefill.
     #[arg(long)]
     park: bool,
+    /// Park with each artifact's KV rows stored as Q8_0 (about half the
+    /// size; the restored values differ in their last bits); implies --park.
+    /// The live KV cache stays f16.
+    #[arg(long, conflicts_with = "sessions_cache")]
+    park_lossy: bool,
     /// Size bound of the park directory in GiB, least recently used
     /// artifacts deleted past it; 0 is unbounded.
     #[arg(long, value_name = "GIB", default_value_t = daemon::DEFAULT_PARK_BUDGET_GB)]
@@ -284,7 +292,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             }),
             sub_buffer: s.sub_buffer,
             cache_ram_mb: s.cache_ram_mb.unwrap_or_else(daemon::default_cache_ram_mb),
-            park_budget_gb: s.park.then_some(s.park_budget_gb),
+            park_budget_gb: (s.park || s.park_lossy).then_some(s.park_budget_gb),
+            park_lossy: s.park_lossy,
             step_timeout: std::time::Duration::from_secs(s.step_timeout_secs),
             max_connections: s.max_connections as usize,
             more_models: s
@@ -307,7 +316,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             },
             w.cache_ram_mb.saturating_mul(1 << 20),
             w.park_dir
-                .map(|d| (d, w.park_budget_gb.saturating_mul(1 << 30))),
+                .map(|d| (d, w.park_budget_gb.saturating_mul(1 << 30), w.park_lossy)),
         )
         .map_err(Into::into),
         Command::Media(m) => {

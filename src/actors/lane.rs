@@ -235,6 +235,8 @@ pub struct LaneConfig {
     pub cache_ram_mb: u64,
     /// `--park`: the park directory and `--park-budget-gb`.
     pub park: Option<(PathBuf, u64)>,
+    /// `--park-lossy`: artifacts stored as Q8_0.
+    pub park_lossy: bool,
     /// The vocabulary the daemon tokenizes with (its size and digest): a
     /// worker whose `Ready` names another is refused.
     pub vocabulary: Option<(u32, [u8; 32])>,
@@ -434,6 +436,10 @@ impl LaneActor {
                     gb.to_string().into(),
                 ],
                 None => vec![],
+            })
+            .args(match &self.config.park {
+                Some(_) if self.config.park_lossy => vec!["--park-lossy"],
+                _ => vec![],
             })
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())

@@ -22,6 +22,7 @@
 pub mod backend;
 pub mod exec;
 pub mod park;
+pub mod park_q8;
 pub mod render;
 pub mod sample;
 pub mod shield;

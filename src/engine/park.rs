@@ -36,6 +36,9 @@ pub const MAGIC: &[u8; 8] = b"SFPARK\0\0";
 pub const VERSION: u32 = 1;
 /// The KV cache's type as llama.cpp's `ggml_type` names it: f16.
 pub const KV_TYPE_F16: u32 = 1;
+/// `--park-lossy`: an f16 cache's state stored with its rows as Q8_0
+/// blocks (`park_q8`), expanded back to f16 when read.
+pub const KV_TYPE_F16_AS_Q8: u32 = 2;
 pub const HEADER_BYTES: usize = 124;
 /// The most tokens an artifact may name (llama.cpp's own context limit).
 pub const MAX_TOKENS: u32 = 1 << 20;
@@ -51,8 +54,10 @@ pub enum ParkError {
     Magic,
     #[error("park format version {0}, this build reads {VERSION}")]
     Version(u32),
-    #[error("KV type {0}, this build uses {KV_TYPE_F16}")]
+    #[error("KV type {0}, this build reads {KV_TYPE_F16} and {KV_TYPE_F16_AS_Q8}")]
     KvType(u32),
+    #[error("{0}")]
+    Lossy(String),
     #[error("sealed for another model")]
     Model,
     #[error("{0} tokens is more than {MAX_TOKENS}")]
@@ -71,6 +76,8 @@ pub enum ParkError {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Header {
     pub model: [u8; 32],
+    /// How the state is stored: [`KV_TYPE_F16`] or [`KV_TYPE_F16_AS_Q8`].
+    pub kv_type: u32,
     pub tokens: Vec<Token>,
     pub state_len: u64,
     pub state_digest: [u8; 32],
@@ -111,11 +118,11 @@ pub fn session_of(path: &Path) -> Option<u64> {
 }
 
 /// Header and token ids, as written.
-pub fn encode_head(model: &[u8; 32], tokens: &[Token], state: &[u8]) -> Vec<u8> {
+pub fn encode_head(model: &[u8; 32], tokens: &[Token], state: &[u8], kv_type: u32) -> Vec<u8> {
     let mut out = Vec::with_capacity(HEADER_BYTES + 4 * tokens.len());
     out.extend_from_slice(MAGIC);
     out.extend_from_slice(&VERSION.to_le_bytes());
-    out.extend_from_slice(&KV_TYPE_F16.to_le_bytes());
+    out.extend_from_slice(&kv_type.to_le_bytes());
     out.extend_from_slice(model);
     out.extend_from_slice(&(tokens.len() as u32).to_le_bytes());
     out.extend_from_slice(&tokens_digest(tokens));
@@ -129,13 +136,20 @@ pub fn encode_head(model: &[u8; 32], tokens: &[Token], state: &[u8]) -> Vec<u8> 
 }
 
 /// Writes an artifact crash-safely: temp file, fsync, rename, dir fsync.
-pub fn write(path: &Path, model: &[u8; 32], tokens: &[Token], state: &[u8]) -> std::io::Result<()> {
+/// `state` is stored as `kv_type` says it is.
+pub fn write(
+    path: &Path,
+    model: &[u8; 32],
+    tokens: &[Token],
+    state: &[u8],
+    kv_type: u32,
+) -> std::io::Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir)?;
     let tmp = path.with_extension("park.tmp");
     {
         let mut f = File::create(&tmp)?;
-        f.write_all(&encode_head(model, tokens, state))?;
+        f.write_all(&encode_head(model, tokens, state, kv_type))?;
         f.write_all(state)?;
         f.sync_all()?;
     }
@@ -167,7 +181,7 @@ pub fn read_head(f: &mut File, model: &[u8; 32]) -> Result<Header, ParkError> {
         return Err(ParkError::Version(version));
     }
     let kv = u32_at(&h, 12);
-    if kv != KV_TYPE_F16 {
+    if kv != KV_TYPE_F16 && kv != KV_TYPE_F16_AS_Q8 {
         return Err(ParkError::KvType(kv));
     }
     if &h[16..48] != model {
@@ -201,6 +215,7 @@ pub fn read_head(f: &mut File, model: &[u8; 32]) -> Result<Header, ParkError> {
     state_digest.copy_from_slice(&h[92..124]);
     Ok(Header {
         model: *model,
+        kv_type: kv,
         tokens,
         state_len,
         state_digest,
@@ -208,7 +223,7 @@ pub fn read_head(f: &mut File, model: &[u8; 32]) -> Result<Header, ParkError> {
 }
 
 /// Reads a whole artifact: its header, token ids and state, every digest
-/// checked.
+/// checked; a lossy state comes back expanded to f16.
 pub fn read(path: &Path, model: &[u8; 32]) -> Result<(Header, Vec<u8>), ParkError> {
     let mut f = File::open(path)?;
     let head = read_head(&mut f, model)?;
@@ -217,6 +232,9 @@ pub fn read(path: &Path, model: &[u8; 32]) -> Result<(Header, Vec<u8>), ParkErro
     let d: [u8; 32] = Sha256::digest(&state).into();
     if d != head.state_digest {
         return Err(ParkError::StateDigest);
+    }
+    if head.kv_type == KV_TYPE_F16_AS_Q8 {
+        state = super::park_q8::dequantize(&state).map_err(ParkError::Lossy)?;
     }
     Ok((head, state))
 }
@@ -275,8 +293,14 @@ pub const PARK_QUEUE: usize = 2;
 
 impl Parker {
     /// Parks into `dir` (created), for the model at `gguf`, keeping the
-    /// directory within `budget_bytes` (0: unbounded).
-    pub fn new(dir: PathBuf, gguf: &Path, budget_bytes: u64) -> std::io::Result<Parker> {
+    /// directory within `budget_bytes` (0: unbounded); `lossy`
+    /// (`--park-lossy`) stores the states as Q8_0.
+    pub fn new(
+        dir: PathBuf,
+        gguf: &Path,
+        budget_bytes: u64,
+        lossy: bool,
+    ) -> std::io::Result<Parker> {
         std::fs::create_dir_all(&dir)?;
         // Temp files a killed writer left: never in use, removed.
         for e in std::fs::read_dir(&dir)?.filter_map(|e| e.ok()) {
@@ -294,11 +318,29 @@ impl Parker {
             .spawn(move || {
                 for (path, tokens, state) in rx {
                     let t = std::time::Instant::now();
-                    match write(&path, &model, &tokens, &state) {
+                    // Quantized here, on the writer thread: never on the
+                    // worker's request path.
+                    let (stored, kv_type) = match lossy.then(|| super::park_q8::quantize(&state)) {
+                        Some(Some(q)) => (q, KV_TYPE_F16_AS_Q8),
+                        Some(None) => {
+                            log::warn!(
+                                "--park-lossy: the KV state's layout is not one this build \
+                                 knows; parked as it is"
+                            );
+                            (state, KV_TYPE_F16)
+                        }
+                        None => (state, KV_TYPE_F16),
+                    };
+                    match write(&path, &model, &tokens, &stored, kv_type) {
                         Ok(()) => log::debug!(
-                            "parked {} tokens ({} bytes) to {} in {} ms",
+                            "parked {} tokens ({} bytes{}) to {} in {} ms",
                             tokens.len(),
-                            state.len(),
+                            stored.len(),
+                            if kv_type == KV_TYPE_F16_AS_Q8 {
+                                ", Q8"
+                            } else {
+                                ""
+                            },
                             path.display(),
                             t.elapsed().as_millis()
                         ),
@@ -378,7 +420,7 @@ mod tests {
         let model = [3u8; 32];
         let tokens: Vec<Token> = (0..100).collect();
         let state: Vec<u8> = (0..5000u32).map(|i| (i * 7) as u8).collect();
-        write(&p, &model, &tokens, &state).unwrap();
+        write(&p, &model, &tokens, &state, KV_TYPE_F16).unwrap();
         let (h, s) = read(&p, &model).unwrap();
         assert_eq!(h.tokens, tokens);
         assert_eq!(s, state);
@@ -406,7 +448,14 @@ mod tests {
     fn the_budget_deletes_the_least_recently_used() {
         let dir = tempfile::tempdir().unwrap();
         for s in 0..4u64 {
-            write(&path(dir.path(), s), &[0; 32], &[1, 2], &[0u8; 1000]).unwrap();
+            write(
+                &path(dir.path(), s),
+                &[0; 32],
+                &[1, 2],
+                &[0u8; 1000],
+                KV_TYPE_F16,
+            )
+            .unwrap();
             let t = std::time::SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(1000 + s);
             File::options()
                 .write(true)

@@ -36,19 +36,21 @@ use crate::wire::{
 
 /// Runs the worker on stdin/stdout until `Shutdown` or EOF; its host-memory
 /// store of spilled sequences holds at most `spill_cap_bytes`.
-/// With `park` (directory, budget in bytes), it seals and restores park
-/// artifacts there.
+/// With `park` (directory, budget in bytes, lossy), it seals and restores
+/// park artifacts there.
 pub fn run(
     model: &Path,
     config: WorkerConfig,
     spill_cap_bytes: u64,
-    park: Option<(std::path::PathBuf, u64)>,
+    park: Option<(std::path::PathBuf, u64, bool)>,
 ) -> Result<(), EngineError> {
     let frames = take_stdout().map_err(EngineError::Stdout)?;
     let mut out = BufWriter::new(frames);
     let engine = WorkerEngine::new(model, &config).map(|e| e.with_spill_cap(spill_cap_bytes));
     let engine = match (engine, park) {
-        (Ok(e), Some((dir, budget))) => e.with_park(dir, model, budget).map_err(EngineError::Park),
+        (Ok(e), Some((dir, budget, lossy))) => e
+            .with_park(dir, model, budget, lossy)
+            .map_err(EngineError::Park),
         (e, _) => e,
     };
     let mut engine = match engine {

@@ -390,8 +390,15 @@ fn regenerate_corpus() {
         &fs::read(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/golden-v1.wal")).unwrap(),
     );
     let art = d.path().join("art");
-    park::write(&art, &PARK_MODEL, &[1, 2, 3, 500], &[9u8; 100]).unwrap();
+    park::write(
+        &art,
+        &PARK_MODEL,
+        &[1, 2, 3, 500],
+        &[9u8; 100],
+        park::KV_TYPE_F16,
+    )
+    .unwrap();
     write("park", "small.bin", &fs::read(&art).unwrap());
-    park::write(&art, &PARK_MODEL, &[], &[]).unwrap();
+    park::write(&art, &PARK_MODEL, &[], &[], park::KV_TYPE_F16).unwrap();
     write("park", "empty.bin", &fs::read(&art).unwrap());
 }

@@ -180,6 +180,50 @@ fn park_daemon() -> TestDaemon {
 }
 
 #[test]
+fn park_lossy_artifacts_are_about_half_the_size_and_the_session_still_answers() {
+    let mut full = park_daemon();
+    let s = parked_session(&mut full);
+    let mut lossy = park_daemon();
+    lossy.extra_args.push("--park-lossy".into());
+    assert_eq!(parked_session(&mut lossy), s);
+    let artifact = |d: &TestDaemon| d.sessions.join("park").join(format!("{s}.park"));
+    let (f, l) = (
+        std::fs::read(artifact(&full)).unwrap(),
+        std::fs::read(artifact(&lossy)).unwrap(),
+    );
+    // The header's KV type says how the state is stored: 1 f16, 2 Q8_0.
+    assert_eq!(u32::from_le_bytes(f[12..16].try_into().unwrap()), 1);
+    assert_eq!(u32::from_le_bytes(l[12..16].try_into().unwrap()), 2);
+    let ratio = l.len() as f64 / f.len() as f64;
+    assert!((0.45..0.6).contains(&ratio), "lossy/full size {ratio:.3}");
+
+    // Both restored after a restart: warm from disk, and the lossy one
+    // answers as the lossless one begins to.
+    full.spawn_and_wait();
+    let (_, full_reply, _) = timed_turn(&mut full.client(), s);
+    lossy.spawn_and_wait();
+    let (warm, lossy_reply, ms) = timed_turn(&mut lossy.client(), s);
+    assert!(warm > 300, "warm_prefix {warm} from the lossy artifact");
+    assert!(!lossy_reply.is_empty());
+    assert_eq!(
+        lossy_reply[0], full_reply[0],
+        "the first token of the reply"
+    );
+    let same = full_reply
+        .iter()
+        .zip(&lossy_reply)
+        .take_while(|(a, b)| a == b)
+        .count();
+    eprintln!(
+        "park-lossy: {} bytes against {} ({ratio:.3}x) for {warm} tokens; first token in \
+         {ms:.0} ms; {same} of {} reply tokens as the lossless artifact's",
+        l.len(),
+        f.len(),
+        full_reply.len()
+    );
+}
+
+#[test]
 fn park_restores_a_session_after_a_restart_and_a_bad_artifact_prefills() {
     let mut d = park_daemon();
     let s = parked_session(&mut d);

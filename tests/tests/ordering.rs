@@ -81,6 +81,7 @@ fn no_reply_before_the_fsync_that_covers_it() {
             sub_buffer: SUB_BUFFER_EVENTS,
             cache_ram_mb: 0,
             park_budget_gb: None,
+            park_lossy: false,
             step_timeout: std::time::Duration::from_secs(60),
             max_connections: superfluid::frontend::socket::DEFAULT_MAX_CONNECTIONS,
             more_models: Vec::new(),

@@ -236,14 +236,16 @@ impl WorkerEngine {
     }
 
     /// `--park`: seal sessions' KV into `dir` (`KvPark`) and restore it
-    /// (`KvUnpark`), the directory kept within `budget_bytes` (0: unbounded).
+    /// (`KvUnpark`), the directory kept within `budget_bytes` (0: unbounded);
+    /// `lossy` (`--park-lossy`) stores the states as Q8_0.
     pub fn with_park(
         mut self,
         dir: PathBuf,
         model: &Path,
         budget_bytes: u64,
+        lossy: bool,
     ) -> std::io::Result<WorkerEngine> {
-        self.park = Some(super::park::Parker::new(dir, model, budget_bytes)?);
+        self.park = Some(super::park::Parker::new(dir, model, budget_bytes, lossy)?);
         Ok(self)
     }
 
