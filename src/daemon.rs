@@ -76,6 +76,8 @@ pub struct ServeConfig {
     pub park_budget_gb: Option<u64>,
     /// `--park-lossy`: park artifacts with their KV rows as Q8_0.
     pub park_lossy: bool,
+    /// `--kv-bits`: the KV cache's type, 16 (f16) or 8 (Q8_0).
+    pub kv_bits: u8,
     /// `--step-timeout-secs`: how long a worker step may run before the
     /// worker is taken for hung (plus an allowance per token of work).
     pub step_timeout: std::time::Duration,
@@ -140,6 +142,15 @@ pub fn model_need(path: &Path, worker: &WorkerConfig) -> u64 {
     size + kv + size / 10
 }
 
+/// The park artifacts' KV type of a `--kv-bits` cache.
+pub fn kv_type(kv_bits: u8) -> u32 {
+    if kv_bits == 8 {
+        crate::engine::park::KV_TYPE_Q8_0
+    } else {
+        crate::engine::park::KV_TYPE_F16
+    }
+}
+
 /// `--step-timeout-secs` default.
 pub const DEFAULT_STEP_TIMEOUT_SECS: u64 = 60;
 
@@ -161,6 +172,7 @@ pub fn park_dir(sessions: &Path) -> PathBuf {
 pub fn scan_parked(
     dir: &Path,
     model: &Path,
+    cache: u32,
     live: impl Fn(u64) -> bool,
 ) -> Vec<(u64, Vec<crate::wire::Token>)> {
     use crate::engine::park;
@@ -184,7 +196,7 @@ pub fn scan_parked(
         }
         let head = std::fs::File::open(&p)
             .map_err(park::ParkError::from)
-            .and_then(|mut f| park::read_head(&mut f, &identity));
+            .and_then(|mut f| park::read_head(&mut f, &identity, cache));
         match head {
             Ok(h) => out.push((session, h.tokens)),
             Err(e) => log::warn!(
@@ -487,6 +499,7 @@ pub fn start_actors(
                 .park_budget_gb
                 .map(|gb| (park_dir(&config.sessions), gb)),
             park_lossy: config.park_lossy,
+            kv_bits: config.kv_bits,
             vocabulary: render
                 .vocab_digest()
                 .map(|digest| (render.n_vocab(), digest)),
@@ -498,9 +511,12 @@ pub fn start_actors(
             .with_pin_budget_pct(config.pin_budget_pct)
             .with_spill(SpillIndex::new(config.cache_ram_mb.saturating_mul(1 << 20)))
             .with_park_if(config.park_budget_gb.map(|_| {
-                scan_parked(&park_dir(&config.sessions), &config.model, |s| {
-                    book.is_live(s)
-                })
+                scan_parked(
+                    &park_dir(&config.sessions),
+                    &config.model,
+                    kv_type(config.kv_bits),
+                    |s| book.is_live(s),
+                )
             }))
             .with_n_vocab(render.n_vocab()),
     );

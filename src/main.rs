@@ -82,6 +82,9 @@ struct Worker {
     /// Store the park artifacts' KV rows as Q8_0.
     #[arg(long)]
     park_lossy: bool,
+    /// The KV cache's type: 16 (f16) or 8 (Q8_0).
+    #[arg(long, default_value_t = 16)]
+    kv_bits: u8,
 }
 
 #[derive(clap::Args)]
@@ -109,6 +112,11 @@ struct Serve {
     /// The live KV cache stays f16.
     #[arg(long, conflicts_with = "sessions_cache")]
     park_lossy: bool,
+    /// The KV cache's type: 16 (f16) or 8 (Q8_0: half the memory a cell,
+    /// its values rounded to 8 bits). --park-lossy needs 16.
+    #[arg(long, value_name = "BITS", default_value_t = 16,
+          value_parser = kv_bits_arg)]
+    kv_bits: u8,
     /// Size bound of the park directory in GiB, least recently used
     /// artifacts deleted past it; 0 is unbounded.
     #[arg(long, value_name = "GIB", default_value_t = daemon::DEFAULT_PARK_BUDGET_GB)]
@@ -201,6 +209,16 @@ struct Serve {
 #[derive(Debug, Clone, Copy)]
 struct KeepAlive(Option<u64>);
 
+fn kv_bits_arg(text: &str) -> Result<u8, String> {
+    match text {
+        "16" => Ok(16),
+        "8" => Ok(8),
+        other => Err(format!(
+            "{other:?}: the KV cache is 16 (f16) or 8 (Q8_0) bits"
+        )),
+    }
+}
+
 fn keep_alive_arg(text: &str) -> Result<KeepAlive, String> {
     superfluid::actors::load_gate::parse_keep_alive(text).map(KeepAlive)
 }
@@ -272,6 +290,10 @@ fn main() {
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
+        Command::Serve(s) if s.park_lossy && s.kv_bits == 8 => anyhow::bail!(
+            "--park-lossy stores an f16 cache's rows as Q8_0 (the spec: it implies --kv-bits \
+             16); it cannot be combined with --kv-bits 8"
+        ),
         Command::Serve(s) => daemon::serve(ServeConfig {
             model: resolve_model(&s.model)?,
             sessions: s.sessions.unwrap_or_else(daemon::default_sessions_dir),
@@ -294,6 +316,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             cache_ram_mb: s.cache_ram_mb.unwrap_or_else(daemon::default_cache_ram_mb),
             park_budget_gb: (s.park || s.park_lossy).then_some(s.park_budget_gb),
             park_lossy: s.park_lossy,
+            kv_bits: s.kv_bits,
             step_timeout: std::time::Duration::from_secs(s.step_timeout_secs),
             max_connections: s.max_connections as usize,
             more_models: s
@@ -317,6 +340,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             w.cache_ram_mb.saturating_mul(1 << 20),
             w.park_dir
                 .map(|d| (d, w.park_budget_gb.saturating_mul(1 << 30), w.park_lossy)),
+            w.kv_bits,
         )
         .map_err(Into::into),
         Command::Media(m) => {

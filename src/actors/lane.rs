@@ -237,6 +237,8 @@ pub struct LaneConfig {
     pub park: Option<(PathBuf, u64)>,
     /// `--park-lossy`: artifacts stored as Q8_0.
     pub park_lossy: bool,
+    /// `--kv-bits`: the worker's KV cache type, 16 or 8.
+    pub kv_bits: u8,
     /// The vocabulary the daemon tokenizes with (its size and digest): a
     /// worker whose `Ready` names another is refused.
     pub vocabulary: Option<(u32, [u8; 32])>,
@@ -428,6 +430,7 @@ impl LaneActor {
             .args(["--batch", &w.n_batch.to_string()])
             .args(["--threads", &w.threads.to_string()])
             .args(["--cache-ram-mb", &self.config.cache_ram_mb.to_string()])
+            .args(["--kv-bits", &self.config.kv_bits.to_string()])
             .args(match &self.config.park {
                 Some((dir, gb)) => vec![
                     "--park-dir".into(),

@@ -26,9 +26,10 @@ pub struct SessionArgs {
     #[arg(long, value_name = "PATH", global = true)]
     socket: Option<PathBuf>,
     /// The model whose sessions to work on, on a daemon serving more than
-    /// one (`serve --model`): its id [default: the first model]
+    /// one (`serve --model`): its id, as `UseModel` takes it [default: the
+    /// first model]
     #[arg(long, value_name = "ID", global = true)]
-    model: Option<String>,
+    use_model: Option<String>,
 }
 
 #[derive(Subcommand)]
@@ -156,7 +157,7 @@ pub fn run(args: SessionArgs) -> anyhow::Result<()> {
     let mut client = Client::connect(&socket)
         .map_err(|e| anyhow::anyhow!("cannot reach the daemon at {}: {e}", socket.display()))?;
     let c = &mut client;
-    if let Some(model) = &args.model {
+    if let Some(model) = &args.use_model {
         match c.call(&superfluid::wire::Request::UseModel {
             model: model.clone(),
         })? {

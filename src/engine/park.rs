@@ -39,6 +39,17 @@ pub const KV_TYPE_F16: u32 = 1;
 /// `--park-lossy`: an f16 cache's state stored with its rows as Q8_0
 /// blocks (`park_q8`), expanded back to f16 when read.
 pub const KV_TYPE_F16_AS_Q8: u32 = 2;
+/// `--kv-bits 8`: a Q8_0 cache's state, as it is (ggml's type id).
+pub const KV_TYPE_Q8_0: u32 = 8;
+
+/// The artifact KV types a cache of `cache` type (`KV_TYPE_F16` or
+/// `KV_TYPE_Q8_0`) can restore.
+pub fn restorable(cache: u32, artifact: u32) -> bool {
+    match cache {
+        KV_TYPE_F16 => artifact == KV_TYPE_F16 || artifact == KV_TYPE_F16_AS_Q8,
+        other => artifact == other,
+    }
+}
 pub const HEADER_BYTES: usize = 124;
 /// The most tokens an artifact may name (llama.cpp's own context limit).
 pub const MAX_TOKENS: u32 = 1 << 20;
@@ -54,8 +65,8 @@ pub enum ParkError {
     Magic,
     #[error("park format version {0}, this build reads {VERSION}")]
     Version(u32),
-    #[error("KV type {0}, this build reads {KV_TYPE_F16} and {KV_TYPE_F16_AS_Q8}")]
-    KvType(u32),
+    #[error("KV type {0}, not one this cache (KV type {1}) restores")]
+    KvType(u32, u32),
     #[error("{0}")]
     Lossy(String),
     #[error("sealed for another model")]
@@ -165,8 +176,9 @@ fn u32_at(b: &[u8], at: usize) -> u32 {
 }
 
 /// Reads and checks an artifact's header and token ids (not the state):
-/// magic, version, KV type, model, sizes against the file's, token digest.
-pub fn read_head(f: &mut File, model: &[u8; 32]) -> Result<Header, ParkError> {
+/// magic, version, KV type (one a cache of type `cache` restores), model,
+/// sizes against the file's, token digest.
+pub fn read_head(f: &mut File, model: &[u8; 32], cache: u32) -> Result<Header, ParkError> {
     let file_len = f.metadata()?.len();
     let mut h = [0u8; HEADER_BYTES];
     f.read_exact(&mut h).map_err(|_| ParkError::Truncated {
@@ -181,8 +193,8 @@ pub fn read_head(f: &mut File, model: &[u8; 32]) -> Result<Header, ParkError> {
         return Err(ParkError::Version(version));
     }
     let kv = u32_at(&h, 12);
-    if kv != KV_TYPE_F16 && kv != KV_TYPE_F16_AS_Q8 {
-        return Err(ParkError::KvType(kv));
+    if !restorable(cache, kv) {
+        return Err(ParkError::KvType(kv, cache));
     }
     if &h[16..48] != model {
         return Err(ParkError::Model);
@@ -224,9 +236,9 @@ pub fn read_head(f: &mut File, model: &[u8; 32]) -> Result<Header, ParkError> {
 
 /// Reads a whole artifact: its header, token ids and state, every digest
 /// checked; a lossy state comes back expanded to f16.
-pub fn read(path: &Path, model: &[u8; 32]) -> Result<(Header, Vec<u8>), ParkError> {
+pub fn read(path: &Path, model: &[u8; 32], cache: u32) -> Result<(Header, Vec<u8>), ParkError> {
     let mut f = File::open(path)?;
-    let head = read_head(&mut f, model)?;
+    let head = read_head(&mut f, model, cache)?;
     let mut state = vec![0u8; head.state_len as usize];
     f.read_exact(&mut state)?;
     let d: [u8; 32] = Sha256::digest(&state).into();
@@ -280,6 +292,8 @@ type Sealed = (PathBuf, Vec<Token>, Vec<u8>);
 /// thread that writes artifacts off the request path.
 pub struct Parker {
     dir: PathBuf,
+    /// The live cache's KV type: what lossless artifacts say they hold.
+    cache: u32,
     model: [u8; 32],
     tx: Option<std::sync::mpsc::SyncSender<Sealed>>,
     /// Artifacts copied and not yet written (at most [`PARK_QUEUE`]).
@@ -300,7 +314,10 @@ impl Parker {
         gguf: &Path,
         budget_bytes: u64,
         lossy: bool,
+        cache: u32,
     ) -> std::io::Result<Parker> {
+        // Only an f16 cache's rows are stored as Q8_0.
+        let lossy = lossy && cache == KV_TYPE_F16;
         std::fs::create_dir_all(&dir)?;
         // Temp files a killed writer left: never in use, removed.
         for e in std::fs::read_dir(&dir)?.filter_map(|e| e.ok()) {
@@ -327,9 +344,9 @@ impl Parker {
                                 "--park-lossy: the KV state's layout is not one this build \
                                  knows; parked as it is"
                             );
-                            (state, KV_TYPE_F16)
+                            (state, cache)
                         }
-                        None => (state, KV_TYPE_F16),
+                        None => (state, cache),
                     };
                     match write(&path, &model, &tokens, &stored, kv_type) {
                         Ok(()) => log::debug!(
@@ -354,6 +371,7 @@ impl Parker {
             })?;
         Ok(Parker {
             dir,
+            cache,
             model,
             tx: Some(tx),
             queued,
@@ -363,6 +381,11 @@ impl Parker {
 
     pub fn model(&self) -> &[u8; 32] {
         &self.model
+    }
+
+    /// The live cache's KV type.
+    pub fn cache(&self) -> u32 {
+        self.cache
     }
 
     /// The artifact path of a session.
@@ -421,27 +444,36 @@ mod tests {
         let tokens: Vec<Token> = (0..100).collect();
         let state: Vec<u8> = (0..5000u32).map(|i| (i * 7) as u8).collect();
         write(&p, &model, &tokens, &state, KV_TYPE_F16).unwrap();
-        let (h, s) = read(&p, &model).unwrap();
+        let (h, s) = read(&p, &model, KV_TYPE_F16).unwrap();
         assert_eq!(h.tokens, tokens);
         assert_eq!(s, state);
-        assert!(matches!(read(&p, &[4u8; 32]), Err(ParkError::Model)));
+        assert!(matches!(
+            read(&p, &[4u8; 32], KV_TYPE_F16),
+            Err(ParkError::Model)
+        ));
         let bytes = std::fs::read(&p).unwrap();
         // A flipped bit anywhere is refused.
         for at in [0, 9, 13, 50, 60, 90, 100, HEADER_BYTES + 8, bytes.len() - 1] {
             let mut b = bytes.clone();
             b[at] ^= 1;
             std::fs::write(&p, &b).unwrap();
-            assert!(read(&p, &model).is_err(), "bit flipped at {at}");
+            assert!(
+                read(&p, &model, KV_TYPE_F16).is_err(),
+                "bit flipped at {at}"
+            );
         }
         // So is a truncated or extended file.
         for len in [0, 10, HEADER_BYTES, bytes.len() - 1] {
             std::fs::write(&p, &bytes[..len]).unwrap();
-            assert!(read(&p, &model).is_err(), "cut at {len}");
+            assert!(read(&p, &model, KV_TYPE_F16).is_err(), "cut at {len}");
         }
         let mut longer = bytes.clone();
         longer.push(0);
         std::fs::write(&p, &longer).unwrap();
-        assert!(matches!(read(&p, &model), Err(ParkError::Truncated { .. })));
+        assert!(matches!(
+            read(&p, &model, KV_TYPE_F16),
+            Err(ParkError::Truncated { .. })
+        ));
     }
 
     #[test]

@@ -43,10 +43,12 @@ pub fn run(
     config: WorkerConfig,
     spill_cap_bytes: u64,
     park: Option<(std::path::PathBuf, u64, bool)>,
+    kv_bits: u8,
 ) -> Result<(), EngineError> {
     let frames = take_stdout().map_err(EngineError::Stdout)?;
     let mut out = BufWriter::new(frames);
-    let engine = WorkerEngine::new(model, &config).map(|e| e.with_spill_cap(spill_cap_bytes));
+    let engine = WorkerEngine::with_kv_bits(model, &config, kv_bits)
+        .map(|e| e.with_spill_cap(spill_cap_bytes));
     let engine = match (engine, park) {
         (Ok(e), Some((dir, budget, lossy))) => e
             .with_park(dir, model, budget, lossy)

@@ -207,7 +207,7 @@ fn check_park(bytes: &[u8]) -> Result<(), TestCaseError> {
     let d = tempfile::tempdir().unwrap();
     let path = d.path().join("artifact");
     fs::write(&path, bytes).unwrap();
-    if let Ok((head, state)) = park::read(&path, &PARK_MODEL) {
+    if let Ok((head, state)) = park::read(&path, &PARK_MODEL, park::KV_TYPE_F16) {
         // What reads back fits in the file.
         prop_assert!(state.len() + 4 * head.tokens.len() <= bytes.len());
     }

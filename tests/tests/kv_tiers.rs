@@ -224,6 +224,60 @@ fn park_lossy_artifacts_are_about_half_the_size_and_the_session_still_answers() 
 }
 
 #[test]
+fn kv_bits_8_parks_q8_state_and_an_f16_cache_resumes_cold_from_it() {
+    let mut q8 = park_daemon();
+    q8.extra_args.extend(["--kv-bits", "8"].map(String::from));
+    let s = parked_session(&mut q8);
+    let mut f16 = park_daemon();
+    assert_eq!(parked_session(&mut f16), s);
+    let artifact = |d: &TestDaemon| d.sessions.join("park").join(format!("{s}.park"));
+    let (q, f) = (
+        std::fs::read(artifact(&q8)).unwrap(),
+        std::fs::read(artifact(&f16)).unwrap(),
+    );
+    // The header names the cache's type (ggml's 8: Q8_0), and the state of
+    // a Q8_0 cache is about half an f16 one's.
+    assert_eq!(u32::from_le_bytes(q[12..16].try_into().unwrap()), 8);
+    let ratio = q.len() as f64 / f.len() as f64;
+    assert!((0.45..0.6).contains(&ratio), "q8/f16 state {ratio:.3}");
+
+    // Restarted with --kv-bits 8: restored from disk.
+    q8.spawn_and_wait();
+    let (warm, reply, ms) = timed_turn(&mut q8.client(), s);
+    q8.stop();
+    assert!(warm > 300, "warm_prefix {warm} with --kv-bits 8");
+    assert!(!reply.is_empty());
+    eprintln!(
+        "kv-bits 8: park artifact {} bytes against {} ({ratio:.3}x); first token after a \
+         restart {ms:.0} ms",
+        q.len(),
+        f.len()
+    );
+
+    // The same sessions on an f16 cache: the artifact is not one it can
+    // restore, so the session prefills (one warning), and answers.
+    q8.extra_args = park_daemon().extra_args.clone();
+    q8.spawn_and_wait();
+    let (w, r, _) = timed_turn(&mut q8.client(), s);
+    q8.stop();
+    assert!(
+        w < 50,
+        "warm_prefix {w} from a Q8_0 artifact on an f16 cache"
+    );
+    assert!(!r.is_empty());
+    assert!(
+        q8.stderr().contains("KV type 8"),
+        "the warning names the type"
+    );
+
+    // --park-lossy needs an f16 cache.
+    let mut both = TestDaemon::new();
+    let failed = both.start_expect_exit(&["--park-lossy".into(), "--kv-bits".into(), "8".into()]);
+    assert!(!failed.status.success());
+    assert!(failed.stderr.contains("--kv-bits 8"), "{}", failed.stderr);
+}
+
+#[test]
 fn park_restores_a_session_after_a_restart_and_a_bad_artifact_prefills() {
     let mut d = park_daemon();
     let s = parked_session(&mut d);

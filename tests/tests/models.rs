@@ -211,7 +211,7 @@ fn two_models_keep_their_own_logs_and_sessions_across_a_restart() {
         "the second model's session came back whole"
     );
 
-    // `superfluid session --model ID` works on that model's sessions.
+    // `superfluid session --use-model ID` works on that model's sessions.
     let cli = |args: &[&str]| {
         std::process::Command::new(crate::util::bin())
             .arg("session")
@@ -221,7 +221,7 @@ fn two_models_keep_their_own_logs_and_sessions_across_a_restart() {
             .output()
             .unwrap()
     };
-    let out = cli(&["inspect", &b.to_string(), "--model", &id, "--json"]);
+    let out = cli(&["inspect", &b.to_string(), "--use-model", &id, "--json"]);
     assert!(
         out.status.success(),
         "{}",
@@ -235,7 +235,7 @@ fn two_models_keep_their_own_logs_and_sessions_across_a_restart() {
     assert_eq!(first(&out)["events"], events.len() as u64);
     let out = cli(&["inspect", &a.to_string(), "--json"]);
     assert_eq!(first(&out)["events"], default_events.len() as u64);
-    let out = cli(&["ls", "--model", "no-such-model"]);
+    let out = cli(&["ls", "--use-model", "no-such-model"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("no-such-model"));
 }

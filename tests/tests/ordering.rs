@@ -82,6 +82,7 @@ fn no_reply_before_the_fsync_that_covers_it() {
             cache_ram_mb: 0,
             park_budget_gb: None,
             park_lossy: false,
+            kv_bits: 16,
             step_timeout: std::time::Duration::from_secs(60),
             max_connections: superfluid::frontend::socket::DEFAULT_MAX_CONNECTIONS,
             more_models: Vec::new(),

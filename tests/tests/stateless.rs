@@ -48,6 +48,7 @@ where
             cache_ram_mb: 0,
             park_budget_gb: None,
             park_lossy: false,
+            kv_bits: 16,
             step_timeout: std::time::Duration::from_secs(60),
             max_connections: superfluid::frontend::socket::DEFAULT_MAX_CONNECTIONS,
             more_models: Vec::new(),

@@ -57,7 +57,7 @@ pub mod spill;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use llama_cpp_2::context::params::LlamaContextParams;
+use llama_cpp_2::context::params::{KvCacheType, LlamaContextParams};
 use llama_cpp_2::context::LlamaContext;
 use llama_cpp_2::llama_batch::LlamaBatch;
 use llama_cpp_2::model::params::LlamaModelParams;
@@ -128,6 +128,8 @@ pub struct WorkerEngine {
     spill: SpillStore,
     /// `--park`: sealing sessions' KV to disk (None: off).
     park: Option<super::park::Parker>,
+    /// The KV cache's type, as park artifacts name it (`--kv-bits`).
+    kv_type: u32,
 }
 
 impl std::fmt::Debug for WorkerEngine {
@@ -145,6 +147,16 @@ impl WorkerEngine {
     /// unified KV shared by `n_seq` sequences, batches of `n_batch` tokens (`n_ubatch` the same),
     /// `threads` threads for decode and prefill.
     pub fn new(path: &Path, config: &WorkerConfig) -> Result<WorkerEngine, EngineError> {
+        WorkerEngine::with_kv_bits(path, config, 16)
+    }
+
+    /// [`new`](Self::new) with the KV cache's type: `kv_bits` 16 (f16) or 8
+    /// (Q8_0: half the memory, values rounded to 8 bits; `--kv-bits`).
+    pub fn with_kv_bits(
+        path: &Path,
+        config: &WorkerConfig,
+        kv_bits: u8,
+    ) -> Result<WorkerEngine, EngineError> {
         let WorkerConfig {
             n_ctx,
             n_seq,
@@ -166,6 +178,11 @@ impl WorkerEngine {
         if !(1..=1024).contains(&threads) {
             return invalid(format!("invalid thread count {threads}"));
         }
+        let (kv_cache, kv_type) = match kv_bits {
+            16 => (KvCacheType::F16, super::park::KV_TYPE_F16),
+            8 => (KvCacheType::Q8_0, super::park::KV_TYPE_Q8_0),
+            other => return invalid(format!("invalid --kv-bits {other} (16 or 8)")),
+        };
         check_gguf(path)?;
         let backend = backend::backend()?;
         let params = LlamaModelParams::default().with_n_gpu_layers(0);
@@ -189,7 +206,9 @@ impl WorkerEngine {
             .with_n_ubatch(n_batch)
             .with_n_threads(threads as i32)
             .with_n_threads_batch(threads as i32)
-            .with_kv_unified(true);
+            .with_kv_unified(true)
+            .with_type_k(kv_cache)
+            .with_type_v(kv_cache);
         // SAFETY: the model lives in a Box owned by the engine, so its address is stable, and it
         // is dropped after the context (field order). The context never leaves the engine.
         let model_ref: &'static LlamaModel =
@@ -232,6 +251,7 @@ impl WorkerEngine {
             mask: Vec::new(),
             spill: SpillStore::new(0),
             park: None,
+            kv_type,
         })
     }
 
@@ -245,7 +265,13 @@ impl WorkerEngine {
         budget_bytes: u64,
         lossy: bool,
     ) -> std::io::Result<WorkerEngine> {
-        self.park = Some(super::park::Parker::new(dir, model, budget_bytes, lossy)?);
+        self.park = Some(super::park::Parker::new(
+            dir,
+            model,
+            budget_bytes,
+            lossy,
+            self.kv_type,
+        )?);
         Ok(self)
     }
 
@@ -577,7 +603,7 @@ impl WorkerEngine {
             return Ok(not);
         };
         let path = park.path(session);
-        let (head, state) = match super::park::read(&path, park.model()) {
+        let (head, state) = match super::park::read(&path, park.model(), park.cache()) {
             Ok(x) => x,
             Err(e) => {
                 log::warn!(
