@@ -271,7 +271,7 @@ enum MediaCommand {
 
 /// jemalloc, not glibc's malloc: under the soak's churn (the 10-minute run of
 /// issue 15) glibc's arenas kept freed memory and the daemon's RSS grew
-/// 13.4 MiB with a flat live heap; with jemalloc it grew 7.4 MiB.
+/// 13.4 MiB with a flat live heap; with jemalloc 7.4 and 8.0 MiB (two runs).
 #[global_allocator]
 static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
