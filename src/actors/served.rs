@@ -48,12 +48,18 @@ impl Served {
         &self.0
     }
 
-    /// The model `name` names: an id, a file name, or "default".
-    pub fn find(&self, name: &str) -> Option<&ServedModel> {
+    /// The index of the model `name` names: an id, a file name, or
+    /// "default" (the first).
+    pub fn position(&self, name: &str) -> Option<usize> {
         if name == "default" {
-            return Some(self.default_model());
+            return Some(0);
         }
-        self.0.iter().find(|m| m.answers_to(name))
+        self.0.iter().position(|m| m.answers_to(name))
+    }
+
+    /// The model `name` names (see [`position`](Self::position)).
+    pub fn find(&self, name: &str) -> Option<&ServedModel> {
+        self.position(name).map(|i| &self.0[i])
     }
 
     /// The ids, for messages.

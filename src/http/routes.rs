@@ -69,17 +69,9 @@ impl WebState {
     }
 
     /// The state looking at the model `name` names (its id, its file name,
-    /// or "default"), if one does.
+    /// or "default"), if one does: the served models' one naming rule.
     pub fn pick(&self, name: &str) -> Option<WebState> {
-        let i = if name == "default" {
-            0
-        } else {
-            self.models.iter().position(|v| v.model.answers_to(name))?
-        };
-        Some(WebState {
-            current: i,
-            ..self.clone()
-        })
+        self.ws.served.position(name).map(|i| self.at(i))
     }
 }
 

@@ -11,13 +11,7 @@ use superfluid::wire::{Request, Role, SessionId};
 use crate::util::{bin, commit, wait_timeout, TestDaemon};
 
 fn sf(d: &TestDaemon, args: &[&str]) -> Output {
-    Command::new(bin())
-        .arg("session")
-        .args(args)
-        .arg("--socket")
-        .arg(&d.socket)
-        .output()
-        .unwrap()
+    d.session_cli(args)
 }
 
 /// Runs it, asserts success, returns stdout.

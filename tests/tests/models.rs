@@ -212,15 +212,7 @@ fn two_models_keep_their_own_logs_and_sessions_across_a_restart() {
     );
 
     // `superfluid session --use-model ID` works on that model's sessions.
-    let cli = |args: &[&str]| {
-        std::process::Command::new(crate::util::bin())
-            .arg("session")
-            .args(args)
-            .arg("--socket")
-            .arg(&d.socket)
-            .output()
-            .unwrap()
-    };
+    let cli = |args: &[&str]| d.session_cli(args);
     let out = cli(&["inspect", &b.to_string(), "--use-model", &id, "--json"]);
     assert!(
         out.status.success(),

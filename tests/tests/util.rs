@@ -289,6 +289,17 @@ impl TestDaemon {
         }
     }
 
+    /// Runs `superfluid session ARGS --socket <this daemon's>` to its end.
+    pub fn session_cli(&self, args: &[&str]) -> std::process::Output {
+        Command::new(bin())
+            .arg("session")
+            .args(args)
+            .arg("--socket")
+            .arg(&self.socket)
+            .output()
+            .unwrap()
+    }
+
     // ---- request helpers -------------------------------------------------
 
     pub fn create(&self, c: &mut Client) -> SessionId {
