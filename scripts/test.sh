@@ -5,6 +5,10 @@ cd "$(dirname "$0")/.."
 . scripts/env.sh
 model=$(scripts/setup.sh | tail -n 1)
 export SUPERFLUID_TEST_MODEL="$model"
+# llama.cpp's RPC server, for tests/tests/rpc.rs (`serve --rpc`): built from
+# the same llama.cpp source as the benchmark peer (a minute or two, once).
+SUPERFLUID_RPC_SERVER=$(scripts/build-llama-tool.sh ggml-rpc-server | tail -n 1)
+export SUPERFLUID_RPC_SERVER
 # The suites run many daemons at once on few cores: OpenMP's spinning wait
 # (the default, and the fastest for one daemon) thrashes when oversubscribed,
 # so the daemons under test sleep at their barriers instead.

@@ -94,6 +94,9 @@ pub struct ServeConfig {
     /// `--memory-limit-mb`: what the loaded models may need together; None:
     /// the machine's available memory decides at each load.
     pub memory_limit_mb: Option<u64>,
+    /// `--rpc` and `--tensor-split`: the first model's layers on ggml RPC
+    /// servers (the other models run here).
+    pub placement: crate::engine::rpc::Placement,
 }
 
 /// `--keep-alive` default: Ollama's five minutes.
@@ -421,6 +424,13 @@ pub fn serve(config: ServeConfig) -> Result<(), DaemonError> {
             config: ServeConfig {
                 model: path.clone(),
                 sessions: dir,
+                // An RPC server serves one client at a time: --rpc is the
+                // first model's.
+                placement: if i == 0 {
+                    config.placement.clone()
+                } else {
+                    Default::default()
+                },
                 ..config.clone()
             },
             book,
@@ -489,6 +499,7 @@ pub fn start_actors(
     let load = gate.clone();
     let wal = WalActor::new(writer).start();
     let w = &config.worker;
+    let rpc = crate::actors::lane::rpc_status(&config.placement.servers);
     let (scheduler, lane) = start_lane(
         LaneConfig {
             model: config.model.clone(),
@@ -506,6 +517,8 @@ pub fn start_actors(
             step_timeout: config.step_timeout,
             gate,
             lazy,
+            placement: config.placement.clone(),
+            rpc_status: rpc.clone(),
         },
         SchedulerState::new(w.n_ctx, w.n_seq, w.n_batch)
             .with_pin_budget_pct(config.pin_budget_pct)
@@ -526,6 +539,7 @@ pub fn start_actors(
         wal,
         scheduler,
         lane,
+        rpc,
         n_ctx: w.n_ctx,
         bus: crate::actors::bus::Bus::new(config.sub_buffer),
         generations: Arc::default(),

@@ -85,6 +85,12 @@ struct Worker {
     /// The KV cache's type: 16 (f16) or 8 (Q8_0).
     #[arg(long, default_value_t = 16)]
     kv_bits: u8,
+    /// RPC servers holding the model's layers.
+    #[arg(long, value_parser = rpc_arg)]
+    rpc: Option<RpcServers>,
+    /// Their weights (and this machine's, last).
+    #[arg(long, value_parser = split_arg)]
+    tensor_split: Option<Weights>,
 }
 
 #[derive(clap::Args)]
@@ -203,6 +209,32 @@ struct Serve {
     /// room [default: the machine's available memory at each load]
     #[arg(long, value_name = "MIB", value_parser = clap::value_parser!(u64).range(1..))]
     memory_limit_mb: Option<u64>,
+    /// The first model's layers on ggml RPC servers (llama.cpp's
+    /// ggml-rpc-server) on other hosts, as llama-server's --rpc; the
+    /// protocol is unauthenticated: private networks only (docs/scale.md).
+    #[arg(long, value_name = "HOST:PORT,...", value_parser = rpc_arg)]
+    rpc: Option<RpcServers>,
+    /// Weights of the --rpc servers' shares of the layers, one per server
+    /// [default: by their free memory]; one more weight keeps that share on
+    /// this machine's CPU.
+    #[arg(long, value_name = "W,...", value_parser = split_arg, requires = "rpc")]
+    tensor_split: Option<Weights>,
+}
+
+/// `--rpc`'s servers (one flag value, comma-separated).
+#[derive(Debug, Clone)]
+struct RpcServers(Vec<String>);
+
+/// `--tensor-split`'s weights (one flag value, comma-separated).
+#[derive(Debug, Clone)]
+struct Weights(Vec<f32>);
+
+fn rpc_arg(text: &str) -> Result<RpcServers, String> {
+    superfluid::engine::rpc::parse_servers(text).map(RpcServers)
+}
+
+fn split_arg(text: &str) -> Result<Weights, String> {
+    superfluid::engine::rpc::parse_split(text).map(Weights)
 }
 
 /// `--keep-alive` in ms; None: for ever.
@@ -327,6 +359,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             keep_alive_ms: s.keep_alive.0,
             max_loaded_models: s.max_loaded_models as usize,
             memory_limit_mb: s.memory_limit_mb,
+            placement: superfluid::engine::rpc::Placement {
+                servers: s.rpc.map(|r| r.0).unwrap_or_default(),
+                split: s.tensor_split.map(|t| t.0).unwrap_or_default(),
+            },
         })
         .map_err(Into::into),
         Command::Worker(w) => superfluid::engine::worker::run(
@@ -341,6 +377,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             w.park_dir
                 .map(|d| (d, w.park_budget_gb.saturating_mul(1 << 30), w.park_lossy)),
             w.kv_bits,
+            &superfluid::engine::rpc::Placement {
+                servers: w.rpc.map(|r| r.0).unwrap_or_default(),
+                split: w.tensor_split.map(|t| t.0).unwrap_or_default(),
+            },
         )
         .map_err(Into::into),
         Command::Media(m) => {

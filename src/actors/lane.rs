@@ -19,6 +19,13 @@
 //! forgets the KV, and the worker is spawned again after a short delay. The
 //! lane publishes its [`LaneState`] (loading, ready, respawning) on a watch
 //! channel ([`LaneHealth`]).
+//!
+//! With `--rpc` the worker's layers live on ggml RPC servers, and ggml aborts
+//! the worker when one is lost. Before each start, and after each death, the
+//! lane probes the servers (a TCP connect each, on the arbiter's reactor):
+//! a death with a server down fails what was in flight naming the server,
+//! and while any is down the lane is `Unreachable` and refuses work at once,
+//! probing every `RPC_PROBE_EVERY` until all answer, then starts the worker.
 
 use std::collections::VecDeque;
 use std::os::fd::OwnedFd;
@@ -53,6 +60,10 @@ pub const WORKER_SPINCOUNT: &str = "20000";
 /// polling every `SHUTDOWN_POLL_MS`, before it kills it.
 const SHUTDOWN_GRACE_MS: u64 = 200;
 const SHUTDOWN_POLL_MS: u64 = 10;
+/// How long a probe waits for an RPC server's TCP handshake.
+const RPC_PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+/// How often an `Unreachable` lane probes its RPC servers again.
+const RPC_PROBE_EVERY: Duration = Duration::from_secs(1);
 /// The largest reply frame accepted from the worker.
 const MAX_WORKER_FRAME_BYTES: usize = 16 << 20;
 
@@ -99,6 +110,90 @@ pub enum LaneError {
     /// another model).
     #[error("the model was unloaded")]
     Unloaded,
+    /// An `--rpc` server holding the model's layers cannot be reached: the
+    /// lane refuses work until it answers again.
+    #[error("{0}")]
+    RpcUnreachable(String),
+}
+
+/// One `--rpc` server, as the lane's last probe found it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RpcServerState {
+    /// `HOST:PORT`.
+    pub server: String,
+    /// Why the last probe failed; None: it answered (or none ran yet).
+    pub down: Option<String>,
+}
+
+/// The lane's `--rpc` servers and their state, for /web/health and Metrics.
+pub type RpcStatus = Arc<std::sync::Mutex<Vec<RpcServerState>>>;
+
+/// A new status with every server taken as up.
+pub fn rpc_status(servers: &[String]) -> RpcStatus {
+    Arc::new(std::sync::Mutex::new(
+        servers
+            .iter()
+            .map(|s| RpcServerState {
+                server: s.clone(),
+                down: None,
+            })
+            .collect(),
+    ))
+}
+
+/// Metrics lines for the servers: `superfluid_rpc_server_up{server="..."}`
+/// 1 or 0 (none without `--rpc`).
+pub fn rpc_metrics(status: &RpcStatus) -> String {
+    let servers = status.lock().map(|s| s.clone()).unwrap_or_default();
+    if servers.is_empty() {
+        return String::new();
+    }
+    let mut out = String::from(
+        "# HELP superfluid_rpc_server_up Whether the lane's last probe reached each --rpc \
+         server holding the model's layers.\n# TYPE superfluid_rpc_server_up gauge\n",
+    );
+    for s in servers {
+        out.push_str(&format!(
+            "superfluid_rpc_server_up{{server=\"{}\"}} {}\n",
+            s.server.replace('\\', "\\\\").replace('"', "\\\""),
+            u8::from(s.down.is_none())
+        ));
+    }
+    out
+}
+
+/// Connects to each server (at once, `RPC_PROBE_TIMEOUT` each) and returns
+/// each one's failure, None where it answered.
+async fn probe_rpc(servers: Vec<String>) -> Vec<Option<String>> {
+    let probes = servers.into_iter().map(|server| async move {
+        match tokio::time::timeout(RPC_PROBE_TIMEOUT, tokio::net::TcpStream::connect(&server)).await
+        {
+            Ok(Ok(_)) => None,
+            Ok(Err(e)) => Some(e.to_string()),
+            Err(_) => Some(format!(
+                "no answer within {} s",
+                RPC_PROBE_TIMEOUT.as_secs()
+            )),
+        }
+    });
+    futures_util::future::join_all(probes).await
+}
+
+/// What the lane does once a probe of its RPC servers is back.
+enum AfterProbe {
+    /// Start the worker if every server answered.
+    Start,
+    /// Finish a worker's death: fail what it left with this error (naming
+    /// the servers that are down, if any).
+    Gone(LaneError),
+}
+
+/// A probe of the RPC servers came back.
+#[derive(Message)]
+#[rtype(result = "()")]
+struct Probed {
+    down: Vec<Option<String>>,
+    then: AfterProbe,
 }
 
 /// Run requests on the worker, in order: one reply per request, or Err when
@@ -128,6 +223,9 @@ pub enum LaneState {
     /// No worker runs: a `--model` not used yet, or unloaded after its
     /// keep-alive. The next request loads it.
     Unloaded,
+    /// An `--rpc` server holding the model's layers cannot be reached: no
+    /// worker runs, requests are refused, and the lane probes again.
+    Unreachable,
 }
 
 /// Re-logs the worker's stderr lines in the daemon's log until its EOF: each
@@ -173,11 +271,12 @@ async fn relay_stderr(stderr: pipe::Receiver) {
 pub type LaneHealth = watch::Receiver<LaneState>;
 
 impl LaneState {
-    const ALL: [LaneState; 4] = [
+    const ALL: [LaneState; 5] = [
         LaneState::Loading,
         LaneState::Ready,
         LaneState::Respawning,
         LaneState::Unloaded,
+        LaneState::Unreachable,
     ];
 
     /// Its name in /web/health and in Metrics.
@@ -187,6 +286,7 @@ impl LaneState {
             LaneState::Ready => "ready",
             LaneState::Respawning => "respawning",
             LaneState::Unloaded => "unloaded",
+            LaneState::Unreachable => "unreachable",
         }
     }
 
@@ -195,7 +295,7 @@ impl LaneState {
     pub fn metrics(self) -> String {
         let mut out = String::from(
             "# HELP superfluid_lane_state The model lane's worker: loading (the first start), \
-             ready, respawning (after a death), or unloaded (idle past its keep-alive).\n# TYPE superfluid_lane_state gauge\n",
+             ready, respawning (after a death), unloaded (idle past its keep-alive), or unreachable (an --rpc server is down).\n# TYPE superfluid_lane_state gauge\n",
         );
         for s in LaneState::ALL {
             out.push_str(&format!(
@@ -250,6 +350,10 @@ pub struct LaneConfig {
     /// Starts unloaded, loads on the first request, and unloads after its
     /// keep-alive (a `--model`).
     pub lazy: bool,
+    /// `--rpc` and `--tensor-split`: where the worker places the layers.
+    pub placement: crate::engine::rpc::Placement,
+    /// Where the lane reports its RPC servers' state.
+    pub rpc_status: RpcStatus,
 }
 
 /// The deadline of a request of `work` tokens: the base, plus 20 times what
@@ -280,6 +384,21 @@ fn work_of(request: &WorkerRequest) -> u64 {
 }
 
 type Reply = oneshot::Sender<Result<WorkerResponse, LaneError>>;
+
+/// The worker's `--rpc` and `--tensor-split` arguments (none without RPC).
+fn rpc_args(placement: &crate::engine::rpc::Placement) -> Vec<String> {
+    let mut out = Vec::new();
+    if !placement.servers.is_empty() {
+        out.push("--rpc".into());
+        out.push(placement.servers.join(","));
+    }
+    if !placement.split.is_empty() {
+        let weights: Vec<String> = placement.split.iter().map(f32::to_string).collect();
+        out.push("--tensor-split".into());
+        out.push(weights.join(","));
+    }
+    out
+}
 
 /// Whether a request needs the model loaded: a decode, or a restore of KV
 /// kept outside the cells. The rest manage KV a worker holds.
@@ -338,6 +457,10 @@ pub struct LaneActor {
     unloading: bool,
     /// When the lane last had a request, or answered one.
     last_used: Instant,
+    /// Why the lane refuses work: an RPC server is down (`Unreachable`).
+    rpc_down: Option<String>,
+    /// A probe of the RPC servers is under way, to start the worker.
+    probing: bool,
 }
 
 /// Unload the idle model to make room for another (sent by the lane that
@@ -380,12 +503,67 @@ impl LaneActor {
             }),
             unloading: false,
             last_used: Instant::now(),
+            rpc_down: None,
+            probing: false,
         }
     }
 
     /// The lane's state, as it changes (take it before starting the actor).
     pub fn health(&self) -> LaneHealth {
         self.state.subscribe()
+    }
+
+    /// Starts the worker: at once, or with `--rpc` once a probe found every
+    /// server answering.
+    fn start_worker(&mut self, ctx: &mut Context<Self>) {
+        if self.config.placement.servers.is_empty() {
+            self.spawn_worker(ctx);
+        } else if !self.probing {
+            self.probing = true;
+            self.probe(ctx, AfterProbe::Start);
+        }
+    }
+
+    /// Probes the RPC servers; `Probed` brings the result back.
+    fn probe(&mut self, ctx: &mut Context<Self>, then: AfterProbe) {
+        let servers = self.config.placement.servers.clone();
+        let me = ctx.address();
+        actix::spawn(async move {
+            let down = probe_rpc(servers).await;
+            me.do_send(Probed { down, then });
+        });
+    }
+
+    /// Notes a probe's result in the status; the servers that are down,
+    /// with why, as one sentence (None: all answered).
+    fn note_probe(&mut self, down: &[Option<String>]) -> Option<String> {
+        let servers = &self.config.placement.servers;
+        if let Ok(mut status) = self.config.rpc_status.lock() {
+            *status = servers
+                .iter()
+                .zip(down)
+                .map(|(server, down)| RpcServerState {
+                    server: server.clone(),
+                    down: down.clone(),
+                })
+                .collect();
+        }
+        let named: Vec<String> = servers
+            .iter()
+            .zip(down)
+            .filter_map(|(server, down)| down.as_ref().map(|why| format!("{server} ({why})")))
+            .collect();
+        match named.len() {
+            0 => None,
+            1 => Some(format!(
+                "the RPC server holding the model's layers cannot be reached: {}",
+                named[0]
+            )),
+            _ => Some(format!(
+                "the RPC servers holding the model's layers cannot be reached: {}",
+                named.join(", ")
+            )),
+        }
     }
 
     fn spawn_worker(&mut self, ctx: &mut Context<Self>) {
@@ -402,6 +580,12 @@ impl LaneActor {
             && std::env::var_os("GOMP_SPINCOUNT").is_none()
         {
             command.env("GOMP_SPINCOUNT", WORKER_SPINCOUNT);
+        }
+        if !self.config.placement.servers.is_empty() {
+            // A lost RPC server aborts the worker (ggml-rpc): an expected
+            // death, not worth ggml's backtrace (which runs gdb when present
+            // and delays the respawn by seconds).
+            command.env("GGML_NO_BACKTRACE", "1");
         }
         // The worker is SIGKILLed by the kernel when the daemon dies (a
         // SIGKILLed daemon cannot stop it), set between fork and exec so no
@@ -444,6 +628,7 @@ impl LaneActor {
                 Some(_) if self.config.park_lossy => vec!["--park-lossy"],
                 _ => vec![],
             })
+            .args(rpc_args(&self.config.placement))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -556,6 +741,11 @@ impl LaneActor {
         let Some((_, _, _, deadline)) = self.in_flight.front() else {
             return;
         };
+        if self.child.is_none() {
+            // Dead, its requests about to fail (a probe of the RPC servers
+            // is under way): nothing to stop.
+            return;
+        }
         let waited = self.head_since.elapsed();
         if waited <= *deadline || self.stop_reason.is_some() {
             return;
@@ -605,7 +795,7 @@ impl LaneActor {
         }
         log::info!("loading the model {}", self.config.model.display());
         self.state.send_replace(LaneState::Loading);
-        self.spawn_worker(ctx);
+        self.start_worker(ctx);
         Ok(())
     }
 
@@ -698,7 +888,7 @@ impl LaneActor {
         let delay = (RESPAWN_DELAY_MS << shift).min(RESPAWN_DELAY_MAX_MS);
         self.failures_in_a_row += 1;
         ctx.run_later(Duration::from_millis(delay), |this, ctx| {
-            this.spawn_worker(ctx)
+            this.start_worker(ctx)
         });
     }
 
@@ -753,7 +943,7 @@ impl Actor for LaneActor {
             self.gate_update(|e| e.loaded = false);
         } else {
             self.gate_update(|e| e.loaded = true);
-            self.spawn_worker(ctx);
+            self.start_worker(ctx);
         }
         ctx.run_interval(DEADLINE_CHECK, |this, _| {
             this.check_deadline();
@@ -788,6 +978,12 @@ impl Handler<Exec> for LaneActor {
     type Result = ResponseFuture<Result<Vec<WorkerResponse>, LaneError>>;
 
     fn handle(&mut self, msg: Exec, ctx: &mut Context<Self>) -> Self::Result {
+        if let Some(why) = &self.rpc_down {
+            let error = LaneError::RpcUnreachable(format!(
+                "{why}; the model refuses work until it answers again"
+            ));
+            return Box::pin(async move { Err(error) });
+        }
         let unloaded = self.child.is_none() && *self.state.borrow() == LaneState::Unloaded;
         if (unloaded || self.unloading) && !msg.0.iter().any(needs_model) {
             // Housekeeping of a KV that is gone with the worker (a spill,
@@ -912,15 +1108,69 @@ impl Handler<WorkerGone> for LaneActor {
             reason: msg.reason,
             status,
         });
+        self.to_worker = None;
+        self.stdin_for_shutdown = None;
+        self.ready = false;
+        if !self.unloading && !self.config.placement.servers.is_empty() {
+            // With --rpc, a death is most often a lost server: find out
+            // which before failing what the worker held, so the error names
+            // it. Requests coming meanwhile are held.
+            self.state.send_replace(LaneState::Respawning);
+            self.probe(ctx, AfterProbe::Gone(error));
+            return;
+        }
+        self.worker_gone(error, ctx);
+    }
+}
+
+impl Handler<Probed> for LaneActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: Probed, ctx: &mut Context<Self>) {
+        let down = self.note_probe(&msg.down);
+        match msg.then {
+            AfterProbe::Gone(error) => {
+                let error = match &down {
+                    Some(why) => LaneError::RpcUnreachable(format!("{why}; {error}")),
+                    None => error,
+                };
+                self.worker_gone(error, ctx);
+            }
+            AfterProbe::Start => {
+                self.probing = false;
+                match down {
+                    None => {
+                        if self.rpc_down.take().is_some() {
+                            log::info!("the RPC servers answer again; starting the worker");
+                            self.state.send_replace(LaneState::Respawning);
+                        }
+                        self.spawn_worker(ctx);
+                    }
+                    Some(why) => {
+                        if self.rpc_down.is_none() {
+                            log::error!("{why}; refusing work until it answers");
+                        }
+                        self.state.send_replace(LaneState::Unreachable);
+                        self.fail_held(&LaneError::RpcUnreachable(why.clone()));
+                        self.rpc_down = Some(why);
+                        ctx.run_later(RPC_PROBE_EVERY, |this, ctx| this.start_worker(ctx));
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl LaneActor {
+    /// The rest of a worker's death, once its error is known: fails what it
+    /// held, tells the scheduler, and respawns (or settles unloaded).
+    fn worker_gone(&mut self, error: LaneError, ctx: &mut Context<Self>) {
         let unloaded = std::mem::take(&mut self.unloading);
         if unloaded {
             log::info!("the model {} is unloaded", self.config.model.display());
         } else {
             log::error!("{error}; starting a new one");
         }
-        self.to_worker = None;
-        self.stdin_for_shutdown = None;
-        self.ready = false;
         // What the worker could have read fails; what never reached it (its
         // stdin was closed, or the write not yet tried) is NotDelivered, which
         // the scheduler runs again on the next worker.
@@ -999,11 +1249,38 @@ mod tests {
     }
 
     #[test]
+    fn rpc_servers_go_to_the_worker_and_into_metrics() {
+        use crate::engine::rpc::Placement;
+        assert!(rpc_args(&Placement::default()).is_empty());
+        let p = Placement {
+            servers: vec!["10.0.0.2:50052".into(), "10.0.0.3:50052".into()],
+            split: vec![3.0, 1.0, 0.5],
+        };
+        assert_eq!(
+            rpc_args(&p),
+            [
+                "--rpc",
+                "10.0.0.2:50052,10.0.0.3:50052",
+                "--tensor-split",
+                "3,1,0.5"
+            ]
+        );
+        assert_eq!(rpc_metrics(&rpc_status(&[])), "");
+        let status = rpc_status(&p.servers);
+        status.lock().unwrap()[1].down = Some("Connection refused".into());
+        let text = rpc_metrics(&status);
+        assert!(text.contains("superfluid_rpc_server_up{server=\"10.0.0.2:50052\"} 1\n"));
+        assert!(text.contains("superfluid_rpc_server_up{server=\"10.0.0.3:50052\"} 0\n"));
+        assert!(text.contains("# TYPE superfluid_rpc_server_up gauge\n"));
+    }
+
+    #[test]
     fn the_state_in_metrics_is_one_gauge_per_state() {
         let text = LaneState::Respawning.metrics();
         assert!(text.contains("superfluid_lane_state{state=\"loading\"} 0\n"));
         assert!(text.contains("superfluid_lane_state{state=\"ready\"} 0\n"));
         assert!(text.contains("superfluid_lane_state{state=\"respawning\"} 1\n"));
+        assert!(text.contains("superfluid_lane_state{state=\"unreachable\"} 0\n"));
         assert!(text.contains("# TYPE superfluid_lane_state gauge\n"));
     }
 }

@@ -60,6 +60,9 @@ pub struct Shared {
     pub scheduler: Addr<scheduler::SchedulerActor>,
     /// The model lane's state (loading, ready, respawning).
     pub lane: lane::LaneHealth,
+    /// The lane's `--rpc` servers, as its last probe found them (empty
+    /// without `--rpc`).
+    pub rpc: lane::RpcStatus,
     /// The lane's context size: the most a generation may ask for.
     pub n_ctx: u32,
     /// Committed events, published to live subscriptions.

@@ -442,7 +442,7 @@ impl Handler<Dispatch> for Registry {
             }),
             Request::Metrics => {
                 let gauges = self.gauges();
-                let lane = shared.lane.borrow().metrics();
+                let lane = shared.lane.borrow().metrics() + &super::lane::rpc_metrics(&shared.rpc);
                 let generations = shared.generations.metrics();
                 Box::pin(async move {
                     let stats = shared

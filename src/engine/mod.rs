@@ -14,7 +14,8 @@
 //! - [`sample`]: position-indexed sampling, a pure function of logits, params, seed and position;
 //! - [`exec`]: the model and its one context ([`exec::WorkerEngine`]), executing worker requests:
 //!   the sequence table and request checks (`exec/seqs.rs`), grammar state (`exec/grammar.rs`);
-//! - [`worker`]: `superfluid worker`, frames on stdin/stdout around a [`exec::WorkerEngine`].
+//! - [`worker`]: `superfluid worker`, frames on stdin/stdout around a [`exec::WorkerEngine`];
+//! - [`rpc`]: a model's layers on ggml RPC servers on other hosts (`serve --rpc`).
 //!
 //! Token ids are [`crate::wire::Token`]s, `< n_vocab` once validated by [`vocab::Vocab`] (in the
 //! daemon) or [`exec::seqs::SeqTable`] (in the worker).
@@ -24,6 +25,7 @@ pub mod exec;
 pub mod park;
 pub mod park_q8;
 pub mod render;
+pub mod rpc;
 pub mod sample;
 pub mod shield;
 pub mod template;
@@ -50,6 +52,9 @@ pub fn default_model_path() -> Option<PathBuf> {
 /// Everything that can go wrong in the engine layer.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
+    /// `--rpc`: a server could not be registered, or the model's layer count is unknown.
+    #[error("RPC backend: {0}")]
+    Rpc(String),
     /// `--park`: the park directory or the model's identity could not be set up.
     #[error("cannot set up parking: {0}")]
     Park(std::io::Error),

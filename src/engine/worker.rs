@@ -44,10 +44,11 @@ pub fn run(
     spill_cap_bytes: u64,
     park: Option<(std::path::PathBuf, u64, bool)>,
     kv_bits: u8,
+    placement: &super::rpc::Placement,
 ) -> Result<(), EngineError> {
     let frames = take_stdout().map_err(EngineError::Stdout)?;
     let mut out = BufWriter::new(frames);
-    let engine = WorkerEngine::with_kv_bits(model, &config, kv_bits)
+    let engine = WorkerEngine::placed(model, &config, kv_bits, placement)
         .map(|e| e.with_spill_cap(spill_cap_bytes));
     let engine = match (engine, park) {
         (Ok(e), Some((dir, budget, lossy))) => e

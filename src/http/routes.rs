@@ -133,9 +133,10 @@ pub(super) async fn read_body_capped(
     Ok(body.freeze())
 }
 
-/// 200 with `{"ok": true, "lane": "loading" | "ready" | "respawning", "wal":
-/// "ok" | "failed"}`: the daemon answers, what its model lane's worker is
-/// doing, and whether its log still takes commits.
+/// 200 with `{"ok": true, "lane": "loading" | "ready" | "respawning" |
+/// "unloaded" | "unreachable", "wal": "ok" | "failed"}`: the daemon answers,
+/// what its model lane's worker is doing, and whether its log still takes
+/// commits; with `--rpc`, `"rpc": {"servers": N, "up": M}` too.
 async fn health(req: HttpRequest, state: web::Data<WebState>) -> Result<HttpResponse, WebError> {
     check(&state, Route::Health, &req)?;
     let lane = state.m().lane.borrow().name();
@@ -148,7 +149,22 @@ async fn health(req: HttpRequest, state: web::Data<WebState>) -> Result<HttpResp
         .send(crate::actors::wal::GetWalStats)
         .await
         .map_or("failed", |s| if s.failed { "failed" } else { "ok" });
-    Ok(HttpResponse::Ok().json(serde_json::json!({ "ok": true, "lane": lane, "wal": wal })))
+    let mut body = serde_json::json!({ "ok": true, "lane": lane, "wal": wal });
+    // With --rpc: how many servers, and how many the last probe reached
+    // (their addresses only in the token-checked Metrics: this route needs
+    // no token).
+    let rpc = state
+        .m()
+        .shared
+        .rpc
+        .lock()
+        .map(|s| s.clone())
+        .unwrap_or_default();
+    if !rpc.is_empty() {
+        let up = rpc.iter().filter(|s| s.down.is_none()).count();
+        body["rpc"] = serde_json::json!({ "servers": rpc.len(), "up": up });
+    }
+    Ok(HttpResponse::Ok().json(body))
 }
 
 /// `?model=ID` on /web/rpc, /web/stream and /web/ws: the model the

@@ -18,7 +18,8 @@
 //! worker` over its pipe), `test_models` (the derived test models' metadata),
 //! `storage_faults` (power loss, ENOSPC/EIO, full filesystems, salvage),
 //! `fuzz` (the decoders under proptest, seeds in tests/corpus/),
-//! `cli` (the `superfluid session` family against a daemon), `export`
+//! `rpc` (`serve --rpc`: the model's layers on two loopback
+//! `ggml-rpc-server`s, a lost server), `cli` (the `superfluid session` family against a daemon), `export`
 //! (`session export`: jsonl, otlp-jsonl, the OTLP push, redaction; finish 5
 //! from a real generation out of context), `soak` (16 generating sessions,
 //! 256 subscriptions, appends and forks).
@@ -40,6 +41,7 @@ mod metrics;
 mod models;
 mod ordering;
 mod qos;
+mod rpc;
 mod soak;
 mod spec_json;
 mod stateless;

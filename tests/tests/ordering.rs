@@ -89,6 +89,7 @@ fn no_reply_before_the_fsync_that_covers_it() {
             keep_alive_ms: None,
             max_loaded_models: 1,
             memory_limit_mb: None,
+            placement: Default::default(),
         };
         let shared = start_actors(
             &config,

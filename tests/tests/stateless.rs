@@ -55,6 +55,7 @@ where
             keep_alive_ms: None,
             max_loaded_models: 1,
             memory_limit_mb: None,
+            placement: Default::default(),
         };
         let shared = start_actors(&config, crate::util::bin().into(), book, w, render, None);
         body(shared).await;

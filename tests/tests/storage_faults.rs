@@ -15,7 +15,7 @@
 
 use std::collections::HashMap;
 use std::fs::{self, File};
-use std::io::{self, Read, Write};
+use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -25,7 +25,7 @@ use superfluid::store::salvage;
 use superfluid::store::{open, DirLock, Durable, OpenMode, StoreError, WalIo, WalWriter, WAL_FILE};
 use superfluid::wire::{Request, Response, Role};
 
-use crate::util::{bin, TestDaemon};
+use crate::util::{bin, web_health, TestDaemon};
 
 // ---- a tiny seeded RNG (splitmix64): reproducible runs, no new crate -------
 
@@ -693,23 +693,6 @@ fn daemon_on_a_full_filesystem_reports_and_recovers() {
         acked.len()
     );
     d.stop();
-}
-
-/// GET /web/health of a daemon started with `--web 127.0.0.1:0` (its
-/// address is in `<sessions>/web.addr`).
-fn web_health(d: &TestDaemon) -> String {
-    let addr = fs::read_to_string(d.sessions.join(superfluid::http::token::ADDR_FILE)).unwrap();
-    let mut s = std::net::TcpStream::connect(addr.trim()).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    write!(
-        s,
-        "GET /web/health HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n",
-        addr.trim()
-    )
-    .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    out
 }
 
 // ---- salvage ----------------------------------------------------------------

@@ -655,3 +655,21 @@ pub fn children_of(pid: u32) -> Vec<u32> {
     }
     out
 }
+
+/// GET /web/health of a daemon started with `--web 127.0.0.1:0` (its
+/// address is in `<sessions>/web.addr`).
+pub fn web_health(d: &TestDaemon) -> String {
+    let addr =
+        std::fs::read_to_string(d.sessions.join(superfluid::http::token::ADDR_FILE)).unwrap();
+    let mut s = std::net::TcpStream::connect(addr.trim()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "GET /web/health HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n",
+        addr.trim()
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}

@@ -157,6 +157,18 @@ impl WorkerEngine {
         config: &WorkerConfig,
         kv_bits: u8,
     ) -> Result<WorkerEngine, EngineError> {
+        WorkerEngine::placed(path, config, kv_bits, &super::rpc::Placement::default())
+    }
+
+    /// [`with_kv_bits`](Self::with_kv_bits) with the model's layers placed on RPC servers
+    /// (`--rpc`, `--tensor-split`; none: all on this machine's CPU).
+    pub fn placed(
+        path: &Path,
+        config: &WorkerConfig,
+        kv_bits: u8,
+        placement: &super::rpc::Placement,
+    ) -> Result<WorkerEngine, EngineError> {
+        placement.check().map_err(EngineError::Rpc)?;
         let WorkerConfig {
             n_ctx,
             n_seq,
@@ -185,13 +197,23 @@ impl WorkerEngine {
         };
         check_gguf(path)?;
         let backend = backend::backend()?;
-        let params = LlamaModelParams::default().with_n_gpu_layers(0);
-        let model = LlamaModel::load_from_file(backend, path, &params).map_err(|e| {
-            EngineError::ModelLoad {
-                path: path.to_path_buf(),
-                reason: e.to_string(),
-            }
-        })?;
+        let model = if placement.servers.is_empty() {
+            let params = LlamaModelParams::default().with_n_gpu_layers(0);
+            LlamaModel::load_from_file(backend, path, &params).map_err(|e| {
+                EngineError::ModelLoad {
+                    path: path.to_path_buf(),
+                    reason: e.to_string(),
+                }
+            })?
+        } else {
+            super::rpc::register(&placement.servers)?;
+            let (layers, split) = placement.offload(super::rpc::n_layer(path)?);
+            log::info!(
+                "placing {layers} layers on {} RPC servers (weights {split:?})",
+                placement.servers.len()
+            );
+            super::rpc::load(path, layers, &split)?
+        };
         let model = Box::new(model);
         let vocab_digest = crate::engine::vocab::vocab_digest(&model);
         let n_vocab = u32::try_from(model.vocab().n_tokens()).unwrap_or(0);

@@ -218,6 +218,28 @@ pub(crate) fn check_lane(state: &WebState, family: Family) -> Result<(), ApiErro
     // died is reported.
     match *state.m().lane.borrow() {
         LaneState::Ready | LaneState::Loading | LaneState::Unloaded => Ok(()),
+        LaneState::Unreachable => {
+            let down: Vec<String> = state
+                .m()
+                .shared
+                .rpc
+                .lock()
+                .map(|s| s.clone())
+                .unwrap_or_default()
+                .into_iter()
+                .filter_map(|s| s.down.map(|why| format!("{} ({why})", s.server)))
+                .collect();
+            Err(ApiError::new(
+                family,
+                Kind::Unavailable,
+                format!(
+                    "the RPC server{} holding the model's layers cannot be reached: {}; the \
+                     model refuses work until it answers again",
+                    if down.len() > 1 { "s" } else { "" },
+                    down.join(", ")
+                ),
+            ))
+        }
         other => Err(ApiError::new(
             family,
             Kind::Unavailable,

@@ -1,0 +1,324 @@
+//! A model's layers across hosts (`serve --rpc`): two llama.cpp
+//! `ggml-rpc-server` processes on loopback ports stand in for two hosts.
+//! The same sessions, forks and SIGKILL restart give the same greedy replies
+//! as on one machine; a server killed under a generation fails it with an
+//! error naming the server, the model refuses work (and Metrics says why)
+//! until the server is back, then serves again.
+//!
+//! The servers are `$SUPERFLUID_RPC_SERVER`, built by
+//! `scripts/build-llama-tool.sh ggml-rpc-server` (scripts/test.sh sets it).
+
+use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use superfluid::frontend::socket::Client;
+use superfluid::wire::{Record, Request, Response, SessionId};
+
+use crate::util::{children_of, commit, created, params, web_health, TestDaemon};
+
+/// One `ggml-rpc-server` on a loopback port, killed when dropped.
+struct RpcServer {
+    port: u16,
+    child: Option<Child>,
+    log: PathBuf,
+}
+
+fn rpc_server_bin() -> PathBuf {
+    std::env::var_os("SUPERFLUID_RPC_SERVER")
+        .map(PathBuf::from)
+        .expect(
+            "SUPERFLUID_RPC_SERVER is not set: build llama.cpp's RPC server with \
+             `scripts/build-llama-tool.sh ggml-rpc-server` and set it to the path printed \
+             (scripts/test.sh does both)",
+        )
+}
+
+impl RpcServer {
+    fn start(dir: &std::path::Path) -> RpcServer {
+        // A port the kernel just handed out and took back: free for the server.
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut s = RpcServer {
+            port,
+            child: None,
+            log: dir.join(format!("rpc-{port}.log")),
+        };
+        s.spawn();
+        s
+    }
+
+    fn spawn(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .unwrap();
+        let child = Command::new(rpc_server_bin())
+            .args(["-H", "127.0.0.1", "-p", &self.port.to_string(), "-t", "1"])
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("starting ggml-rpc-server");
+        self.child = Some(child);
+        let until = Instant::now() + Duration::from_secs(10);
+        while TcpStream::connect(self.endpoint()).is_err() {
+            assert!(Instant::now() < until, "ggml-rpc-server did not listen");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn endpoint(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// The connections it accepted (it logs each).
+    fn clients(&self) -> usize {
+        std::fs::read_to_string(&self.log)
+            .unwrap_or_default()
+            .matches("Accepted client connection")
+            .count()
+    }
+}
+
+impl Drop for RpcServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn daemon(extra: &[String]) -> TestDaemon {
+    let mut d = TestDaemon::new();
+    d.extra_args = extra.to_vec();
+    d.spawn_and_wait();
+    d
+}
+
+/// Generates up to `n` greedy tokens; the reply's text, or the Err's message.
+fn generate(c: &mut Client, s: SessionId, n: u32) -> Result<String, String> {
+    let replies = c
+        .generate(&Request::Generate {
+            session: s,
+            max_tokens: n,
+        })
+        .unwrap();
+    let mut text = String::new();
+    for r in &replies {
+        match r {
+            Response::Delta { event } => {
+                if let Record::Generated { text: t, .. } = &event.body {
+                    text.push_str(t);
+                }
+            }
+            Response::Err { message } => return Err(message.clone()),
+            _ => {}
+        }
+    }
+    Ok(text)
+}
+
+fn ask(c: &mut Client, s: SessionId, text: &str) -> u64 {
+    commit(
+        c,
+        Request::AppendMessage {
+            session: s,
+            role: 1,
+            text: text.into(),
+        },
+    )
+    .event_id
+}
+
+/// A conversation, a fork of it, a SIGKILL and restart, and a next turn on
+/// both: the replies, in order.
+fn conversation(d: &mut TestDaemon) -> Vec<String> {
+    let mut c = d.client();
+    let s = created(
+        &mut c,
+        Request::Create {
+            parent: None,
+            params: params(3),
+        },
+    );
+    let asked = ask(&mut c, s, "Name three rivers of Europe.");
+    let mut replies = vec![generate(&mut c, s, 24).expect("turn 1")];
+    let f = created(
+        &mut c,
+        Request::Fork {
+            session: s,
+            at_event: asked,
+            params: None,
+        },
+    );
+    ask(&mut c, f, "And three mountains?");
+    replies.push(generate(&mut c, f, 24).expect("the fork's turn"));
+    d.kill9();
+    d.spawn_and_wait();
+    let mut c = d.client();
+    ask(&mut c, s, "Which is the longest?");
+    replies.push(generate(&mut c, s, 24).expect("turn 2 after the restart"));
+    replies.push(generate(&mut c, f, 8).expect("the fork, continued after the restart"));
+    replies
+}
+
+/// The `--rpc` the daemon's worker was started with.
+fn worker_rpc_arg(d: &TestDaemon) -> Option<String> {
+    children_of(d.pid()).into_iter().find_map(|pid| {
+        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+        let args: Vec<String> = cmd
+            .split(|b| *b == 0)
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        let i = args.iter().position(|a| a == "--rpc")?;
+        args.get(i + 1).cloned()
+    })
+}
+
+fn metrics(d: &TestDaemon) -> String {
+    match d.call(&Request::Metrics) {
+        Response::Text { text } => text,
+        other => panic!("Metrics: {other:?}"),
+    }
+}
+
+#[test]
+fn a_model_across_two_rpc_servers_answers_as_it_does_here() {
+    let mut here = daemon(&[]);
+    let expected = conversation(&mut here);
+    drop(here);
+
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (RpcServer::start(dir.path()), RpcServer::start(dir.path()));
+    let servers = format!("{},{}", a.endpoint(), b.endpoint());
+    for split in [None, Some("1,3,2")] {
+        let mut args = vec!["--rpc".to_string(), servers.clone()];
+        if let Some(w) = split {
+            // The last weight keeps a third of the layers on this machine.
+            args.extend(["--tensor-split".into(), w.into()]);
+        }
+        let (before_a, before_b) = (a.clients(), b.clients());
+        let mut d = daemon(&args);
+        assert_eq!(worker_rpc_arg(&d).as_deref(), Some(servers.as_str()));
+        let got = conversation(&mut d);
+        assert_eq!(got, expected, "--tensor-split {split:?}");
+        // Both servers served the model's layers, to each worker started.
+        assert!(a.clients() > before_a && b.clients() > before_b);
+        assert!(
+            d.stderr().contains(&format!(
+                "placing {} layers on 2 RPC servers",
+                if split.is_some() { 21 } else { 31 }
+            )),
+            "{}",
+            d.stderr()
+        );
+        let m = metrics(&d);
+        for s in [&a, &b] {
+            assert!(
+                m.contains(&format!(
+                    "superfluid_rpc_server_up{{server=\"{}\"}} 1",
+                    s.endpoint()
+                )),
+                "{m}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_lost_rpc_server_fails_the_generation_then_the_model_refuses_until_it_is_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut a, b) = (RpcServer::start(dir.path()), RpcServer::start(dir.path()));
+    let d = daemon(&[
+        "--rpc".into(),
+        format!("{},{}", a.endpoint(), b.endpoint()),
+        "--web".into(),
+        "127.0.0.1:0".into(),
+    ]);
+    assert!(web_health(&d).contains(r#""rpc":{"servers":2,"up":2}"#));
+    let mut c = d.client();
+    let s = created(
+        &mut c,
+        Request::Create {
+            parent: None,
+            params: params(5),
+        },
+    );
+    ask(&mut c, s, "Tell me a long story about a lighthouse keeper.");
+    let socket = d.socket.clone();
+    let gen = std::thread::spawn(move || {
+        let mut c = Client::connect(&socket).unwrap();
+        generate(&mut c, s, 2000)
+    });
+    // Killed once the generation has committed tokens, far from its end.
+    d.until_generated(s);
+    a.kill();
+    let failed = gen.join().unwrap();
+    let message = failed.expect_err("the generation under the lost server fails");
+    assert!(
+        message.contains(&a.endpoint()) && message.contains("cannot be reached"),
+        "{message}"
+    );
+
+    // Refused at once, naming the server, while it is down; Metrics says so.
+    let started = Instant::now();
+    let refused = generate(&mut c, s, 8).expect_err("refused while the server is down");
+    assert!(
+        refused.contains(&a.endpoint()) && refused.contains("refuses work"),
+        "{refused}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "refused at once"
+    );
+    let m = metrics(&d);
+    assert!(
+        m.contains("superfluid_lane_state{state=\"unreachable\"} 1"),
+        "{m}"
+    );
+    assert!(
+        m.contains(&format!(
+            "superfluid_rpc_server_up{{server=\"{}\"}} 0",
+            a.endpoint()
+        )),
+        "{m}"
+    );
+    assert!(
+        m.contains(&format!(
+            "superfluid_rpc_server_up{{server=\"{}\"}} 1",
+            b.endpoint()
+        )),
+        "{m}"
+    );
+
+    let health = web_health(&d);
+    assert!(
+        health.contains(r#""lane":"unreachable""#)
+            && health.contains(r#""rpc":{"servers":2,"up":1}"#),
+        "{health}"
+    );
+
+    // Back on the same port: the lane starts a worker, and the session goes on.
+    a.spawn();
+    let until = Instant::now() + Duration::from_secs(30);
+    while !metrics(&d).contains("superfluid_lane_state{state=\"ready\"} 1") {
+        assert!(Instant::now() < until, "the lane did not come back");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(web_health(&d).contains(r#""rpc":{"servers":2,"up":2}"#));
+    let text = generate(&mut c, s, 8).expect("served again");
+    assert!(!text.is_empty());
+    let events = d.read_all(s);
+    assert!(events.iter().all(|e| e.event_id < events.len() as u64));
+}
