@@ -72,8 +72,11 @@ pub struct ServeConfig {
     pub sub_buffer: usize,
     /// `--cache-ram-mb`: the host-memory tier's budget in MiB (0: off).
     pub cache_ram_mb: u64,
+    /// `--idle-spill-ms`: idle sequences leave the cells after this long
+    /// (0: never).
+    pub idle_spill_ms: u64,
     /// `--park` with `--park-budget-gb` (0: unbounded); None: off.
-    pub park_budget_gb: Option<u64>,
+    pub park_budget_bytes: Option<u64>,
     /// `--park-lossy`: park artifacts with their KV rows as Q8_0.
     pub park_lossy: bool,
     /// `--kv-bits`: the KV cache's type, 16 (f16) or 8 (Q8_0).
@@ -157,8 +160,9 @@ pub fn kv_type(kv_bits: u8) -> u32 {
 /// `--step-timeout-secs` default.
 pub const DEFAULT_STEP_TIMEOUT_SECS: u64 = 60;
 
-/// `--park-budget-gb` default.
-pub const DEFAULT_PARK_BUDGET_GB: u64 = 20;
+/// `--idle-spill-ms` default: measured by bench/idle.rs and bench/peer's
+/// idle workload (docs/kv-tiers.md, "Idle sequences").
+pub const DEFAULT_IDLE_SPILL_MS: u64 = 2000;
 
 /// The park directory of a sessions directory.
 pub fn park_dir(sessions: &Path) -> PathBuf {
@@ -507,8 +511,8 @@ pub fn start_actors(
             exe,
             cache_ram_mb: config.cache_ram_mb,
             park: config
-                .park_budget_gb
-                .map(|gb| (park_dir(&config.sessions), gb)),
+                .park_budget_bytes
+                .map(|bytes| (park_dir(&config.sessions), bytes)),
             park_lossy: config.park_lossy,
             kv_bits: config.kv_bits,
             vocabulary: render
@@ -523,7 +527,8 @@ pub fn start_actors(
         SchedulerState::new(w.n_ctx, w.n_seq, w.n_batch)
             .with_pin_budget_pct(config.pin_budget_pct)
             .with_spill(SpillIndex::new(config.cache_ram_mb.saturating_mul(1 << 20)))
-            .with_park_if(config.park_budget_gb.map(|_| {
+            .with_idle_spill_ms(config.idle_spill_ms)
+            .with_park_if(config.park_budget_bytes.map(|_| {
                 scan_parked(
                     &park_dir(&config.sessions),
                     &config.model,
@@ -544,7 +549,7 @@ pub fn start_actors(
         bus: crate::actors::bus::Bus::new(config.sub_buffer),
         generations: Arc::default(),
         media: crate::media::MediaStore::new(&config.sessions),
-        park_dir: config.park_budget_gb.map(|_| park_dir(&config.sessions)),
+        park_dir: config.park_budget_bytes.map(|_| park_dir(&config.sessions)),
         load,
     }
 }

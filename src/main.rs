@@ -76,9 +76,9 @@ struct Worker {
     /// Seal sessions' KV into this directory (`--park`).
     #[arg(long)]
     park_dir: Option<PathBuf>,
-    /// The park directory's size bound in GiB (0: unbounded).
+    /// The park directory's size bound in bytes (0: unbounded).
     #[arg(long, default_value_t = 0)]
-    park_budget_gb: u64,
+    park_budget_bytes: u64,
     /// Store the park artifacts' KV rows as Q8_0.
     #[arg(long)]
     park_lossy: bool,
@@ -123,10 +123,10 @@ struct Serve {
     #[arg(long, value_name = "BITS", default_value_t = 16,
           value_parser = kv_bits_arg)]
     kv_bits: u8,
-    /// Size bound of the park directory in GiB, least recently used
-    /// artifacts deleted past it; 0 is unbounded.
-    #[arg(long, value_name = "GIB", default_value_t = daemon::DEFAULT_PARK_BUDGET_GB)]
-    park_budget_gb: u64,
+    /// Size bound of the park directory in GiB (fractions allowed: 0.5),
+    /// least recently used artifacts deleted past it; 0 is unbounded.
+    #[arg(long, value_name = "GIB", default_value = "20", value_parser = park_budget_arg)]
+    park_budget_gb: ParkBudget,
     /// KV cells shared by the lane's sequences.
     #[arg(long, default_value_t = daemon::DEFAULT_CTX_SIZE,
           value_parser = clap::value_parser!(u32).range(64..=1 << 20))]
@@ -136,6 +136,12 @@ struct Serve {
     /// [default: 8192, at most half the machine's memory]
     #[arg(long, value_name = "MIB", value_parser = clap::value_parser!(u64).range(0..=1 << 24))]
     cache_ram_mb: Option<u64>,
+    /// An idle sequence (its generation ended, no pin) leaves the KV cells
+    /// for host memory after this many milliseconds, so decodes beside it
+    /// attend over fewer cells; its next turn restores it. 0: idle
+    /// sequences stay until their cells are needed. Needs --cache-ram-mb.
+    #[arg(long, value_name = "MS", default_value_t = daemon::DEFAULT_IDLE_SPILL_MS)]
+    idle_spill_ms: u64,
     /// Sequences decoded together (continuous batching).
     #[arg(long, default_value_t = daemon::DEFAULT_PARALLEL,
           value_parser = clap::value_parser!(u32).range(1..=256))]
@@ -251,6 +257,21 @@ fn kv_bits_arg(text: &str) -> Result<u8, String> {
     }
 }
 
+/// `--park-budget-gb`, in bytes.
+#[derive(Clone, Copy, Debug)]
+struct ParkBudget(u64);
+
+fn park_budget_arg(text: &str) -> Result<ParkBudget, String> {
+    match text.parse::<f64>() {
+        Ok(gb) if gb.is_finite() && (0.0..=1e6).contains(&gb) => {
+            Ok(ParkBudget((gb * (1u64 << 30) as f64) as u64))
+        }
+        _ => Err(format!(
+            "{text:?}: the park budget is a number of GiB from 0 (unbounded) to 1000000"
+        )),
+    }
+}
+
 fn keep_alive_arg(text: &str) -> Result<KeepAlive, String> {
     superfluid::actors::load_gate::parse_keep_alive(text).map(KeepAlive)
 }
@@ -346,7 +367,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             }),
             sub_buffer: s.sub_buffer,
             cache_ram_mb: s.cache_ram_mb.unwrap_or_else(daemon::default_cache_ram_mb),
-            park_budget_gb: (s.park || s.park_lossy).then_some(s.park_budget_gb),
+            idle_spill_ms: s.idle_spill_ms,
+            park_budget_bytes: (s.park || s.park_lossy).then_some(s.park_budget_gb.0),
             park_lossy: s.park_lossy,
             kv_bits: s.kv_bits,
             step_timeout: std::time::Duration::from_secs(s.step_timeout_secs),
@@ -374,8 +396,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 threads: w.threads,
             },
             w.cache_ram_mb.saturating_mul(1 << 20),
-            w.park_dir
-                .map(|d| (d, w.park_budget_gb.saturating_mul(1 << 30), w.park_lossy)),
+            w.park_dir.map(|d| (d, w.park_budget_bytes, w.park_lossy)),
             w.kv_bits,
             &superfluid::engine::rpc::Placement {
                 servers: w.rpc.map(|r| r.0).unwrap_or_default(),

@@ -333,7 +333,7 @@ pub struct LaneConfig {
     pub exe: PathBuf,
     /// `--cache-ram-mb`: the cap of the worker's host-memory store, in MiB.
     pub cache_ram_mb: u64,
-    /// `--park`: the park directory and `--park-budget-gb`.
+    /// `--park`: the park directory and `--park-budget-gb` in bytes.
     pub park: Option<(PathBuf, u64)>,
     /// `--park-lossy`: artifacts stored as Q8_0.
     pub park_lossy: bool,
@@ -616,11 +616,11 @@ impl LaneActor {
             .args(["--cache-ram-mb", &self.config.cache_ram_mb.to_string()])
             .args(["--kv-bits", &self.config.kv_bits.to_string()])
             .args(match &self.config.park {
-                Some((dir, gb)) => vec![
+                Some((dir, bytes)) => vec![
                     "--park-dir".into(),
                     dir.clone().into_os_string(),
-                    "--park-budget-gb".into(),
-                    gb.to_string().into(),
+                    "--park-budget-bytes".into(),
+                    bytes.to_string().into(),
                 ],
                 None => vec![],
             })

@@ -288,6 +288,13 @@ fn counters(stats: crate::scheduler::Stats) -> String {
     );
     metric(
         &mut out,
+        "superfluid_kv_idle_spills_total",
+        "counter",
+        "Idle sequences moved from the KV cells to the host-memory tier (--idle-spill-ms).",
+        stats.idle_spills,
+    );
+    metric(
+        &mut out,
         "superfluid_kv_parked_artifacts",
         "gauge",
         "Park artifacts (--park) the scheduler's index holds.",

@@ -64,6 +64,9 @@ pub struct SchedulerActor {
     pipeline: Pipeline,
     lane: Addr<LaneActor>,
     owners: HashMap<GenId, Recipient<GenUpdate>>,
+    /// The wake-up armed for the next idle sequence due to leave the cells
+    /// (`--idle-spill-ms`): when (unix ms), and its handle.
+    idle_timer: Option<(u64, SpawnHandle)>,
 }
 
 impl SchedulerActor {
@@ -73,7 +76,33 @@ impl SchedulerActor {
             pipeline: Pipeline::new(PIPELINE_DEPTH),
             lane,
             owners: HashMap::new(),
+            idle_timer: None,
         }
+    }
+
+    /// While nothing is in flight, wakes the actor when the next idle
+    /// sequence is due to leave the cells (`plan` moves it). While steps
+    /// are in flight, `follow` stops at a due one and the reply's `kick`
+    /// plans the move.
+    fn arm_idle_timer(&mut self, ctx: &mut Context<Self>) {
+        if !self.pipeline.is_empty() {
+            return;
+        }
+        let Some(due) = self.state.idle_spill_due_at() else {
+            return;
+        };
+        if self.idle_timer.as_ref().is_some_and(|(at, _)| *at <= due) {
+            return;
+        }
+        if let Some((_, h)) = self.idle_timer.take() {
+            ctx.cancel_future(h);
+        }
+        let wait = due.saturating_sub(super::now_ms()) + 1;
+        let h = ctx.run_later(std::time::Duration::from_millis(wait), |this, ctx| {
+            this.idle_timer = None;
+            this.kick(ctx);
+        });
+        self.idle_timer = Some((due, h));
     }
 
     /// Hands each event to its generation's owner, and forgets the owner
@@ -114,6 +143,7 @@ impl SchedulerActor {
                 }),
             );
         }
+        self.arm_idle_timer(ctx);
     }
 }
 

@@ -2,20 +2,16 @@
 //! `<sessions>/park/<session>.park`, restored by the next generation on that
 //! session instead of a prefill, across restarts.
 //!
-//! # Layout (version 1, little endian; docs/kv-tiers.md)
+//! # Layout (version 2, little endian; docs/kv-tiers.md)
 //!
 //! | offset | size | field |
 //! |---|---|---|
 //! | 0 | 8 | magic `SFPARK\0\0` |
-//! | 8 | 4 | version (1) |
-//! | 12 | 4 | KV type (1: f16, llama.cpp's default) |
-//! | 16 | 32 | model identity: sha256 of the GGUF's size (u64 LE) and its first MiB |
-//! | 48 | 4 | token count `n` |
-//! | 52 | 32 | sha256 of the `n` token ids (u32 LE each) |
-//! | 84 | 8 | state length `m` |
-//! | 92 | 32 | sha256 of the state bytes |
-//! | 124 | 4n | the token ids |
-//! | 124+4n | m | llama.cpp's per-sequence state (`state_seq_get_data_ext`) |
+//! | 8 | 4 | version (2) |
+//! | 12 | 4 | header length `h` |
+//! | 16 | 4 | crc32c of the header |
+//! | 20 | h | the header, an rkyv archive of [`Header`]: KV type, model identity (sha256 of the GGUF's size and first MiB), the token ids, their sha256, the state's length and its sha256 |
+//! | 20+h | m | llama.cpp's per-sequence state (`state_seq_get_data_ext`) |
 //!
 //! An artifact is written to a temp file beside it, fsynced, renamed over
 //! the old one and the directory fsynced, so a reader sees the previous
@@ -33,7 +29,8 @@ use sha2::{Digest, Sha256};
 use crate::wire::Token;
 
 pub const MAGIC: &[u8; 8] = b"SFPARK\0\0";
-pub const VERSION: u32 = 1;
+/// 2: the header is an rkyv archive (1, before it, was fixed fields).
+pub const VERSION: u32 = 2;
 /// The KV cache's type as llama.cpp's `ggml_type` names it: f16.
 pub const KV_TYPE_F16: u32 = 1;
 /// `--park-lossy`: an f16 cache's state stored with its rows as Q8_0
@@ -50,9 +47,15 @@ pub fn restorable(cache: u32, artifact: u32) -> bool {
         other => artifact == other,
     }
 }
-pub const HEADER_BYTES: usize = 124;
+/// The fixed prefix before the header: magic, version, header length, the
+/// header's crc32c (so a flipped bit in the archive's padding is refused
+/// too).
+pub const PREFIX_BYTES: usize = 20;
 /// The most tokens an artifact may name (llama.cpp's own context limit).
 pub const MAX_TOKENS: u32 = 1 << 20;
+/// The longest header a reader accepts (checked before it is read): the
+/// token ids at [`MAX_TOKENS`] and the fixed fields, with room to spare.
+pub const MAX_HEADER_BYTES: u32 = 4 * MAX_TOKENS + 4096;
 /// What the model identity digest reads of the GGUF.
 const IDENTITY_BYTES: u64 = 1 << 20;
 
@@ -73,7 +76,13 @@ pub enum ParkError {
     Model,
     #[error("{0} tokens is more than {MAX_TOKENS}")]
     TooManyTokens(u32),
-    #[error("the state is {0} bytes, more than the file")]
+    #[error("a header of {0} bytes (at most {MAX_HEADER_BYTES}, and within the file)")]
+    HeaderLen(u32),
+    #[error("the header does not match its crc32c")]
+    HeaderCrc,
+    #[error("the header is not a valid archive: {0}")]
+    Archive(String),
+    #[error("a state of {0} bytes")]
     StateLen(u64),
     #[error("the file is {got} bytes, the header says {want}")]
     Truncated { got: u64, want: u64 },
@@ -83,13 +92,16 @@ pub enum ParkError {
     StateDigest,
 }
 
-/// An artifact's header (and the token ids it covers).
-#[derive(Debug, Clone, PartialEq)]
+/// An artifact's header (and the token ids it covers), stored as an rkyv
+/// archive after the fixed prefix and validated (bytecheck) when read.
+#[derive(Debug, Clone, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct Header {
-    pub model: [u8; 32],
-    /// How the state is stored: [`KV_TYPE_F16`] or [`KV_TYPE_F16_AS_Q8`].
+    /// How the state is stored: [`KV_TYPE_F16`], [`KV_TYPE_F16_AS_Q8`] or
+    /// [`KV_TYPE_Q8_0`].
     pub kv_type: u32,
+    pub model: [u8; 32],
     pub tokens: Vec<Token>,
+    pub tokens_digest: [u8; 32],
     pub state_len: u64,
     pub state_digest: [u8; 32],
 }
@@ -128,21 +140,24 @@ pub fn session_of(path: &Path) -> Option<u64> {
     path.file_stem()?.to_str()?.parse().ok()
 }
 
-/// Header and token ids, as written.
+/// The prefix and header, as written.
 pub fn encode_head(model: &[u8; 32], tokens: &[Token], state: &[u8], kv_type: u32) -> Vec<u8> {
-    let mut out = Vec::with_capacity(HEADER_BYTES + 4 * tokens.len());
+    let head = Header {
+        kv_type,
+        model: *model,
+        tokens: tokens.to_vec(),
+        tokens_digest: tokens_digest(tokens),
+        state_len: state.len() as u64,
+        state_digest: Sha256::digest(state).into(),
+    };
+    let archive = rkyv::to_bytes::<rkyv::rancor::Error>(&head)
+        .expect("serializing plain fields into memory cannot fail");
+    let mut out = Vec::with_capacity(PREFIX_BYTES + archive.len());
     out.extend_from_slice(MAGIC);
     out.extend_from_slice(&VERSION.to_le_bytes());
-    out.extend_from_slice(&kv_type.to_le_bytes());
-    out.extend_from_slice(model);
-    out.extend_from_slice(&(tokens.len() as u32).to_le_bytes());
-    out.extend_from_slice(&tokens_digest(tokens));
-    out.extend_from_slice(&(state.len() as u64).to_le_bytes());
-    let sd: [u8; 32] = Sha256::digest(state).into();
-    out.extend_from_slice(&sd);
-    for t in tokens {
-        out.extend_from_slice(&t.to_le_bytes());
-    }
+    out.extend_from_slice(&(archive.len() as u32).to_le_bytes());
+    out.extend_from_slice(&crc32c::crc32c(&archive).to_le_bytes());
+    out.extend_from_slice(&archive);
     out
 }
 
@@ -176,62 +191,62 @@ fn u32_at(b: &[u8], at: usize) -> u32 {
 }
 
 /// Reads and checks an artifact's header and token ids (not the state):
-/// magic, version, KV type (one a cache of type `cache` restores), model,
-/// sizes against the file's, token digest.
+/// magic, version, the header's length against the file's, the archive
+/// (validated before any field is read), KV type (one a cache of type
+/// `cache` restores), model, the state's length against the file's, token
+/// digest.
 pub fn read_head(f: &mut File, model: &[u8; 32], cache: u32) -> Result<Header, ParkError> {
     let file_len = f.metadata()?.len();
-    let mut h = [0u8; HEADER_BYTES];
-    f.read_exact(&mut h).map_err(|_| ParkError::Truncated {
-        got: file_len,
-        want: HEADER_BYTES as u64,
-    })?;
-    if &h[0..8] != MAGIC {
+    let mut prefix = [0u8; PREFIX_BYTES];
+    f.read_exact(&mut prefix)
+        .map_err(|_| ParkError::Truncated {
+            got: file_len,
+            want: PREFIX_BYTES as u64,
+        })?;
+    if &prefix[0..8] != MAGIC {
         return Err(ParkError::Magic);
     }
-    let version = u32_at(&h, 8);
+    let version = u32_at(&prefix, 8);
     if version != VERSION {
         return Err(ParkError::Version(version));
     }
-    let kv = u32_at(&h, 12);
-    if !restorable(cache, kv) {
-        return Err(ParkError::KvType(kv, cache));
+    let h = u32_at(&prefix, 12);
+    // Sizes are checked against the caps and the file before anything is
+    // allocated.
+    if h > MAX_HEADER_BYTES || PREFIX_BYTES as u64 + u64::from(h) > file_len {
+        return Err(ParkError::HeaderLen(h));
     }
-    if &h[16..48] != model {
+    let mut raw = vec![0u8; h as usize];
+    f.read_exact(&mut raw)?;
+    if crc32c::crc32c(&raw) != u32_at(&prefix, 16) {
+        return Err(ParkError::HeaderCrc);
+    }
+    let mut aligned = rkyv::util::AlignedVec::<16>::with_capacity(raw.len());
+    aligned.extend_from_slice(&raw);
+    let head = rkyv::from_bytes::<Header, rkyv::rancor::Error>(&aligned)
+        .map_err(|e| ParkError::Archive(e.to_string()))?;
+    if !restorable(cache, head.kv_type) {
+        return Err(ParkError::KvType(head.kv_type, cache));
+    }
+    if &head.model != model {
         return Err(ParkError::Model);
     }
-    let n = u32_at(&h, 48);
-    if n > MAX_TOKENS {
-        return Err(ParkError::TooManyTokens(n));
+    if head.tokens.len() > MAX_TOKENS as usize {
+        return Err(ParkError::TooManyTokens(head.tokens.len() as u32));
     }
-    let mut state_len = [0u8; 8];
-    state_len.copy_from_slice(&h[84..92]);
-    let state_len = u64::from_le_bytes(state_len);
-    // Sizes are checked against the file before anything is allocated.
-    if state_len > file_len {
-        return Err(ParkError::StateLen(state_len));
-    }
-    let want = HEADER_BYTES as u64 + 4 * u64::from(n) + state_len;
+    let want = (PREFIX_BYTES as u64 + u64::from(h))
+        .checked_add(head.state_len)
+        .ok_or(ParkError::StateLen(head.state_len))?;
     if file_len != want {
         return Err(ParkError::Truncated {
             got: file_len,
             want,
         });
     }
-    let mut raw = vec![0u8; 4 * n as usize];
-    f.read_exact(&mut raw)?;
-    let tokens: Vec<Token> = raw.chunks_exact(4).map(|c| u32_at(c, 0)).collect();
-    if tokens_digest(&tokens)[..] != h[52..84] {
+    if tokens_digest(&head.tokens) != head.tokens_digest {
         return Err(ParkError::TokenDigest);
     }
-    let mut state_digest = [0u8; 32];
-    state_digest.copy_from_slice(&h[92..124]);
-    Ok(Header {
-        model: *model,
-        kv_type: kv,
-        tokens,
-        state_len,
-        state_digest,
-    })
+    Ok(head)
 }
 
 /// Reads a whole artifact: its header, token ids and state, every digest
@@ -452,8 +467,10 @@ mod tests {
             Err(ParkError::Model)
         ));
         let bytes = std::fs::read(&p).unwrap();
-        // A flipped bit anywhere is refused.
-        for at in [0, 9, 13, 50, 60, 90, 100, HEADER_BYTES + 8, bytes.len() - 1] {
+        // A flipped bit anywhere is refused: every byte of the prefix and
+        // the header, and the state's first and last.
+        let head_end = bytes.len() - state.len();
+        for at in (0..head_end).chain([head_end, bytes.len() - 1]) {
             let mut b = bytes.clone();
             b[at] ^= 1;
             std::fs::write(&p, &b).unwrap();
@@ -463,7 +480,7 @@ mod tests {
             );
         }
         // So is a truncated or extended file.
-        for len in [0, 10, HEADER_BYTES, bytes.len() - 1] {
+        for len in [0, 10, PREFIX_BYTES, PREFIX_BYTES + 100, bytes.len() - 1] {
             std::fs::write(&p, &bytes[..len]).unwrap();
             assert!(read(&p, &model, KV_TYPE_F16).is_err(), "cut at {len}");
         }

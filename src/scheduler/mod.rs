@@ -208,6 +208,12 @@ struct Seq {
     /// The index entry its cells were last restored from (forgotten if the
     /// restore fails).
     restored_from: Option<u64>,
+    /// When its last generation ended (the scheduler's clock, unix ms):
+    /// what `--idle-spill-ms` counts from.
+    idle_since_ms: u64,
+    /// Host memory would not take it when it was due to leave the cells:
+    /// it stays until its next generation ends.
+    stays: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -270,6 +276,8 @@ pub struct Stats {
     pub parked_artifacts: u64,
     /// Park artifacts sealed (`--park`).
     pub parks: u64,
+    /// Idle sequences moved to the host-memory tier (`--idle-spill-ms`).
+    pub idle_spills: u64,
     /// Generations the worker refused on their own in a batched step (a
     /// grammar that does not parse or dead-ends): each failed alone.
     pub refused: u64,
@@ -316,6 +324,10 @@ pub struct SchedulerState {
     spill_orphans: Vec<u64>,
     /// `--park`: seal a session's sequence to disk when its generation ends.
     park: bool,
+    /// `--idle-spill-ms`: an idle, unprotected sequence leaves the cells for
+    /// the host-memory tier this long after its generation ended (0: never;
+    /// only for room).
+    idle_spill_ms: u64,
 }
 
 impl SchedulerState {
@@ -340,7 +352,15 @@ impl SchedulerState {
             spill: SpillIndex::new(0),
             spill_orphans: Vec::new(),
             park: false,
+            idle_spill_ms: 0,
         }
+    }
+
+    /// `--idle-spill-ms` (0: idle sequences stay until their cells are
+    /// needed). Needs the host-memory tier (`with_spill`).
+    pub fn with_idle_spill_ms(mut self, ms: u64) -> SchedulerState {
+        self.idle_spill_ms = ms;
+        self
     }
 
     /// [`with_park`](Self::with_park) when `parked` is Some.

@@ -114,8 +114,8 @@ impl Pipeline {
     ) -> (Vec<(StepId, Vec<WorkerRequest>)>, Vec<GenEvent>) {
         let mut sent = Vec::new();
         let mut events = Vec::new();
+        state.set_clock(now_ms);
         if self.in_flight.is_empty() {
-            state.set_clock(now_ms);
             let (step, planned) = state.plan();
             events = planned;
             if let Some(step) = step {

@@ -98,11 +98,18 @@ impl SchedulerState {
     /// Before sequence `i`'s cells are dropped: export them to the
     /// host-memory tier when the index finds them worth keeping (the
     /// worker first forgets the entries the index drops for them).
-    pub(super) fn spill_seq(&mut self, i: usize, pinned: bool, ops: &mut Vec<WorkerRequest>) {
+    /// Returns whether host memory holds the sequence's tokens after it
+    /// (spilled now, or already there).
+    pub(super) fn spill_seq(
+        &mut self,
+        i: usize,
+        pinned: bool,
+        ops: &mut Vec<WorkerRequest>,
+    ) -> bool {
         let tokens = &self.seqs[i].resident;
         let len = tokens.len() as u32;
         let Some((key, dropped)) = self.spill.insert(tokens, pinned) else {
-            return;
+            return self.spill.in_memory(tokens);
         };
         ops.extend(dropped.into_iter().map(|key| WorkerRequest::KvDrop { key }));
         ops.push(WorkerRequest::KvSpill {
@@ -111,6 +118,68 @@ impl SchedulerState {
             len,
         });
         self.stats.spills += 1;
+        true
+    }
+
+    /// The sequences `--idle-spill-ms` moves out now: idle, holding
+    /// tokens, unprotected, idle for the period. None while the tier or
+    /// the period is off, or a KV operation is outstanding for it.
+    fn idle_spill_candidates(&self) -> Vec<usize> {
+        if self.idle_spill_ms == 0 || !self.spill.enabled() || self.dirty {
+            return vec![];
+        }
+        let protected = self.protected();
+        (0..self.seqs.len())
+            .filter(|&i| {
+                let s = &self.seqs[i];
+                s.active.is_none()
+                    && !s.resident.is_empty()
+                    && !s.stays
+                    && !protected[i]
+                    && self.clock_ms >= s.idle_since_ms.saturating_add(self.idle_spill_ms)
+                    // Its session's next turn is waiting for a sequence.
+                    && !self.gens.values().any(|g| {
+                        g.seq.is_none()
+                            && g.admit.session != NO_SESSION
+                            && Some(g.admit.session) == s.owner
+                    })
+            })
+            .collect()
+    }
+
+    /// When the next idle sequence is due to leave the cells (unix ms), if
+    /// any: the scheduler actor wakes then.
+    pub fn idle_spill_due_at(&self) -> Option<u64> {
+        if self.idle_spill_ms == 0 || !self.spill.enabled() {
+            return None;
+        }
+        let protected = self.protected();
+        self.seqs
+            .iter()
+            .enumerate()
+            .filter(|(i, s)| {
+                s.active.is_none() && !s.resident.is_empty() && !s.stays && !protected[*i]
+            })
+            .map(|(_, s)| s.idle_since_ms.saturating_add(self.idle_spill_ms))
+            .min()
+    }
+
+    /// Moves the idle sequences that are due to the host-memory tier and
+    /// frees their cells: llama.cpp attends over every cell up to the
+    /// highest one in use, so idle cells slow each decode beside them
+    /// (docs/kv-tiers.md, "Idle sequences"). Their next turn restores them.
+    fn spill_idle(&mut self, ops: &mut Vec<WorkerRequest>) {
+        for i in self.idle_spill_candidates() {
+            if !self.spill_seq(i, false, ops) {
+                // Host memory would not take it (too short, or past the
+                // budget): it stays, since clearing would lose it.
+                self.seqs[i].stays = true;
+                continue;
+            }
+            ops.push(WorkerRequest::KvClear { seq: i as u32 });
+            self.seqs[i] = Seq::default();
+            self.stats.idle_spills += 1;
+        }
     }
 
     fn resident_total(&self, except: usize) -> u64 {
@@ -317,6 +386,7 @@ impl SchedulerState {
         ops.append(&mut self.pending_ops);
         let mut events = Vec::new();
         self.assign(&mut ops, &mut events);
+        self.spill_idle(&mut ops);
         self.steps_planned += 1;
         let foreground = self
             .gens
@@ -419,6 +489,10 @@ impl SchedulerState {
     /// `last` is skipped by the worker.
     pub fn follow(&mut self, last: &Step) -> Option<Step> {
         if self.dirty || self.kv_tight || !self.pending_ops.is_empty() {
+            return None;
+        }
+        // An idle sequence is due to leave the cells: `plan` moves it.
+        if !self.idle_spill_candidates().is_empty() {
             return None;
         }
         if last.decode.iter().any(|i| i.sample.is_none()) {

@@ -87,6 +87,7 @@ impl SchedulerState {
                     g.inflight = 0;
                     if g.seq == Some(item.seq) {
                         self.seqs[seq].active = None;
+                        self.seqs[seq].idle_since_ms = self.clock_ms;
                     }
                     events.push(GenEvent::Failed {
                         gen: *gen,
@@ -199,6 +200,8 @@ impl SchedulerState {
         if let Some(seq) = g.seq {
             let s = &mut self.seqs[seq as usize];
             s.active = None;
+            s.idle_since_ms = self.clock_ms;
+            s.stays = false;
             // `--park`: a session's turn is sealed (stateless ones never).
             if self.park
                 && g.admit.session != NO_SESSION

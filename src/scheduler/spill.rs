@@ -124,6 +124,13 @@ impl SpillIndex {
         );
     }
 
+    /// Whether a state in host memory holds all of `tokens`.
+    pub fn in_memory(&self, tokens: &[Token]) -> bool {
+        self.entries
+            .values()
+            .any(|e| e.disk.is_none() && lcp(&e.tokens, tokens) == tokens.len())
+    }
+
     /// Whether sealing `tokens` for `session` is new: its artifact does not
     /// hold exactly them already.
     pub fn park_is_new(&self, session: u64, tokens: &[Token]) -> bool {
@@ -186,17 +193,15 @@ impl SpillIndex {
     /// when it is to be stored under `key`, after the worker forgets the
     /// keys in `dropped` (least recently used, to make room, and entries
     /// the new one extends). None when it is not worth it (too short, the
-    /// tier is off, it would not fit the budget alone, or a stored state
-    /// already holds all of it).
+    /// tier is off, it would not fit the budget alone, or a state in host
+    /// memory already holds all of it; a park artifact that does is read
+    /// from disk and checked whole, slower than a copy in memory, so it
+    /// does not count).
     pub fn insert(&mut self, tokens: &[Token], pinned: bool) -> Option<(u64, Vec<u64>)> {
         if !self.enabled() || tokens.len() < self.min_tokens {
             return None;
         }
-        if self
-            .entries
-            .values()
-            .any(|e| lcp(&e.tokens, tokens) == tokens.len())
-        {
+        if self.in_memory(tokens) {
             return None;
         }
         let estimate = tokens.len() as u64 * self.bytes_per_token;

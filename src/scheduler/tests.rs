@@ -756,13 +756,35 @@ fn drive(
     s: &mut SchedulerState,
     w: &mut FakeWorker,
     depth: usize,
+    between: impl FnMut(usize, &mut SchedulerState) -> Vec<GenEvent>,
+) -> Vec<GenEvent> {
+    drive_clocked(s, w, depth, |_| 0, between)
+}
+
+/// `drive` with the clock at `now_ms`.
+fn drive_at(
+    s: &mut SchedulerState,
+    w: &mut FakeWorker,
+    depth: usize,
+    now_ms: u64,
+    between: impl FnMut(usize, &mut SchedulerState) -> Vec<GenEvent>,
+) -> Vec<GenEvent> {
+    drive_clocked(s, w, depth, |_| now_ms, between)
+}
+
+/// `drive` with the clock at `clock(k)` when step `k` is planned.
+fn drive_clocked(
+    s: &mut SchedulerState,
+    w: &mut FakeWorker,
+    depth: usize,
+    clock: impl Fn(usize) -> u64,
     mut between: impl FnMut(usize, &mut SchedulerState) -> Vec<GenEvent>,
 ) -> Vec<GenEvent> {
     let mut events = vec![];
     let mut pipeline = Pipeline::new(depth);
     let mut replies: VecDeque<(StepId, StepResult)> = VecDeque::new();
     for k in 0..10_000 {
-        let (sent, planned) = pipeline.kick(s, 0);
+        let (sent, planned) = pipeline.kick(s, clock(k));
         events.extend(planned);
         for (id, requests) in sent {
             replies.push_back((id, w.run(&requests)));
@@ -1562,4 +1584,116 @@ fn a_parked_session_restores_after_a_restart_and_a_stale_artifact_prefills() {
     assert_eq!(tokens_of(&e3, g3), tokens_of(&e1, g1));
     assert_eq!(s3.stats().prefilled_tokens - before, turn2.len() as u64);
     assert_eq!(s3.stats().restored_tokens, 0);
+}
+
+// --- Idle sequences (`--idle-spill-ms`) ---
+
+/// Runs one generation to its end with the clock at `now_ms`.
+fn run_one_at(
+    s: &mut SchedulerState,
+    w: &mut FakeWorker,
+    a: Admit,
+    now_ms: u64,
+) -> (GenId, Vec<GenEvent>) {
+    let g = s.admit(a).unwrap();
+    let events = drive_at(s, w, 2, now_ms, |_, _| vec![]);
+    assert!(finish_of(&events, g).is_some(), "{events:?}");
+    (g, events)
+}
+
+#[test]
+fn idle_sequences_leave_the_cells_after_the_period_and_come_back_warm() {
+    let mut s = spilling(4, 1 << 20).with_idle_spill_ms(1000);
+    let mut w = FakeWorker::new(4);
+    let (g1, e1) = run_one_at(&mut s, &mut w, admit(1, &conversation(0), 8), 10_000);
+    run_one_at(&mut s, &mut w, admit(2, &conversation(1), 8), 10_000);
+    s.set_clock(10_000);
+    s.pin(2, 100_000);
+    // Session 1's sequence is due a period after its generation ended;
+    // the pinned one never.
+    assert_eq!(s.idle_spill_due_at(), Some(11_000));
+    drive_at(&mut s, &mut w, 2, 10_999, |_, _| vec![]);
+    assert_eq!(s.stats().idle_spills, 0);
+    let history = conversation(0).len() + tokens_of(&e1, g1).len() - 1;
+    assert_eq!(s.resident(0).len(), history);
+
+    // A third session decodes beside them past the period: the idle
+    // sequence leaves the cells mid-generation (a following step stops
+    // for it), the pinned one stays, and the third gets all its tokens.
+    let g3 = s.admit(admit(3, &conversation(2), 30)).unwrap();
+    let mut spilled_with = None;
+    let e3 = drive_clocked(
+        &mut s,
+        &mut w,
+        2,
+        |k| if k < 3 { 10_900 } else { 11_000 },
+        |_, s| {
+            if s.stats().idle_spills > 0 && spilled_with.is_none() {
+                spilled_with = Some(s.stats().drawn);
+            }
+            vec![]
+        },
+    );
+    assert_eq!(tokens_of(&e3, g3).len(), 30);
+    // Within two following steps of the period's end, not after the
+    // generation beside it.
+    let drawn = spilled_with.expect("no idle spill") + 30 - s.stats().drawn;
+    assert!(
+        drawn < 20,
+        "the idle sequence left after {drawn} of 30 tokens"
+    );
+    assert_eq!(s.stats().idle_spills, 1);
+    assert!(w.kv[0].is_empty() && s.resident(0).is_empty());
+    assert!(!w.kv[1].is_empty(), "the pinned sequence left the cells");
+    assert_eq!(w.store.len(), 1);
+    assert_eq!(s.stats().spilled_entries, 1);
+
+    // Its next turn restores it instead of a prefill, and draws what it
+    // draws when it stays resident.
+    let mut turn2 = conversation(0);
+    turn2.extend(tokens_of(&e1, g1));
+    turn2.extend([7, 8, 9]);
+    let (g, events) = run_one_at(&mut s, &mut w, admit(1, &turn2, 8), 11_000);
+    assert_eq!(warm_of(&events, g), Some(history as u64));
+    assert_eq!(s.stats().restored_tokens, history as u64);
+    let mut resident = spilling(4, 1 << 20);
+    let mut wr = FakeWorker::new(4);
+    run_one_at(&mut resident, &mut wr, admit(1, &conversation(0), 8), 0);
+    let (gr, er) = run_one_at(&mut resident, &mut wr, admit(1, &turn2, 8), 0);
+    assert_eq!(tokens_of(&events, g), tokens_of(&er, gr));
+}
+
+#[test]
+fn an_idle_sequence_host_memory_will_not_take_stays_in_the_cells() {
+    // Too short for the tier (under its 4 tokens): the idle sequence stays
+    // resident, and nothing waits for it (the generation beside it runs,
+    // following steps go on, its next turn is warm).
+    let mut s = spilling(2, 1 << 20).with_idle_spill_ms(1000);
+    let mut w = FakeWorker::new(2);
+    let (g1, e1) = run_one_at(&mut s, &mut w, admit(1, &[1, 5, 6], 1), 0);
+    let g2 = s.admit(admit(2, &conversation(1), 30)).unwrap();
+    let e2 = drive_at(&mut s, &mut w, 2, 5_000, |_, _| vec![]);
+    assert_eq!(tokens_of(&e2, g2).len(), 30);
+    assert_eq!(s.stats().idle_spills, 0);
+    assert_eq!(w.kv[0], vec![1, 5, 6]);
+    // Only the sequence that just ended is due (the one that stays is not).
+    assert_eq!(s.idle_spill_due_at(), Some(6_000));
+    let mut turn2 = vec![1, 5, 6];
+    turn2.extend(tokens_of(&e1, g1));
+    turn2.extend([7, 8, 9]);
+    let (g, events) = run_one_at(&mut s, &mut w, admit(1, &turn2, 8), 5_000);
+    assert_eq!(warm_of(&events, g), Some(3));
+}
+
+#[test]
+fn without_the_period_idle_sequences_stay() {
+    let mut s = spilling(4, 1 << 20);
+    let mut w = FakeWorker::new(4);
+    run_one_at(&mut s, &mut w, admit(1, &conversation(0), 8), 0);
+    assert_eq!(s.idle_spill_due_at(), None);
+    let g = s.admit(admit(2, &conversation(1), 30)).unwrap();
+    let e = drive_at(&mut s, &mut w, 2, 1 << 40, |_, _| vec![]);
+    assert_eq!(tokens_of(&e, g).len(), 30);
+    assert_eq!(s.stats().idle_spills, 0);
+    assert!(!w.kv[0].is_empty());
 }

@@ -4,6 +4,7 @@
 
 use std::time::Instant;
 
+use superfluid::engine::park;
 use superfluid::frontend::socket::Client;
 use superfluid::wire::{Record, Request, Response, Role, SessionId, Token};
 
@@ -192,8 +193,11 @@ fn park_lossy_artifacts_are_about_half_the_size_and_the_session_still_answers() 
         std::fs::read(artifact(&lossy)).unwrap(),
     );
     // The header's KV type says how the state is stored: 1 f16, 2 Q8_0.
-    assert_eq!(u32::from_le_bytes(f[12..16].try_into().unwrap()), 1);
-    assert_eq!(u32::from_le_bytes(l[12..16].try_into().unwrap()), 2);
+    assert_eq!(artifact_head(&full.sessions, s).kv_type, park::KV_TYPE_F16);
+    assert_eq!(
+        artifact_head(&lossy.sessions, s).kv_type,
+        park::KV_TYPE_F16_AS_Q8
+    );
     let ratio = l.len() as f64 / f.len() as f64;
     assert!((0.45..0.6).contains(&ratio), "lossy/full size {ratio:.3}");
 
@@ -237,7 +241,10 @@ fn kv_bits_8_parks_q8_state_and_an_f16_cache_resumes_cold_from_it() {
     );
     // The header names the cache's type (ggml's 8: Q8_0), and the state of
     // a Q8_0 cache is about half an f16 one's.
-    assert_eq!(u32::from_le_bytes(q[12..16].try_into().unwrap()), 8);
+    assert_eq!(
+        artifact_head_of(&q8.sessions, s, park::KV_TYPE_Q8_0).kv_type,
+        park::KV_TYPE_Q8_0
+    );
     let ratio = q.len() as f64 / f.len() as f64;
     assert!((0.45..0.6).contains(&ratio), "q8/f16 state {ratio:.3}");
 
@@ -286,30 +293,40 @@ fn park_restores_a_session_after_a_restart_and_a_bad_artifact_prefills() {
     assert!(sealed.len() > 124 + 300 * 4);
     // Copies of the sessions dir as sealed: no artifact, a flipped bit in
     // the state, a truncated file. Each resumes cold, with the same reply.
-    let variants: Vec<(&str, TestDaemon)> = ["none", "flip", "truncate", "rebase", "rebase-none"]
-        .into_iter()
-        .map(|what| {
-            let mut copy = TestDaemon::new();
-            copy_dir(&d.sessions, &copy.sessions);
-            let p = artifact(&copy.sessions);
-            let mut bytes = sealed.clone();
-            match what {
-                "none" | "rebase-none" => std::fs::remove_file(&p).unwrap(),
-                "rebase" => {}
-                "flip" => {
-                    let at = bytes.len() - 1000;
-                    bytes[at] ^= 0x10;
-                    std::fs::write(&p, &bytes).unwrap();
-                }
-                _ => {
-                    bytes.truncate(bytes.len() / 2);
-                    std::fs::write(&p, &bytes).unwrap();
-                }
+    let variants: Vec<(&str, TestDaemon)> = [
+        "none",
+        "flip",
+        "truncate",
+        "rebase",
+        "rebase-none",
+        "other-model",
+    ]
+    .into_iter()
+    .map(|what| {
+        let mut copy = TestDaemon::new();
+        copy_dir(&d.sessions, &copy.sessions);
+        let p = artifact(&copy.sessions);
+        let mut bytes = sealed.clone();
+        match what {
+            "none" | "rebase-none" => std::fs::remove_file(&p).unwrap(),
+            "rebase" => {}
+            // The same tensors and template, other metadata: another
+            // model identity, so the artifact is not restored.
+            "other-model" => copy.model = crate::util::derived_model("SmolLM2-135M-fim.gguf"),
+            "flip" => {
+                let at = bytes.len() - 1000;
+                bytes[at] ^= 0x10;
+                std::fs::write(&p, &bytes).unwrap();
             }
-            copy.extra_args = d.extra_args.clone();
-            (what, copy)
-        })
-        .collect();
+            _ => {
+                bytes.truncate(bytes.len() / 2);
+                std::fs::write(&p, &bytes).unwrap();
+            }
+        }
+        copy.extra_args = d.extra_args.clone();
+        (what, copy)
+    })
+    .collect();
 
     // Restart with the artifact: the history comes from disk.
     d.spawn_and_wait();
@@ -481,4 +498,281 @@ fn purge_deletes_the_park_artifact_and_a_start_deletes_a_late_one() {
         "a purged session's artifact survived a start"
     );
     assert_eq!(metric(&d, "superfluid_kv_parked_artifacts"), 0.0);
+}
+
+/// The events of `s`.
+fn events_of(c: &mut Client, s: SessionId) -> Vec<superfluid::wire::Event> {
+    let Response::Events { events } = c
+        .call(&Request::Read {
+            session: s,
+            cursor: 0,
+        })
+        .unwrap()
+    else {
+        panic!("Read");
+    };
+    events
+}
+
+/// The header of `s`'s park artifact in `sessions`, read as the daemon
+/// reads it (every field and digest checked).
+fn artifact_head(sessions: &std::path::Path, s: SessionId) -> park::Header {
+    artifact_head_of(sessions, s, park::KV_TYPE_F16)
+}
+
+/// `artifact_head` as a cache of type `cache` reads it.
+fn artifact_head_of(sessions: &std::path::Path, s: SessionId, cache: u32) -> park::Header {
+    let p = sessions.join("park").join(format!("{s}.park"));
+    let identity = park::model_identity(&crate::util::model_path()).unwrap();
+    park::read_head(
+        &mut std::fs::File::open(&p).expect("the artifact"),
+        &identity,
+        cache,
+    )
+    .expect("a usable artifact")
+}
+
+/// Trims `s` to the events before its first reply and asks a 24-token turn
+/// of the branch: (warm_prefix, reply).
+fn trim_before_reply_and_turn(c: &mut Client, s: SessionId) -> (u64, Vec<Token>) {
+    let reply = events_of(c, s)
+        .iter()
+        .find(|e| matches!(e.body, Record::Generated { .. }))
+        .expect("a reply")
+        .event_id;
+    let t = created(
+        c,
+        Request::Trim {
+            session: s,
+            to_event: reply,
+        },
+    );
+    let (warm, reply, _) = timed_turn(c, t);
+    (warm, reply)
+}
+
+/// A trimmed branch keeps a prefix of its parent's artifact: after a
+/// restart it restores that prefix and no more, and replies what the same
+/// trim replies in a daemon that never stopped (where the prefix is copied
+/// from the parent's cells: the same KV, the same batches after it).
+#[test]
+fn park_a_trimmed_branch_restores_only_the_prefix_it_keeps() {
+    let mut d = park_daemon();
+    let s = parked_session(&mut d);
+    let sealed = artifact_head(&d.sessions, s).tokens.len() as u64;
+    d.spawn_and_wait();
+    let (warm, reply) = trim_before_reply_and_turn(&mut d.client(), s);
+    d.stop();
+    assert!(
+        warm > 250 && warm < sealed,
+        "warm_prefix {warm} of an artifact of {sealed} tokens"
+    );
+    assert!(!d.stderr().contains("unusable"), "{}", d.stderr());
+
+    let mut u = park_daemon();
+    u.spawn_and_wait();
+    let mut c = u.client();
+    let s2 = created(
+        &mut c,
+        Request::Create {
+            parent: None,
+            params: params(1),
+        },
+    );
+    say(&mut c, s2, &long_message(9));
+    generate(&mut c, s2, 8);
+    say(&mut c, s2, "And the lightest?");
+    let (warm2, reply2) = trim_before_reply_and_turn(&mut c, s2);
+    u.stop();
+    assert_eq!((warm, &reply), (warm2, &reply2));
+}
+
+/// `--park-budget-gb` (fractions allowed): past it the least recently used
+/// artifact is deleted, and its session prefills (no warning: not a fault).
+#[test]
+fn the_park_budget_deletes_the_least_recently_used_artifact() {
+    let mut d = park_daemon();
+    let first = parked_session(&mut d);
+    let dir = d.sessions.join("park");
+    let one = std::fs::metadata(dir.join(format!("{first}.park")))
+        .unwrap()
+        .len();
+    // Room for two artifacts of this size, not three.
+    let budget = 2.5 * one as f64 / f64::from(1u32 << 30);
+    d.extra_args
+        .extend(["--park-budget-gb".to_string(), format!("{budget:.6}")]);
+    d.spawn_and_wait();
+    let mut c = d.client();
+    let later: Vec<SessionId> = (10..12)
+        .map(|n| {
+            let s = created(
+                &mut c,
+                Request::Create {
+                    parent: None,
+                    params: params(1),
+                },
+            );
+            say(&mut c, s, &long_message(n));
+            generate(&mut c, s, 8);
+            s
+        })
+        .collect();
+    let gone = Instant::now();
+    while dir.join(format!("{first}.park")).exists() {
+        assert!(
+            gone.elapsed().as_secs() < 30,
+            "the budget kept the oldest artifact"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    for s in &later {
+        assert!(dir.join(format!("{s}.park")).exists(), "{s}'s artifact");
+    }
+    let (warm, reply, _) = timed_turn(&mut c, first);
+    assert!(warm < 50, "warm_prefix {warm} from a deleted artifact");
+    assert!(!reply.is_empty());
+    d.stop();
+    assert!(!d.stderr().contains("unusable"), "{}", d.stderr());
+}
+
+/// Watches a directory for files created in it (inotify).
+struct Created(libc::c_int);
+
+impl Created {
+    fn watch(dir: &std::path::Path) -> Created {
+        use std::os::unix::ffi::OsStrExt;
+        let path = std::ffi::CString::new(dir.as_os_str().as_bytes()).unwrap();
+        // SAFETY: plain inotify syscalls on a fd this struct owns.
+        unsafe {
+            let fd = libc::inotify_init1(libc::IN_CLOEXEC | libc::IN_NONBLOCK);
+            assert!(fd >= 0);
+            assert!(libc::inotify_add_watch(fd, path.as_ptr(), libc::IN_CREATE) >= 0);
+            Created(fd)
+        }
+    }
+
+    /// Forgets the events so far.
+    fn drain(&self) {
+        let mut buf = [0u8; 4096];
+        // SAFETY: reads into a buffer of its length.
+        while unsafe { libc::read(self.0, buf.as_mut_ptr().cast(), buf.len()) } > 0 {}
+    }
+
+    /// Waits up to `ms` for a file to be created; whether one was.
+    fn wait(&self, ms: i32) -> bool {
+        let mut p = libc::pollfd {
+            fd: self.0,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: polls one valid pollfd.
+        unsafe { libc::poll(&mut p, 1, ms) > 0 }
+    }
+}
+
+impl Drop for Created {
+    fn drop(&mut self) {
+        // SAFETY: closes the fd this struct owns.
+        unsafe { libc::close(self.0) };
+    }
+}
+
+/// SIGKILL while the writer thread writes an artifact (its temp file is
+/// there): the artifact in use is the previous one, whole, or the new one,
+/// whole; never a part of one. The restart restores it without a warning.
+#[test]
+fn a_sigkill_while_sealing_leaves_a_whole_artifact() {
+    let mut d = TestDaemon::new();
+    d.extra_args = ["--park", "--ctx-size", "4096", "--parallel", "2"]
+        .iter()
+        .map(|a| a.to_string())
+        .collect();
+    d.spawn_and_wait();
+    let mut c = d.client();
+    let s = created(
+        &mut c,
+        Request::Create {
+            parent: None,
+            params: params(1),
+        },
+    );
+    // ~1,800 tokens: an artifact of ~40 MB, written and fsynced over
+    // milliseconds.
+    let text = (1..4).map(long_message).collect::<Vec<_>>().join(" ");
+    say(&mut c, s, &text);
+    generate(&mut c, s, 8);
+    let art = d.sessions.join("park").join(format!("{s}.park"));
+    let tmp = art.with_extension("park.tmp");
+    let since = Instant::now();
+    while !art.exists() || tmp.exists() {
+        assert!(since.elapsed().as_secs() < 30, "no artifact sealed");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let created = Created::watch(&d.sessions.join("park"));
+    let identity = park::model_identity(&crate::util::model_path()).unwrap();
+    let mut caught = 0;
+    for turn in 0..10 {
+        let previous = std::fs::read(&art).unwrap();
+        say(
+            &mut d.client(),
+            s,
+            &format!("Question {turn}: and the lightest?"),
+        );
+        created.drain();
+        let socket = d.socket.clone();
+        let gen = std::thread::spawn(move || {
+            if let Ok(mut c) = Client::connect(&socket) {
+                // Cut short by the SIGKILL: its error is expected.
+                let _ = c.generate(&Request::Generate {
+                    session: s,
+                    max_tokens: 8,
+                });
+            }
+        });
+        assert!(created.wait(60_000), "no seal began");
+        // The writer has created its temp file: kill the worker (which
+        // would finish the write on a clean exit), then the daemon.
+        let workers = crate::util::children_of(d.pid());
+        for w in &workers {
+            // SAFETY: plain kill(2) on the daemon's worker.
+            unsafe { libc::kill(*w as libc::pid_t, libc::SIGKILL) };
+        }
+        // Dead (a zombie, or reaped), so nothing renames after the look.
+        for w in &workers {
+            let stat = format!("/proc/{w}/stat");
+            while std::fs::read_to_string(&stat).is_ok_and(|st| {
+                st.rsplit_once(')')
+                    .is_some_and(|(_, r)| !r.starts_with(" Z"))
+            }) {
+                std::thread::yield_now();
+            }
+        }
+        let mid_write = tmp.exists();
+        d.kill9();
+        let _ = gen.join();
+        let now = std::fs::read(&art).unwrap();
+        assert!(
+            now == previous || park::read(&art, &identity, park::KV_TYPE_F16).is_ok(),
+            "a SIGKILL while sealing left a partial artifact in use"
+        );
+        if mid_write {
+            caught += 1;
+            assert_eq!(now, previous, "killed mid-write, yet the artifact changed");
+            break;
+        }
+        d.spawn_and_wait();
+    }
+    assert!(caught > 0, "the SIGKILL never landed inside a write");
+    d.spawn_and_wait();
+    let kept = artifact_head(&d.sessions, s).tokens.len() as u64;
+    say(&mut d.client(), s, "And the heaviest?");
+    let (warm, reply, _) = timed_turn(&mut d.client(), s);
+    d.stop();
+    assert!(!tmp.exists(), "the temp file outlived a start");
+    assert!(
+        warm <= kept && warm + 16 >= kept,
+        "warm_prefix {warm}, the artifact holds {kept}"
+    );
+    assert!(!reply.is_empty());
+    assert!(!d.stderr().contains("unusable"), "{}", d.stderr());
 }

@@ -627,6 +627,15 @@ impl WorkerEngine {
         let path = park.path(session);
         let (head, state) = match super::park::read(&path, park.model(), park.cache()) {
             Ok(x) => x,
+            Err(super::park::ParkError::Io(e)) if e.kind() == std::io::ErrorKind::NotFound => {
+                // Deleted by the park budget (least recently used first)
+                // after the index learnt of it: not a fault.
+                log::info!(
+                    "park artifact {} is gone (the park budget); prefilling instead",
+                    path.display()
+                );
+                return Ok(not);
+            }
             Err(e) => {
                 log::warn!(
                     "park artifact {} unusable ({e}); prefilling instead",
