@@ -776,3 +776,48 @@ fn a_sigkill_while_sealing_leaves_a_whole_artifact() {
     assert!(!reply.is_empty());
     assert!(!d.stderr().contains("unusable"), "{}", d.stderr());
 }
+
+/// `--idle-spill-ms`: a session idle for the period leaves the KV cells
+/// (the cells in use drop to 0, the sequence goes to host memory) while the
+/// lane does nothing else, and its next turn restores it: warm, with the
+/// reply it gets when it stays resident (`--idle-spill-ms 0`).
+#[test]
+fn an_idle_session_leaves_the_cells_and_its_next_turn_comes_back_warm() {
+    let turn2 = |period: &str| {
+        let mut d = TestDaemon::new();
+        d.extra_args = ["--idle-spill-ms", period, "--ctx-size", "2048"]
+            .iter()
+            .map(|a| a.to_string())
+            .collect();
+        d.spawn_and_wait();
+        let mut c = d.client();
+        let s = created(
+            &mut c,
+            Request::Create {
+                parent: None,
+                params: params(1),
+            },
+        );
+        say(&mut c, s, &long_message(4));
+        generate(&mut c, s, 8);
+        let resident = metric(&d, "superfluid_kv_cells_used");
+        assert!(resident > 300.0, "{resident} cells after turn 1");
+        std::thread::sleep(std::time::Duration::from_millis(1500));
+        let after = (
+            metric(&d, "superfluid_kv_cells_used"),
+            metric(&d, "superfluid_kv_idle_spills_total"),
+        );
+        say(&mut c, s, "And the lightest?");
+        let (warm, reply, _) = timed_turn(&mut c, s);
+        let restored = metric(&d, "superfluid_kv_restored_tokens_total");
+        (resident, after, warm, reply, restored)
+    };
+    let (resident, (cells, spills), warm, reply, restored) = turn2("500");
+    assert_eq!((cells, spills), (0.0, 1.0), "the idle session stayed");
+    assert_eq!(restored as u64, warm);
+    assert!(warm as f64 >= resident - 1.0, "warm_prefix {warm}");
+    let (_, (cells0, spills0), warm0, reply0, restored0) = turn2("0");
+    assert_eq!((cells0, spills0), (resident, 0.0));
+    assert_eq!(restored0, 0.0);
+    assert_eq!((warm, &reply), (warm0, &reply0));
+}
