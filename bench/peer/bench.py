@@ -208,11 +208,18 @@ class Server:
 class Superfluid(Server):
     name = "superfluid"
 
-    def __init__(self, binary, model, workdir):
+    def __init__(self, binary, model, workdir, flags=()):
         super().__init__(workdir)
         self.binary, self.model = binary, model
         self.sessions = os.path.join(workdir, "sf-sessions")
         self.token = None
+        # More `serve` flags (--park, --park-lossy): --sf-park.
+        self.flags = list(flags)
+
+    def park_bytes(self, session):
+        """The size of the session's park artifact, or None."""
+        p = os.path.join(self.sessions, "park", f"{session}.park")
+        return os.path.getsize(p) if os.path.exists(p) else None
 
     def start(self):
         """Starts (or restarts, on the same log) and returns seconds to ready."""
@@ -223,7 +230,7 @@ class Superfluid(Server):
         self.spawn([self.binary, "serve", self.model, "--sessions", self.sessions,
                     "--socket", os.path.join(self.workdir, "sf.sock"),
                     "--web", f"127.0.0.1:{self.port}", "--threads", str(THREADS),
-                    "--ctx-size", str(CTX), "--parallel", str(PARALLEL)])
+                    "--ctx-size", str(CTX), "--parallel", str(PARALLEL)] + self.flags)
         while True:
             self.check_alive()
             try:
@@ -494,6 +501,7 @@ def history_message(tag, turn):
 
 TURN_N = "Thank you. Now list the three most important facts from everything above."
 TURN_N1 = "One more question: which part mentioned the fog horn?"
+TURN_N2 = "And which part mentioned the keeper's log book?"
 
 
 def w_multiturn(sf, ll, runs, out, convs):
@@ -508,6 +516,8 @@ def w_multiturn(sf, ll, runs, out, convs):
                     sf.turn(s, history_message(tag, k), HISTORY_REPLY)
                 r = sf.turn(s, TURN_N, TURN_N_REPLY)
                 r["history_tokens"] = r["prompt_tokens"] - r["computed"]
+                # What its park artifact will hold: the turn's prompt and reply.
+                convs.setdefault("sf_tokens", []).append(r["prompt_tokens"] + r["tokens"])
                 convs["sf"].append(s)
             else:
                 msgs = [{"role": "system", "content": SYSTEM.format(tag=tag)}]
@@ -523,6 +533,7 @@ def w_multiturn(sf, ll, runs, out, convs):
                 save_s, info = ll.slot_action(0, "save", f"conv-{run}.bin")
                 r["slot_save_s"] = save_s
                 r["slot_file_bytes"] = os.path.getsize(os.path.join(ll.slots, f"conv-{run}.bin"))
+                r["slot_bytes_per_token"] = r["slot_file_bytes"] / (r["prompt_tokens"] + r["tokens"])
                 convs["ll"].append(msgs)
             out[who].append(r)
             log(f"  multiturn run {run} {who}: turn N prompt {r['prompt_tokens']} tok, "
@@ -589,6 +600,10 @@ def w_fanout(sf, ll, runs, out):
 
 def w_restart(sf, ll, runs, out, convs):
     """Restarts both servers, then asks turn N+1 of each multiturn conversation."""
+    if sf.flags:
+        # Every artifact is long written by now; each holds its conversation.
+        out["sf_park_bytes_per_token"] = [
+            (sf.park_bytes(s) or 0) / n for s, n in zip(convs["sf"], convs.get("sf_tokens", []))]
     sf.stop()
     ll.stop()
     out["sf_start_s"] = sf.start()
@@ -617,6 +632,71 @@ def w_restart(sf, ll, runs, out, convs):
                 log(f"  restart run {run} ll: restore {restore_s * 1000:.0f}ms + ttft "
                     f"{r['ttft_s']:.3f}s (computed {r['computed']} of {r['prompt_tokens']}); "
                     f"cold {cold['ttft_s']:.3f}s")
+    if sf.flags:
+        # The same without the park tier: restarted without it, the next
+        # turn prefills the whole history.
+        flags, sf.flags = sf.flags, []
+        sf.stop()
+        sf.start()
+        out["sf_cold"] = []
+        for run in range(min(runs, len(convs["sf"]))):
+            r = sf.turn(convs["sf"][run], TURN_N2, TURN_N_REPLY)
+            out["sf_cold"].append(r)
+            log(f"  restart without {' '.join(flags)} run {run} sf: ttft {r['ttft_s']:.3f}s, "
+                f"computed {r['computed']} of {r['prompt_tokens']}")
+        sf.flags = flags
+
+
+IDLE_SESSIONS = 3
+IDLE_PAUSE_S = 2.5   # idle: untouched this long (superfluid's --idle-spill-ms default is 2 s)
+
+
+def w_idle(sf, ll, runs, out):
+    """One stream alone, then beside IDLE_SESSIONS idle conversations (one ~440-token turn each,
+    then untouched for IDLE_PAUSE_S), on a fresh start of each server: decode speed beside /
+    alone. Then turn 2 of the first idle conversation against turn 2 of the last, asked at once
+    after its turn 1 (resident): time to first token."""
+    for run in range(runs):
+        for who in ab(run):
+            srv = sf if who == "sf" else ll
+            srv.stop()
+            srv.start()
+            tags = [f"i{run}.{k}" for k in range(IDLE_SESSIONS)]
+            if who == "sf":
+                alone = sf_single(sf, f"ia{run}", DECODE_TOKENS)
+                sessions = []
+                for tag in tags:
+                    s = sf.create()
+                    sf.append(s, 0, SYSTEM.format(tag=tag))
+                    sf.turn(s, history_message(tag, 0), HISTORY_REPLY)
+                    sessions.append(s)
+                resident = sf.turn(sessions[-1], TURN_N, TURN_N_REPLY)
+                time.sleep(IDLE_PAUSE_S)
+                beside = sf_single(sf, f"ib{run}", DECODE_TOKENS)
+                idle = sf.turn(sessions[0], TURN_N, TURN_N_REPLY)
+            else:
+                alone = ll_single(ll, f"ia{run}", DECODE_TOKENS, slot=0)
+                convs = []
+                for k, tag in enumerate(tags):
+                    msgs = [{"role": "system", "content": SYSTEM.format(tag=tag)},
+                            {"role": "user", "content": history_message(tag, 0)}]
+                    r = ll.chat(msgs, HISTORY_REPLY, slot=k + 1)
+                    msgs.append({"role": "assistant", "content": r["text"]})
+                    msgs.append({"role": "user", "content": TURN_N})
+                    convs.append(msgs)
+                resident = ll.chat(convs[-1], TURN_N_REPLY, slot=IDLE_SESSIONS)
+                time.sleep(IDLE_PAUSE_S)
+                beside = ll_single(ll, f"ib{run}", DECODE_TOKENS, slot=0)
+                idle = ll.chat(convs[0], TURN_N_REPLY, slot=1)
+            rec = {"alone_tps": alone["decode_tps"], "beside_tps": beside["decode_tps"],
+                   "ratio": beside["decode_tps"] / alone["decode_tps"],
+                   "resident_ttft_s": resident["ttft_s"], "idle_ttft_s": idle["ttft_s"],
+                   "idle_computed": idle["computed"], "resident_computed": resident["computed"]}
+            out[who].append(rec)
+            log(f"  idle run {run} {who}: alone {rec['alone_tps']:.1f} tok/s, beside "
+                f"{IDLE_SESSIONS} idle {rec['beside_tps']:.1f} tok/s ({rec['ratio']:.3f}x); turn 2 "
+                f"ttft idle {rec['idle_ttft_s']:.3f}s (computed {rec['idle_computed']}), resident "
+                f"{rec['resident_ttft_s']:.3f}s (computed {rec['resident_computed']})")
 
 
 # ---- the OpenAI route, both servers alike ------------------------------------
@@ -879,10 +959,13 @@ def main():
     ap.add_argument("--model", default=os.environ.get("SUPERFLUID_TEST_MODEL", DEFAULT_MODEL))
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="2 runs each, a smoke test")
-    ap.add_argument("--only", default="decode,concurrent,multiturn,fanout,restart,"
+    ap.add_argument("--only", default="decode,concurrent,multiturn,fanout,restart,idle,"
                     "oai-decode,oai-multiturn,oai-fanout")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/peer-<date>.json)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    ap.add_argument("--sf-park", choices=["off", "park", "lossy"], default="off",
+                    help="superfluid's park tier (--park, --park-lossy); the restart workload "
+                         "then restarts once more without it")
     args = ap.parse_args()
     runs = 2 if args.quick else args.runs
     only = set(args.only.split(","))
@@ -893,7 +976,8 @@ def main():
     # Private copies: others may rebuild the binaries while this runs.
     sf_bin = os.path.join(workdir, "superfluid")
     shutil.copy2(args.superfluid, sf_bin)
-    sf = Superfluid(sf_bin, args.model, workdir)
+    sf = Superfluid(sf_bin, args.model, workdir,
+                    {"off": [], "park": ["--park"], "lossy": ["--park-lossy"]}[args.sf_park])
     ll = LlamaServer(os.path.abspath(args.llama_server), args.model, workdir)
 
     started = datetime.datetime.now()
@@ -916,7 +1000,8 @@ def main():
                    "history_reply": HISTORY_REPLY, "fanout_reply": FANOUT_REPLY,
                    "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
                    "llama_server_argv": None, "superfluid_flags":
-                       f"--threads {THREADS} --ctx-size {CTX} --parallel {PARALLEL}"},
+                       f"--threads {THREADS} --ctx-size {CTX} --parallel {PARALLEL} "
+                       + " ".join(sf.flags)},
         "loadavg": {"start": loadavg()},
         "workloads": {},
     }
@@ -935,6 +1020,7 @@ def main():
         convs = {"sf": [], "ll": []}
         for name, fn in [("decode", w_decode), ("concurrent", w_concurrent),
                          ("multiturn", w_multiturn), ("fanout", w_fanout), ("restart", w_restart),
+                         ("idle", w_idle),
                          ("oai-decode", w_oai_decode), ("oai-fanout", w_oai_fanout),
                          ("oai-multiturn", w_oai_multiturn)]:
             if name not in only:
@@ -1029,6 +1115,7 @@ def table_rows(W):
             [r["computed"] for r in m["sf"]], [r["computed"] for r in m["ll"]], "")
         add("multi-turn, turn N", "time to first token", "lower",
             [r["ttft_s"] for r in m["sf"]], [r["ttft_s"] for r in m["ll"]], " s")
+
     if "fanout" in W:
         f = W["fanout"]
         add("fanout, doc + 4 questions", "total wall time", "lower",
@@ -1049,6 +1136,24 @@ def table_rows(W):
             [], [x["cold_ttft_s"] for x in r["ll"]], " s")
         add("restart, turn N+1", "llama-server slot restore alone", "-",
             [], [x["restore_s"] for x in r["ll"]], " s")
+        if r.get("sf_park_bytes_per_token") and "multiturn" in W:
+            add("restart, turn N+1", "bytes a token: park artifact (llama-server: slot file)",
+                "lower", r["sf_park_bytes_per_token"],
+                [x["slot_bytes_per_token"] for x in W["multiturn"]["ll"]], "")
+        if r.get("sf_cold"):
+            add("restart, turn N+2", "superfluid restarted without the park tier: time to first "
+                "token (llama-server: without slot restore)", "lower",
+                [x["ttft_s"] for x in r["sf_cold"]], [x["cold_ttft_s"] for x in r["ll"]], " s")
+            add("restart, turn N+2", "superfluid without the park tier: prompt tokens computed",
+                "-", [x["computed"] for x in r["sf_cold"]], [x["cold_computed"] for x in r["ll"]], "")
+    if "idle" in W:
+        i = W["idle"]
+        add(f"one stream beside {IDLE_SESSIONS} idle conversations", "decode speed, beside / alone",
+            "higher", [x["ratio"] for x in i["sf"]], [x["ratio"] for x in i["ll"]], "x")
+        add(f"one stream beside {IDLE_SESSIONS} idle conversations",
+            "turn 2 time to first token, idle / resident", "lower",
+            [x["idle_ttft_s"] / x["resident_ttft_s"] for x in i["sf"]],
+            [x["idle_ttft_s"] / x["resident_ttft_s"] for x in i["ll"]], "x")
     if "oai-decode" in W:
         d = W["oai-decode"]
         w = "oai-decode, /v1/chat/completions"
