@@ -264,7 +264,9 @@ struct ParkBudget(u64);
 fn park_budget_arg(text: &str) -> Result<ParkBudget, String> {
     match text.parse::<f64>() {
         Ok(gb) if gb.is_finite() && (0.0..=1e6).contains(&gb) => {
-            Ok(ParkBudget((gb * (1u64 << 30) as f64) as u64))
+            // A positive budget is at least a byte (0 means unbounded).
+            let bytes = (gb * (1u64 << 30) as f64) as u64;
+            Ok(ParkBudget(if gb > 0.0 { bytes.max(1) } else { 0 }))
         }
         _ => Err(format!(
             "{text:?}: the park budget is a number of GiB from 0 (unbounded) to 1000000"

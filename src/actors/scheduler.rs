@@ -137,6 +137,9 @@ impl SchedulerActor {
                 }
                 .into_actor(self)
                 .map(move |result: StepResult, this, ctx| {
+                    // Generations that end in this reply end now (what
+                    // `--idle-spill-ms` and prefix pins count from).
+                    this.state.set_clock(super::now_ms());
                     let events = this.pipeline.arrived(&mut this.state, id, result);
                     this.notify_owners(events);
                     this.kick(ctx);

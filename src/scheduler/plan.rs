@@ -121,28 +121,38 @@ impl SchedulerState {
         true
     }
 
-    /// The sequences `--idle-spill-ms` moves out now: idle, holding
-    /// tokens, unprotected, idle for the period. None while the tier or
-    /// the period is off, or a KV operation is outstanding for it.
+    /// Whether sequence `i` is one `--idle-spill-ms` moves out once its
+    /// period is over: idle, holding tokens, not kept (`stays`),
+    /// unprotected, and its session's next turn is not waiting for a
+    /// sequence. None while the tier or the period is off, or the worker's
+    /// KV is to be cleared anyway (`dirty`).
+    fn idle_spillable(&self, protected: &[bool], i: usize) -> bool {
+        let s = &self.seqs[i];
+        self.idle_spill_ms > 0
+            && self.spill.enabled()
+            && !self.dirty
+            && s.active.is_none()
+            && !s.resident.is_empty()
+            && !s.stays
+            && !protected[i]
+            && !self.gens.values().any(|g| {
+                g.seq.is_none() && g.admit.session != NO_SESSION && Some(g.admit.session) == s.owner
+            })
+    }
+
+    /// The sequences due to leave the cells now.
     fn idle_spill_candidates(&self) -> Vec<usize> {
-        if self.idle_spill_ms == 0 || !self.spill.enabled() || self.dirty {
+        if self.idle_spill_ms == 0 {
             return vec![];
         }
         let protected = self.protected();
         (0..self.seqs.len())
             .filter(|&i| {
-                let s = &self.seqs[i];
-                s.active.is_none()
-                    && !s.resident.is_empty()
-                    && !s.stays
-                    && !protected[i]
-                    && self.clock_ms >= s.idle_since_ms.saturating_add(self.idle_spill_ms)
-                    // Its session's next turn is waiting for a sequence.
-                    && !self.gens.values().any(|g| {
-                        g.seq.is_none()
-                            && g.admit.session != NO_SESSION
-                            && Some(g.admit.session) == s.owner
-                    })
+                self.idle_spillable(&protected, i)
+                    && self.clock_ms
+                        >= self.seqs[i]
+                            .idle_since_ms
+                            .saturating_add(self.idle_spill_ms)
             })
             .collect()
     }
@@ -150,17 +160,17 @@ impl SchedulerState {
     /// When the next idle sequence is due to leave the cells (unix ms), if
     /// any: the scheduler actor wakes then.
     pub fn idle_spill_due_at(&self) -> Option<u64> {
-        if self.idle_spill_ms == 0 || !self.spill.enabled() {
+        if self.idle_spill_ms == 0 {
             return None;
         }
         let protected = self.protected();
-        self.seqs
-            .iter()
-            .enumerate()
-            .filter(|(i, s)| {
-                s.active.is_none() && !s.resident.is_empty() && !s.stays && !protected[*i]
+        (0..self.seqs.len())
+            .filter(|&i| self.idle_spillable(&protected, i))
+            .map(|i| {
+                self.seqs[i]
+                    .idle_since_ms
+                    .saturating_add(self.idle_spill_ms)
             })
-            .map(|(_, s)| s.idle_since_ms.saturating_add(self.idle_spill_ms))
             .min()
     }
 
@@ -168,18 +178,54 @@ impl SchedulerState {
     /// frees their cells: llama.cpp attends over every cell up to the
     /// highest one in use, so idle cells slow each decode beside them
     /// (docs/kv-tiers.md, "Idle sequences"). Their next turn restores them.
+    ///
+    /// Never at another state's expense, and never losing one: a sequence
+    /// leaves only when host memory holds it, and is spilled only when it
+    /// fits beside what host memory holds (dropping nothing but states it
+    /// extends). Until the tier knows a state's size (nothing sized yet),
+    /// the sequence is exported first and its cells cleared at the next
+    /// plan, once the worker's reply has sized it; if the worker did not
+    /// keep it, the sequence stays.
     fn spill_idle(&mut self, ops: &mut Vec<WorkerRequest>) {
         for i in self.idle_spill_candidates() {
-            if !self.spill_seq(i, false, ops) {
-                // Host memory would not take it (too short, or past the
-                // budget): it stays, since clearing would lose it.
-                self.seqs[i].stays = true;
+            let tokens = &self.seqs[i].resident;
+            if self.seqs[i].idle_export.is_some() {
+                if self.spill.in_memory(tokens) {
+                    self.clear_idle(i, ops);
+                } else {
+                    self.seqs[i].stays = true;
+                }
                 continue;
             }
-            ops.push(WorkerRequest::KvClear { seq: i as u32 });
-            self.seqs[i] = Seq::default();
-            self.stats.idle_spills += 1;
+            if self.spill.in_memory(tokens) {
+                self.clear_idle(i, ops);
+                continue;
+            }
+            match self.spill.fits_beside(tokens) {
+                Some(true) => {
+                    if self.spill_seq(i, false, ops) {
+                        self.clear_idle(i, ops);
+                    } else {
+                        self.seqs[i].stays = true;
+                    }
+                }
+                // Its size is not known yet: export, clear when sized.
+                None => {
+                    if self.spill_seq(i, false, ops) {
+                        self.seqs[i].idle_export = Some(self.clock_ms);
+                    } else {
+                        self.seqs[i].stays = true;
+                    }
+                }
+                Some(false) => self.seqs[i].stays = true,
+            }
         }
+    }
+
+    fn clear_idle(&mut self, i: usize, ops: &mut Vec<WorkerRequest>) {
+        ops.push(WorkerRequest::KvClear { seq: i as u32 });
+        self.seqs[i] = Seq::default();
+        self.stats.idle_spills += 1;
     }
 
     fn resident_total(&self, except: usize) -> u64 {
@@ -326,8 +372,9 @@ impl SchedulerState {
                     len: keep as u32,
                 });
                 self.seqs[dst].resident = self.seqs[src].resident[..keep].to_vec();
-                // A cache hit keeps the source warm.
+                // A cache hit keeps the source warm (and in the cells).
                 self.seqs[src].last_used = self.steps_planned;
+                self.seqs[src].idle_since_ms = self.clock_ms;
             } else {
                 if self.seqs[dst].resident.len() > own_keep {
                     ops.push(WorkerRequest::KvTrim {

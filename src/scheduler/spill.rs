@@ -124,6 +124,23 @@ impl SpillIndex {
         );
     }
 
+    /// Whether a state of `tokens` would fit beside what host memory holds,
+    /// dropping nothing but the states it extends (None while no state has
+    /// been sized, so its size is not known).
+    pub fn fits_beside(&self, tokens: &[Token]) -> Option<bool> {
+        if self.bytes_per_token == 0 {
+            return None;
+        }
+        let extended: u64 = self
+            .entries
+            .values()
+            .filter(|e| e.disk.is_none() && lcp(&e.tokens, tokens) == e.tokens.len())
+            .map(|e| e.bytes)
+            .sum();
+        let estimate = tokens.len() as u64 * self.bytes_per_token;
+        Some(self.bytes() - extended + estimate <= self.budget_bytes)
+    }
+
     /// Whether a state in host memory holds all of `tokens`.
     pub fn in_memory(&self, tokens: &[Token]) -> bool {
         self.entries

@@ -729,10 +729,10 @@ fn a_sigkill_while_sealing_leaves_a_whole_artifact() {
                 });
             }
         });
+        let workers = crate::util::children_of(d.pid());
         assert!(created.wait(60_000), "no seal began");
         // The writer has created its temp file: kill the worker (which
         // would finish the write on a clean exit), then the daemon.
-        let workers = crate::util::children_of(d.pid());
         for w in &workers {
             // SAFETY: plain kill(2) on the daemon's worker.
             unsafe { libc::kill(*w as libc::pid_t, libc::SIGKILL) };
@@ -802,7 +802,15 @@ fn an_idle_session_leaves_the_cells_and_its_next_turn_comes_back_warm() {
         generate(&mut c, s, 8);
         let resident = metric(&d, "superfluid_kv_cells_used");
         assert!(resident > 300.0, "{resident} cells after turn 1");
-        std::thread::sleep(std::time::Duration::from_millis(1500));
+        // The period, then the export: seconds on a loaded machine.
+        std::thread::sleep(std::time::Duration::from_millis(2500));
+        let since = Instant::now();
+        while period != "0"
+            && metric(&d, "superfluid_kv_cells_used") > 0.0
+            && since.elapsed().as_secs() < 30
+        {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
         let after = (
             metric(&d, "superfluid_kv_cells_used"),
             metric(&d, "superfluid_kv_idle_spills_total"),
@@ -812,7 +820,7 @@ fn an_idle_session_leaves_the_cells_and_its_next_turn_comes_back_warm() {
         let restored = metric(&d, "superfluid_kv_restored_tokens_total");
         (resident, after, warm, reply, restored)
     };
-    let (resident, (cells, spills), warm, reply, restored) = turn2("500");
+    let (resident, (cells, spills), warm, reply, restored) = turn2("1000");
     assert_eq!((cells, spills), (0.0, 1.0), "the idle session stayed");
     assert_eq!(restored as u64, warm);
     assert!(warm as f64 >= resident - 1.0, "warm_prefix {warm}");
