@@ -5,8 +5,10 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use superfluid::actors::lane::LaneState;
+use superfluid::engine::exec::WorkerEngine;
 use superfluid::frontend::socket::Client;
-use superfluid::wire::{Request, Response};
+use superfluid::wire::worker::{DecodeItem, WorkerRequest, WorkerResponse};
+use superfluid::wire::{Request, Response, Token};
 
 /// How long a started daemon's worker may take to load the model.
 const WORKER_LOAD_TIMEOUT_SECS: u64 = 60;
@@ -83,5 +85,21 @@ impl Drop for Daemon {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// Puts `tokens` into sequence `seq` of the in-process engine (an idle session).
+pub fn fill(engine: &mut WorkerEngine, seq: u32, tokens: &[Token]) {
+    engine.handle(&WorkerRequest::KvClear { seq });
+    for (k, chunk) in tokens.chunks(512).enumerate() {
+        let r = engine.handle(&WorkerRequest::Decode {
+            items: vec![DecodeItem {
+                seq,
+                pos: (k * 512) as u32,
+                tokens: chunk.to_vec(),
+                sample: None,
+            }],
+        });
+        assert!(matches!(r, WorkerResponse::Decoded { .. }), "{r:?}");
     }
 }

@@ -42,7 +42,7 @@ fn greedy() -> Params {
 
 #[path = "common.rs"]
 mod common;
-use common::{model, Daemon};
+use common::{fill, model, Daemon};
 
 fn start_daemon(no_fsync: bool, parallel: u32) -> Daemon {
     let env: &[(&str, &str)] = if no_fsync {
@@ -338,22 +338,6 @@ fn in_process_engine(n_seq: u32) -> WorkerEngine {
         },
     )
     .expect("in-process engine")
-}
-
-/// Puts `tokens` into sequence `seq` of the in-process engine (an idle session).
-fn fill(engine: &mut WorkerEngine, seq: u32, tokens: &[Token]) {
-    engine.handle(&WorkerRequest::KvClear { seq });
-    for (k, chunk) in tokens.chunks(512).enumerate() {
-        let r = engine.handle(&WorkerRequest::Decode {
-            items: vec![DecodeItem {
-                seq,
-                pos: (k * 512) as u32,
-                tokens: chunk.to_vec(),
-                sample: None,
-            }],
-        });
-        assert!(matches!(r, WorkerResponse::Decoded { .. }), "{r:?}");
-    }
 }
 
 fn main() {

@@ -25,7 +25,7 @@ use superfluid::wire::{Params, Token};
 #[path = "common.rs"]
 #[allow(dead_code)] // the daemon half is decode.rs's
 mod common;
-use common::model;
+use common::{fill, model};
 
 const THREADS: u32 = 2;
 const CTX: u32 = 8192;
@@ -50,21 +50,6 @@ fn tokens(n: usize, salt: usize) -> Vec<Token> {
     (0..n)
         .map(|i| 100 + ((i * 7919 + salt * 104_729) % 40000) as Token)
         .collect()
-}
-
-fn fill(e: &mut WorkerEngine, seq: u32, toks: &[Token]) {
-    e.handle(&WorkerRequest::KvClear { seq });
-    for (k, chunk) in toks.chunks(512).enumerate() {
-        let r = e.handle(&WorkerRequest::Decode {
-            items: vec![DecodeItem {
-                seq,
-                pos: (k * 512) as u32,
-                tokens: chunk.to_vec(),
-                sample: None,
-            }],
-        });
-        assert!(matches!(r, WorkerResponse::Decoded { .. }), "{r:?}");
-    }
 }
 
 fn sample(draw_pos: u64) -> Option<Sample> {

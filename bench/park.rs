@@ -15,13 +15,13 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use superfluid::engine::exec::WorkerEngine;
-use superfluid::wire::worker::{DecodeItem, WorkerConfig, WorkerRequest, WorkerResponse};
+use superfluid::wire::worker::{WorkerConfig, WorkerRequest, WorkerResponse};
 use superfluid::wire::Token;
 
 #[path = "common.rs"]
 #[allow(dead_code)] // the daemon half is decode.rs's
 mod common;
-use common::model;
+use common::{fill, model};
 
 const THREADS: u32 = 2;
 const CTX: u32 = 8192;
@@ -52,19 +52,8 @@ fn history(n: usize) -> Vec<Token> {
 
 /// Prefills `tokens` into sequence 0; seconds.
 fn prefill(e: &mut WorkerEngine, tokens: &[Token]) -> f64 {
-    e.handle(&WorkerRequest::KvClear { seq: 0 });
     let t = Instant::now();
-    for (k, chunk) in tokens.chunks(512).enumerate() {
-        let r = e.handle(&WorkerRequest::Decode {
-            items: vec![DecodeItem {
-                seq: 0,
-                pos: (k * 512) as u32,
-                tokens: chunk.to_vec(),
-                sample: None,
-            }],
-        });
-        assert!(matches!(r, WorkerResponse::Decoded { .. }), "{r:?}");
-    }
+    fill(e, 0, tokens);
     t.elapsed().as_secs_f64()
 }
 

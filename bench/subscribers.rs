@@ -27,6 +27,7 @@ use superfluid::frontend::socket::Client;
 use superfluid::wire::{Finish, Params, Request, Response, Role};
 
 #[path = "common.rs"]
+#[allow(dead_code)] // the engine half is the in-process benches'
 mod common;
 use common::Daemon;
 

@@ -62,6 +62,21 @@ fn generate(c: &mut Client, s: SessionId, max_tokens: u32) -> (u64, Vec<Token>, 
     }
 }
 
+/// A new session (greedy, seed 1) with one user message and an 8-token
+/// reply.
+fn conversation(c: &mut Client, text: &str) -> SessionId {
+    let s = created(
+        c,
+        Request::Create {
+            parent: None,
+            params: params(1),
+        },
+    );
+    say(c, s, text);
+    generate(c, s, 8);
+    s
+}
+
 /// Five conversations of ~300 tokens on a daemon started with `args`, then
 /// turn 2 of the first: (its warm_prefix, its reply, its wall time in ms).
 fn five_then_first(args: &[&str]) -> (TestDaemon, u64, Vec<Token>, f64) {
@@ -70,18 +85,7 @@ fn five_then_first(args: &[&str]) -> (TestDaemon, u64, Vec<Token>, f64) {
     d.spawn_and_wait();
     let mut c = d.client();
     let sessions: Vec<SessionId> = (0..5)
-        .map(|n| {
-            let s = created(
-                &mut c,
-                Request::Create {
-                    parent: None,
-                    params: params(1),
-                },
-            );
-            say(&mut c, s, &long_message(n));
-            generate(&mut c, s, 8);
-            s
-        })
+        .map(|n| conversation(&mut c, &long_message(n)))
         .collect();
     say(&mut c, sessions[0], "And the lightest?");
     let (warm, reply, ms) = timed_turn(&mut c, sessions[0]);
@@ -149,15 +153,7 @@ fn a_conversation_evicted_beyond_parallel_comes_back_from_host_memory() {
 fn parked_session(d: &mut TestDaemon) -> SessionId {
     d.spawn_and_wait();
     let mut c = d.client();
-    let s = created(
-        &mut c,
-        Request::Create {
-            parent: None,
-            params: params(1),
-        },
-    );
-    say(&mut c, s, &long_message(9));
-    generate(&mut c, s, 8);
+    let s = conversation(&mut c, &long_message(9));
     say(&mut c, s, "And the lightest?");
     d.stop();
     s
@@ -340,15 +336,7 @@ fn park_restores_a_session_after_a_restart_and_a_bad_artifact_prefills() {
     let mut uninterrupted = park_daemon();
     uninterrupted.spawn_and_wait();
     let mut c = uninterrupted.client();
-    let u = created(
-        &mut c,
-        Request::Create {
-            parent: None,
-            params: params(1),
-        },
-    );
-    say(&mut c, u, &long_message(9));
-    generate(&mut c, u, 8);
+    let u = conversation(&mut c, &long_message(9));
     say(&mut c, u, "And the lightest?");
     let (_, resident_reply, _) = timed_turn(&mut c, u);
     uninterrupted.stop();
@@ -411,16 +399,7 @@ fn park_restores_a_session_after_a_restart_and_a_bad_artifact_prefills() {
 /// Rebases `s` with its first user message replaced by `text`; returns the
 /// branch.
 fn rebase_first_message(c: &mut Client, s: SessionId, text: &str) -> SessionId {
-    let Response::Events { events } = c
-        .call(&Request::Read {
-            session: s,
-            cursor: 0,
-        })
-        .unwrap()
-    else {
-        panic!("Read");
-    };
-    let first = events
+    let first = events_of(c, s)
         .iter()
         .find(|e| {
             matches!(
@@ -572,15 +551,7 @@ fn park_a_trimmed_branch_restores_only_the_prefix_it_keeps() {
     let mut u = park_daemon();
     u.spawn_and_wait();
     let mut c = u.client();
-    let s2 = created(
-        &mut c,
-        Request::Create {
-            parent: None,
-            params: params(1),
-        },
-    );
-    say(&mut c, s2, &long_message(9));
-    generate(&mut c, s2, 8);
+    let s2 = conversation(&mut c, &long_message(9));
     say(&mut c, s2, "And the lightest?");
     let (warm2, reply2) = trim_before_reply_and_turn(&mut c, s2);
     u.stop();
@@ -604,18 +575,7 @@ fn the_park_budget_deletes_the_least_recently_used_artifact() {
     d.spawn_and_wait();
     let mut c = d.client();
     let later: Vec<SessionId> = (10..12)
-        .map(|n| {
-            let s = created(
-                &mut c,
-                Request::Create {
-                    parent: None,
-                    params: params(1),
-                },
-            );
-            say(&mut c, s, &long_message(n));
-            generate(&mut c, s, 8);
-            s
-        })
+        .map(|n| conversation(&mut c, &long_message(n)))
         .collect();
     let gone = Instant::now();
     while dir.join(format!("{first}.park")).exists() {
@@ -689,18 +649,10 @@ fn a_sigkill_while_sealing_leaves_a_whole_artifact() {
         .collect();
     d.spawn_and_wait();
     let mut c = d.client();
-    let s = created(
-        &mut c,
-        Request::Create {
-            parent: None,
-            params: params(1),
-        },
-    );
     // ~1,800 tokens: an artifact of ~40 MB, written and fsynced over
     // milliseconds.
     let text = (1..4).map(long_message).collect::<Vec<_>>().join(" ");
-    say(&mut c, s, &text);
-    generate(&mut c, s, 8);
+    let s = conversation(&mut c, &text);
     let art = d.sessions.join("park").join(format!("{s}.park"));
     let tmp = art.with_extension("park.tmp");
     let since = Instant::now();
@@ -791,15 +743,7 @@ fn an_idle_session_leaves_the_cells_and_its_next_turn_comes_back_warm() {
             .collect();
         d.spawn_and_wait();
         let mut c = d.client();
-        let s = created(
-            &mut c,
-            Request::Create {
-                parent: None,
-                params: params(1),
-            },
-        );
-        say(&mut c, s, &long_message(4));
-        generate(&mut c, s, 8);
+        let s = conversation(&mut c, &long_message(4));
         let resident = metric(&d, "superfluid_kv_cells_used");
         assert!(resident > 300.0, "{resident} cells after turn 1");
         // The period, then the export: seconds on a loaded machine.

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use superfluid::frontend::socket::Client;
 use superfluid::wire::{ModelSummary, Record, Request, Response, SessionId};
 
-use crate::util::{children_of, commit, created, derived_model, params, TestDaemon};
+use crate::util::{children_of, commit, created, derived_model, generate_text, params, TestDaemon};
 
 const LLAMA3: &str = "SmolLM2-135M-llama3-style.gguf";
 const GEMMA: &str = "SmolLM2-135M-gemma-style.gguf";
@@ -75,32 +75,6 @@ fn session_with_message(c: &mut Client, text: &str) -> (SessionId, Vec<u32>) {
     (s, e.body.span().to_vec())
 }
 
-/// Generates up to `n` tokens; the reply's text.
-fn generate(c: &mut Client, s: SessionId, n: u32) -> Result<String, String> {
-    let replies = c
-        .generate(&Request::Generate {
-            session: s,
-            max_tokens: n,
-        })
-        .unwrap();
-    let mut text = String::new();
-    for r in &replies {
-        match r {
-            Response::Delta { event } => {
-                if let Record::Generated { text: t, .. } = &event.body {
-                    text.push_str(t);
-                }
-            }
-            Response::Err { message } => return Err(message.clone()),
-            _ => {}
-        }
-    }
-    match replies.last() {
-        Some(Response::Generated { .. }) => Ok(text),
-        other => Err(format!("{other:?}")),
-    }
-}
-
 /// The pids of the daemon's workers serving `model`.
 fn workers_of(daemon: u32, model: &Path) -> Vec<u32> {
     let want = model.display().to_string();
@@ -145,7 +119,7 @@ fn two_models_keep_their_own_logs_and_sessions_across_a_restart() {
     let (b, b_span) = session_with_message(&mut c, "Name a colour.");
     assert_eq!(a, b, "each model numbers its own sessions");
     assert_ne!(a_span, b_span, "the second model's template rendered it");
-    let b_text = generate(&mut c, b, 8).expect("a generation on the second model");
+    let b_text = generate_text(&mut c, b, 8).expect("a generation on the second model");
     assert_eq!(state_of(&mut c, &id), "ready");
     assert!(!workers_of(d.pid(), &second).is_empty());
 
@@ -245,7 +219,7 @@ fn a_second_model_loads_on_first_use_and_unloads_after_its_keep_alive() {
     assert!(workers_of(d.pid(), &second).is_empty(), "loaded before use");
     assert_eq!(state_of(&mut c, &id), "unloaded");
 
-    let first = generate(&mut c, s, 6).expect("the first generation loads it");
+    let first = generate_text(&mut c, s, 6).expect("the first generation loads it");
     assert_eq!(workers_of(d.pid(), &second).len(), 1);
 
     // Idle past its keep-alive: the worker goes, the sessions stay.
@@ -255,7 +229,7 @@ fn a_second_model_loads_on_first_use_and_unloads_after_its_keep_alive() {
 
     // The next request loads it again, and greedy decoding says the same.
     let (s2, _) = session_with_message(&mut c, "Say one word.");
-    assert_eq!(generate(&mut c, s2, 6).as_deref(), Ok(first.as_str()));
+    assert_eq!(generate_text(&mut c, s2, 6).as_deref(), Ok(first.as_str()));
     assert_eq!(state_of(&mut c, &id), "ready");
     // The default model never unloads.
     assert_eq!(models(&mut c)[0].state, "ready");
@@ -272,13 +246,13 @@ fn past_max_loaded_models_the_least_recently_used_idle_model_unloads() {
     let mut c = d.client();
     use_model(&mut c, &b_id);
     let (sb, _) = session_with_message(&mut c, "Hi.");
-    generate(&mut c, sb, 4).unwrap();
+    generate_text(&mut c, sb, 4).unwrap();
     assert_eq!(state_of(&mut c, &b_id), "ready");
     // Idle for over a second, b may make room for g.
     std::thread::sleep(Duration::from_millis(1_500));
     use_model(&mut c, &g_id);
     let (sg, _) = session_with_message(&mut c, "Hi.");
-    generate(&mut c, sg, 4).unwrap();
+    generate_text(&mut c, sg, 4).unwrap();
     assert_eq!(state_of(&mut c, &g_id), "ready");
     eventually(10, "b to unload", || {
         workers_of(d.pid(), &b).is_empty() && state_of(&mut c, &b_id) == "unloaded"
@@ -295,7 +269,7 @@ fn a_model_past_max_loaded_models_with_none_idle_is_refused() {
     let mut c = d.client();
     use_model(&mut c, &id);
     let (s, _) = session_with_message(&mut c, "Hi.");
-    let e = generate(&mut c, s, 4).unwrap_err();
+    let e = generate_text(&mut c, s, 4).unwrap_err();
     assert!(
         e.contains(&format!("cannot load the model {id:?}")) && e.contains("--max-loaded-models 1"),
         "{e}"
@@ -311,7 +285,7 @@ fn a_model_that_does_not_fit_is_refused_with_a_clear_error() {
     let mut c = d.client();
     use_model(&mut c, &id);
     let (s, _) = session_with_message(&mut c, "Hi.");
-    let e = generate(&mut c, s, 4).unwrap_err();
+    let e = generate_text(&mut c, s, 4).unwrap_err();
     assert!(
         e.contains(&format!("cannot load the model {id:?}")) && e.contains("--memory-limit-mb 100"),
         "{e}"
@@ -321,7 +295,7 @@ fn a_model_that_does_not_fit_is_refused_with_a_clear_error() {
     // The default model is unharmed.
     use_model(&mut c, "default");
     let (s, _) = session_with_message(&mut c, "Hi.");
-    generate(&mut c, s, 4).expect("the default model still serves");
+    generate_text(&mut c, s, 4).expect("the default model still serves");
 }
 
 #[test]

@@ -14,9 +14,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use superfluid::frontend::socket::Client;
-use superfluid::wire::{Record, Request, Response, SessionId};
+use superfluid::wire::{Request, Response, SessionId};
 
-use crate::util::{children_of, commit, created, params, web_health, TestDaemon};
+use crate::util::{children_of, commit, created, generate_text, params, web_health, TestDaemon};
 
 /// One `ggml-rpc-server` on a loopback port, killed when dropped.
 struct RpcServer {
@@ -106,29 +106,6 @@ fn daemon(extra: &[String]) -> TestDaemon {
     d
 }
 
-/// Generates up to `n` greedy tokens; the reply's text, or the Err's message.
-fn generate(c: &mut Client, s: SessionId, n: u32) -> Result<String, String> {
-    let replies = c
-        .generate(&Request::Generate {
-            session: s,
-            max_tokens: n,
-        })
-        .unwrap();
-    let mut text = String::new();
-    for r in &replies {
-        match r {
-            Response::Delta { event } => {
-                if let Record::Generated { text: t, .. } = &event.body {
-                    text.push_str(t);
-                }
-            }
-            Response::Err { message } => return Err(message.clone()),
-            _ => {}
-        }
-    }
-    Ok(text)
-}
-
 fn ask(c: &mut Client, s: SessionId, text: &str) -> u64 {
     commit(
         c,
@@ -153,7 +130,7 @@ fn conversation(d: &mut TestDaemon) -> Vec<String> {
         },
     );
     let asked = ask(&mut c, s, "Name three rivers of Europe.");
-    let mut replies = vec![generate(&mut c, s, 24).expect("turn 1")];
+    let mut replies = vec![generate_text(&mut c, s, 24).expect("turn 1")];
     let f = created(
         &mut c,
         Request::Fork {
@@ -163,13 +140,13 @@ fn conversation(d: &mut TestDaemon) -> Vec<String> {
         },
     );
     ask(&mut c, f, "And three mountains?");
-    replies.push(generate(&mut c, f, 24).expect("the fork's turn"));
+    replies.push(generate_text(&mut c, f, 24).expect("the fork's turn"));
     d.kill9();
     d.spawn_and_wait();
     let mut c = d.client();
     ask(&mut c, s, "Which is the longest?");
-    replies.push(generate(&mut c, s, 24).expect("turn 2 after the restart"));
-    replies.push(generate(&mut c, f, 8).expect("the fork, continued after the restart"));
+    replies.push(generate_text(&mut c, s, 24).expect("turn 2 after the restart"));
+    replies.push(generate_text(&mut c, f, 8).expect("the fork, continued after the restart"));
     replies
 }
 
@@ -259,7 +236,7 @@ fn a_lost_rpc_server_fails_the_generation_then_the_model_refuses_until_it_is_bac
     let socket = d.socket.clone();
     let gen = std::thread::spawn(move || {
         let mut c = Client::connect(&socket).unwrap();
-        generate(&mut c, s, 2000)
+        generate_text(&mut c, s, 2000)
     });
     // Killed once the generation has committed tokens, far from its end.
     d.until_generated(s);
@@ -273,7 +250,7 @@ fn a_lost_rpc_server_fails_the_generation_then_the_model_refuses_until_it_is_bac
 
     // Refused at once, naming the server, while it is down; Metrics says so.
     let started = Instant::now();
-    let refused = generate(&mut c, s, 8).expect_err("refused while the server is down");
+    let refused = generate_text(&mut c, s, 8).expect_err("refused while the server is down");
     assert!(
         refused.contains(&a.endpoint()) && refused.contains("refuses work"),
         "{refused}"
@@ -317,7 +294,7 @@ fn a_lost_rpc_server_fails_the_generation_then_the_model_refuses_until_it_is_bac
         std::thread::sleep(Duration::from_millis(100));
     }
     assert!(web_health(&d).contains(r#""rpc":{"servers":2,"up":2}"#));
-    let text = generate(&mut c, s, 8).expect("served again");
+    let text = generate_text(&mut c, s, 8).expect("served again");
     assert!(!text.is_empty());
     let events = d.read_all(s);
     assert!(events.iter().all(|e| e.event_id < events.len() as u64));

@@ -23,8 +23,8 @@ use std::time::{Duration, Instant};
 use superfluid::frontend::socket::Client;
 use superfluid::store::{FILE_HEADER_LEN, MARKER_FLAG, RECORD_HEADER_LEN, WAL_MAGIC};
 use superfluid::wire::{
-    read_frame_blocking, to_postcard, write_frame_blocking, Event, Params, Request, Response, Role,
-    SessionId, MAX_FRAME_BYTES,
+    read_frame_blocking, to_postcard, write_frame_blocking, Event, Params, Record, Request,
+    Response, Role, SessionId, MAX_FRAME_BYTES,
 };
 
 /// How long a daemon may take to accept on its socket.
@@ -672,4 +672,31 @@ pub fn web_health(d: &TestDaemon) -> String {
     let mut out = String::new();
     s.read_to_string(&mut out).unwrap();
     out
+}
+
+/// Generates up to `n` tokens: the reply's text, or the `Err`'s message
+/// (or the last reply, when it is not `Generated`).
+pub fn generate_text(c: &mut Client, s: SessionId, n: u32) -> Result<String, String> {
+    let replies = c
+        .generate(&Request::Generate {
+            session: s,
+            max_tokens: n,
+        })
+        .unwrap();
+    let mut text = String::new();
+    for r in &replies {
+        match r {
+            Response::Delta { event } => {
+                if let Record::Generated { text: t, .. } = &event.body {
+                    text.push_str(t);
+                }
+            }
+            Response::Err { message } => return Err(message.clone()),
+            _ => {}
+        }
+    }
+    match replies.last() {
+        Some(Response::Generated { .. }) => Ok(text),
+        other => Err(format!("{other:?}")),
+    }
 }
