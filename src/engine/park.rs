@@ -141,7 +141,12 @@ pub fn session_of(path: &Path) -> Option<u64> {
 }
 
 /// The prefix and header, as written.
-pub fn encode_head(model: &[u8; 32], tokens: &[Token], state: &[u8], kv_type: u32) -> Vec<u8> {
+pub fn encode_head(
+    model: &[u8; 32],
+    tokens: &[Token],
+    state: &[u8],
+    kv_type: u32,
+) -> std::io::Result<Vec<u8>> {
     let head = Header {
         kv_type,
         model: *model,
@@ -150,15 +155,14 @@ pub fn encode_head(model: &[u8; 32], tokens: &[Token], state: &[u8], kv_type: u3
         state_len: state.len() as u64,
         state_digest: Sha256::digest(state).into(),
     };
-    let archive = rkyv::to_bytes::<rkyv::rancor::Error>(&head)
-        .expect("serializing plain fields into memory cannot fail");
+    let archive = rkyv::to_bytes::<rkyv::rancor::Error>(&head).map_err(std::io::Error::other)?;
     let mut out = Vec::with_capacity(PREFIX_BYTES + archive.len());
     out.extend_from_slice(MAGIC);
     out.extend_from_slice(&VERSION.to_le_bytes());
     out.extend_from_slice(&(archive.len() as u32).to_le_bytes());
     out.extend_from_slice(&crc32c::crc32c(&archive).to_le_bytes());
     out.extend_from_slice(&archive);
-    out
+    Ok(out)
 }
 
 /// Writes an artifact crash-safely: temp file, fsync, rename, dir fsync.
@@ -175,7 +179,7 @@ pub fn write(
     let tmp = path.with_extension("park.tmp");
     {
         let mut f = File::create(&tmp)?;
-        f.write_all(&encode_head(model, tokens, state, kv_type))?;
+        f.write_all(&encode_head(model, tokens, state, kv_type)?)?;
         f.write_all(state)?;
         f.sync_all()?;
     }

@@ -214,9 +214,9 @@ struct Seq {
     /// Host memory would not take it when it was due to leave the cells:
     /// it stays until its next generation ends.
     stays: bool,
-    /// Exported for `--idle-spill-ms` before the tier knew its size (when):
-    /// its cells are cleared at the next plan if host memory kept it.
-    idle_export: Option<u64>,
+    /// Exported for `--idle-spill-ms` before the tier knew its size: its
+    /// cells are cleared at the next plan if host memory kept it.
+    idle_exported: bool,
 }
 
 #[derive(Debug, Clone)]

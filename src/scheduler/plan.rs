@@ -189,16 +189,13 @@ impl SchedulerState {
     fn spill_idle(&mut self, ops: &mut Vec<WorkerRequest>) {
         for i in self.idle_spill_candidates() {
             let tokens = &self.seqs[i].resident;
-            if self.seqs[i].idle_export.is_some() {
-                if self.spill.in_memory(tokens) {
-                    self.clear_idle(i, ops);
-                } else {
-                    self.seqs[i].stays = true;
-                }
-                continue;
-            }
             if self.spill.in_memory(tokens) {
                 self.clear_idle(i, ops);
+                continue;
+            }
+            if self.seqs[i].idle_exported {
+                // Exported before, and host memory did not keep it.
+                self.seqs[i].stays = true;
                 continue;
             }
             match self.spill.fits_beside(tokens) {
@@ -212,7 +209,7 @@ impl SchedulerState {
                 // Its size is not known yet: export, clear when sized.
                 None => {
                     if self.spill_seq(i, false, ops) {
-                        self.seqs[i].idle_export = Some(self.clock_ms);
+                        self.seqs[i].idle_exported = true;
                     } else {
                         self.seqs[i].stays = true;
                     }

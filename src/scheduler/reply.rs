@@ -202,7 +202,7 @@ impl SchedulerState {
             s.active = None;
             s.idle_since_ms = self.clock_ms;
             s.stays = false;
-            s.idle_export = None;
+            s.idle_exported = false;
             // `--park`: a session's turn is sealed (stateless ones never).
             if self.park
                 && g.admit.session != NO_SESSION

@@ -8,7 +8,7 @@ use superfluid::engine::park;
 use superfluid::frontend::socket::Client;
 use superfluid::wire::{Record, Request, Response, Role, SessionId, Token};
 
-use crate::util::{commit, created, metric, params, TestDaemon};
+use crate::util::{commit, created, metric, params, read_events, TestDaemon};
 
 /// About 300 tokens of a conversation's own.
 fn long_message(n: usize) -> String {
@@ -399,7 +399,7 @@ fn park_restores_a_session_after_a_restart_and_a_bad_artifact_prefills() {
 /// Rebases `s` with its first user message replaced by `text`; returns the
 /// branch.
 fn rebase_first_message(c: &mut Client, s: SessionId, text: &str) -> SessionId {
-    let first = events_of(c, s)
+    let first = read_events(c, s)
         .iter()
         .find(|e| {
             matches!(
@@ -479,20 +479,6 @@ fn purge_deletes_the_park_artifact_and_a_start_deletes_a_late_one() {
     assert_eq!(metric(&d, "superfluid_kv_parked_artifacts"), 0.0);
 }
 
-/// The events of `s`.
-fn events_of(c: &mut Client, s: SessionId) -> Vec<superfluid::wire::Event> {
-    let Response::Events { events } = c
-        .call(&Request::Read {
-            session: s,
-            cursor: 0,
-        })
-        .unwrap()
-    else {
-        panic!("Read");
-    };
-    events
-}
-
 /// The header of `s`'s park artifact in `sessions`, read as the daemon
 /// reads it (every field and digest checked).
 fn artifact_head(sessions: &std::path::Path, s: SessionId) -> park::Header {
@@ -514,7 +500,7 @@ fn artifact_head_of(sessions: &std::path::Path, s: SessionId, cache: u32) -> par
 /// Trims `s` to the events before its first reply and asks a 24-token turn
 /// of the branch: (warm_prefix, reply).
 fn trim_before_reply_and_turn(c: &mut Client, s: SessionId) -> (u64, Vec<Token>) {
-    let reply = events_of(c, s)
+    let reply = read_events(c, s)
         .iter()
         .find(|e| matches!(e.body, Record::Generated { .. }))
         .expect("a reply")

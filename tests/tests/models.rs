@@ -15,7 +15,9 @@ use std::time::{Duration, Instant};
 use superfluid::frontend::socket::Client;
 use superfluid::wire::{ModelSummary, Record, Request, Response, SessionId};
 
-use crate::util::{children_of, commit, created, derived_model, generate_text, params, TestDaemon};
+use crate::util::{
+    children_of, commit, created, derived_model, generate_text, params, read_events, TestDaemon,
+};
 
 const LLAMA3: &str = "SmolLM2-135M-llama3-style.gguf";
 const GEMMA: &str = "SmolLM2-135M-gemma-style.gguf";
@@ -163,15 +165,7 @@ fn two_models_keep_their_own_logs_and_sessions_across_a_restart() {
         "the generation ran on the other model's session"
     );
     use_model(&mut c, &id);
-    let Response::Events { events } = c
-        .call(&Request::Read {
-            session: b,
-            cursor: 0,
-        })
-        .unwrap()
-    else {
-        panic!("Read")
-    };
+    let events = read_events(&mut c, b);
     assert_eq!(events[1].body.span(), &b_span[..]);
     let generated: String = events
         .iter()

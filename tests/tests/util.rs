@@ -333,13 +333,7 @@ impl TestDaemon {
     }
 
     pub fn read_all(&self, s: SessionId) -> Vec<Event> {
-        match self.call(&Request::Read {
-            session: s,
-            cursor: 0,
-        }) {
-            Response::Events { events } => events,
-            other => panic!("Read {s}: {other:?}"),
-        }
+        read_events(&mut self.client(), s)
     }
 }
 
@@ -698,5 +692,16 @@ pub fn generate_text(c: &mut Client, s: SessionId, n: u32) -> Result<String, Str
     match replies.last() {
         Some(Response::Generated { .. }) => Ok(text),
         other => Err(format!("{other:?}")),
+    }
+}
+
+/// Every event of `s`, read on `c`.
+pub fn read_events(c: &mut Client, s: SessionId) -> Vec<Event> {
+    match c.call(&Request::Read {
+        session: s,
+        cursor: 0,
+    }) {
+        Ok(Response::Events { events }) => events,
+        other => panic!("Read {s}: {other:?}"),
     }
 }
