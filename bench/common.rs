@@ -94,6 +94,7 @@ pub fn fill(engine: &mut WorkerEngine, seq: u32, tokens: &[Token]) {
     for (k, chunk) in tokens.chunks(512).enumerate() {
         let r = engine.handle(&WorkerRequest::Decode {
             items: vec![DecodeItem {
+                media: vec![],
                 seq,
                 pos: (k * 512) as u32,
                 tokens: chunk.to_vec(),

@@ -147,6 +147,7 @@ fn decode_seconds(socket: &Path) -> f64 {
 fn in_process_run(engine: &mut WorkerEngine, prompt: &[Token], tokens: u64) -> (f64, f64) {
     let start = Instant::now();
     let mut items = vec![DecodeItem {
+        media: vec![],
         seq: 0,
         pos: 0,
         tokens: prompt.to_vec(),
@@ -171,6 +172,7 @@ fn in_process_run(engine: &mut WorkerEngine, prompt: &[Token], tokens: u64) -> (
         in_decode += decode_us;
         let t = drawn[0].token;
         items = vec![DecodeItem {
+            media: vec![],
             seq: 0,
             pos,
             tokens: vec![t],
@@ -261,6 +263,7 @@ impl DirectWorker {
         };
         self.send(&WorkerRequest::Decode {
             items: vec![DecodeItem {
+                media: vec![],
                 seq: 0,
                 pos: 0,
                 tokens: prompt.to_vec(),

@@ -72,6 +72,7 @@ fn decode(e: &mut WorkerEngine, prompt_len: u32, first: Token) -> f64 {
             drawn, decode_us, ..
         } = e.handle(&WorkerRequest::Decode {
             items: vec![DecodeItem {
+                media: vec![],
                 seq: 0,
                 pos,
                 tokens: vec![t],
@@ -125,6 +126,7 @@ fn run(e: &mut WorkerEngine, layout: Layout, idle: usize, salt: usize) -> (f64, 
     let prompt = tokens(40, salt * 10);
     let WorkerResponse::Decoded { drawn, .. } = e.handle(&WorkerRequest::Decode {
         items: vec![DecodeItem {
+            media: vec![],
             seq: 0,
             pos: 0,
             tokens: prompt.clone(),

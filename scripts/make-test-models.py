@@ -29,6 +29,25 @@ Writes next to MODEL, and prints the paths of:
   Templates that trim are the ones whose rendering cannot be cut back into content and template
   text, for the tests that client text never becomes a control token on any path.
 
+- SmolLM2-135M-vision.gguf: the default model (same tensors, same chat template) with the text of
+  three unused control tokens changed (VISION_TOKENS below) to the tokens llama.cpp's multimodal
+  library (mtmd) wraps images with for an `idefics3` (SmolVLM) projector:
+  `<fake_token_around_image>`, `<global-img>` and `<row_1_col_1>`. mtmd finds them, and "\n" and
+  "\n\n", by their text in the text model's vocabulary, and SmolLM2's vocabulary lacks the first
+  three (SmolVLM's text model is SmolLM2 with them added); none of the new texts is one llama.cpp
+  gives a role by name (eos/eot/fim...).
+- mmproj-SmolLM2-135M-vision.gguf: a vision projector for it: an `idefics3` projector (a SigLIP
+  tower, a pixel shuffle and one linear layer, the shape of SmolVLM's; MMPROJ below) with small
+  seeded random weights, sized for this text model (its output is the text model's n_embd, 576).
+  A tile is MMPROJ_IMAGE_SIZE px (patches of MMPROJ_PATCH_SIZE px, 4x4 of them, shuffled to 2x2:
+  4 embeddings a tile) and the longest edge of a preprocessed image is one tile, so mtmd cuts any
+  (ordinary) image into a 1x1 grid plus the overview: 14 positions an image, in order
+  `<fake_token_around_image><row_1_col_1>` [4 embeddings]
+  `\n\n<fake_token_around_image><global-img>` [4 embeddings] `<fake_token_around_image>`.
+
+  The answers the two give about an image are noise: the pair exists to test the mechanics
+  (loading a projector, tokenizing, encoding and decoding images, positions, caching).
+
 Needs the `gguf` package (pip install gguf). Idempotent: an output newer than both the input and
 this script is left alone.
 """
@@ -37,6 +56,7 @@ import os
 import sys
 
 import gguf
+import numpy as np
 
 DEFAULT_MODEL = os.path.join(
     os.path.expanduser("~"), ".cache", "superfluid", "models", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -49,6 +69,31 @@ LLAMA3_STYLE_NAME = "SmolLM2-135M-llama3-style.gguf"
 GEMMA_STYLE_NAME = "SmolLM2-135M-gemma-style.gguf"
 # (token id, its text in the default model, its text in the other vocabulary)
 OTHER_VOCAB_TOKEN = (16, "<empty_output>", "<superfluid_other_vocab>")
+
+VISION_NAME = "SmolLM2-135M-vision.gguf"
+MMPROJ_NAME = "mmproj-SmolLM2-135M-vision.gguf"
+# (token id, its text in the default model, its text in the vision model): StarCoder leftovers
+# that chat never uses, the other derivations leave alone and llama.cpp gives no role.
+VISION_TOKENS = [
+    (8, "<issue_start>", "<fake_token_around_image>"),
+    (9, "<issue_comment>", "<global-img>"),
+    (10, "<issue_closed>", "<row_1_col_1>"),
+]
+# The other texts mtmd looks up for idefics3: the first token whose piece they are must exist.
+VISION_TEXTS = ["\n", "\n\n"]
+
+# The projector (llama.cpp tools/mtmd/clip.cpp reads these; SmolVLM's converter writes the same
+# keys and tensors). A head of 64 (flash attention has kernels for it on every backend; 16 has
+# none on CUDA, where clip would warn and fall back).
+MMPROJ_IMAGE_SIZE = 32  # a tile, and the longest edge of a preprocessed image
+MMPROJ_PATCH_SIZE = 8
+MMPROJ_N_EMBD = 128
+MMPROJ_N_HEAD = 2
+MMPROJ_N_FF = 256
+MMPROJ_N_BLOCK = 2
+MMPROJ_SCALE_FACTOR = 2  # pixel shuffle: 2x2 patches to one embedding
+MMPROJ_SEED = 20240613
+MMPROJ_STD = 0.02
 
 # (metadata key, token id, the token's text, checked against the vocabulary)
 FIM_TOKENS = [
@@ -167,6 +212,119 @@ def copy_with(reader, output, replace):
     os.replace(part, output)
 
 
+def gpt2_byte_decoder():
+    """GPT-2 byte-level BPE: the character each byte is written as in token texts, reversed."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+def first_token_with_piece(tokens, types, piece):
+    """The first id whose piece (llama.cpp's token_to_piece with special=true) is `piece`, as
+    mtmd's lookup_token finds it; None if none."""
+    want = piece.encode()
+    decoder = gpt2_byte_decoder()
+    for tid, (text, ttype) in enumerate(zip(tokens, types)):
+        if ttype in (gguf.TokenType.CONTROL, gguf.TokenType.USER_DEFINED):
+            got = text.encode()
+        elif ttype == gguf.TokenType.NORMAL and all(c in decoder for c in text):
+            got = bytes(decoder[c] for c in text)
+        else:
+            continue
+        if got == want:
+            return tid
+    return None
+
+
+def write_mmproj(output, n_embd_text):
+    """Write an idefics3 vision projector with seeded random weights whose output is
+    `n_embd_text` wide. Shapes are numpy's (row-major), the reverse of ggml's ne."""
+    rng = np.random.default_rng(MMPROJ_SEED)
+    d, ff = MMPROJ_N_EMBD, MMPROJ_N_FF
+    n_patches = (MMPROJ_IMAGE_SIZE // MMPROJ_PATCH_SIZE) ** 2
+
+    def rand(*shape):
+        return (rng.standard_normal(shape) * MMPROJ_STD).astype(np.float32)
+
+    def ones(n):
+        return np.ones(n, dtype=np.float32)
+
+    def zeros(n):
+        return np.zeros(n, dtype=np.float32)
+
+    tensors = [
+        # conv2d: ggml ne [kw, kh, in_ch, out_ch]
+        ("v.patch_embd.weight", rand(d, 3, MMPROJ_PATCH_SIZE, MMPROJ_PATCH_SIZE)),
+        ("v.patch_embd.bias", zeros(d)),
+        ("v.position_embd.weight", rand(n_patches, d)),  # ne [n_embd, n_patches]
+    ]
+    for i in range(MMPROJ_N_BLOCK):
+        b = f"v.blk.{i}"
+        tensors += [
+            (f"{b}.ln1.weight", ones(d)),
+            (f"{b}.ln1.bias", zeros(d)),
+            (f"{b}.attn_q.weight", rand(d, d)),
+            (f"{b}.attn_q.bias", zeros(d)),
+            (f"{b}.attn_k.weight", rand(d, d)),
+            (f"{b}.attn_k.bias", zeros(d)),
+            (f"{b}.attn_v.weight", rand(d, d)),
+            (f"{b}.attn_v.bias", zeros(d)),
+            (f"{b}.attn_out.weight", rand(d, d)),
+            (f"{b}.attn_out.bias", zeros(d)),
+            (f"{b}.ln2.weight", ones(d)),
+            (f"{b}.ln2.bias", zeros(d)),
+            # ffn_up ne [n_embd, n_ff], ffn_down ne [n_ff, n_embd] (a ffn_down whose ne[0] were
+            # n_embd would be taken for a legacy swapped pair)
+            (f"{b}.ffn_up.weight", rand(ff, d)),
+            (f"{b}.ffn_up.bias", zeros(ff)),
+            (f"{b}.ffn_down.weight", rand(d, ff)),
+            (f"{b}.ffn_down.bias", zeros(d)),
+        ]
+    tensors += [
+        ("v.post_ln.weight", ones(d)),
+        ("v.post_ln.bias", zeros(d)),
+        # after the pixel shuffle: ne [n_embd * scale^2, n_embd_text], no bias
+        ("mm.model.fc.weight", rand(n_embd_text, d * MMPROJ_SCALE_FACTOR**2)),
+    ]
+
+    part = output + ".part"
+    writer = gguf.GGUFWriter(part, "clip")
+    writer.add_name("SmolLM2-135M vision test projector")
+    writer.add_description("idefics3 projector with random weights, for tests only")
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_string(gguf.Keys.Clip.PROJECTOR_TYPE, gguf.VisionProjectorType.IDEFICS3)
+    writer.add_bool(gguf.Keys.Clip.HAS_VISION_ENCODER, True)
+    writer.add_bool(gguf.Keys.ClipVision.USE_GELU, True)
+    V = gguf.Keys.ClipVision
+    writer.add_uint32(V.IMAGE_SIZE, MMPROJ_IMAGE_SIZE)
+    writer.add_uint32(V.PATCH_SIZE, MMPROJ_PATCH_SIZE)
+    writer.add_uint32(V.EMBEDDING_LENGTH, d)
+    writer.add_uint32(V.FEED_FORWARD_LENGTH, ff)
+    writer.add_uint32(V.BLOCK_COUNT, MMPROJ_N_BLOCK)
+    writer.add_uint32(V.PROJECTION_DIM, n_embd_text)
+    writer.add_uint32(V.Attention.HEAD_COUNT, MMPROJ_N_HEAD)
+    writer.add_float32(V.Attention.LAYERNORM_EPS, 1e-6)
+    F32 = gguf.GGUFValueType.FLOAT32
+    writer.add_key_value(V.IMAGE_MEAN, [0.5, 0.5, 0.5], gguf.GGUFValueType.ARRAY, sub_type=F32)
+    writer.add_key_value(V.IMAGE_STD, [0.5, 0.5, 0.5], gguf.GGUFValueType.ARRAY, sub_type=F32)
+    writer.add_uint32(V.Projector.SCALE_FACTOR, MMPROJ_SCALE_FACTOR)
+    writer.add_uint32(V.PREPROC_IMAGE_SIZE, MMPROJ_IMAGE_SIZE)
+    for name, data in tensors:
+        writer.add_tensor(name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(part, output)
+
+
 def main():
     model = sys.argv[1] if len(sys.argv) > 1 else DEFAULT_MODEL
     folder = os.path.dirname(os.path.abspath(model))
@@ -177,8 +335,11 @@ def main():
         os.path.join(folder, LLAMA3_STYLE_NAME): LLAMA3_STYLE_TEMPLATE,
         os.path.join(folder, GEMMA_STYLE_NAME): GEMMA_STYLE_TEMPLATE,
     }
+    vision = os.path.join(folder, VISION_NAME)
+    mmproj = os.path.join(folder, MMPROJ_NAME)
+    outputs = (tools_think, fim, other, *styles, vision, mmproj)
     inputs = [model, os.path.abspath(__file__)]
-    todo = [p for p in (tools_think, fim, other, *styles) if not up_to_date(p, inputs)]
+    todo = [p for p in outputs if not up_to_date(p, inputs)]
     if todo:
         reader = gguf.GGUFReader(model, "r")
         tokens = reader.get_field(gguf.Keys.Tokenizer.LIST).contents()
@@ -203,7 +364,23 @@ def main():
         for path, template in styles.items():
             if path in todo:
                 copy_with(reader, path, {gguf.Keys.Tokenizer.CHAT_TEMPLATE: (S, template)})
-    for path in (tools_think, fim, other, *styles):
+        if vision in todo:
+            changed = list(tokens)
+            for tid, was, now in VISION_TOKENS:
+                if tokens[tid] != was or types[tid] != gguf.TokenType.CONTROL:
+                    sys.exit(f"make-test-models: token {tid} of {model} is not the control token {was!r}")
+                if now in tokens:
+                    sys.exit(f"make-test-models: {model} already has a token {now!r}")
+                changed[tid] = now
+            for text in VISION_TEXTS:
+                if first_token_with_piece(changed, types, text) is None:
+                    sys.exit(f"make-test-models: no token of {model} is {text!r}")
+            copy_with(reader, vision, {gguf.Keys.Tokenizer.LIST: (gguf.GGUFValueType.ARRAY, changed)})
+        if mmproj in todo:
+            arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
+            n_embd = reader.get_field(gguf.Keys.LLM.EMBEDDING_LENGTH.format(arch=arch)).contents()
+            write_mmproj(mmproj, n_embd)
+    for path in outputs:
         print(path)
 
 

@@ -100,6 +100,12 @@ pub struct ServeConfig {
     /// `--rpc` and `--tensor-split`: the first model's layers on ggml RPC
     /// servers (the other models run here).
     pub placement: crate::engine::rpc::Placement,
+    /// `--mmproj` (or the projector fetched beside a model reference): the
+    /// first model's vision projector; None: it takes no images.
+    pub mmproj: Option<PathBuf>,
+    /// The projectors of `more_models`, in their order (fetched beside a
+    /// reference; a file path has none).
+    pub more_mmproj: Vec<Option<PathBuf>>,
 }
 
 /// `--keep-alive` default: Ollama's five minutes.
@@ -310,6 +316,20 @@ impl Render for ModelRender {
             .message_span(history, &tools(tool_list)?, new, first)
             .map_err(|e| RenderError(e.to_string()))
     }
+    fn image_span(
+        &self,
+        history: &[ChatMessage],
+        tool_list: &[String],
+        role: crate::wire::Role,
+        pre: &str,
+        image: &[Token],
+        post: &str,
+        first: bool,
+    ) -> Result<Vec<Token>, RenderError> {
+        self.renderer
+            .image_span(history, &tools(tool_list)?, role, pre, image, post, first)
+            .map_err(|e| RenderError(e.to_string()))
+    }
     fn system_span(
         &self,
         text: Option<&str>,
@@ -435,6 +455,11 @@ pub fn serve(config: ServeConfig) -> Result<(), DaemonError> {
                 } else {
                     Default::default()
                 },
+                mmproj: if i == 0 {
+                    config.mmproj.clone()
+                } else {
+                    config.more_mmproj.get(i - 1).cloned().flatten()
+                },
                 ..config.clone()
             },
             book,
@@ -474,15 +499,20 @@ impl Drop for SocketGuard {
 /// knowing the other (the scheduler sends the lane its steps, the lane tells
 /// the scheduler when the worker died), and returns the scheduler and the
 /// lane's health. Call inside a running actix system.
-pub fn start_lane(lane: LaneConfig, state: SchedulerState) -> (Addr<SchedulerActor>, LaneHealth) {
-    let mut health = None;
+pub fn start_lane(
+    lane: LaneConfig,
+    state: SchedulerState,
+) -> (Addr<SchedulerActor>, LaneHealth, Addr<LaneActor>) {
+    let mut started = None;
     let scheduler = SchedulerActor::create(|ctx| {
         let lane = LaneActor::new(lane, ctx.address().recipient());
-        health = Some(lane.health());
-        SchedulerActor::new(state, lane.start())
+        let health = lane.health();
+        let addr = lane.start();
+        started = Some((health, addr.clone()));
+        SchedulerActor::new(state, addr)
     });
-    let health = health.expect("SchedulerActor::create runs its closure at once");
-    (scheduler, health)
+    let (health, addr) = started.expect("SchedulerActor::create runs its closure at once");
+    (scheduler, health, addr)
 }
 
 /// Starts the actors every request runs on (the WAL actor, and the model lane
@@ -504,7 +534,7 @@ pub fn start_actors(
     let wal = WalActor::new(writer).start();
     let w = &config.worker;
     let rpc = crate::actors::lane::rpc_status(&config.placement.servers);
-    let (scheduler, lane) = start_lane(
+    let (scheduler, lane, lane_addr) = start_lane(
         LaneConfig {
             model: config.model.clone(),
             worker: w.clone(),
@@ -523,6 +553,14 @@ pub fn start_actors(
             lazy,
             placement: config.placement.clone(),
             rpc_status: rpc.clone(),
+            vision: config.mmproj.clone().map(|p| {
+                (
+                    p,
+                    crate::media::MediaStore::new(&config.sessions)
+                        .dir()
+                        .to_path_buf(),
+                )
+            }),
         },
         SchedulerState::new(w.n_ctx, w.n_seq, w.n_batch)
             .with_pin_budget_pct(config.pin_budget_pct)
@@ -549,6 +587,7 @@ pub fn start_actors(
         bus: crate::actors::bus::Bus::new(config.sub_buffer),
         generations: Arc::default(),
         media: crate::media::MediaStore::new(&config.sessions),
+        vision: config.mmproj.as_ref().map(|_| lane_addr),
         park_dir: config.park_budget_bytes.map(|_| park_dir(&config.sessions)),
         load,
     }

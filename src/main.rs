@@ -91,6 +91,12 @@ struct Worker {
     /// Their weights (and this machine's, last).
     #[arg(long, value_parser = split_arg)]
     tensor_split: Option<Weights>,
+    /// The vision projector (images on the input).
+    #[arg(long, requires = "media_dir")]
+    mmproj: Option<PathBuf>,
+    /// The media store images are read from.
+    #[arg(long)]
+    media_dir: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -225,6 +231,11 @@ struct Serve {
     /// this machine's CPU.
     #[arg(long, value_name = "W,...", value_parser = split_arg, requires = "rpc")]
     tensor_split: Option<Weights>,
+    /// The first model's vision projector (a GGUF llama.cpp's mtmd loads):
+    /// images on its input (AppendImage, image parts on the HTTP routes)
+    /// [default: the projector fetched beside a model reference, if any].
+    #[arg(long, value_name = "PATH")]
+    mmproj: Option<PathBuf>,
 }
 
 /// `--rpc`'s servers (one flag value, comma-separated).
@@ -349,46 +360,55 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             "--park-lossy stores an f16 cache's rows as Q8_0 (the spec: it implies --kv-bits \
              16); it cannot be combined with --kv-bits 8"
         ),
-        Command::Serve(s) => daemon::serve(ServeConfig {
-            model: resolve_model(&s.model)?,
-            sessions: s.sessions.unwrap_or_else(daemon::default_sessions_dir),
-            socket: s.socket.unwrap_or_else(daemon::default_socket),
-            sessions_cache: s.sessions_cache,
-            pin_budget_pct: s.pin_budget_pct,
-            worker: superfluid::wire::worker::WorkerConfig {
-                n_ctx: s.ctx_size,
-                n_seq: s.parallel,
-                n_batch: s.batch.min(s.ctx_size),
-                threads: s.threads.unwrap_or_else(daemon::default_threads),
-            },
-            web: s.web.map(|addr| superfluid::http::WebConfig {
-                addr,
-                origins: s.web_origin,
-                api_key: s.api_key,
-                max_connections: s.max_connections as usize,
-            }),
-            sub_buffer: s.sub_buffer,
-            cache_ram_mb: s.cache_ram_mb.unwrap_or_else(daemon::default_cache_ram_mb),
-            idle_spill_ms: s.idle_spill_ms,
-            park_budget_bytes: (s.park || s.park_lossy).then_some(s.park_budget_gb.0),
-            park_lossy: s.park_lossy,
-            kv_bits: s.kv_bits,
-            step_timeout: std::time::Duration::from_secs(s.step_timeout_secs),
-            max_connections: s.max_connections as usize,
-            more_models: s
+        Command::Serve(s) => {
+            let (model, fetched) = resolve_model(&s.model)?;
+            let more: Vec<(PathBuf, Option<PathBuf>)> = s
                 .more_models
                 .iter()
                 .map(|m| resolve_model(m))
-                .collect::<anyhow::Result<_>>()?,
-            keep_alive_ms: s.keep_alive.0,
-            max_loaded_models: s.max_loaded_models as usize,
-            memory_limit_mb: s.memory_limit_mb,
-            placement: superfluid::engine::rpc::Placement {
-                servers: s.rpc.map(|r| r.0).unwrap_or_default(),
-                split: s.tensor_split.map(|t| t.0).unwrap_or_default(),
-            },
-        })
-        .map_err(Into::into),
+                .collect::<anyhow::Result<_>>()?;
+            if let Some(p) = s.mmproj.as_ref().filter(|p| !p.is_file()) {
+                anyhow::bail!("--mmproj {}: no such file", p.display());
+            }
+            daemon::serve(ServeConfig {
+                model,
+                mmproj: s.mmproj.or(fetched),
+                more_mmproj: more.iter().map(|m| m.1.clone()).collect(),
+                sessions: s.sessions.unwrap_or_else(daemon::default_sessions_dir),
+                socket: s.socket.unwrap_or_else(daemon::default_socket),
+                sessions_cache: s.sessions_cache,
+                pin_budget_pct: s.pin_budget_pct,
+                worker: superfluid::wire::worker::WorkerConfig {
+                    n_ctx: s.ctx_size,
+                    n_seq: s.parallel,
+                    n_batch: s.batch.min(s.ctx_size),
+                    threads: s.threads.unwrap_or_else(daemon::default_threads),
+                },
+                web: s.web.map(|addr| superfluid::http::WebConfig {
+                    addr,
+                    origins: s.web_origin,
+                    api_key: s.api_key,
+                    max_connections: s.max_connections as usize,
+                }),
+                sub_buffer: s.sub_buffer,
+                cache_ram_mb: s.cache_ram_mb.unwrap_or_else(daemon::default_cache_ram_mb),
+                idle_spill_ms: s.idle_spill_ms,
+                park_budget_bytes: (s.park || s.park_lossy).then_some(s.park_budget_gb.0),
+                park_lossy: s.park_lossy,
+                kv_bits: s.kv_bits,
+                step_timeout: std::time::Duration::from_secs(s.step_timeout_secs),
+                max_connections: s.max_connections as usize,
+                more_models: more.into_iter().map(|m| m.0).collect(),
+                keep_alive_ms: s.keep_alive.0,
+                max_loaded_models: s.max_loaded_models as usize,
+                memory_limit_mb: s.memory_limit_mb,
+                placement: superfluid::engine::rpc::Placement {
+                    servers: s.rpc.map(|r| r.0).unwrap_or_default(),
+                    split: s.tensor_split.map(|t| t.0).unwrap_or_default(),
+                },
+            })
+            .map_err(Into::into)
+        }
         Command::Worker(w) => superfluid::engine::worker::run(
             &w.model,
             superfluid::wire::worker::WorkerConfig {
@@ -404,6 +424,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 servers: w.rpc.map(|r| r.0).unwrap_or_default(),
                 split: w.tensor_split.map(|t| t.0).unwrap_or_default(),
             },
+            w.mmproj.zip(w.media_dir),
         )
         .map_err(Into::into),
         Command::Media(m) => {
@@ -462,7 +483,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 
 /// `serve`'s model: a path as given, a reference fetched (or found in the
 /// cache) first.
-fn resolve_model(model: &str) -> anyhow::Result<PathBuf> {
+fn resolve_model(model: &str) -> anyhow::Result<(PathBuf, Option<PathBuf>)> {
     let reference = ModelRef::parse(model)?;
     let resolved = hub::resolve(&reference)?;
     if let ModelRef::Hub { .. } = reference {
@@ -471,7 +492,7 @@ fn resolve_model(model: &str) -> anyhow::Result<PathBuf> {
             eprintln!("superfluid: its vision projector is {}", p.display());
         }
     }
-    Ok(resolved.model)
+    Ok((resolved.model, resolved.mmproj))
 }
 
 /// `superfluid open`: the page's URL from the files `serve --web` wrote.

@@ -94,6 +94,7 @@ pub async fn complete(
         grammar: None,
         pin: None,
         extras: None,
+        media: vec![],
     };
     let mut rx = match generation
         .start(&shared.scheduler, shared.generations.clone())

@@ -354,6 +354,9 @@ pub struct LaneConfig {
     pub placement: crate::engine::rpc::Placement,
     /// Where the lane reports its RPC servers' state.
     pub rpc_status: RpcStatus,
+    /// `--mmproj`: the vision projector and the media directory the worker
+    /// reads images from.
+    pub vision: Option<(PathBuf, PathBuf)>,
 }
 
 /// The deadline of a request of `work` tokens: the base, plus 20 times what
@@ -409,6 +412,7 @@ fn needs_model(request: &WorkerRequest) -> bool {
             | WorkerRequest::DecodeNext { .. }
             | WorkerRequest::KvRestore { .. }
             | WorkerRequest::KvUnpark { .. }
+            | WorkerRequest::MediaLayout { .. }
     )
 }
 
@@ -629,6 +633,15 @@ impl LaneActor {
                 _ => vec![],
             })
             .args(rpc_args(&self.config.placement))
+            .args(match &self.config.vision {
+                Some((mmproj, media)) => vec![
+                    "--mmproj".into(),
+                    mmproj.clone().into_os_string(),
+                    "--media-dir".into(),
+                    media.clone().into_os_string(),
+                ],
+                None => vec![],
+            })
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

@@ -72,6 +72,9 @@ pub struct Shared {
     pub generations: Arc<registry::Generations>,
     /// The image blobs under `<sessions>/media/` (`PutMedia`, `GcMedia`).
     pub media: crate::media::MediaStore,
+    /// With a vision projector (`--mmproj`): the lane, whose worker lays
+    /// images out (`MediaLayout`). None: the model takes no images.
+    pub vision: Option<Addr<lane::LaneActor>>,
     /// `--park`'s directory: a purged session's artifact is deleted there.
     pub park_dir: Option<std::path::PathBuf>,
     /// The daemon's load gate and this model's line in it (`serve

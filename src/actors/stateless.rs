@@ -45,6 +45,9 @@ pub struct StatelessGen {
     /// (`SchedulerError::Extras`). With `logprobs`, each
     /// `GenEvent::Token` carries its `TokenLogprob`.
     pub extras: Option<SampleExtras>,
+    /// The images on `prompt` (offsets into it): such a request neither
+    /// takes nor leaves a cached prefix.
+    pub media: Vec<crate::wire::worker::MediaSpan>,
 }
 
 impl StatelessGen {
@@ -75,6 +78,7 @@ impl StatelessGen {
             grammar: self.grammar,
             pin: self.pin,
             extras: self.extras,
+            media: self.media,
         };
         scheduler
             .send(AdmitGen {

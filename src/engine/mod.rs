@@ -55,6 +55,9 @@ pub enum EngineError {
     /// `--rpc`: a server could not be registered, or the model's layer count is unknown.
     #[error("RPC backend: {0}")]
     Rpc(String),
+    /// `--mmproj`: the vision projector could not be loaded for the model.
+    #[error("vision projector: {0}")]
+    Projector(String),
     /// `--park`: the park directory or the model's identity could not be set up.
     #[error("cannot set up parking: {0}")]
     Park(std::io::Error),

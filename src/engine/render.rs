@@ -92,6 +92,49 @@ impl Renderer {
         new: &ChatMessage,
         first_tokens: bool,
     ) -> Result<Vec<Token>, EngineError> {
+        self.span_of(history, tools, new, first_tokens, None)
+            .map(|(tokens, _)| tokens)
+    }
+
+    /// The span of an image message: `new`'s content is `pre + post` for the template, and its
+    /// tokens are `pre`'s, then `image` (the projector's layout of the image), then `post`'s.
+    /// Refused when the template does not keep the content as given (it trims or transforms it):
+    /// the image would have no place.
+    #[allow(clippy::too_many_arguments)]
+    pub fn image_span(
+        &self,
+        history: &[ChatMessage],
+        tools: &[Json],
+        role: Role,
+        pre: &str,
+        image: &[Token],
+        post: &str,
+        first_tokens: bool,
+    ) -> Result<Vec<Token>, EngineError> {
+        let new = ChatMessage::new(role, format!("{pre}{post}"));
+        let mut content = self.vocab.tokenize(pre, false);
+        content.extend_from_slice(image);
+        content.extend(self.vocab.tokenize(post, false));
+        match self.span_of(history, tools, &new, first_tokens, Some(content))? {
+            (tokens, Some(_)) => Ok(tokens),
+            (_, None) => Err(EngineError::TemplateNotIncremental(
+                "the chat template trims or transforms message content, so an image has no \
+                 place in it"
+                    .into(),
+            )),
+        }
+    }
+
+    /// [`message_span`](Self::message_span), with `content` (when given) as the content's
+    /// tokens; also where the content starts in the span, when the template kept it as given.
+    fn span_of(
+        &self,
+        history: &[ChatMessage],
+        tools: &[Json],
+        new: &ChatMessage,
+        first_tokens: bool,
+        content: Option<Vec<Token>>,
+    ) -> Result<(Vec<Token>, Option<usize>), EngineError> {
         let mut shield = Shield::new(&self.vocab);
         let history = shield.cover_messages(history);
         let tools = shield.cover_tools(tools);
@@ -134,25 +177,31 @@ impl Renderer {
             .filter(|d| d.matches(&self.placeholder).count() == 1)
             .filter(|d| d.replacen(&self.placeholder, &covered.content, 1) == real_delta)
             .and_then(|d| d.split_once(&self.placeholder));
-        let mut tokens = match spliced {
+        let (mut tokens, mut at) = match spliced {
             Some((head, tail)) => {
                 let mut t = shield.tokenize(head);
-                t.extend(self.vocab.tokenize(&new.content, false));
+                let at = t.len();
+                match content {
+                    Some(content) => t.extend(content),
+                    None => t.extend(self.vocab.tokenize(&new.content, false)),
+                }
                 t.extend(shield.tokenize(tail));
-                t
+                (t, Some(at))
             }
             None => {
                 log::debug!(
                     "chat template trims, transforms or repeats message content; tokenizing the \
                      rendering with client text shielded"
                 );
-                shield.tokenize(&real_delta)
+                (shield.tokenize(&real_delta), None)
             }
         };
         if first_tokens && self.vocab.add_bos() {
+            let before = tokens.len();
             prepend_bos(&mut tokens, self.vocab.bos());
+            at = at.map(|a| a + tokens.len() - before);
         }
-        Ok(tokens)
+        Ok((tokens, at))
     }
 
     /// The tokens that prompt the model to answer after `history`: the rendering with

@@ -37,7 +37,8 @@ use crate::wire::{
 /// Runs the worker on stdin/stdout until `Shutdown` or EOF; its host-memory
 /// store of spilled sequences holds at most `spill_cap_bytes`.
 /// With `park` (directory, budget in bytes, lossy), it seals and restores
-/// park artifacts there.
+/// park artifacts there. With `vision` (the projector, the media directory)
+/// it takes images.
 pub fn run(
     model: &Path,
     config: WorkerConfig,
@@ -45,6 +46,7 @@ pub fn run(
     park: Option<(std::path::PathBuf, u64, bool)>,
     kv_bits: u8,
     placement: &super::rpc::Placement,
+    vision: Option<(std::path::PathBuf, std::path::PathBuf)>,
 ) -> Result<(), EngineError> {
     let frames = take_stdout().map_err(EngineError::Stdout)?;
     let mut out = BufWriter::new(frames);
@@ -54,6 +56,10 @@ pub fn run(
         (Ok(e), Some((dir, budget, lossy))) => e
             .with_park(dir, model, budget, lossy)
             .map_err(EngineError::Park),
+        (e, _) => e,
+    };
+    let engine = match (engine, vision) {
+        (Ok(e), Some((mmproj, media))) => e.with_vision(&mmproj, &media),
         (e, _) => e,
     };
     let mut engine = match engine {

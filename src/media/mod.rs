@@ -179,6 +179,13 @@ impl MediaStore {
         }
     }
 
+    /// The store in `dir` itself (the worker, given `--media-dir`).
+    pub fn at(dir: &Path) -> MediaStore {
+        MediaStore {
+            dir: dir.to_path_buf(),
+        }
+    }
+
     pub fn dir(&self) -> &Path {
         &self.dir
     }

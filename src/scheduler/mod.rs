@@ -52,7 +52,7 @@ pub use step::Step;
 
 use std::collections::BTreeMap;
 
-use crate::wire::worker::{DrawExtras, Drawn, WorkerRequest};
+use crate::wire::worker::{DrawExtras, Drawn, MediaSpan, WorkerRequest, MEDIA_TOKEN};
 use crate::wire::{
     ExtrasError, Finish, Params, QosClass, SampleExtras, SessionId, Token, TokenLogprob,
 };
@@ -92,6 +92,34 @@ pub enum SchedulerError {
     QosClass(u8),
     #[error(transparent)]
     Extras(#[from] ExtrasError),
+    #[error("the prompt's images are malformed: {0}")]
+    Media(String),
+}
+
+/// A prompt's images: in order, apart, inside it, never its last token;
+/// every embedding position inside one.
+fn check_media(prompt: &[Token], media: &[MediaSpan]) -> Result<(), SchedulerError> {
+    let bad = |why: &str| Err(SchedulerError::Media(why.into()));
+    let mut end = 0usize;
+    for m in media {
+        let at = m.at as usize;
+        if m.len == 0 || at < end {
+            return bad("an image is empty or overlaps the one before");
+        }
+        end = at + m.len as usize;
+        if end >= prompt.len() {
+            return bad("an image runs to the prompt's end");
+        }
+    }
+    let inside = |j: usize| {
+        media
+            .iter()
+            .any(|m| (m.at as usize..(m.at + m.len) as usize).contains(&j))
+    };
+    if (0..prompt.len()).any(|j| prompt[j] == MEDIA_TOKEN && !inside(j)) {
+        return bad("an embedding position outside any image");
+    }
+    Ok(())
 }
 
 /// Why a step brought no tokens.
@@ -136,6 +164,11 @@ pub struct Admit {
     /// Penalties, logit bias, log-probabilities (None: a plain generation).
     /// Checked at admission (ranges, and bias ids against the vocabulary).
     pub extras: Option<SampleExtras>,
+    /// The images on `prompt` (offsets into it), in order. A generation
+    /// with any neither takes a cached prefix nor leaves one: it prefills
+    /// its whole prompt, and its sequence is cleared when it ends (never
+    /// spilled or parked). Each image goes to the worker whole.
+    pub media: Vec<MediaSpan>,
 }
 
 /// A pin a generation leaves on its sequence when it ends: the sequence is
@@ -217,6 +250,9 @@ struct Seq {
     /// Exported for `--idle-spill-ms` before the tier knew its size: its
     /// cells are cleared at the next plan if host memory kept it.
     idle_exported: bool,
+    /// It holds an image: it gives no prefix to anyone, and is cleared when
+    /// its generation ends.
+    media: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -466,6 +502,7 @@ impl SchedulerState {
         if let Some(x) = &admit.extras {
             x.check(self.n_vocab.unwrap_or(u32::MAX))?;
         }
+        check_media(&admit.prompt, &admit.media)?;
         let gen = self.next_gen;
         self.next_gen += 1;
         let tokens = admit.prompt.clone();

@@ -6,12 +6,53 @@
 use super::{
     spill, GenEvent, GenId, SchedulerState, Seq, Step, FOLLOW_STEPS, NO_SESSION, WAIT_MIN_SHARED,
 };
-use crate::wire::worker::{DecodeItem, NextItem, Sample, WorkerRequest};
+use crate::wire::worker::{DecodeItem, MediaSpan, NextItem, Sample, WorkerRequest};
 use crate::wire::QosClass;
 use crate::wire::Token;
 
 fn lcp(a: &[Token], b: &[Token]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+/// The prompt tokens a sequence can give a generation: none when either
+/// holds an image (the spec: requests with images never use the cache).
+fn shared(s: &Seq, prompt: &[Token], uncached: bool) -> usize {
+    if s.media || uncached {
+        0
+    } else {
+        lcp(&s.resident, prompt)
+    }
+}
+
+/// How much of `todo` (the prompt from `have` on) a step takes, given it
+/// would take `take`: an image is taken whole or not at all, so the take
+/// ends before an image it would cut, or covers all of one it starts with.
+/// Also the images on what is taken, at offsets from `have`.
+fn take_whole_images(
+    media: &[MediaSpan],
+    have: usize,
+    todo: usize,
+    take: usize,
+) -> (usize, Vec<MediaSpan>) {
+    let mut take = take;
+    for m in media {
+        let (at, end) = (m.at as usize, (m.at + m.len) as usize);
+        if at == have {
+            take = take.max(end - have).min(todo);
+        } else if at > have && at < have + take && end > have + take {
+            take = at - have;
+        }
+    }
+    let on = media
+        .iter()
+        .filter(|m| m.at as usize >= have && (m.at + m.len) as usize <= have + take)
+        .map(|m| MediaSpan {
+            at: m.at - have as u32,
+            len: m.len,
+            blob: m.blob.clone(),
+        })
+        .collect();
+    (take, on)
 }
 
 impl SchedulerState {
@@ -72,13 +113,20 @@ impl SchedulerState {
     /// sequence, so none waits on another, and one whose awaited generation
     /// ends (finished, failed, cancelled) stops waiting.
     fn waits(&self, gen: GenId, prompt: &[Token]) -> bool {
+        if !self.gens[&gen].admit.media.is_empty() {
+            return false;
+        }
         let last = prompt.len() - 1;
         let mut prefilling = vec![false; self.seqs.len()];
         let mut coming = 0;
         for (id, g) in &self.gens {
             let Some(q) = g.seq else { continue };
             let q = q as usize;
-            if *id != gen && !g.cancelled && self.seqs[q].resident.len() < g.admit.prompt.len() {
+            if *id != gen
+                && !g.cancelled
+                && g.admit.media.is_empty()
+                && self.seqs[q].resident.len() < g.admit.prompt.len()
+            {
                 prefilling[q] = true;
                 coming = coming.max(lcp(&g.admit.prompt, prompt).min(last));
             }
@@ -88,7 +136,7 @@ impl SchedulerState {
             .iter()
             .zip(&prefilling)
             .filter(|(_, p)| !**p)
-            .map(|(s, _)| lcp(&s.resident, prompt))
+            .map(|(s, _)| shared(s, prompt, false))
             .max()
             .unwrap_or(0)
             .min(last);
@@ -106,6 +154,10 @@ impl SchedulerState {
         pinned: bool,
         ops: &mut Vec<WorkerRequest>,
     ) -> bool {
+        if self.seqs[i].media {
+            // A sequence holding an image is nobody's cache.
+            return false;
+        }
         let tokens = &self.seqs[i].resident;
         let len = tokens.len() as u32;
         let Some((key, dropped)) = self.spill.insert(tokens, pinned) else {
@@ -246,6 +298,7 @@ impl SchedulerState {
         for (_, _, gen) in waiting {
             let session = self.gens[&gen].admit.session;
             let prompt = self.gens[&gen].tokens.clone();
+            let uncached = !self.gens[&gen].admit.media.is_empty();
             let idle = |s: &Seq| s.active.is_none();
             if self.waits(gen, &prompt) {
                 continue;
@@ -265,7 +318,7 @@ impl SchedulerState {
                     .iter()
                     .enumerate()
                     .filter(|(i, s)| idle(s) && s.owner == Some(NO_SESSION) && !protected[*i])
-                    .map(|(i, s)| (lcp(&s.resident, &prompt), s.resident.len(), i))
+                    .map(|(i, s)| (shared(s, &prompt, uncached), s.resident.len(), i))
                     .filter(|&(n, len, _)| n > 0 && n == len)
                     .max()
                     .map(|(_, _, i)| i)
@@ -290,12 +343,12 @@ impl SchedulerState {
                 .seqs
                 .iter()
                 .enumerate()
-                .map(|(i, s)| (i, lcp(&s.resident, &prompt)))
+                .map(|(i, s)| (i, shared(s, &prompt, uncached)))
                 .max_by_key(|&(i, n)| (n, i == dst))
                 .unwrap_or((dst, 0));
             // The last prompt token is decoded again for its logits.
             let keep = common.min(prompt.len() - 1);
-            let own_keep = lcp(&self.seqs[dst].resident, &prompt).min(prompt.len() - 1);
+            let own_keep = shared(&self.seqs[dst], &prompt, uncached).min(prompt.len() - 1);
             // Admit only what fits beside the running sequences (idle ones
             // can be evicted); otherwise wait for room.
             // What running sequences hold or are about to (their prefill).
@@ -317,9 +370,9 @@ impl SchedulerState {
             }
             // The host-memory tier, when it holds more of the prompt than
             // any sequence: the state is imported instead of prefilled.
-            let restore = self
-                .spill
-                .longest(&prompt)
+            let restore = (!uncached)
+                .then(|| self.spill.longest(&prompt))
+                .flatten()
                 .map(|(key, n)| (key, n.min(prompt.len() - 1)))
                 .filter(|&(key, n)| self.spill.worth_restoring(key, n, keep));
             let old = self.seqs[dst].resident.clone();
@@ -402,6 +455,7 @@ impl SchedulerState {
             let seq = &mut self.seqs[dst];
             seq.owner = Some(session);
             seq.active = Some(gen);
+            seq.media = uncached;
             // Its cells change: a prefix pin left on it no longer holds.
             seq.pin = None;
             seq.last_used = self.steps_planned;
@@ -483,9 +537,11 @@ impl SchedulerState {
             // Every running generation gets at least its one decode token;
             // prefill takes what is left of the batch budget.
             let take = todo.len().min(budget.max(1));
+            let (take, media) = take_whole_images(&g.admit.media, have, todo.len(), take);
             budget = budget.saturating_sub(take);
             let last = take == todo.len();
             decode.push(DecodeItem {
+                media,
                 seq: seq as u32,
                 pos: have as u32,
                 tokens: todo[..take].to_vec(),
@@ -601,5 +657,40 @@ impl SchedulerState {
             next,
             gens,
         })
+    }
+}
+
+#[cfg(test)]
+mod image_tests {
+    use super::take_whole_images;
+    use crate::wire::worker::MediaSpan;
+
+    fn span(at: u32, len: u32) -> MediaSpan {
+        MediaSpan {
+            at,
+            len,
+            blob: "b".into(),
+        }
+    }
+
+    #[test]
+    fn a_step_takes_an_image_whole_or_not_at_all() {
+        let media = [span(10, 14), span(30, 5)];
+        // A take that would cut the first image stops before it.
+        assert_eq!(take_whole_images(&media, 0, 40, 16).0, 10);
+        // One that starts on it takes all of it, past the budget if need be.
+        let (take, on) = take_whole_images(&media, 10, 30, 4);
+        assert_eq!(take, 14);
+        assert_eq!(on, vec![span(0, 14)]);
+        // Both inside, at offsets from where the take starts.
+        let (take, on) = take_whole_images(&media, 5, 35, 35);
+        assert_eq!(take, 35);
+        assert_eq!(on, vec![span(5, 14), span(25, 5)]);
+        // The second one cut: the take ends before it, the first kept.
+        let (take, on) = take_whole_images(&media, 5, 35, 27);
+        assert_eq!(take, 25);
+        assert_eq!(on, vec![span(5, 14)]);
+        // No images: the take as asked.
+        assert_eq!(take_whole_images(&[], 0, 40, 16), (16, vec![]));
     }
 }

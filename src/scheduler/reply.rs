@@ -203,8 +203,15 @@ impl SchedulerState {
             s.idle_since_ms = self.clock_ms;
             s.stays = false;
             s.idle_exported = false;
+            if s.media {
+                // An image's KV is nobody's cache: cleared, never kept.
+                *s = Seq::default();
+                self.pending_ops.push(WorkerRequest::KvClear { seq });
+            }
+            let s = &mut self.seqs[seq as usize];
             // `--park`: a session's turn is sealed (stateless ones never).
             if self.park
+                && !s.resident.is_empty()
                 && g.admit.session != NO_SESSION
                 && !s.resident.is_empty()
                 && self.spill.park_is_new(g.admit.session, &s.resident)

@@ -23,6 +23,7 @@ fn admit(session: SessionId, prompt: &[Token], max_tokens: u32) -> Admit {
         grammar_from: 0,
         pin: None,
         extras: None,
+        media: vec![],
     }
 }
 
@@ -657,6 +658,7 @@ impl FakeWorker {
                     self.store.remove(key);
                     return Ok(None);
                 }
+                WorkerRequest::MediaLayout { .. } => return Ok(None),
                 WorkerRequest::KvPark {
                     seq,
                     session,
@@ -715,6 +717,7 @@ impl FakeWorker {
                             .filter_map(|i| {
                                 let d = self.table.next_input(i.seq)?;
                                 Some(DecodeItem {
+                                    media: vec![],
                                     seq: i.seq,
                                     pos: self.table.len(i.seq)?,
                                     tokens: vec![d.token],

@@ -111,6 +111,28 @@ pub trait Render: Send + Sync {
         new: &ChatMessage,
         first: bool,
     ) -> Result<Vec<Token>, RenderError>;
+    /// The tokens an image message adds after `history`: rendered like a
+    /// message whose content is `pre + post`, its content tokens being
+    /// `pre`'s, then `image` (the projector's layout of the image), then
+    /// `post`'s. This default (for renderers without a template) is just
+    /// those content tokens.
+    #[allow(clippy::too_many_arguments)]
+    fn image_span(
+        &self,
+        history: &[ChatMessage],
+        tools: &[String],
+        role: Role,
+        pre: &str,
+        image: &[Token],
+        post: &str,
+        first: bool,
+    ) -> Result<Vec<Token>, RenderError> {
+        let _ = (history, tools, role, first);
+        let mut out = self.tokenize(pre);
+        out.extend_from_slice(image);
+        out.extend(self.tokenize(post));
+        Ok(out)
+    }
     /// The opening system turn declaring `tools`.
     fn system_span(&self, text: Option<&str>, tools: &[String]) -> Result<Vec<Token>, RenderError>;
     /// The assistant header that opens a generated turn after `history`.
@@ -231,8 +253,14 @@ pub enum SessionError {
     /// A request sent as a stream that only Generate may be.
     #[error("{0} does not stream")]
     DoesNotStream(String),
-    #[error("AppendImage: this model has no vision projector")]
+    #[error(
+        "AppendImage: this model has no vision projector (start the daemon with --mmproj PATH, \
+         or serve a model reference whose repository has one)"
+    )]
     NoVision,
+    /// AppendImage: the blob or the image it holds was refused.
+    #[error("AppendImage: {0}")]
+    Image(String),
     #[error("Generate streams its replies: send it on the socket or /web/ws")]
     Streams,
     /// A request the session actor does not serve (the registry routes

@@ -179,12 +179,18 @@ pub enum Record {
         tools: Vec<String>,
         span: Vec<Token>,
     },
+    /// `AppendImage`: `span` holds the projector's layout of the image
+    /// (`wire::worker::MEDIA_TOKEN` where an embedding goes) at
+    /// `span[image_at..image_at + image_len]`, between `pre_text`'s tokens
+    /// and `post_text`'s, inside the chat template's message.
     Image {
         role: Role,
         blob: String,
         pre_text: String,
         post_text: String,
         span: Vec<Token>,
+        image_at: u32,
+        image_len: u32,
     },
     Block {
         role: Role,

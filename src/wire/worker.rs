@@ -69,6 +69,25 @@ pub struct DecodeItem {
     pub tokens: Vec<Token>,
     /// Draw the next token from the logits of the last of `tokens`.
     pub sample: Option<Sample>,
+    /// Images on `tokens`, each whole: their positions hold
+    /// [`MEDIA_TOKEN`] where an embedding goes (and the projector's own
+    /// wrapper tokens between). Empty for text.
+    pub media: Vec<MediaSpan>,
+}
+
+/// Stands on a span for a position that holds an image embedding, not a
+/// token: outside every vocabulary.
+pub const MEDIA_TOKEN: Token = u32::MAX;
+
+/// One image on a [`DecodeItem`]'s tokens: `tokens[at..at + len]` is the
+/// layout the worker's projector gave the blob (`MediaLayout`), which the
+/// worker evaluates as one unit (never split across items or requests).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MediaSpan {
+    pub at: u32,
+    pub len: u32,
+    /// The blob's SHA-256 (lowercase hex) in the media store.
+    pub blob: String,
 }
 
 /// One sequence's next steps in a [`WorkerRequest::DecodeNext`]: its first input is the token the
@@ -167,6 +186,10 @@ pub enum WorkerRequest {
         tokens: Vec<Token>,
         len: u32,
     },
+    /// The positions the projector gives an image blob (read from the
+    /// worker's media directory, its hash checked): answered `MediaLayout`.
+    /// Touches no KV.
+    MediaLayout { blob: String },
 }
 
 /// Worker → daemon. Each request gets exactly one reply, in order; `Ready`
@@ -212,6 +235,11 @@ pub enum WorkerResponse {
     /// The reply to a `KvRestore` that could not restore: `seq` is empty.
     NotRestored {
         seq: u32,
+    },
+    /// The reply to `MediaLayout`: the image's positions, [`MEDIA_TOKEN`]
+    /// for each embedding and the projector's wrapper tokens as they are.
+    MediaLayout {
+        tokens: Vec<Token>,
     },
 }
 

@@ -50,5 +50,6 @@ mod surface;
 mod surface_more;
 mod test_models;
 mod util;
+mod vision;
 mod web;
 mod worker;

@@ -91,6 +91,8 @@ fn no_reply_before_the_fsync_that_covers_it() {
             max_loaded_models: 1,
             memory_limit_mb: None,
             placement: Default::default(),
+            mmproj: None,
+            more_mmproj: vec![],
         };
         let shared = start_actors(
             &config,

@@ -980,6 +980,8 @@ fn all_records() -> Vec<Record> {
             pre_text: "Look:".into(),
             post_text: String::new(),
             span: vec![5; 4],
+            image_at: 1,
+            image_len: 2,
         },
         Block {
             role: Role::Assistant,

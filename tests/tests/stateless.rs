@@ -57,6 +57,8 @@ where
             max_loaded_models: 1,
             memory_limit_mb: None,
             placement: Default::default(),
+            mmproj: None,
+            more_mmproj: vec![],
         };
         let shared = start_actors(&config, crate::util::bin().into(), book, w, render, None);
         body(shared).await;
@@ -79,6 +81,7 @@ async fn run(
         grammar: None,
         pin: None,
         extras,
+        media: vec![],
     };
     let mut rx = generation
         .start(&shared.scheduler, shared.generations.clone())

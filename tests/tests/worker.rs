@@ -134,6 +134,7 @@ impl Worker {
 
 fn item(seq: u32, pos: u32, tokens: Vec<u32>, sample: Option<Sample>) -> DecodeItem {
     DecodeItem {
+        media: vec![],
         seq,
         pos,
         tokens,

@@ -444,6 +444,20 @@ class Client:
         """Summaries of the sessions (``Sessions``)."""
         return self._expect("SessionList", "Sessions", {"include_archived": include_archived})["sessions"]
 
+    def put_media(self, data: bytes, mime: Optional[str] = None) -> str:
+        """Stores image bytes in the daemon's media store (``PutMedia``) and
+        returns their SHA-256 hash. ``mime`` defaults to the type sniffed
+        from the bytes (PNG, JPEG, WebP or GIF); the daemon checks the two
+        agree. Over this JSON transport an image is at most about 4 MiB
+        (docs/media.md)."""
+        data = bytes(data)
+        return self._expect("Media", "PutMedia", {"bytes": list(data), "mime": mime or _sniff_image(data)})["hash"]
+
+    def gc_media(self) -> Tuple[int, int]:
+        """Removes blobs no live session references (``GcMedia``): (kept, removed)."""
+        r = self._expect("Gc", "GcMedia")
+        return r["kept"], r["removed"]
+
     def tree(self) -> List[Tuple[int, Optional[int], Optional[int]]]:
         """The fork tree (``Tree``): ``(id, parent, fork_at)`` per session."""
         return [tuple(n) for n in self._expect("Tree", "Tree")["nodes"]]
@@ -658,6 +672,19 @@ def _run_stream(client: Client, body: Dict[str, Any], state: _StreamState) -> It
 # ---- sessions ---------------------------------------------------------------
 
 
+def _sniff_image(data: bytes) -> str:
+    """The MIME type of image bytes, from their signature."""
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "image/png"
+    if data.startswith(b"\xff\xd8\xff"):
+        return "image/jpeg"
+    if len(data) >= 12 and data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "image/webp"
+    if data.startswith((b"GIF87a", b"GIF89a")):
+        return "image/gif"
+    raise SuperfluidError("not a PNG, JPEG, WebP or GIF image")
+
+
 class Session:
     """One session of the daemon, by id; every method is one request.
 
@@ -701,6 +728,29 @@ class Session:
     def assistant(self, text: str) -> Event:
         """Appends an assistant message; returns the committed event."""
         return self.message(2, text)
+
+    def image(
+        self,
+        image: Union[str, bytes, "os.PathLike[str]"],
+        pre_text: str = "",
+        post_text: str = "",
+        role: Union[int, str] = "user",
+    ) -> Event:
+        """Appends an image message (``AppendImage``): ``image`` is a file's
+        path, raw bytes, or a ``PutMedia`` hash (64 hex digits); bytes and
+        files are stored first (``Client.put_media``). The image goes between
+        ``pre_text`` and ``post_text``. Needs a model with a vision projector
+        (``serve --mmproj``)."""
+        if isinstance(image, str) and len(image) == 64 and all(c in "0123456789abcdef" for c in image):
+            blob = image
+        elif isinstance(image, (bytes, bytearray)):
+            blob = self.client.put_media(bytes(image))
+        else:
+            with open(image, "rb") as f:
+                blob = self.client.put_media(f.read())
+        return self._committed(
+            "AppendImage", {"role": _role(role), "blob": blob, "pre_text": pre_text, "post_text": post_text}
+        )
 
     def append(self, text: Optional[str] = None, span: Sequence[int] = ()) -> Event:
         """Appends raw text or token ids outside the template (``Append``)."""

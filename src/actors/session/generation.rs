@@ -240,6 +240,7 @@ impl SessionActor {
             grammar_from: plan.grammar_from,
             pin: None,
             extras: None,
+            media: plan.media,
         };
         let opening = plan.opening;
         let shared = self.shared.clone();

@@ -53,6 +53,60 @@ pub(super) async fn system(
     commit(shared, planned).await
 }
 
+/// `AppendImage`: the worker lays the blob out (reading it from the media
+/// store, its hash checked), then the message is rendered around it.
+pub(super) async fn image(
+    shared: &Shared,
+    session: SessionId,
+    role: u8,
+    blob: String,
+    pre_text: String,
+    post_text: String,
+) -> Result<Response, SessionError> {
+    use crate::wire::worker::{WorkerRequest, WorkerResponse};
+    let Some(lane) = &shared.vision else {
+        return Err(SessionError::NoVision);
+    };
+    if !crate::media::is_hash(&blob) {
+        return Err(SessionError::Image(format!(
+            "blob {blob:?} is not a PutMedia hash (64 lowercase hex digits)"
+        )));
+    }
+    // Refuse a purged or unknown session before the worker is asked.
+    shared.read().plan_check_live(session)?;
+    let replies = lane
+        .send(crate::actors::lane::Exec(vec![
+            WorkerRequest::MediaLayout { blob: blob.clone() },
+        ]))
+        .await
+        .map_err(|e| SessionError::SchedulerGone(e.to_string()))?
+        .map_err(|e| SessionError::Image(e.to_string()))?;
+    let layout = match replies.into_iter().next() {
+        Some(WorkerResponse::MediaLayout { tokens }) => tokens,
+        Some(WorkerResponse::Err { message }) => return Err(SessionError::Image(message)),
+        other => {
+            return Err(SessionError::Image(format!(
+                "unexpected reply from the worker: {other:?}"
+            )))
+        }
+    };
+    let now = now_ms();
+    let planned = plan_off_thread(shared, |book, render| {
+        book.plan_image(
+            session,
+            role,
+            blob.clone(),
+            pre_text.clone(),
+            post_text.clone(),
+            &layout,
+            render,
+            now,
+        )
+    })
+    .await?;
+    commit(shared, planned).await
+}
+
 /// `AppendBlock`.
 pub(super) async fn block(
     shared: &Shared,

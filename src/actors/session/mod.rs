@@ -228,7 +228,13 @@ async fn serve(shared: &Shared, req: Request) -> Result<Response, SessionError> 
             kind,
             payload,
         } => messages::block(shared, session, role, kind, payload).await,
-        AppendImage { .. } => Err(SessionError::NoVision),
+        AppendImage {
+            session,
+            role,
+            blob,
+            pre_text,
+            post_text,
+        } => messages::image(shared, session, role, blob, pre_text, post_text).await,
         Read { session, cursor } => messages::read(shared, session, cursor),
         Inspect { session } => messages::inspect(shared, session),
         AppendToolResult {

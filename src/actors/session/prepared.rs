@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex};
 use crate::actors::Shared;
 use crate::session::SessionBook;
 use crate::session::{ChatMessage, Render, RenderError, RenderedConversation, SessionError};
-use crate::wire::Token;
+use crate::wire::{Role, Token};
 
 /// A render call whose answer is not known yet: its inputs, owned.
 #[derive(Debug, Clone, Hash)]
@@ -39,6 +39,15 @@ enum Call {
         history: Vec<ChatMessage>,
         tools: Vec<String>,
     },
+    Image {
+        history: Vec<ChatMessage>,
+        tools: Vec<String>,
+        role: Role,
+        pre: String,
+        image: Vec<Token>,
+        post: String,
+        first: bool,
+    },
 }
 
 /// What a call answered.
@@ -56,6 +65,15 @@ impl Call {
             } => render.message_span(history, tools, new, *first),
             Call::System { text, tools } => render.system_span(text.as_deref(), tools),
             Call::Prompt { history, tools } => render.generation_prompt_span(history, tools),
+            Call::Image {
+                history,
+                tools,
+                role,
+                pre,
+                image,
+                post,
+                first,
+            } => render.image_span(history, tools, *role, pre, image, post, *first),
         }
     }
 }
@@ -160,6 +178,39 @@ impl Render for Prepared<'_> {
                 history: history.to_vec(),
                 tools: tools.to_vec(),
                 new: new.clone(),
+                first,
+            },
+        )
+    }
+    fn image_span(
+        &self,
+        history: &[ChatMessage],
+        tools: &[String],
+        role: Role,
+        pre: &str,
+        image: &[Token],
+        post: &str,
+        first: bool,
+    ) -> Result<Vec<Token>, RenderError> {
+        self.answer(
+            // Always off the thread: it renders the conversation twice.
+            INLINE_BYTES + messages_bytes(history),
+            || {
+                key(self.seed, 4, |h| {
+                    (history, tools, role, pre, image, post, first).hash(h)
+                })
+            },
+            || {
+                self.inner
+                    .image_span(history, tools, role, pre, image, post, first)
+            },
+            || Call::Image {
+                history: history.to_vec(),
+                tools: tools.to_vec(),
+                role,
+                pre: pre.to_owned(),
+                image: image.to_vec(),
+                post: post.to_owned(),
                 first,
             },
         )

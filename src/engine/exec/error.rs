@@ -71,6 +71,10 @@ pub enum RequestError {
     BatchRejected(i32),
     #[error("llama_decode failed: {0}")]
     Decode(String),
+    /// An image could not be laid out or evaluated (a missing or corrupt
+    /// blob, no projector, an image the projector refuses).
+    #[error("{0}")]
+    Media(String),
     #[error("internal error: {0}")]
     Internal(String),
 }

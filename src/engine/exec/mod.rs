@@ -53,6 +53,7 @@ mod grammar;
 mod penalties;
 pub mod seqs;
 pub mod spill;
+pub mod vision;
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -62,6 +63,7 @@ use llama_cpp_2::context::LlamaContext;
 use llama_cpp_2::llama_batch::LlamaBatch;
 use llama_cpp_2::model::params::LlamaModelParams;
 use llama_cpp_2::model::LlamaModel;
+use llama_cpp_2::mtmd::MtmdInputChunks;
 use llama_cpp_2::token::LlamaToken;
 use llama_cpp_2::DecodeError;
 
@@ -108,6 +110,8 @@ pub struct WorkerEngine {
     // its vocabulary, the context its weights) is declared before `model`.
     grammars: Grammars,
     batch: LlamaBatch<'static>,
+    /// `--mmproj`: the projector (it holds the model's vocabulary).
+    vision: Option<vision::Vision>,
     /// Borrows `*model`; the `'static` is a lie kept inside this struct (see [`WorkerEngine::new`]).
     ctx: LlamaContext<'static>,
     model: Box<LlamaModel>,
@@ -262,6 +266,7 @@ impl WorkerEngine {
         Ok(WorkerEngine {
             grammars: Grammars::new(n_seq),
             batch: LlamaBatch::new(step as usize, 1),
+            vision: None,
             ctx,
             model,
             seqs: SeqTable::new(n_seq, effective.n_ctx, n_vocab),
@@ -275,6 +280,21 @@ impl WorkerEngine {
             park: None,
             kv_type,
         })
+    }
+
+    /// `--mmproj`: load the vision projector at `mmproj`; images are read
+    /// from the media store in `media_dir`.
+    pub fn with_vision(
+        mut self,
+        mmproj: &Path,
+        media_dir: &Path,
+    ) -> Result<WorkerEngine, EngineError> {
+        let model: &LlamaModel = &self.model;
+        let vision = vision::Vision::load(mmproj, model, self.config.threads, media_dir)
+            .map_err(EngineError::Projector)?;
+        log::info!("vision projector ready: {}", mmproj.display());
+        self.vision = Some(vision);
+        Ok(self)
     }
 
     /// `--park`: seal sessions' KV into `dir` (`KvPark`) and restore it
@@ -342,6 +362,18 @@ impl WorkerEngine {
     /// Execute one request and return its one reply. `Shutdown` answers `Done` (the caller
     /// stops). Never panics on bad input: it answers `Err` (or `KvFull`).
     pub fn handle(&mut self, request: &WorkerRequest) -> WorkerResponse {
+        if let WorkerRequest::MediaLayout { blob } = request {
+            // Touches no KV: a refused image leaves every draw in place.
+            return match self.vision.as_ref().map(|v| v.layout(blob)) {
+                Some(Ok(tokens)) => WorkerResponse::MediaLayout { tokens },
+                Some(Err(e)) => WorkerResponse::Err {
+                    message: e.to_string(),
+                },
+                None => WorkerResponse::Err {
+                    message: "this model has no vision projector (--mmproj)".into(),
+                },
+            };
+        }
         let result = match request {
             WorkerRequest::Decode { items } => self.decode(items).map(Decoded::reply),
             WorkerRequest::KvTrim { seq, from } => self.kv_trim(*seq, *from),
@@ -366,6 +398,7 @@ impl WorkerEngine {
                 tokens,
                 len,
             } => self.kv_unpark(*seq, *session, tokens, *len),
+            WorkerRequest::MediaLayout { .. } => Err(RequestError::Internal("unreachable".into())),
         };
         result.unwrap_or_else(|error| {
             log::debug!("request failed: {error}");
@@ -392,6 +425,7 @@ impl WorkerEngine {
                 .filter_map(|n| {
                     let d = self.seqs.next_input(n.seq)?;
                     Some(DecodeItem {
+                        media: vec![],
                         seq: n.seq,
                         pos: self.seqs.len(n.seq)?,
                         tokens: vec![d.token],
@@ -697,7 +731,8 @@ impl WorkerEngine {
         self.seqs.validate_decode(items)?;
         // A grammar that does not parse fails its own item only: the item is
         // left out, its sequence untouched.
-        let refused = self.grammars.prepare(&self.model, &self.seqs, items);
+        let mut refused = self.grammars.prepare(&self.model, &self.seqs, items);
+        let images = self.prepare_images(items, &mut refused);
         let kept: Vec<DecodeItem>;
         let items = if refused.is_empty() {
             items
@@ -713,7 +748,7 @@ impl WorkerEngine {
         let result = if items.is_empty() {
             Ok(Decoded::default())
         } else {
-            self.decode_items(items)
+            self.decode_items(items, images)
         };
         match result {
             Ok(mut out) => {
@@ -744,15 +779,83 @@ impl WorkerEngine {
         }
     }
 
-    fn decode_items(&mut self, items: &[DecodeItem]) -> Result<Decoded, RequestError> {
+    /// Reads and lays out the images of every item not refused yet, in
+    /// order. An image that cannot be (a missing or corrupt blob, no
+    /// projector, another layout than its span's) refuses its own item, so
+    /// another session's item in the same request is not failed by it.
+    fn prepare_images(
+        &mut self,
+        items: &[DecodeItem],
+        refused: &mut Vec<Refused>,
+    ) -> Vec<MtmdInputChunks> {
+        let mut out = Vec::new();
+        for item in items.iter().filter(|i| !i.media.is_empty()) {
+            if refused.iter().any(|r| r.seq == item.seq) {
+                continue;
+            }
+            let mut mine = Vec::new();
+            for m in &item.media {
+                let span = &item.tokens[m.at as usize..(m.at + m.len) as usize];
+                let got = match &self.vision {
+                    Some(v) => v.prepare(&m.blob, span),
+                    None => Err(RequestError::Media(
+                        "this model has no vision projector (--mmproj)".into(),
+                    )),
+                };
+                match got {
+                    Ok(chunks) => mine.push(chunks),
+                    Err(e) => {
+                        refused.push(Refused {
+                            seq: item.seq,
+                            message: e.to_string(),
+                        });
+                        mine.clear();
+                        break;
+                    }
+                }
+            }
+            out.extend(mine);
+        }
+        out
+    }
+
+    fn decode_items(
+        &mut self,
+        items: &[DecodeItem],
+        images: Vec<MtmdInputChunks>,
+    ) -> Result<Decoded, RequestError> {
         let step = self.config.n_batch as usize;
+        // The items' images, prepared in order ([`Self::prepare_images`]).
+        let mut prepared = images.into_iter();
         let mut out = Decoded::default();
         // (item index, batch index) of the logits the current batch will produce.
         let mut pending: Vec<(usize, i32)> = Vec::new();
         self.batch.clear();
         for (k, item) in items.iter().enumerate() {
             let last = item.tokens.len() - 1;
+            let mut images = item.media.iter().peekable();
+            let mut skip_to = 0;
             for (j, &token) in item.tokens.iter().enumerate() {
+                if j < skip_to {
+                    continue;
+                }
+                if let Some(m) = images.next_if(|m| m.at as usize == j) {
+                    // An image is evaluated whole, after what is batched before it.
+                    if self.batch.n_tokens() > 0 {
+                        self.run_batch(items, &mut pending, &mut out)?;
+                    }
+                    let (Some(vision), Some(chunks)) = (self.vision.as_mut(), prepared.next())
+                    else {
+                        return Err(RequestError::Internal("an image was not prepared".into()));
+                    };
+                    let started = Instant::now();
+                    let pos = item.pos + j as u32;
+                    vision.eval(&mut self.ctx, &chunks, item.seq, pos, m.len, step as u32)?;
+                    out.decode_us += started.elapsed().as_micros() as u64;
+                    out.tokens += m.len;
+                    skip_to = j + m.len as usize;
+                    continue;
+                }
                 let logits = j == last && item.sample.is_some();
                 let pos = (item.pos as usize + j) as i32;
                 self.batch
@@ -930,6 +1033,7 @@ mod tests {
         let decode = |e: &mut WorkerEngine, seq, pos: u32, tokens: &[u32]| match e.handle(
             &WorkerRequest::Decode {
                 items: vec![DecodeItem {
+                    media: vec![],
                     seq,
                     pos,
                     tokens: tokens.to_vec(),
@@ -1014,6 +1118,7 @@ mod tests {
         let prompt: Vec<u32> = (0..20).map(|i| 200 + i * 13).collect();
         let first = |e: &mut WorkerEngine, seq| match e.handle(&WorkerRequest::Decode {
             items: vec![DecodeItem {
+                media: vec![],
                 seq,
                 pos: 0,
                 tokens: prompt.clone(),
@@ -1032,6 +1137,7 @@ mod tests {
         for k in 0..3u32 {
             let r = e.handle(&WorkerRequest::Decode {
                 items: vec![DecodeItem {
+                    media: vec![],
                     seq: 0,
                     pos: 20 + k,
                     tokens: vec![input],
@@ -1151,6 +1257,7 @@ mod tests {
         let draw = |e: &mut WorkerEngine, seq, pos, tokens: Vec<u32>, sample| match e.handle(
             &WorkerRequest::Decode {
                 items: vec![DecodeItem {
+                    media: vec![],
                     seq,
                     pos,
                     tokens,
@@ -1202,6 +1309,7 @@ mod tests {
                 .collect::<Vec<_>>()
         };
         let item = |seq, pos, n, sample| DecodeItem {
+            media: vec![],
             seq,
             pos,
             tokens: tokens(n),

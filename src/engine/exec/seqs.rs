@@ -8,7 +8,7 @@
 //! the worker's own contract.
 
 use super::error::RequestError;
-use crate::wire::worker::{DecodeItem, Drawn, NextItem, MAX_NEXT_STEPS};
+use crate::wire::worker::{DecodeItem, Drawn, NextItem, MAX_NEXT_STEPS, MEDIA_TOKEN};
 
 /// Per sequence: its length and its last draw; the limits requests are
 /// checked against.
@@ -79,9 +79,19 @@ impl SeqTable {
             if item.tokens.is_empty() {
                 return Err(at(RequestError::NoTokens));
             }
-            if let Some(&bad) = item.tokens.iter().find(|&&t| !self.is_token(t)) {
+            check_media(item).map_err(RequestError::at(k))?;
+            let embedding = |j: usize| {
+                item.tokens[j] == MEDIA_TOKEN
+                    && item
+                        .media
+                        .iter()
+                        .any(|m| (m.at as usize..(m.at + m.len) as usize).contains(&j))
+            };
+            if let Some(j) =
+                (0..item.tokens.len()).find(|&j| !embedding(j) && !self.is_token(item.tokens[j]))
+            {
                 return Err(at(RequestError::InvalidToken {
-                    token: bad,
+                    token: item.tokens[j],
                     n_vocab: self.n_vocab,
                 }));
             }
@@ -216,6 +226,30 @@ impl SeqTable {
     }
 }
 
+/// An item's images: each inside its tokens, in order, not overlapping, and
+/// never the last token when the item draws (the logits come from a token).
+fn check_media(item: &DecodeItem) -> Result<(), RequestError> {
+    let mut end = 0u64;
+    for m in &item.media {
+        let (at, len) = (u64::from(m.at), u64::from(m.len));
+        let bad = |why: &str| Err(RequestError::Media(format!("image {}: {why}", m.blob)));
+        if len == 0 {
+            return bad("no positions");
+        }
+        if at < end {
+            return bad("overlaps the image before it");
+        }
+        end = at + len;
+        if end > item.tokens.len() as u64 {
+            return bad("runs past the item's tokens");
+        }
+        if item.sample.is_some() && end == item.tokens.len() as u64 {
+            return bad("ends the item, whose last token must be a token to draw from");
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -234,6 +268,7 @@ mod tests {
 
     fn item(seq: u32, pos: u32, tokens: Vec<u32>) -> DecodeItem {
         DecodeItem {
+            media: vec![],
             seq,
             pos,
             tokens,

@@ -396,6 +396,7 @@ pub async fn messages(
         let max_tokens = budget(&state, F, prompt.len(), Some(r.max_tokens), "max_tokens")?;
         let params = params(r.temperature, r.top_p, r.top_k, None, None, F)?;
         let p = Prepared {
+            media: vec![],
             prompt,
             max_tokens,
             grammar,

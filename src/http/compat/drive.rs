@@ -36,6 +36,8 @@ pub struct Spec {
     pub pin: Option<PrefixPin>,
     /// Penalties, logit bias, log-probabilities (OpenAI).
     pub extras: Option<SampleExtras>,
+    /// The images on `prompt` (offsets into it).
+    pub media: Vec<crate::wire::worker::MediaSpan>,
 }
 
 /// Why a generation ended.
@@ -136,6 +138,7 @@ pub async fn start(shared: &Shared, spec: Spec) -> Result<Run, DriveError> {
         trim_leading,
         pin,
         extras,
+        media,
     } = spec;
     let generation = StatelessGen {
         prompt,
@@ -144,6 +147,7 @@ pub async fn start(shared: &Shared, spec: Spec) -> Result<Run, DriveError> {
         grammar,
         pin,
         extras,
+        media,
     };
     let mut events = generation
         .start(&shared.scheduler, shared.generations.clone())

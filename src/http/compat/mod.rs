@@ -426,6 +426,8 @@ pub(crate) struct Prepared {
     pub pin: Option<(usize, u64)>,
     /// OpenAI's penalties, logit bias and log-probabilities.
     pub extras: Option<crate::wire::SampleExtras>,
+    /// The images on `prompt` (offsets into it).
+    pub media: Vec<crate::wire::worker::MediaSpan>,
 }
 
 /// Starts the `n` generations of one request; the first's warm prefix is
@@ -457,6 +459,7 @@ pub(crate) async fn start_all(
             trim_leading,
             pin: p.pin.map(|(len, ttl_ms)| PrefixPin { len, ttl_ms }),
             extras: p.extras.clone(),
+            media: p.media.clone(),
         };
         drive::start(&state.m().shared, spec)
     });

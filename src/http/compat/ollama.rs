@@ -561,6 +561,7 @@ fn prepare_chat(state: &WebState, r: &ChatRequest) -> Result<Job, ApiError> {
     let o = o.unwrap_or(&default);
     Ok(Job {
         p: Prepared {
+            media: vec![],
             prompt,
             max_tokens: max,
             grammar,
@@ -638,6 +639,7 @@ fn prepare_generate(state: &WebState, r: &GenerateRequest) -> Result<Job, ApiErr
     let o = o.unwrap_or(&default);
     Ok(Job {
         p: Prepared {
+            media: vec![],
             prompt,
             max_tokens: max,
             grammar,

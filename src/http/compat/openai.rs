@@ -259,6 +259,7 @@ pub(crate) fn prepare_chat(state: &WebState, r: &ChatRequest) -> Result<Prepared
     };
     let max_tokens = budget(state, F, prompt.len(), asked, param)?;
     Ok(Prepared {
+        media: vec![],
         prompt,
         max_tokens,
         grammar,
@@ -806,6 +807,7 @@ pub async fn completions(
             "max_tokens",
         )?;
         let p = Prepared {
+            media: vec![],
             prompt,
             max_tokens,
             grammar: None,

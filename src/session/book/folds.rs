@@ -4,6 +4,7 @@
 
 use super::{ChatMessage, SessionBook, SessionError};
 use crate::session::turn::ends_turn;
+use crate::wire::worker::MediaSpan;
 use crate::wire::{
     Channel, Event, EventId, LedgerEntry, LedgerStatus, QosClass, Record, Role, SessionId, Token,
 };
@@ -59,6 +60,29 @@ impl TurnState {
 }
 
 /// Every token `events` put on the input, in order.
+/// The images on a session's input, at offsets into [`input_of`].
+pub(super) fn media_of(events: &[Event]) -> Vec<MediaSpan> {
+    let mut offset = 0u32;
+    let mut out = Vec::new();
+    for e in events {
+        if let Record::Image {
+            blob,
+            image_at,
+            image_len,
+            ..
+        } = &e.body
+        {
+            out.push(MediaSpan {
+                at: offset + image_at,
+                len: *image_len,
+                blob: blob.clone(),
+            });
+        }
+        offset += e.body.span().len() as u32;
+    }
+    out
+}
+
 pub(super) fn input_of(events: &[Event]) -> Vec<Token> {
     events
         .iter()
@@ -91,6 +115,18 @@ pub(super) fn chat_messages(events: &[Event]) -> Vec<ChatMessage> {
                 out.push(ChatMessage {
                     role: *role,
                     content: payload.clone(),
+                })
+            }
+            Record::Image {
+                role,
+                pre_text,
+                post_text,
+                ..
+            } => {
+                in_assistant = false;
+                out.push(ChatMessage {
+                    role: *role,
+                    content: format!("{pre_text}{post_text}"),
                 })
             }
             Record::ToolResult { content, .. } => {

@@ -192,6 +192,12 @@ impl SessionBook {
         Ok(sess)
     }
 
+    /// Err unless the session exists and is not purged (a check before
+    /// work done outside the book).
+    pub fn plan_check_live(&self, s: SessionId) -> Result<(), SessionError> {
+        self.live(s).map(|_| ())
+    }
+
     /// True when the session exists and is not purged.
     pub fn is_live(&self, s: SessionId) -> bool {
         self.live(s).is_ok()
@@ -270,11 +276,22 @@ impl SessionBook {
     }
 
     /// The media blobs that live (not purged) sessions reference, which
-    /// `GcMedia` keeps. No record names a blob yet: `AppendImage` is refused
-    /// until a projector can be loaded (docs/media.md), so today every blob is
-    /// unreferenced and only the grace period keeps it.
+    /// `GcMedia` keeps: every `Image` event a live session reads, its
+    /// inherited history included (a purged parent's images stay while a
+    /// live fork reads them).
     pub fn media_refs(&self) -> std::collections::HashSet<String> {
-        std::collections::HashSet::new()
+        let mut out = std::collections::HashSet::new();
+        for (id, s) in &self.sessions {
+            if s.purged {
+                continue;
+            }
+            for e in self.all_events(*id) {
+                if let Record::Image { blob, .. } = &e.body {
+                    out.insert(blob.clone());
+                }
+            }
+        }
+        out
     }
 
     /// `Sessions`.

@@ -6,13 +6,14 @@
 use serde_json::Value;
 
 use super::folds::{
-    chat_messages, declared_tools, forced_tools_of, input_of, output_format_of, qos_of,
+    chat_messages, declared_tools, forced_tools_of, input_of, media_of, output_format_of, qos_of,
 };
 use super::{PlannedEvent, SessionBook, TurnState};
 use crate::session::grammar::{forced_call, json_format, SchemaToGrammar};
 use crate::session::output::Markers;
 use crate::session::turn::TurnOutput;
 use crate::session::{Render, SessionError};
+use crate::wire::worker::MediaSpan;
 use crate::wire::{Params, QosClass, Record, SessionId, Token};
 
 /// What `Generate` does to a session, from one read of the book.
@@ -29,6 +30,8 @@ pub struct GenerationPlan {
     pub opening: Option<PlannedEvent>,
     /// Every token on the session's input once `opening` is committed.
     pub prompt: Vec<Token>,
+    /// The images on `prompt` (`AppendImage`), at offsets into it.
+    pub media: Vec<MediaSpan>,
     pub params: Params,
     /// The session's QoS class and batch invariance.
     pub class: QosClass,
@@ -85,6 +88,7 @@ impl SessionBook {
         let events = self.all_events(s);
         let state = TurnState::of(&events, think_close);
         let mut prompt = input_of(&events);
+        let media = media_of(&events);
         // The last turn's header and where its output begins.
         let mut header = None;
         let mut offset = 0;
@@ -128,6 +132,7 @@ impl SessionBook {
             state,
             opening,
             prompt,
+            media,
             params: sess.params,
             class,
             batch_invariant,

@@ -3,6 +3,8 @@
 
 use super::folds::{chat_messages, declared_tools, is_input};
 use super::{ChatMessage, Planned, Render, SessionBook, SessionError};
+use crate::session::RenderError;
+use crate::wire::worker::MEDIA_TOKEN;
 use crate::wire::{Event, Record, Role, SessionId, Token};
 
 /// A request's role, as a [`Role`]: an unknown one is refused.
@@ -126,6 +128,69 @@ impl SessionBook {
                 kind,
                 payload,
                 span,
+            },
+        )
+    }
+
+    /// `AppendImage`: `layout` is the projector's layout of the blob (the
+    /// worker's `MediaLayout`), placed between `pre_text`'s tokens and
+    /// `post_text`'s inside the chat template's message.
+    #[allow(clippy::too_many_arguments)]
+    pub fn plan_image(
+        &self,
+        s: SessionId,
+        role: u8,
+        blob: String,
+        pre_text: String,
+        post_text: String,
+        layout: &[Token],
+        render: &dyn Render,
+        now: u64,
+    ) -> Result<Planned, SessionError> {
+        let role = check_role(role)?;
+        self.live(s)?;
+        // Where the layout lands is found by its first embedding position,
+        // which no text token can be.
+        let first_embedding = layout
+            .iter()
+            .position(|&t| t == MEDIA_TOKEN)
+            .ok_or_else(|| {
+                SessionError::Image("the projector laid the image out with no embedding".into())
+            })?;
+        let events = self.all_events(s);
+        let first = events.iter().all(|e| e.body.span().is_empty());
+        let span = render
+            .image_span(
+                &chat_messages(&events),
+                &declared_tools(&events),
+                role,
+                &pre_text,
+                layout,
+                &post_text,
+                first,
+            )
+            .map_err(SessionError::Render)?;
+        let image_at = span
+            .iter()
+            .position(|&t| t == MEDIA_TOKEN)
+            .and_then(|p| p.checked_sub(first_embedding))
+            .filter(|&at| span.get(at..at + layout.len()) == Some(layout))
+            .ok_or_else(|| {
+                SessionError::Render(RenderError(
+                    "the chat template did not keep the image where it was put".into(),
+                ))
+            })?;
+        self.one_event(
+            s,
+            now,
+            Record::Image {
+                role,
+                blob,
+                pre_text,
+                post_text,
+                span,
+                image_at: image_at as u32,
+                image_len: layout.len() as u32,
             },
         )
     }
