@@ -321,13 +321,12 @@ impl Render for ModelRender {
         history: &[ChatMessage],
         tool_list: &[String],
         role: crate::wire::Role,
-        pre: &str,
-        image: &[Token],
-        post: &str,
+        texts: &[String],
+        images: &[Vec<Token>],
         first: bool,
     ) -> Result<Vec<Token>, RenderError> {
         self.renderer
-            .image_span(history, &tools(tool_list)?, role, pre, image, post, first)
+            .image_span(history, &tools(tool_list)?, role, texts, images, first)
             .map_err(|e| RenderError(e.to_string()))
     }
     fn system_span(

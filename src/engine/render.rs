@@ -96,25 +96,28 @@ impl Renderer {
             .map(|(tokens, _)| tokens)
     }
 
-    /// The span of an image message: `new`'s content is `pre + post` for the template, and its
-    /// tokens are `pre`'s, then `image` (the projector's layout of the image), then `post`'s.
-    /// Refused when the template does not keep the content as given (it trims or transforms it):
-    /// the image would have no place.
-    #[allow(clippy::too_many_arguments)]
+    /// The span of a message with images: `texts[0]`, `images[0]`, `texts[1]`, ... `texts[n]`
+    /// (one more text than images). The template renders it like a message whose content is the
+    /// texts joined; its content tokens are each text's, with each image's layout (the
+    /// projector's positions) between them. Refused when the template does not keep the content
+    /// as given (it trims or transforms it): the images would have no place.
     pub fn image_span(
         &self,
         history: &[ChatMessage],
         tools: &[Json],
         role: Role,
-        pre: &str,
-        image: &[Token],
-        post: &str,
+        texts: &[String],
+        images: &[Vec<Token>],
         first_tokens: bool,
     ) -> Result<Vec<Token>, EngineError> {
-        let new = ChatMessage::new(role, format!("{pre}{post}"));
-        let mut content = self.vocab.tokenize(pre, false);
-        content.extend_from_slice(image);
-        content.extend(self.vocab.tokenize(post, false));
+        let new = ChatMessage::new(role, texts.concat());
+        let mut content = Vec::new();
+        for (i, text) in texts.iter().enumerate() {
+            content.extend(self.vocab.tokenize(text, false));
+            if let Some(image) = images.get(i) {
+                content.extend_from_slice(image);
+            }
+        }
         match self.span_of(history, tools, &new, first_tokens, Some(content))? {
             (tokens, Some(_)) => Ok(tokens),
             (_, None) => Err(EngineError::TemplateNotIncremental(

@@ -65,6 +65,37 @@ impl RenderedConversation {
     }
 }
 
+/// Where each image's layout starts in `span` (a rendering with `images`
+/// placed in order): found by each layout's first embedding position, which
+/// no text token can be. Err when a layout has no embedding or the template
+/// did not keep one whole where it was put.
+pub fn locate_images(span: &[Token], images: &[Vec<Token>]) -> Result<Vec<usize>, RenderError> {
+    use crate::wire::worker::MEDIA_TOKEN;
+    let mut out = Vec::with_capacity(images.len());
+    let mut cursor = 0;
+    for layout in images {
+        let lead = layout
+            .iter()
+            .position(|&t| t == MEDIA_TOKEN)
+            .ok_or_else(|| {
+                RenderError("the projector laid an image out with no embedding".into())
+            })?;
+        let at = span
+            .iter()
+            .skip(cursor)
+            .position(|&t| t == MEDIA_TOKEN)
+            .map(|p| p + cursor)
+            .and_then(|p| p.checked_sub(lead))
+            .filter(|&at| at >= cursor && span.get(at..at + layout.len()) == Some(&layout[..]))
+            .ok_or_else(|| {
+                RenderError("the chat template did not keep an image where it was put".into())
+            })?;
+        out.push(at);
+        cursor = at + layout.len();
+    }
+    Ok(out)
+}
+
 /// A conversation as the concatenation of each message's span and the
 /// assistant header: one template render per message and its history.
 pub fn conversation_by_spans<R: Render + ?Sized>(
@@ -111,26 +142,29 @@ pub trait Render: Send + Sync {
         new: &ChatMessage,
         first: bool,
     ) -> Result<Vec<Token>, RenderError>;
-    /// The tokens an image message adds after `history`: rendered like a
-    /// message whose content is `pre + post`, its content tokens being
-    /// `pre`'s, then `image` (the projector's layout of the image), then
-    /// `post`'s. This default (for renderers without a template) is just
-    /// those content tokens.
-    #[allow(clippy::too_many_arguments)]
+    /// The tokens a message with images adds after `history`: `texts[0]`,
+    /// `images[0]`, `texts[1]`, ... (one more text than images), rendered
+    /// like a message whose content is the texts joined, its content tokens
+    /// being each text's with each image's layout (the projector's
+    /// positions) between them. This default (for renderers without a
+    /// template) is just those content tokens.
     fn image_span(
         &self,
         history: &[ChatMessage],
         tools: &[String],
         role: Role,
-        pre: &str,
-        image: &[Token],
-        post: &str,
+        texts: &[String],
+        images: &[Vec<Token>],
         first: bool,
     ) -> Result<Vec<Token>, RenderError> {
         let _ = (history, tools, role, first);
-        let mut out = self.tokenize(pre);
-        out.extend_from_slice(image);
-        out.extend(self.tokenize(post));
+        let mut out = Vec::new();
+        for (i, text) in texts.iter().enumerate() {
+            out.extend(self.tokenize(text));
+            if let Some(image) = images.get(i) {
+                out.extend_from_slice(image);
+            }
+        }
         Ok(out)
     }
     /// The opening system turn declaring `tools`.

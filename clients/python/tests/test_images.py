@@ -3,15 +3,23 @@ Client.gc_media) on the derived vision test model: the default model with
 idefics3's wrapper tokens and a random projector (its answers are noise; the
 tests check the mechanics)."""
 
+import base64
 import hashlib
+import os
 import struct
 import zlib
+
+import anthropic
+import ollama
+import openai
+import pytest
+from compat import KEY, ant, oai
 
 from superfluid_client import SuperfluidError
 from superfluid_client.daemon import derived_model
 
 MODEL = "SmolLM2-135M-vision.gguf"
-EXTRA_ARGS = ["--mmproj", derived_model("mmproj-SmolLM2-135M-vision.gguf")]
+EXTRA_ARGS = ["--mmproj", derived_model("mmproj-SmolLM2-135M-vision.gguf"), "--api-key", KEY]
 
 
 def png(w, h, rgb):
@@ -52,3 +60,120 @@ def test_not_an_image_is_refused_before_it_is_sent(sf):
         assert "not a PNG" in str(e)
     else:
         raise AssertionError("bytes that are not an image were taken")
+
+
+def data_uri(data):
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def image_chat(client, data, seed=3):
+    return client.chat.completions.create(
+        model="SmolLM2-135M-vision",
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is in this picture?"},
+                    {"type": "image_url", "image_url": {"url": data_uri(data)}},
+                ],
+            }
+        ],
+        max_tokens=8,
+        temperature=0,
+        seed=seed,
+    )
+
+
+def test_openai_chat_takes_a_data_uri_image_and_never_caches_it(daemon):
+    client = oai(daemon)
+    black, white = png(40, 40, (0, 0, 0)), png(40, 40, (255, 255, 255))
+    a = image_chat(client, black)
+    assert a.choices[0].message.content is not None
+    assert a.usage.prompt_tokens > 14, "the image's 14 positions are on the prompt"
+    # Requests with images never use the cache: the same request again
+    # prefills it all.
+    b = image_chat(client, black)
+    details = b.usage.prompt_tokens_details
+    assert details is None or not details.cached_tokens
+    assert b.choices[0].message.content == a.choices[0].message.content
+    # The image is on the input: a white one draws another reply.
+    c = image_chat(client, white)
+    assert c.choices[0].message.content != a.choices[0].message.content
+    # The image went through the media store like PutMedia.
+    media = os.path.join(daemon.sessions, "media", hashlib.sha256(black).hexdigest())
+    assert os.path.exists(media)
+
+
+def test_openai_chat_refuses_image_urls_and_bad_images_with_400(daemon):
+    client = oai(daemon)
+    for url, needle in [
+        ("https://example.com/cat.png", "no outbound requests"),
+        ("data:image/png;base64," + base64.b64encode(b"not a png").decode(), "not an image"),
+        ("data:text/plain;base64,aGk=", "mime"),
+        ("ftp://x/y.png", "data: URI"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(
+                model="SmolLM2-135M-vision",
+                messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}],
+                max_tokens=4,
+            )
+        assert needle in str(e.value), (url, str(e.value))
+
+
+def test_anthropic_image_blocks_and_url_sources(daemon):
+    client = ant(daemon)
+
+    def ask(data):
+        return client.messages.create(
+            model="SmolLM2-135M-vision",
+            max_tokens=8,
+            extra_body={"temperature": 0},
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}},
+                        {"type": "text", "text": "What is in this picture?"},
+                    ],
+                }
+            ],
+        )
+
+    black = base64.b64encode(png(30, 30, (0, 0, 0))).decode()
+    white = base64.b64encode(png(30, 30, (255, 255, 255))).decode()
+    a, b, c = ask(black), ask(black), ask(white)
+    assert a.usage.input_tokens > 14
+    assert not b.usage.cache_read_input_tokens
+    assert a.content[0].text == b.content[0].text != c.content[0].text
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(
+            model="SmolLM2-135M-vision",
+            max_tokens=4,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [{"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}],
+                }
+            ],
+        )
+    assert "no outbound requests" in str(e.value)
+
+
+def test_ollama_chat_images(daemon):
+    client = ollama.Client(host=daemon.url, headers={"Authorization": "Bearer " + KEY})
+
+    def ask(data):
+        return client.chat(
+            model="SmolLM2-135M-vision",
+            messages=[{"role": "user", "content": "What is in this picture?", "images": [data]}],
+            options={"num_predict": 8, "temperature": 0, "seed": 1},
+        )
+
+    a = ask(png(30, 30, (0, 0, 0)))
+    b = ask(png(30, 30, (255, 255, 255)))
+    assert a.message.content != b.message.content
+    assert a.prompt_eval_count > 14
+    with pytest.raises(ollama.ResponseError) as e:
+        ask(b"this is not an image")
+    assert "not a PNG" in str(e.value)

@@ -43,9 +43,8 @@ enum Call {
         history: Vec<ChatMessage>,
         tools: Vec<String>,
         role: Role,
-        pre: String,
-        image: Vec<Token>,
-        post: String,
+        texts: Vec<String>,
+        images: Vec<Vec<Token>>,
         first: bool,
     },
 }
@@ -69,11 +68,10 @@ impl Call {
                 history,
                 tools,
                 role,
-                pre,
-                image,
-                post,
+                texts,
+                images,
                 first,
-            } => render.image_span(history, tools, *role, pre, image, post, *first),
+            } => render.image_span(history, tools, *role, texts, images, *first),
         }
     }
 }
@@ -187,9 +185,8 @@ impl Render for Prepared<'_> {
         history: &[ChatMessage],
         tools: &[String],
         role: Role,
-        pre: &str,
-        image: &[Token],
-        post: &str,
+        texts: &[String],
+        images: &[Vec<Token>],
         first: bool,
     ) -> Result<Vec<Token>, RenderError> {
         self.answer(
@@ -197,20 +194,19 @@ impl Render for Prepared<'_> {
             INLINE_BYTES + messages_bytes(history),
             || {
                 key(self.seed, 4, |h| {
-                    (history, tools, role, pre, image, post, first).hash(h)
+                    (history, tools, role, texts, images, first).hash(h)
                 })
             },
             || {
                 self.inner
-                    .image_span(history, tools, role, pre, image, post, first)
+                    .image_span(history, tools, role, texts, images, first)
             },
             || Call::Image {
                 history: history.to_vec(),
                 tools: tools.to_vec(),
                 role,
-                pre: pre.to_owned(),
-                image: image.to_vec(),
-                post: post.to_owned(),
+                texts: texts.to_vec(),
+                images: images.to_vec(),
                 first,
             },
         )

@@ -16,9 +16,10 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use super::chat::{prompt_tokens, Call, Msg, Prompt};
+use super::chat::{prompt_tokens, prompt_with_images, Call, Msg, Prompt};
 use super::drive::{self, End, Out};
 use super::error::{ApiError, Family, Kind};
+use super::images::Resolved;
 use super::{
     accept, budget, chat_error, check_lane, check_model, event_stream, logged, markers, new_id,
     ok_with_warm, params, pick, sse, start_all, Access, Prepared,
@@ -86,7 +87,64 @@ fn breakpoint(block: &Value) -> Result<Option<u64>, ApiError> {
     }
 }
 
-/// Text blocks' text; images and documents are refused (no projector).
+/// An image block's base64 data (`source.type` "base64").
+fn image_data(b: &Value) -> Option<&str> {
+    let source = b.get("source")?;
+    (source.get("type").and_then(Value::as_str) == Some("base64"))
+        .then(|| source.get("data").and_then(Value::as_str))
+        .flatten()
+}
+
+/// The images of a request's messages (`image` blocks with a base64
+/// source; a `url` source is refused: the daemon makes no outbound
+/// requests), stored and laid out.
+async fn resolve_images(state: &WebState, messages: &[Value]) -> Result<Resolved, ApiError> {
+    let mut sources = Vec::new();
+    for m in messages {
+        for b in m
+            .get("content")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
+            if b.get("type").and_then(Value::as_str) != Some("image") {
+                continue;
+            }
+            super::images::require_vision(state, F)?;
+            let source = b.get("source");
+            match source.and_then(|s| s.get("type")).and_then(Value::as_str) {
+                Some("base64") => {}
+                Some("url") => {
+                    return Err(bad(
+                        "image URLs are not fetched (the daemon makes no outbound requests): \
+                         send the image as a base64 source",
+                    ))
+                }
+                other => {
+                    return Err(bad(format!(
+                        "an image block's source.type must be \"base64\", not {other:?}"
+                    )))
+                }
+            }
+            let data = image_data(b).ok_or_else(|| bad("an image source needs a string `data`"))?;
+            let mime = source
+                .and_then(|s| s.get("media_type"))
+                .and_then(Value::as_str)
+                .ok_or_else(|| bad("an image source needs a `media_type`"))?;
+            if sources.len() >= super::images::MAX_IMAGES {
+                return Err(bad(format!(
+                    "at most {} images per request",
+                    super::images::MAX_IMAGES
+                )));
+            }
+            let bytes = super::images::decode_base64(F, data)?;
+            sources.push((data.to_string(), bytes, mime.to_string()));
+        }
+    }
+    super::images::resolve(state, F, sources).await
+}
+
+/// Text blocks' text; documents are refused.
 fn block_text(b: &Value) -> Result<String, ApiError> {
     match b.get("type").and_then(Value::as_str) {
         Some("text") => b
@@ -94,9 +152,8 @@ fn block_text(b: &Value) -> Result<String, ApiError> {
             .and_then(Value::as_str)
             .map(str::to_owned)
             .ok_or_else(|| bad("a text block needs a string `text`")),
-        Some(t @ ("image" | "document")) => Err(bad(format!(
-            "this model has no vision projector, so an `{t}` block cannot be read; send text only"
-        ))),
+        Some("image") => Err(bad("an image block goes in a user message")),
+        Some("document") => Err(bad("a `document` block cannot be read; send text")),
         other => Err(bad(format!("unexpected content block type {other:?}"))),
     }
 }
@@ -114,6 +171,7 @@ fn conversation(
     raw: &[Value],
     tools: &[Value],
     top: Option<&Value>,
+    images: &Resolved,
 ) -> Result<Conversation, ApiError> {
     let mut msgs = Vec::new();
     let mut pin: Option<(usize, u64)> = None;
@@ -153,7 +211,8 @@ fn conversation(
         match m.get("content") {
             Some(Value::String(s)) => msgs.push(Msg::new(role, s.clone())),
             Some(Value::Array(blocks)) => {
-                let mut text = Vec::new();
+                let mut text: Vec<String> = Vec::new();
+                let mut placed = Vec::new();
                 let mut calls = Vec::new();
                 let mut ttl = None;
                 for b in blocks {
@@ -172,12 +231,21 @@ fn conversation(
                             msgs.push(r);
                         }
                         Some("thinking" | "redacted_thinking") if role == Role::Assistant => {}
+                        Some("image") if role == Role::User => {
+                            let image = image_data(b)
+                                .and_then(|d| images.get(d))
+                                .ok_or_else(|| bad("this route cannot read that image block"))?;
+                            // Where the next text starts once the texts are joined.
+                            let at = text.iter().map(|t| t.len() + 1).sum::<usize>();
+                            placed.push((at, image.clone()));
+                        }
                         _ => text.push(block_text(b)?),
                     }
                 }
-                if !text.is_empty() || !calls.is_empty() {
+                if !text.is_empty() || !calls.is_empty() || !placed.is_empty() {
                     let mut msg = Msg::new(role, text.join("\n"));
                     msg.calls = calls;
+                    msg.images = placed;
                     msgs.push(msg);
                 }
                 if msgs.is_empty() {
@@ -224,6 +292,8 @@ fn result_text(b: &Value) -> Result<String, ApiError> {
 /// What a request renders to: its prompt, tools, and the forced tools.
 struct Rendered {
     prompt: Prompt,
+    /// The images on `prompt`.
+    media: Vec<crate::wire::worker::MediaSpan>,
     /// The prompt's tokens a breakpoint pins, and for how long.
     pin: Option<(usize, u64)>,
     forced: Option<Vec<(String, Value)>>,
@@ -237,9 +307,10 @@ fn render(
     tools: Option<&Vec<Value>>,
     tool_choice: Option<&Value>,
     cache_control: Option<&Value>,
+    images: &Resolved,
 ) -> Result<Rendered, ApiError> {
     let raw_tools = tools.cloned().unwrap_or_default();
-    let conv = conversation(system, messages, &raw_tools, cache_control)?;
+    let conv = conversation(system, messages, &raw_tools, cache_control, images)?;
     let kind = tool_choice
         .and_then(|c| c.get("type"))
         .and_then(Value::as_str)
@@ -286,13 +357,19 @@ fn render(
             )))
         }
     };
-    let prompt = prompt_tokens(state.m().shared.render.as_ref(), &conv.msgs, &tools)
-        .map_err(|e| chat_error(F, e))?;
+    let render = state.m().shared.render.as_ref();
+    let (prompt, media) = if conv.msgs.iter().any(|m| !m.images.is_empty()) {
+        prompt_with_images(render, &conv.msgs, &tools).map_err(|e| chat_error(F, e))?
+    } else {
+        let p = prompt_tokens(render, &conv.msgs, &tools).map_err(|e| chat_error(F, e))?;
+        (p, vec![])
+    };
     let pin = conv
         .pin
         .and_then(|(at, ttl)| prompt.ends.get(at).map(|&end| (end, ttl)));
     Ok(Rendered {
         prompt,
+        media,
         pin,
         forced,
         none,
@@ -307,6 +384,7 @@ pub async fn count_tokens(
 ) -> Result<HttpResponse, ApiError> {
     let r: CountRequest = accept(&state, F, &req, payload).await?;
     let state = pick(&state, F, &r.model)?;
+    let images = resolve_images(&state, &r.messages).await?;
     let rendered = render(
         &state,
         r.system.as_ref(),
@@ -314,6 +392,7 @@ pub async fn count_tokens(
         r.tools.as_ref(),
         r.tool_choice.as_ref(),
         None,
+        &images,
     )?;
     // The assistant header is what a reply would start after; it counts.
     Ok(HttpResponse::Ok().json(json!({"input_tokens": rendered.prompt.tokens.len()})))
@@ -359,6 +438,7 @@ pub async fn messages(
     let run = async {
         check_lane(&state, F)?;
         check_model(&state, F, &r.model)?;
+        let images = resolve_images(&state, &r.messages).await?;
         let rendered = render(
             &state,
             r.system.as_ref(),
@@ -366,6 +446,7 @@ pub async fn messages(
             r.tools.as_ref(),
             r.tool_choice.as_ref(),
             r.cache_control.as_ref(),
+            &images,
         )?;
         let (mut markers, in_reasoning) = markers(&state, rendered.prompt.header());
         if rendered.none {
@@ -396,7 +477,7 @@ pub async fn messages(
         let max_tokens = budget(&state, F, prompt.len(), Some(r.max_tokens), "max_tokens")?;
         let params = params(r.temperature, r.top_p, r.top_k, None, None, F)?;
         let p = Prepared {
-            media: vec![],
+            media: rendered.media,
             prompt,
             max_tokens,
             grammar,
@@ -609,7 +690,14 @@ mod tests {
                 {"type": "tool_result", "tool_use_id": "t1", "content": "42"},
                 {"type": "text", "text": "thanks", "cache_control": {"type": "ephemeral", "ttl": "1h"}}]}),
         ];
-        let c = conversation(Some(&json!("be brief")), &msgs, &[], None).unwrap();
+        let c = conversation(
+            Some(&json!("be brief")),
+            &msgs,
+            &[],
+            None,
+            &Default::default(),
+        )
+        .unwrap();
         let roles: Vec<Role> = c.msgs.iter().map(|m| m.role).collect();
         assert_eq!(
             roles,
@@ -629,10 +717,12 @@ mod tests {
     #[test]
     fn images_and_bad_breakpoints_are_refused() {
         let img = vec![json!({"role": "user", "content": [{"type": "image", "source": {}}]})];
-        let e = conversation(None, &img, &[], None).err().unwrap();
-        assert!(e.message.contains("no vision projector"), "{}", e.message);
+        let e = conversation(None, &img, &[], None, &Default::default())
+            .err()
+            .unwrap();
+        assert!(e.message.contains("cannot read"), "{}", e.message);
         let ttl = vec![json!({"role": "user", "content": [
             {"type": "text", "text": "x", "cache_control": {"type": "ephemeral", "ttl": "2d"}}]})];
-        assert!(conversation(None, &ttl, &[], None).is_err());
+        assert!(conversation(None, &ttl, &[], None, &Default::default()).is_err());
     }
 }

@@ -7,7 +7,8 @@ use serde_json::Value;
 
 use crate::session::output::TOOL_CALL_MARKERS;
 use crate::session::{ChatMessage, Render, RenderError, RenderedConversation};
-use crate::wire::Role;
+use crate::wire::worker::MediaSpan;
+use crate::wire::{Role, Token};
 
 /// The most messages one request may carry (each renders the template once
 /// more, so this bounds the work before it starts).
@@ -36,6 +37,19 @@ pub struct Msg {
     pub calls: Vec<Call>,
     /// A tool message: the id of the call it answers.
     pub answers: Option<String>,
+    /// Images between its texts: (byte offset into `text`, the image), in
+    /// order.
+    pub images: Vec<(usize, MsgImage)>,
+}
+
+/// An image of a message, stored and laid out by the route
+/// (`images::resolve`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MsgImage {
+    /// Its SHA-256 in the media store.
+    pub blob: String,
+    /// The projector's layout (`MEDIA_TOKEN` where an embedding goes).
+    pub layout: Vec<Token>,
 }
 
 impl Msg {
@@ -45,6 +59,7 @@ impl Msg {
             text: text.into(),
             calls: Vec::new(),
             answers: None,
+            images: Vec::new(),
         }
     }
 }
@@ -143,6 +158,64 @@ pub fn prompt_tokens(
     check(msgs, tools.len())?;
     let chat = template_messages(msgs)?;
     Ok(render.conversation(&chat, tools)?)
+}
+
+/// The prompt of a conversation with images, and the images on it: each
+/// message rendered as its span (`Render::image_span` for one with images,
+/// its texts split at the images' offsets), then the assistant header.
+pub fn prompt_with_images(
+    render: &dyn Render,
+    msgs: &[Msg],
+    tools: &[String],
+) -> Result<(Prompt, Vec<MediaSpan>), ChatError> {
+    check(msgs, tools.len())?;
+    let chat = template_messages(msgs)?;
+    let mut tokens = Vec::new();
+    let mut ends = Vec::with_capacity(chat.len());
+    let mut media = Vec::new();
+    for (i, (m, c)) in msgs.iter().zip(&chat).enumerate() {
+        let first = i == 0;
+        if m.images.is_empty() {
+            tokens.extend(render.message_span(&chat[..i], tools, c, first)?);
+        } else {
+            if !m.calls.is_empty() {
+                return Err(ChatError::Render(RenderError(
+                    "a message with images cannot also carry tool calls".into(),
+                )));
+            }
+            let mut texts = Vec::new();
+            let mut from = 0;
+            for (at, _) in &m.images {
+                let at = (*at).clamp(from, m.text.len());
+                texts.push(m.text.get(from..at).unwrap_or_default().to_string());
+                from = at;
+            }
+            texts.push(m.text.get(from..).unwrap_or_default().to_string());
+            let layouts: Vec<Vec<Token>> = m.images.iter().map(|(_, x)| x.layout.clone()).collect();
+            let span = render.image_span(&chat[..i], tools, m.role, &texts, &layouts, first)?;
+            let at = crate::session::locate_images(&span, &layouts)?;
+            for ((_, x), at) in m.images.iter().zip(at) {
+                media.push(MediaSpan {
+                    at: (tokens.len() + at) as u32,
+                    len: x.layout.len() as u32,
+                    blob: x.blob.clone(),
+                });
+            }
+            tokens.extend(span);
+        }
+        ends.push(tokens.len());
+    }
+    let header = render.generation_prompt_span(&chat, tools)?;
+    let n = header.len();
+    tokens.extend(header);
+    Ok((
+        Prompt {
+            tokens,
+            ends,
+            header: n,
+        },
+        media,
+    ))
 }
 
 /// Holds back generated text that might be the start of a stop sequence,

@@ -23,6 +23,7 @@ pub mod conversations;
 pub mod drive;
 pub mod error;
 pub mod gguf;
+pub mod images;
 pub mod ollama;
 pub mod openai;
 pub mod responses;

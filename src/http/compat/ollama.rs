@@ -16,10 +16,11 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use super::chat::{prompt_tokens, Call, Msg};
+use super::chat::{prompt_tokens, prompt_with_images, Call, Msg};
 use super::drive::{End, Out};
 use super::error::{ApiError, Family, Kind};
 use super::gguf::Identity;
+use super::images::Resolved;
 use super::{
     accept, authorize, chat_error, check_lane, check_model, json_grammar, logged, markers,
     ok_with_warm, params, pick, start_all, Access, Prepared,
@@ -110,7 +111,7 @@ fn listed_name(state: &WebState) -> String {
 /// one, and a tool message answers the earliest unanswered call of its
 /// `tool_name` (or, unnamed, the earliest unanswered call). A tool message
 /// with no call to answer is passed on as it is, as Ollama does.
-pub fn messages(raw: &[Value]) -> Result<Vec<Msg>, ApiError> {
+pub fn messages(raw: &[Value], images: &Resolved) -> Result<Vec<Msg>, ApiError> {
     let mut out: Vec<Msg> = Vec::with_capacity(raw.len());
     // (id, name) of calls not yet answered.
     let mut open: Vec<(String, String)> = Vec::new();
@@ -126,18 +127,25 @@ pub fn messages(raw: &[Value]) -> Result<Vec<Msg>, ApiError> {
                 )))
             }
         };
-        if m.get("images")
-            .and_then(Value::as_array)
-            .is_some_and(|a| !a.is_empty())
-        {
-            return Err(no_images());
-        }
         let text = match m.get("content") {
             None | Some(Value::Null) => String::new(),
             Some(Value::String(s)) => s.clone(),
             Some(_) => return Err(bad(format!("messages[{i}].content must be a string"))),
         };
         let mut msg = Msg::new(role, text);
+        // A message's images go before its text, as Ollama places them.
+        for data in m
+            .get("images")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
+            let image = data
+                .as_str()
+                .and_then(|d| images.get(d))
+                .ok_or_else(no_images)?;
+            msg.images.push((0, image.clone()));
+        }
         if role == Role::Assistant {
             let calls = m.get("tool_calls").and_then(Value::as_array);
             for (k, c) in calls.into_iter().flatten().enumerate() {
@@ -178,7 +186,38 @@ pub fn messages(raw: &[Value]) -> Result<Vec<Msg>, ApiError> {
 }
 
 fn no_images() -> ApiError {
-    bad("this model has no vision projector, so images cannot be read; send text only")
+    bad("images are read on /api/chat (base64 strings in a message's `images`), not here")
+}
+
+/// The images of a chat's messages (base64 strings, their type sniffed),
+/// stored and laid out.
+async fn resolve_images(state: &WebState, messages: &[Value]) -> Result<Resolved, ApiError> {
+    let mut sources = Vec::new();
+    for m in messages {
+        for data in m
+            .get("images")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
+            super::images::require_vision(state, F)?;
+            let data = data
+                .as_str()
+                .ok_or_else(|| bad("each of a message's images is a base64 string"))?;
+            if sources.len() >= super::images::MAX_IMAGES {
+                return Err(bad(format!(
+                    "at most {} images per request",
+                    super::images::MAX_IMAGES
+                )));
+            }
+            let bytes = super::images::decode_base64(F, data)?;
+            let mime = crate::media::sniff(&bytes)
+                .map(|k| k.mime())
+                .ok_or_else(|| bad("an image is not a PNG, JPEG, WebP or GIF"))?;
+            sources.push((data.to_string(), bytes, mime.to_string()));
+        }
+    }
+    super::images::resolve(state, F, sources).await
 }
 
 /// `tool_choice` (the extension): `None` for the model's own choice (`auto`,
@@ -517,9 +556,9 @@ fn show_thinking(state: &WebState, think_v: Option<&Value>, m: &Markers) -> Resu
     }
 }
 
-fn prepare_chat(state: &WebState, r: &ChatRequest) -> Result<Job, ApiError> {
+fn prepare_chat(state: &WebState, r: &ChatRequest, images: &Resolved) -> Result<Job, ApiError> {
     check_model(state, F, model_name(&r.model))?;
-    let msgs = messages(&r.messages)?;
+    let msgs = messages(&r.messages, images)?;
     let o = r.options.as_ref();
     let choice = r
         .tool_choice
@@ -537,8 +576,13 @@ fn prepare_chat(state: &WebState, r: &ChatRequest) -> Result<Job, ApiError> {
         .map(|t| tool_signature(t).ok_or_else(|| bad("each tool needs a function with a name")))
         .collect::<Result<_, _>>()?;
     let forced = forced_tools(choice, &sigs)?;
-    let prompt = prompt_tokens(state.m().shared.render.as_ref(), &msgs, &tools)
-        .map_err(|e| chat_error(F, e))?;
+    let render = state.m().shared.render.as_ref();
+    let (prompt, media) = if msgs.iter().any(|m| !m.images.is_empty()) {
+        prompt_with_images(render, &msgs, &tools).map_err(|e| chat_error(F, e))?
+    } else {
+        let p = prompt_tokens(render, &msgs, &tools).map_err(|e| chat_error(F, e))?;
+        (p, vec![])
+    };
     let (mut markers, in_reasoning) = markers(state, prompt.header());
     if none {
         markers.tool_call = None;
@@ -561,7 +605,7 @@ fn prepare_chat(state: &WebState, r: &ChatRequest) -> Result<Job, ApiError> {
     let o = o.unwrap_or(&default);
     Ok(Job {
         p: Prepared {
-            media: vec![],
+            media,
             prompt,
             max_tokens: max,
             grammar,
@@ -817,7 +861,10 @@ pub async fn chat(
         return Ok(reply);
     }
     apply_keep_alive(&state, r.keep_alive.as_ref()).map_err(|e| logged(&access, e))?;
-    let job = prepare_chat(&state, &r);
+    let job = match resolve_images(&state, &r.messages).await {
+        Ok(images) => prepare_chat(&state, &r, &images),
+        Err(e) => Err(e),
+    };
     run(&state, job, access).await
 }
 
@@ -1264,7 +1311,7 @@ mod tests {
             json!({"role": "tool", "content": "A"}),
             json!({"role": "tool", "content": "stray"}),
         ];
-        let m = messages(&raw).unwrap();
+        let m = messages(&raw, &Default::default()).unwrap();
         assert_eq!(m[1].calls[0].arguments, r#"{"x":1}"#);
         assert_eq!(m[1].calls[1].arguments, r#"{"y":2}"#);
         assert_eq!(m[2].answers.as_deref(), Some(m[1].calls[1].id.as_str()));
@@ -1275,12 +1322,23 @@ mod tests {
 
     #[test]
     fn images_and_bad_roles_are_refused() {
-        let e =
-            messages(&[json!({"role": "user", "content": "x", "images": ["aGk="]})]).unwrap_err();
+        let e = messages(
+            &[json!({"role": "user", "content": "x", "images": ["aGk="]})],
+            &Default::default(),
+        )
+        .unwrap_err();
         assert_eq!(e.kind, Kind::Invalid);
-        assert!(e.message.contains("vision"), "{}", e.message);
-        assert!(messages(&[json!({"role": "user", "content": "x", "images": []})]).is_ok());
-        assert!(messages(&[json!({"role": "robot", "content": "x"})]).is_err());
+        assert!(e.message.contains("/api/chat"), "{}", e.message);
+        assert!(messages(
+            &[json!({"role": "user", "content": "x", "images": []})],
+            &Default::default()
+        )
+        .is_ok());
+        assert!(messages(
+            &[json!({"role": "robot", "content": "x"})],
+            &Default::default()
+        )
+        .is_err());
     }
 
     #[test]

@@ -12,9 +12,10 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use super::chat::{prompt_tokens, Call, Msg};
+use super::chat::{prompt_tokens, prompt_with_images, Call, Msg, MsgImage};
 use super::drive::{self, Collected, End, Logprob, Out};
 use super::error::{ApiError, Family, Kind};
+use super::images::Resolved;
 use super::{
     accept, authorize, budget, chat_error, check_lane, check_model, event_stream, json_grammar,
     logged, markers, new_id, now_secs, ok_with_warm, params, pick, start_all, Access, Prepared,
@@ -66,32 +67,49 @@ pub struct ChatRequest {
     pub logit_bias: Option<HashMap<String, f32>>,
 }
 
-/// A message's content: a string, null, or a list of parts of which only
-/// text is served (no vision projector is loaded yet).
-fn content_text(v: Option<&Value>) -> Result<String, ApiError> {
+/// A message's content: a string, null, or a list of text and image parts
+/// (the text parts joined by newlines, each image at its place between
+/// them). Images come resolved (`images::resolve`, by their URI); one not
+/// resolved (a route that takes none) is refused.
+fn content_text(
+    v: Option<&Value>,
+    images: &Resolved,
+) -> Result<(String, Vec<(usize, MsgImage)>), ApiError> {
     match v {
-        None | Some(Value::Null) => Ok(String::new()),
-        Some(Value::String(s)) => Ok(s.clone()),
+        None | Some(Value::Null) => Ok((String::new(), vec![])),
+        Some(Value::String(s)) => Ok((s.clone(), vec![])),
         Some(Value::Array(parts)) => {
-            let mut texts = Vec::new();
+            let mut text = String::new();
+            let mut placed = Vec::new();
             for p in parts {
                 match p.get("type").and_then(Value::as_str) {
-                    Some("text") => texts.push(
-                        p.get("text")
-                            .and_then(Value::as_str)
-                            .ok_or_else(|| {
-                                ApiError::invalid(F, "a text part needs a string `text`")
-                                    .with_param("messages")
-                            })?
-                            .to_owned(),
-                    ),
-                    Some(t @ ("image_url" | "input_image" | "input_audio" | "file")) => {
+                    Some("text") => {
+                        let t = p.get("text").and_then(Value::as_str).ok_or_else(|| {
+                            ApiError::invalid(F, "a text part needs a string `text`")
+                                .with_param("messages")
+                        })?;
+                        if !text.is_empty() {
+                            text.push('\n');
+                        }
+                        text.push_str(t);
+                    }
+                    Some("image_url") => {
+                        let url = image_url(p).ok_or_else(|| {
+                            ApiError::invalid(F, "an image_url part needs `image_url.url`")
+                                .with_param("messages")
+                        })?;
+                        let image = images.get(url).ok_or_else(|| {
+                            ApiError::invalid(F, "this route takes no images; send text only")
+                                .with_param("messages")
+                        })?;
+                        // Where the next text starts (after its newline).
+                        let at = text.len() + usize::from(!text.is_empty());
+                        placed.push((at, image.clone()));
+                    }
+                    Some(t @ ("input_image" | "input_audio" | "file")) => {
                         return Err(ApiError::invalid(
                             F,
-                            format!(
-                                "this model has no vision or audio projector, so a `{t}` \
-                                 part cannot be read; send text only"
-                            ),
+                            format!("a `{t}` part cannot be read here; send text or image_url"),
                         )
                         .with_param("messages"))
                     }
@@ -104,7 +122,7 @@ fn content_text(v: Option<&Value>) -> Result<String, ApiError> {
                     }
                 }
             }
-            Ok(texts.join("\n"))
+            Ok((text, placed))
         }
         Some(_) => Err(
             ApiError::invalid(F, "content must be a string or a list of parts")
@@ -113,8 +131,50 @@ fn content_text(v: Option<&Value>) -> Result<String, ApiError> {
     }
 }
 
+/// An image_url part's URL (`{"image_url": {"url": ...}}`, or the string form).
+fn image_url(part: &Value) -> Option<&str> {
+    let v = part.get("image_url")?;
+    v.get("url").and_then(Value::as_str).or_else(|| v.as_str())
+}
+
+/// The images of a request's messages, stored and laid out (a data: URI
+/// each; an http(s) URL is refused).
+pub(crate) async fn resolve_images(
+    state: &WebState,
+    messages: &[Value],
+) -> Result<Resolved, ApiError> {
+    let mut sources = Vec::new();
+    for m in messages {
+        for p in m
+            .get("content")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
+            if p.get("type").and_then(Value::as_str) != Some("image_url") {
+                continue;
+            }
+            super::images::require_vision(state, F).map_err(|e| e.with_param("messages"))?;
+            let Some(url) = image_url(p) else { continue };
+            if sources.len() >= super::images::MAX_IMAGES {
+                return Err(ApiError::invalid(
+                    F,
+                    format!("at most {} images per request", super::images::MAX_IMAGES),
+                )
+                .with_param("messages"));
+            }
+            let (bytes, mime) =
+                super::images::data_uri(F, url).map_err(|e| e.with_param("messages"))?;
+            sources.push((url.to_string(), bytes, mime));
+        }
+    }
+    super::images::resolve(state, F, sources)
+        .await
+        .map_err(|e| e.with_param("messages"))
+}
+
 /// OpenAI's messages as superfluid's.
-fn messages(raw: &[Value]) -> Result<Vec<Msg>, ApiError> {
+fn messages(raw: &[Value], images: &Resolved) -> Result<Vec<Msg>, ApiError> {
     let bad = |m: String| ApiError::invalid(F, m).with_param("messages");
     raw.iter()
         .enumerate()
@@ -130,7 +190,9 @@ fn messages(raw: &[Value]) -> Result<Vec<Msg>, ApiError> {
                 "tool" | "function" => Role::Tool,
                 other => return Err(bad(format!("messages[{i}] has an unknown role {other:?}"))),
             };
-            let mut msg = Msg::new(role, content_text(m.get("content"))?);
+            let (text, placed) = content_text(m.get("content"), images)?;
+            let mut msg = Msg::new(role, text);
+            msg.images = placed;
             if role == Role::Assistant {
                 for c in m
                     .get("tool_calls")
@@ -188,9 +250,13 @@ fn stops(v: Option<&Value>) -> Result<Vec<String>, ApiError> {
     }
 }
 
-pub(crate) fn prepare_chat(state: &WebState, r: &ChatRequest) -> Result<Prepared, ApiError> {
+pub(crate) fn prepare_chat(
+    state: &WebState,
+    r: &ChatRequest,
+    images: &Resolved,
+) -> Result<Prepared, ApiError> {
     check_model(state, F, &r.model)?;
-    let msgs = messages(&r.messages)?;
+    let msgs = messages(&r.messages, images)?;
     let raw_tools = r.tools.clone().unwrap_or_default();
     let choice = r.tool_choice.clone().unwrap_or(Value::Null);
     // "none": the model is not told of the tools (and no call is parsed).
@@ -209,7 +275,12 @@ pub(crate) fn prepare_chat(state: &WebState, r: &ChatRequest) -> Result<Prepared
         })
         .collect::<Result<_, _>>()?;
     let render = state.m().shared.render.as_ref();
-    let prompt = prompt_tokens(render, &msgs, &tools).map_err(|e| chat_error(F, e))?;
+    let (prompt, media) = if msgs.iter().any(|m| !m.images.is_empty()) {
+        prompt_with_images(render, &msgs, &tools).map_err(|e| chat_error(F, e))?
+    } else {
+        let p = prompt_tokens(render, &msgs, &tools).map_err(|e| chat_error(F, e))?;
+        (p, vec![])
+    };
     let (mut markers, in_reasoning) = markers(state, prompt.header());
     let prompt = prompt.tokens;
     if none {
@@ -259,7 +330,7 @@ pub(crate) fn prepare_chat(state: &WebState, r: &ChatRequest) -> Result<Prepared
     };
     let max_tokens = budget(state, F, prompt.len(), asked, param)?;
     Ok(Prepared {
-        media: vec![],
+        media,
         prompt,
         max_tokens,
         grammar,
@@ -419,7 +490,8 @@ pub async fn chat_completions(
     let run = async {
         check_lane(&state, F)?;
         let n = choices(r.n)?;
-        let mut p = prepare_chat(&state, &r)?;
+        let images = resolve_images(&state, &r.messages).await?;
+        let mut p = prepare_chat(&state, &r, &images)?;
         p.extras = extras(
             r.presence_penalty,
             r.frequency_penalty,

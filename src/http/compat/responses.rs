@@ -1366,7 +1366,7 @@ async fn stateless(
     });
     let chat: ChatRequest =
         serde_json::from_value(chat).map_err(|e| ApiError::invalid(F, e.to_string()))?;
-    let prepared = prepare_chat(state, &chat).map_err(|mut e| {
+    let prepared = prepare_chat(state, &chat, &Default::default()).map_err(|mut e| {
         match e.param {
             Some("messages") => e.param = Some("input"),
             Some("response_format") => e.param = Some("text.format"),

@@ -3,8 +3,6 @@
 
 use super::folds::{chat_messages, declared_tools, is_input};
 use super::{ChatMessage, Planned, Render, SessionBook, SessionError};
-use crate::session::RenderError;
-use crate::wire::worker::MEDIA_TOKEN;
 use crate::wire::{Event, Record, Role, SessionId, Token};
 
 /// A request's role, as a [`Role`]: an unknown one is refused.
@@ -149,14 +147,6 @@ impl SessionBook {
     ) -> Result<Planned, SessionError> {
         let role = check_role(role)?;
         self.live(s)?;
-        // Where the layout lands is found by its first embedding position,
-        // which no text token can be.
-        let first_embedding = layout
-            .iter()
-            .position(|&t| t == MEDIA_TOKEN)
-            .ok_or_else(|| {
-                SessionError::Image("the projector laid the image out with no embedding".into())
-            })?;
         let events = self.all_events(s);
         let first = events.iter().all(|e| e.body.span().is_empty());
         let span = render
@@ -164,22 +154,13 @@ impl SessionBook {
                 &chat_messages(&events),
                 &declared_tools(&events),
                 role,
-                &pre_text,
-                layout,
-                &post_text,
+                &[pre_text.clone(), post_text.clone()],
+                &[layout.to_vec()],
                 first,
             )
             .map_err(SessionError::Render)?;
-        let image_at = span
-            .iter()
-            .position(|&t| t == MEDIA_TOKEN)
-            .and_then(|p| p.checked_sub(first_embedding))
-            .filter(|&at| span.get(at..at + layout.len()) == Some(layout))
-            .ok_or_else(|| {
-                SessionError::Render(RenderError(
-                    "the chat template did not keep the image where it was put".into(),
-                ))
-            })?;
+        let image_at = crate::session::locate_images(&span, std::slice::from_ref(&layout.to_vec()))
+            .map_err(SessionError::Render)?[0];
         self.one_event(
             s,
             now,
