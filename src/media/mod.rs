@@ -201,8 +201,13 @@ impl MediaStore {
         let hash = hash_hex(bytes);
         let path = self.dir.join(&hash);
         if let Ok(existing) = self.read_checked(&hash) {
-            // Stored already, and whole: the same bytes are kept once.
+            // Stored already, and whole: the same bytes are kept once. The
+            // put restarts its grace period, so a GcMedia between this put
+            // and its AppendImage cannot take it.
             drop(existing);
+            if let Ok(f) = OpenOptions::new().write(true).open(&path) {
+                let _ = f.set_modified(SystemTime::now());
+            }
             return Ok(hash);
         }
         crate::store::dirs::create_durable(&self.dir).map_err(|e| MediaError::Io {

@@ -88,6 +88,12 @@ impl SchedulerState {
                     if g.seq == Some(item.seq) {
                         self.seqs[seq].active = None;
                         self.seqs[seq].idle_since_ms = self.clock_ms;
+                        if self.seqs[seq].media {
+                            // An image's KV is nobody's cache.
+                            self.seqs[seq] = Seq::default();
+                            self.pending_ops
+                                .push(WorkerRequest::KvClear { seq: item.seq });
+                        }
                     }
                     events.push(GenEvent::Failed {
                         gen: *gen,
@@ -225,8 +231,9 @@ impl SchedulerState {
                 self.stats.parks += 1;
             }
             let s = &mut self.seqs[seq as usize];
-            // Its prompt and reply stay cached; a prefix pin protects them.
-            if let Some(pin) = g.admit.pin {
+            // Its prompt and reply stay cached; a prefix pin protects them
+            // (not an image's: its sequence was cleared).
+            if let Some(pin) = g.admit.pin.filter(|_| g.admit.media.is_empty()) {
                 let deadline = self.clock_ms.saturating_add(pin.ttl_ms);
                 s.pin = Some((deadline, self.clock_ms, pin.len));
             }

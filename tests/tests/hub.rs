@@ -235,7 +235,17 @@ fn repos() -> HashMap<String, HubRepo> {
             files: vec![
                 ("README.md".into(), small("readme")),
                 ("SmolLM2-135M-Instruct.Q4_1.gguf".into(), model.clone()),
-                ("mmproj-SmolLM2-F16.gguf".into(), small("projector")),
+                // A real projector (the derived vision test one), which the
+                // daemon loads beside the model it fetched.
+                (
+                    "mmproj-SmolLM2-F16.gguf".into(),
+                    HubFile::new(Arc::new(
+                        std::fs::read(crate::util::derived_model(
+                            "mmproj-SmolLM2-135M-vision.gguf",
+                        ))
+                        .unwrap(),
+                    )),
+                ),
             ],
             token: None,
         },
@@ -540,5 +550,11 @@ fn serve_takes_a_reference() {
     assert!(
         matches!(replies.last(), Some(Response::Generated { tokens_generated, .. }) if *tokens_generated > 0),
         "{replies:?}"
+    );
+    // The projector fetched beside the model is the worker's.
+    assert!(
+        d.stderr().contains("vision projector ready"),
+        "{}",
+        d.stderr()
     );
 }

@@ -298,7 +298,14 @@ fn images_are_refused_clearly_and_a_flipped_blob_never_reaches_the_model() {
     let hash = superfluid::media::hash_hex(&junk);
     std::fs::write(d.sessions.join("media").join(&hash), &junk).unwrap();
     let e = expect_err(&mut c, &append_image_req(s, &hash));
-    assert!(e.contains("cannot decode"), "{e}");
+    assert!(e.contains("not a PNG, JPEG or GIF"), "{e}");
+    // A small file declaring a huge canvas is refused before any decoder
+    // allocates for it.
+    let mut huge = png(8, 8, 1);
+    huge[16..24].copy_from_slice(&[0, 0, 0x4E, 0x20, 0, 0, 0x4E, 0x20]);
+    let huge = put(&mut c, &huge);
+    let e = expect_err(&mut c, &append_image_req(s, &huge));
+    assert!(e.contains("20000x20000"), "{e}");
 }
 
 fn append_image_req(s: SessionId, blob: &str) -> Request {
@@ -366,4 +373,66 @@ fn gc_media_keeps_the_blobs_live_sessions_reference_until_they_are_purged() {
     }
     assert_eq!(gc(&mut c), (0, 1), "purged sessions do not count");
     assert!(!media.join(&used).exists());
+}
+
+#[test]
+fn an_image_session_is_never_parked_and_its_fork_encodes_the_image_again() {
+    let mut d = TestDaemon::new();
+    d.model = derived_model("SmolLM2-135M-vision.gguf");
+    let mmproj = derived_model("mmproj-SmolLM2-135M-vision.gguf");
+    d.extra_args = vec![
+        "--mmproj".into(),
+        mmproj.display().to_string(),
+        "--park".into(),
+    ];
+    d.spawn_and_wait();
+    let mut c = d.client();
+    let blob = put(&mut c, &png(24, 24, 7));
+    let s = d.create(&mut c);
+    assert!(matches!(
+        append_image(&mut c, s, &blob),
+        Response::Committed { .. }
+    ));
+    assert_eq!(generate(&mut c, s, 6), (0, None));
+    // A text session is parked at the end of its generation; the image one
+    // never is.
+    let t = d.create(&mut c);
+    let _ = c.call(&Request::AppendMessage {
+        session: t,
+        role: 1,
+        text: "Hello there".into(),
+    });
+    assert_eq!(generate(&mut c, t, 6).1, None);
+    let park = d.sessions.join("park");
+    let parked = |id: SessionId| park.join(format!("{id}.park")).exists();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !parked(t) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the text session was never parked"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(!parked(s), "a session with an image was parked");
+    // A fork shares the image event by reference and encodes it again.
+    let events = read_events(&mut c, s).len() as u64;
+    let fork = match c
+        .call(&Request::Fork {
+            session: s,
+            at_event: events,
+            params: None,
+        })
+        .unwrap()
+    {
+        Response::Created { session } => session,
+        other => panic!("Fork: {other:?}"),
+    };
+    let _ = c.call(&Request::AppendMessage {
+        session: fork,
+        role: 1,
+        text: "Tell me more.".into(),
+    });
+    assert_eq!(generate(&mut c, fork, 6), (0, None));
+    assert!(!parked(fork), "a fork with an image was parked");
+    assert!(matches!(image_record(&mut c, fork), Record::Image { .. }));
 }

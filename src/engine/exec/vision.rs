@@ -19,8 +19,8 @@ use std::time::Instant;
 use llama_cpp_2::context::LlamaContext;
 use llama_cpp_2::model::LlamaModel;
 use llama_cpp_2::mtmd::{
-    mtmd_default_marker, MtmdBitmap, MtmdContext, MtmdContextParams, MtmdInputChunkType,
-    MtmdInputChunks, MtmdInputText,
+    mtmd_default_marker, MtmdBitmap, MtmdContext, MtmdContextParams, MtmdEvalError,
+    MtmdInputChunkType, MtmdInputChunks, MtmdInputText,
 };
 
 use super::error::RequestError;
@@ -103,6 +103,7 @@ impl Vision {
             .media
             .read_checked(blob)
             .map_err(|e| RequestError::Media(e.to_string()))?;
+        check_decodable(&bytes).map_err(media)?;
         let bitmap = MtmdBitmap::from_buffer(&self.mtmd, &bytes, false)
             .map_err(|e| media(format!("cannot decode the image ({e})")))?;
         let text = MtmdInputText {
@@ -190,7 +191,15 @@ impl Vision {
                 n_batch as i32,
                 false,
             )
-            .map_err(|e| RequestError::Decode(format!("an image's evaluation failed ({e})")))?;
+            .map_err(|e| match e {
+                // llama_decode's 1: no room in the KV cache, which the
+                // scheduler makes and retries, as for text.
+                MtmdEvalError::EvalFailure(1) => RequestError::KvFull {
+                    n_ctx: ctx.n_ctx(),
+                    tokens: len,
+                },
+                e => RequestError::Decode(format!("an image's evaluation failed ({e})")),
+            })?;
         if i64::from(end) != i64::from(pos) + i64::from(len) {
             return Err(RequestError::Internal(format!(
                 "an image evaluated to position {end}, not {}",
@@ -202,5 +211,105 @@ impl Vision {
             started.elapsed().as_secs_f64() * 1e3
         );
         Ok(())
+    }
+}
+
+/// The widest or tallest image decoded, and the most pixels: a small file
+/// declaring a huge canvas is refused before any decoder allocates for it.
+pub const MAX_IMAGE_SIDE: u32 = 8192;
+pub const MAX_IMAGE_PIXELS: u64 = 40_000_000;
+
+/// Refuses, before llama.cpp's decoder sees them, images it would not
+/// decode itself (WebP: its helper would hand those to an ffmpeg process)
+/// and images whose header declares more than [`MAX_IMAGE_SIDE`] a side or
+/// [`MAX_IMAGE_PIXELS`] pixels.
+pub fn check_decodable(bytes: &[u8]) -> Result<(), String> {
+    use crate::media::{sniff, ImageKind};
+    let (w, h) = match sniff(bytes) {
+        Some(ImageKind::Png) => be_dims(bytes.get(16..24)).ok_or("a PNG without its header")?,
+        Some(ImageKind::Gif) => {
+            let d = bytes.get(6..10).ok_or("a GIF without its header")?;
+            (
+                u32::from(u16::from_le_bytes([d[0], d[1]])),
+                u32::from(u16::from_le_bytes([d[2], d[3]])),
+            )
+        }
+        Some(ImageKind::Jpeg) => jpeg_dims(bytes).ok_or("a JPEG without a frame header")?,
+        Some(ImageKind::Webp) => {
+            return Err("WebP images are not decoded here; send PNG, JPEG or GIF".into())
+        }
+        None => return Err("not a PNG, JPEG or GIF image".into()),
+    };
+    if w == 0
+        || h == 0
+        || w > MAX_IMAGE_SIDE
+        || h > MAX_IMAGE_SIDE
+        || u64::from(w) * u64::from(h) > MAX_IMAGE_PIXELS
+    {
+        return Err(format!(
+            "the image is {w}x{h}; at most {MAX_IMAGE_SIDE} a side and {MAX_IMAGE_PIXELS} pixels"
+        ));
+    }
+    Ok(())
+}
+
+fn be_dims(b: Option<&[u8]>) -> Option<(u32, u32)> {
+    let b = b?;
+    Some((
+        u32::from_be_bytes(b.get(0..4)?.try_into().ok()?),
+        u32::from_be_bytes(b.get(4..8)?.try_into().ok()?),
+    ))
+}
+
+/// A JPEG's size, from its first start-of-frame marker.
+fn jpeg_dims(b: &[u8]) -> Option<(u32, u32)> {
+    let mut i = 2;
+    while i + 9 < b.len() {
+        if b[i] != 0xFF {
+            return None;
+        }
+        let marker = b[i + 1];
+        if marker == 0xFF {
+            i += 1;
+            continue;
+        }
+        let len = usize::from(u16::from_be_bytes([b[i + 2], b[i + 3]]));
+        let sof = matches!(marker, 0xC0..=0xCF) && !matches!(marker, 0xC4 | 0xC8 | 0xCC);
+        if sof {
+            let h = u32::from(u16::from_be_bytes([b[i + 5], b[i + 6]]));
+            let w = u32::from(u16::from_be_bytes([b[i + 7], b[i + 8]]));
+            return Some((w, h));
+        }
+        if len < 2 {
+            return None;
+        }
+        i += 2 + len;
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_decodable;
+
+    #[test]
+    fn huge_canvases_and_webp_are_refused_before_decoding() {
+        let mut png = b"\x89PNG\r\n\x1a\n\0\0\0\x0dIHDR".to_vec();
+        png.extend(64u32.to_be_bytes());
+        png.extend(48u32.to_be_bytes());
+        assert!(check_decodable(&png).is_ok());
+        png[16..20].copy_from_slice(&20000u32.to_be_bytes());
+        assert!(check_decodable(&png).unwrap_err().contains("20000x48"));
+        let webp = b"RIFF\0\0\0\0WEBPVP8 ".to_vec();
+        assert!(check_decodable(&webp).unwrap_err().contains("WebP"));
+        // A JPEG's size from its frame header, past an APP0 segment.
+        let mut jpeg = vec![0xFF, 0xD8, 0xFF, 0xE0, 0x00, 0x04, 0x00, 0x00];
+        jpeg.extend([
+            0xFF, 0xC0, 0x00, 0x11, 0x08, 0x00, 0x20, 0x00, 0x30, 0x03, 0, 0,
+        ]);
+        assert!(check_decodable(&jpeg).is_ok());
+        jpeg[13..15].copy_from_slice(&9000u16.to_be_bytes());
+        assert!(check_decodable(&jpeg).is_err());
+        assert!(check_decodable(b"GIF89a").is_err());
     }
 }

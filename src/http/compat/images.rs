@@ -11,7 +11,7 @@ use base64::engine::{DecodePaddingMode, GeneralPurpose, GeneralPurposeConfig};
 use base64::{alphabet, Engine};
 
 use super::chat::MsgImage;
-use super::error::{ApiError, Family};
+use super::error::{ApiError, Family, Kind};
 use crate::http::routes::WebState;
 use crate::wire::worker::{WorkerRequest, WorkerResponse};
 
@@ -127,8 +127,8 @@ pub async fn resolve(
                 WorkerRequest::MediaLayout { blob: blob.clone() },
             ]))
             .await
-            .map_err(|e| ApiError::invalid(family, e.to_string()))?
-            .map_err(|e| ApiError::invalid(family, e.to_string()))?;
+            .map_err(|e| ApiError::new(family, Kind::Unavailable, e.to_string()))?
+            .map_err(|e| ApiError::new(family, Kind::Unavailable, e.to_string()))?;
         let layout = match replies.into_iter().next() {
             Some(WorkerResponse::MediaLayout { tokens }) => tokens,
             Some(WorkerResponse::Err { message }) => {

@@ -861,7 +861,11 @@ pub async fn chat(
         return Ok(reply);
     }
     apply_keep_alive(&state, r.keep_alive.as_ref()).map_err(|e| logged(&access, e))?;
-    let job = match resolve_images(&state, &r.messages).await {
+    let job = match check_model(&state, F, model_name(&r.model)) {
+        Ok(()) => resolve_images(&state, &r.messages).await,
+        Err(e) => Err(e),
+    };
+    let job = match job {
         Ok(images) => prepare_chat(&state, &r, &images),
         Err(e) => Err(e),
     };

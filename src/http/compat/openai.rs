@@ -490,6 +490,7 @@ pub async fn chat_completions(
     let run = async {
         check_lane(&state, F)?;
         let n = choices(r.n)?;
+        check_model(&state, F, &r.model)?;
         let images = resolve_images(&state, &r.messages).await?;
         let mut p = prepare_chat(&state, &r, &images)?;
         p.extras = extras(
