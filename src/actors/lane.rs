@@ -203,6 +203,41 @@ struct Probed {
 #[rtype(result = "Result<Vec<WorkerResponse>, LaneError>")]
 pub struct Exec(pub Vec<WorkerRequest>);
 
+/// Why an image has no layout.
+#[derive(Debug, thiserror::Error)]
+pub enum LayoutError {
+    /// The lane could not run the request (the worker is down, the lane
+    /// gone).
+    #[error("{0}")]
+    Lane(String),
+    /// The worker refused the image (missing or corrupt blob, not an image
+    /// it decodes, no projector).
+    #[error("{0}")]
+    Refused(String),
+}
+
+/// `MediaLayout` on the lane's worker: the positions its projector gives
+/// the blob (`MEDIA_TOKEN` where an embedding goes).
+pub async fn media_layout(
+    lane: &Addr<LaneActor>,
+    blob: &str,
+) -> Result<Vec<crate::wire::Token>, LayoutError> {
+    let replies = lane
+        .send(Exec(vec![WorkerRequest::MediaLayout {
+            blob: blob.to_owned(),
+        }]))
+        .await
+        .map_err(|e| LayoutError::Lane(e.to_string()))?
+        .map_err(|e| LayoutError::Lane(e.to_string()))?;
+    match replies.into_iter().next() {
+        Some(WorkerResponse::MediaLayout { tokens }) => Ok(tokens),
+        Some(WorkerResponse::Err { message }) => Err(LayoutError::Refused(message)),
+        other => Err(LayoutError::Lane(format!(
+            "unexpected reply from the worker: {other:?}"
+        ))),
+    }
+}
+
 /// The worker died; everything it held is gone.
 #[derive(Message)]
 #[rtype(result = "()")]

@@ -63,7 +63,6 @@ pub(super) async fn image(
     pre_text: String,
     post_text: String,
 ) -> Result<Response, SessionError> {
-    use crate::wire::worker::{WorkerRequest, WorkerResponse};
     let Some(lane) = &shared.vision else {
         return Err(SessionError::NoVision);
     };
@@ -74,22 +73,9 @@ pub(super) async fn image(
     }
     // Refuse a purged or unknown session before the worker is asked.
     shared.read().plan_check_live(session)?;
-    let replies = lane
-        .send(crate::actors::lane::Exec(vec![
-            WorkerRequest::MediaLayout { blob: blob.clone() },
-        ]))
+    let layout = crate::actors::lane::media_layout(lane, &blob)
         .await
-        .map_err(|e| SessionError::SchedulerGone(e.to_string()))?
         .map_err(|e| SessionError::Image(e.to_string()))?;
-    let layout = match replies.into_iter().next() {
-        Some(WorkerResponse::MediaLayout { tokens }) => tokens,
-        Some(WorkerResponse::Err { message }) => return Err(SessionError::Image(message)),
-        other => {
-            return Err(SessionError::Image(format!(
-                "unexpected reply from the worker: {other:?}"
-            )))
-        }
-    };
     let now = now_ms();
     let planned = plan_off_thread(shared, |book, render| {
         book.plan_image(

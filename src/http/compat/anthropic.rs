@@ -110,7 +110,7 @@ async fn resolve_images(state: &WebState, messages: &[Value]) -> Result<Resolved
             if b.get("type").and_then(Value::as_str) != Some("image") {
                 continue;
             }
-            super::images::require_vision(state, F)?;
+            super::images::next_image(state, F, sources.len())?;
             let source = b.get("source");
             match source.and_then(|s| s.get("type")).and_then(Value::as_str) {
                 Some("base64") => {}
@@ -131,12 +131,6 @@ async fn resolve_images(state: &WebState, messages: &[Value]) -> Result<Resolved
                 .and_then(|s| s.get("media_type"))
                 .and_then(Value::as_str)
                 .ok_or_else(|| bad("an image source needs a `media_type`"))?;
-            if sources.len() >= super::images::MAX_IMAGES {
-                return Err(bad(format!(
-                    "at most {} images per request",
-                    super::images::MAX_IMAGES
-                )));
-            }
             let bytes = super::images::decode_base64(F, data)?;
             sources.push((data.to_string(), bytes, mime.to_string()));
         }

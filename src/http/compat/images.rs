@@ -12,8 +12,8 @@ use base64::{alphabet, Engine};
 
 use super::chat::MsgImage;
 use super::error::{ApiError, Family, Kind};
+use crate::actors::lane::{media_layout, LayoutError};
 use crate::http::routes::WebState;
-use crate::wire::worker::{WorkerRequest, WorkerResponse};
 
 /// Standard base64, padded or not.
 const B64: GeneralPurpose = GeneralPurpose::new(
@@ -90,6 +90,20 @@ pub fn require_vision(state: &WebState, family: Family) -> Result<(), ApiError> 
     }
 }
 
+/// What every route checks at each image it finds, before decoding it:
+/// the model has a projector, and the request is within [`MAX_IMAGES`]
+/// (`found` are the images taken so far).
+pub fn next_image(state: &WebState, family: Family, found: usize) -> Result<(), ApiError> {
+    require_vision(state, family)?;
+    if found >= MAX_IMAGES {
+        return Err(ApiError::invalid(
+            family,
+            format!("at most {MAX_IMAGES} images per request"),
+        ));
+    }
+    Ok(())
+}
+
 /// Stores and lays out each image (`sources`: source text, bytes, declared
 /// type). Refused with 400 when the model has no projector, an image is not
 /// one (sniffed), or the projector cannot take it.
@@ -122,25 +136,10 @@ pub async fn resolve(
             .await
             .ok_or_else(|| ApiError::invalid(family, "storing the image failed"))?;
         let blob = put.map_err(|e| ApiError::invalid(family, e.to_string()))?;
-        let replies = lane
-            .send(crate::actors::lane::Exec(vec![
-                WorkerRequest::MediaLayout { blob: blob.clone() },
-            ]))
-            .await
-            .map_err(|e| ApiError::new(family, Kind::Unavailable, e.to_string()))?
-            .map_err(|e| ApiError::new(family, Kind::Unavailable, e.to_string()))?;
-        let layout = match replies.into_iter().next() {
-            Some(WorkerResponse::MediaLayout { tokens }) => tokens,
-            Some(WorkerResponse::Err { message }) => {
-                return Err(ApiError::invalid(family, message))
-            }
-            other => {
-                return Err(ApiError::invalid(
-                    family,
-                    format!("unexpected reply from the worker: {other:?}"),
-                ))
-            }
-        };
+        let layout = media_layout(&lane, &blob).await.map_err(|e| match e {
+            LayoutError::Lane(m) => ApiError::new(family, Kind::Unavailable, m),
+            LayoutError::Refused(m) => ApiError::invalid(family, m),
+        })?;
         out.0.insert(source, MsgImage { blob, layout });
     }
     Ok(out)

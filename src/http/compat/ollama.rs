@@ -200,16 +200,10 @@ async fn resolve_images(state: &WebState, messages: &[Value]) -> Result<Resolved
             .into_iter()
             .flatten()
         {
-            super::images::require_vision(state, F)?;
+            super::images::next_image(state, F, sources.len())?;
             let data = data
                 .as_str()
                 .ok_or_else(|| bad("each of a message's images is a base64 string"))?;
-            if sources.len() >= super::images::MAX_IMAGES {
-                return Err(bad(format!(
-                    "at most {} images per request",
-                    super::images::MAX_IMAGES
-                )));
-            }
             let bytes = super::images::decode_base64(F, data)?;
             let mime = crate::media::sniff(&bytes)
                 .map(|k| k.mime())

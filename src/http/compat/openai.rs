@@ -154,15 +154,9 @@ pub(crate) async fn resolve_images(
             if p.get("type").and_then(Value::as_str) != Some("image_url") {
                 continue;
             }
-            super::images::require_vision(state, F).map_err(|e| e.with_param("messages"))?;
+            super::images::next_image(state, F, sources.len())
+                .map_err(|e| e.with_param("messages"))?;
             let Some(url) = image_url(p) else { continue };
-            if sources.len() >= super::images::MAX_IMAGES {
-                return Err(ApiError::invalid(
-                    F,
-                    format!("at most {} images per request", super::images::MAX_IMAGES),
-                )
-                .with_param("messages"));
-            }
             let (bytes, mime) =
                 super::images::data_uri(F, url).map_err(|e| e.with_param("messages"))?;
             sources.push((url.to_string(), bytes, mime));
