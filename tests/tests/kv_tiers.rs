@@ -702,11 +702,21 @@ fn a_sigkill_while_sealing_leaves_a_whole_artifact() {
     }
     assert!(caught > 0, "the SIGKILL never landed inside a write");
     d.spawn_and_wait();
+    // The worker removes stale temp files as it starts (it may start after
+    // the socket answers); checked before the next turn, whose own seal
+    // writes a new temp file.
+    let since = Instant::now();
+    while tmp.exists() {
+        assert!(
+            since.elapsed().as_secs() < 60,
+            "the temp file outlived a start"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
     let kept = artifact_head(&d.sessions, s).tokens.len() as u64;
     say(&mut d.client(), s, "And the heaviest?");
     let (warm, reply, _) = timed_turn(&mut d.client(), s);
     d.stop();
-    assert!(!tmp.exists(), "the temp file outlived a start");
     assert!(
         warm <= kept && warm + 16 >= kept,
         "warm_prefix {warm}, the artifact holds {kept}"
