@@ -111,6 +111,24 @@ fn install(filter: env_filter::Filter) {
     log::set_max_level(level);
 }
 
+/// The log target of generation stages: `RUST_LOG=superfluid::trace=debug`
+/// (and `superfluid::worker=debug` for the worker's) turns them on.
+pub const TRACE_TARGET: &str = "superfluid::trace";
+
+/// Logs one stage of a generation's way through the daemon and the worker
+/// (`trace <unix µs> <stage> gen=<id>`; `-` where the id is not known
+/// there), at debug under [`TRACE_TARGET`]; bench/peer/turn_trace.py reads
+/// them. Daemon and worker share the wall clock. Costs one filter check when
+/// off.
+pub fn stage(stage: &str, gen: &dyn std::fmt::Display) {
+    if log::log_enabled!(target: TRACE_TARGET, log::Level::Debug) {
+        let us = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_micros());
+        log::debug!(target: TRACE_TARGET, "trace {us} {stage} gen={gen}");
+    }
+}
+
 /// Installs the logger once; later calls do nothing.
 pub fn init() {
     init_with(false)

@@ -894,6 +894,33 @@ def w_oai_fanout(sf, ll, runs, out):
 # ---- report -----------------------------------------------------------------
 
 
+def tree_rss_bytes(pid):
+    """Resident memory of `pid` and all its descendants (superfluid: the
+    daemon and its worker), from /proc."""
+    children = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(d))
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        todo.extend(children.get(p, []))
+        try:
+            with open(f"/proc/{p}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return total
+
+
 def log(msg):
     print(msg, file=sys.stderr, flush=True)
 
@@ -1014,6 +1041,10 @@ def main():
         # One discarded request each, so neither pays a first-use cost in a timed run.
         sf_single(sf, "warmup", 16)
         ll_single(ll, "warmup", 16)
+        # Memory after load (and one short request): the daemon and its
+        # worker against llama-server.
+        W["memory"] = {"sf": [{"rss_bytes": tree_rss_bytes(sf.proc.pid)}],
+                       "ll": [{"rss_bytes": tree_rss_bytes(ll.proc.pid)}]}
         if any(n.startswith("oai-") for n in only):
             oai_chat(sf, oai_single_messages("oai-warmup"), 16)
             oai_chat(ll, oai_single_messages("oai-warmup"), 16)
@@ -1038,6 +1069,9 @@ def main():
             # Saved as it goes, so an interrupted run keeps what it measured.
             W[name] = out
             save_partial(report, out_path)
+        if sf.proc and ll.proc:
+            W["memory"]["sf_end"] = tree_rss_bytes(sf.proc.pid)
+            W["memory"]["ll_end"] = tree_rss_bytes(ll.proc.pid)
     finally:
         sf.stop()
         ll.stop()
@@ -1082,17 +1116,26 @@ def table_rows(W):
                            (ratio <= x if op == "<=" else ratio >= x)}
         rows.append(row)
 
+    if "memory" in W:
+        m = W["memory"]
+        add("memory", "RSS after load, MiB (superfluid: daemon + worker)", "lower",
+            [r["rss_bytes"] / 2**20 for r in m["sf"]], [r["rss_bytes"] / 2**20 for r in m["ll"]],
+            "", goal=("<=", 1.1))
+        if m.get("sf_end") and m.get("ll_end"):
+            add("memory", "RSS at the end of the run, MiB", "lower", [m["sf_end"] / 2**20],
+                [m["ll_end"] / 2**20], "")
     if "decode" in W:
         d = W["decode"]
         add("decode, 1 stream", "prompt tokens", "-", [r["prompt_tokens"] for r in d["sf"]],
             [r["prompt_tokens"] for r in d["ll"]], "")
         add("decode, 1 stream", "prompt tok/s, client wall (prompt / TTFT)", "higher",
             [r["prompt_tokens"] / r["ttft_s"] for r in d["sf"]],
-            [r["prompt_tokens"] / r["ttft_s"] for r in d["ll"]], "")
+            [r["prompt_tokens"] / r["ttft_s"] for r in d["ll"]], "", goal=(">=", 1.0))
         add("decode, 1 stream", "time to first token", "lower", [r["ttft_s"] for r in d["sf"]],
             [r["ttft_s"] for r in d["ll"]], " s")
         add("decode, 1 stream", "generated tok/s, client wall ((n-1) / first token to end of stream)", "higher",
-            [r["decode_tps"] for r in d["sf"]], [r["decode_tps"] for r in d["ll"]], "")
+            [r["decode_tps"] for r in d["sf"]], [r["decode_tps"] for r in d["ll"]], "",
+            goal=(">=", 1.0))
         add("decode, 1 stream", "generated tokens", "-", [r["tokens"] for r in d["sf"]],
             [r["tokens"] for r in d["ll"]], "")
         add("decode, 1 stream", "llama-server's own timings: prompt tok/s", "-", [],
@@ -1102,11 +1145,14 @@ def table_rows(W):
     if "concurrent" in W:
         c = W["concurrent"]
         add("4 concurrent streams", "aggregate generated tok/s (wall, 4 prefills included)", "higher",
-            [r["agg_tps"] for r in c["sf"]], [r["agg_tps"] for r in c["ll"]], "")
+            [r["agg_tps"] for r in c["sf"]], [r["agg_tps"] for r in c["ll"]], "",
+            goal=(">=", 1.0))
         add("4 concurrent streams", "aggregate tok/s once all 4 are generating", "higher",
-            [r["agg_decode_tps"] for r in c["sf"]], [r["agg_decode_tps"] for r in c["ll"]], "")
+            [r["agg_decode_tps"] for r in c["sf"]], [r["agg_decode_tps"] for r in c["ll"]], "",
+            goal=(">=", 1.0))
         add("4 concurrent streams", "slowest first token", "lower",
-            [r["ttft_max_s"] for r in c["sf"]], [r["ttft_max_s"] for r in c["ll"]], " s")
+            [r["ttft_max_s"] for r in c["sf"]], [r["ttft_max_s"] for r in c["ll"]], " s",
+            goal=("<=", 1.0))
     if "multiturn" in W:
         m = W["multiturn"]
         add("multi-turn, turn N", "history reused (tokens)", "-",
@@ -1114,7 +1160,8 @@ def table_rows(W):
         add("multi-turn, turn N", "prompt tokens computed", "lower",
             [r["computed"] for r in m["sf"]], [r["computed"] for r in m["ll"]], "")
         add("multi-turn, turn N", "time to first token", "lower",
-            [r["ttft_s"] for r in m["sf"]], [r["ttft_s"] for r in m["ll"]], " s")
+            [r["ttft_s"] for r in m["sf"]], [r["ttft_s"] for r in m["ll"]], " s",
+            goal=("<=", 1.0))
 
     if "fanout" in W:
         f = W["fanout"]
@@ -1129,7 +1176,9 @@ def table_rows(W):
         add("restart, turn N+1", "server start to ready", "lower",
             [r.get("sf_start_s")], [r.get("ll_start_s")], " s")
         add("restart, turn N+1", "time to first token (llama-server: slot restore + request)",
-            "lower", [x["ttft_s"] for x in r["sf"]], [x["ttft_s"] for x in r["ll"]], " s")
+            "lower", [x["ttft_s"] for x in r["sf"]], [x["ttft_s"] for x in r["ll"]], " s",
+            # The goal is with superfluid's park tier on (--sf-park).
+            goal=("<=", 1.2) if r.get("sf_park_bytes_per_token") else None)
         add("restart, turn N+1", "prompt tokens computed", "lower",
             [x["computed"] for x in r["sf"]], [x["computed"] for x in r["ll"]], "")
         add("restart, turn N+1", "llama-server without slot restore: time to first token", "-",

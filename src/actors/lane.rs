@@ -957,6 +957,7 @@ impl LaneActor {
         };
         match &self.to_worker {
             Some(tx) if tx.send(frame).is_ok() => {
+                crate::logging::stage("lane_write", &"-");
                 if self.in_flight.is_empty() {
                     self.head_since = Instant::now();
                 }
@@ -1108,6 +1109,7 @@ impl Handler<FromWorker> for LaneActor {
             }
             return;
         }
+        crate::logging::stage("lane_reply", &"-");
         match self.in_flight.pop_front() {
             Some((reply, check, _, _)) => match self.took_reply(&check, &msg.response) {
                 Ok(()) => {

@@ -125,6 +125,7 @@ impl SchedulerActor {
         let (sent, events) = self.pipeline.kick(&mut self.state, super::now_ms());
         self.notify_owners(events);
         for (id, requests) in sent {
+            crate::logging::stage("sch_send", &id);
             let reply = self.lane.send(Exec(requests));
             ctx.spawn(
                 async move {
@@ -137,6 +138,7 @@ impl SchedulerActor {
                 }
                 .into_actor(self)
                 .map(move |result: StepResult, this, ctx| {
+                    crate::logging::stage("sch_arrived", &id);
                     // Generations that end in this reply end now (what
                     // `--idle-spill-ms` and prefix pins count from).
                     this.state.set_clock(super::now_ms());
@@ -158,6 +160,7 @@ impl Handler<AdmitGen> for SchedulerActor {
     type Result = Result<GenId, SchedulerError>;
 
     fn handle(&mut self, msg: AdmitGen, ctx: &mut Context<Self>) -> Self::Result {
+        crate::logging::stage("sch_admit", &"-");
         let gen = self.state.admit(msg.admit)?;
         self.owners.insert(gen, msg.owner);
         self.kick(ctx);

@@ -88,6 +88,7 @@ pub fn serve<R: Read, W: Write>(
             log::info!("worker: stdin closed, exiting");
             return Ok(());
         };
+        crate::logging::stage("w_recv", &"-");
         let reply = match from_postcard::<WorkerRequest>(&body) {
             Ok(WorkerRequest::Shutdown) => {
                 send(&mut output, &WorkerResponse::Done)?;
@@ -99,7 +100,9 @@ pub fn serve<R: Read, W: Write>(
                 message: e.to_string(),
             },
         };
+        crate::logging::stage("w_handled", &"-");
         send(&mut output, &reply)?;
+        crate::logging::stage("w_sent", &"-");
     }
 }
 

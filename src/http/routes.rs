@@ -272,6 +272,7 @@ fn sse_events(rx: mpsc::Receiver<Response>) -> impl Stream<Item = Result<Bytes, 
                     }
                 }
                 Response::SubProvisional { channel, text, .. } => {
+                    crate::logging::stage("http_provisional", &"-");
                     let line = sse(&serde_json::json!({
                         "provisional": { "channel": channel, "text": text }
                     }));
@@ -312,6 +313,7 @@ async fn stream(
     payload: web::Payload,
     state: web::Data<WebState>,
 ) -> Result<HttpResponse, WebError> {
+    crate::logging::stage("http_stream", &"-");
     check(&state, Route::Post, &req)?;
     let state = model_of(&state, &req)?;
     let body = read_body(&req, payload).await?;

@@ -163,6 +163,7 @@ impl SessionActor {
         provisional: bool,
         ctx: &mut Context<Self>,
     ) {
+        crate::logging::stage("sess_generate", &"-");
         self.plan_and_start(max_tokens, reply, provisional, 0, ctx);
     }
 
@@ -203,7 +204,10 @@ impl SessionActor {
                 }));
                 return;
             }
-            (Ok(plan), _) => plan,
+            (Ok(plan), _) => {
+                crate::logging::stage("sess_planned", &"-");
+                plan
+            }
             (Err(e), _) => {
                 let _ = reply.try_send(Response::err(e.to_string()));
                 return;
@@ -250,6 +254,7 @@ impl SessionActor {
                 Some(planned) => Some(commit_event(&shared, planned).await?),
                 None => None,
             };
+            crate::logging::stage("sess_opened", &"-");
             let gen = shared
                 .scheduler
                 .send(AdmitGen { admit, owner })
@@ -260,6 +265,7 @@ impl SessionActor {
         };
         ctx.wait(fut.into_actor(self).map(|result, this, ctx| match result {
             Ok((opened, gen)) => {
+                crate::logging::stage("sess_admitted", &gen);
                 if let Some(g) = &mut this.generation {
                     g.gen = Some(gen);
                     if opened.is_some() {
@@ -301,6 +307,7 @@ impl Handler<GenUpdate> for SessionActor {
             // A generation this actor no longer runs (ended on an error).
             return;
         }
+        crate::logging::stage("sess_update", &gen);
         match msg.0 {
             GenEvent::Started { warm_prefix, .. } => g.warm_prefix = warm_prefix,
             GenEvent::Token { token, .. } => {
@@ -316,6 +323,7 @@ impl Handler<GenUpdate> for SessionActor {
                     self.shared.bus.publish_provisional(self.id, channel, &text);
                     if wants {
                         self.tell_provisional(channel, text);
+                        crate::logging::stage("sess_told", &gen);
                     }
                 }
             }
