@@ -705,3 +705,18 @@ pub fn read_events(c: &mut Client, s: SessionId) -> Vec<Event> {
         other => panic!("Read {s}: {other:?}"),
     }
 }
+
+/// Copies a directory tree (a sessions directory, to start a second daemon
+/// on the same log).
+pub fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        let dst = to.join(e.file_name());
+        if e.file_type().unwrap().is_dir() {
+            copy_dir(&e.path(), &dst);
+        } else {
+            std::fs::copy(e.path(), dst).unwrap();
+        }
+    }
+}

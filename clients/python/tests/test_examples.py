@@ -43,4 +43,8 @@ def test_pull_the_plug_continues_the_same_reply():
     print(r.stdout, r.stderr)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "killed the daemon (SIGKILL)" in r.stdout
-    assert r.stdout.rstrip().splitlines()[-1].startswith("identical")
+    # Greedy: identical to an uninterrupted run, or (the spec allows a
+    # re-prefilled history to differ in the last bits) the same up to the cut
+    # and continued from there.
+    last = r.stdout.rstrip().splitlines()[-1]
+    assert last.startswith("identical") or last.startswith("continued"), last
