@@ -6,7 +6,10 @@
 //!   for `--park-lossy`, the sha256, write, fsync, rename, directory fsync);
 //! - the artifact's size a token;
 //! - restore (`KvUnpark`: read, every digest checked, the state set),
-//!   against prefilling the same history.
+//!   against prefilling the same history;
+//! - a turn of 100 more tokens sealed again: as a segment (only the new
+//!   cells copied and written) against the whole artifact, and the restore
+//!   of the base and its segment.
 //!
 //! `cargo bench --bench park` (add `-- --quick` for 1 run; `PARK_RUNS=n`).
 //! Prints a markdown table and writes bench/results/park-<date>.json.
@@ -106,6 +109,75 @@ fn one(e: &mut WorkerEngine, dir: &Path, session: u64, tokens: &[Token]) -> Row 
     }
 }
 
+/// A turn after `history`: `TURN` more tokens, then sealed again.
+const TURN: usize = 100;
+
+struct TurnRow {
+    /// The whole artifact written again: copy, on disk, bytes written.
+    whole: (f64, f64, u64),
+    /// A segment after it: copy, on disk, bytes written.
+    segment: (f64, f64, u64),
+    /// Restoring the base and the segment.
+    restore_ms: f64,
+}
+
+/// Seals `tokens` (the sequence holds them) for `session` and waits until
+/// `file` is on disk: (copy ms, on-disk ms, its bytes).
+fn seal(e: &mut WorkerEngine, session: u64, tokens: &[Token], file: &Path) -> (f64, f64, u64) {
+    let t = Instant::now();
+    let r = e.handle(&WorkerRequest::KvPark {
+        seq: 0,
+        session,
+        tokens: tokens.to_vec(),
+    });
+    let copy = t.elapsed().as_secs_f64() * 1e3;
+    assert_eq!(r, WorkerResponse::Done);
+    while !file.exists() {
+        assert!(t.elapsed() < Duration::from_secs(60), "the seal never came");
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    let disk = t.elapsed().as_secs_f64() * 1e3;
+    (copy, disk, std::fs::metadata(file).unwrap().len())
+}
+
+/// `history` sealed, `TURN` tokens more decoded, sealed whole (a session of
+/// its own) and as a segment, then the segment's chain restored.
+fn turn(e: &mut WorkerEngine, dir: &Path, session: u64, history: &[Token]) -> TurnRow {
+    use superfluid::engine::park;
+    let all = self::history(history.len() + TURN);
+    assert_eq!(&all[..history.len()], history);
+    fill(e, 0, history);
+    let base = park::path(dir, session);
+    seal(e, session, history, &base);
+    let r = e.handle(&WorkerRequest::Decode {
+        items: vec![superfluid::wire::worker::DecodeItem {
+            media: vec![],
+            seq: 0,
+            pos: history.len() as u32,
+            tokens: all[history.len()..].to_vec(),
+            sample: None,
+        }],
+    });
+    assert!(matches!(r, WorkerResponse::Decoded { .. }), "{r:?}");
+    let whole = seal(e, session + 50, &all, &park::path(dir, session + 50));
+    let segment = seal(e, session, &all, &park::segment_path(dir, session, 1));
+    e.handle(&WorkerRequest::KvClear { seq: 0 });
+    let t = Instant::now();
+    let r = e.handle(&WorkerRequest::KvUnpark {
+        seq: 0,
+        session,
+        tokens: all.clone(),
+        len: all.len() as u32,
+    });
+    let restore_ms = t.elapsed().as_secs_f64() * 1e3;
+    assert_eq!(r, WorkerResponse::Done, "restored");
+    TurnRow {
+        whole,
+        segment,
+        restore_ms,
+    }
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     v[v.len() / 2]
@@ -145,6 +217,39 @@ fn main() {
             json.push(format!(
                 "{{\"tier\":\"{tier}\",\"history\":{n},\"copy_ms\":{copy:.3},\"disk_ms\":{disk:.3},\
                  \"bytes_per_token\":{bytes:.1},\"restore_ms\":{restore:.3},\"prefill_ms\":{pre:.3}}}"
+            ));
+        }
+    }
+    table.push(String::new());
+    table.push(format!(
+        "A turn of {TURN} tokens after the history, sealed again (--park):\n\n\
+         | history | whole: copy | whole: on disk | whole: bytes | segment: copy | segment: on disk | segment: bytes | restore base + segment |\n\
+         |---:|---:|---:|---:|---:|---:|---:|---:|"
+    ));
+    {
+        let dir = tempfile::tempdir().unwrap();
+        let mut e = engine(dir.path(), false);
+        for (h, n) in HISTORIES.iter().enumerate() {
+            let tokens = history(*n);
+            let rows: Vec<TurnRow> = (0..runs)
+                .map(|r| turn(&mut e, dir.path(), (1000 + h * 100 + r) as u64, &tokens))
+                .collect();
+            let m = |f: fn(&TurnRow) -> f64| median(rows.iter().map(f).collect());
+            let (wc, wd, sc, sd, re) = (
+                m(|r| r.whole.0),
+                m(|r| r.whole.1),
+                m(|r| r.segment.0),
+                m(|r| r.segment.1),
+                m(|r| r.restore_ms),
+            );
+            let (wb, sb) = (rows[0].whole.2, rows[0].segment.2);
+            table.push(format!(
+                "| {n} | {wc:.1} ms | {wd:.1} ms | {wb} | {sc:.1} ms | {sd:.1} ms | {sb} | {re:.1} ms |"
+            ));
+            json.push(format!(
+                "{{\"turn\":{TURN},\"history\":{n},\"whole_copy_ms\":{wc:.3},\"whole_disk_ms\":{wd:.3},\
+                 \"whole_bytes\":{wb},\"segment_copy_ms\":{sc:.3},\"segment_disk_ms\":{sd:.3},\
+                 \"segment_bytes\":{sb},\"restore_chain_ms\":{re:.3}}}"
             ));
         }
     }

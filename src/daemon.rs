@@ -197,21 +197,38 @@ pub fn scan_parked(
     };
     let mut out = Vec::new();
     for p in rd.filter_map(|e| e.ok()).map(|e| e.path()) {
+        if let Some((session, _)) = park::segment_of(&p) {
+            // Read with its base below; one of a purged session goes.
+            if !live(session) {
+                let _ = std::fs::remove_file(&p);
+            }
+            continue;
+        }
         let Some(session) = park::session_of(&p) else {
             continue;
         };
         if !live(session) {
-            match std::fs::remove_file(&p) {
-                Ok(()) => log::info!("deleted {}: its session is purged", p.display()),
-                Err(e) => log::warn!("cannot delete {}: {e}", p.display()),
+            for p in park::remove_all(dir, session) {
+                log::info!("deleted {}: its session is purged", p.display());
             }
             continue;
         }
-        let head = std::fs::File::open(&p)
-            .map_err(park::ParkError::from)
-            .and_then(|mut f| park::read_head(&mut f, &identity, cache));
-        match head {
-            Ok(h) => out.push((session, h.tokens)),
+        match park::read_chain_heads(dir, session, &identity, cache) {
+            Ok(chain) => {
+                if let Some(why) = &chain.stopped {
+                    // Never usable: a segment is only written after the one
+                    // before it, in the same chain.
+                    log::warn!(
+                        "park segment {why}; session {session} restores the {} tokens before \
+                         it, and the segments from there are deleted",
+                        chain.tokens.len()
+                    );
+                    for k in chain.segments + 1..=park::MAX_SEGMENTS {
+                        let _ = std::fs::remove_file(park::segment_path(dir, session, k));
+                    }
+                }
+                out.push((session, chain.tokens));
+            }
             Err(e) => log::warn!(
                 "park artifact {} unusable ({e}); that session prefills",
                 p.display()

@@ -280,6 +280,83 @@ fn kv_bits_8_parks_q8_state_and_an_f16_cache_resumes_cold_from_it() {
     assert!(failed.stderr.contains("--kv-bits 8"), "{}", failed.stderr);
 }
 
+/// Waits until `path` is there (a seal the writer thread finishes).
+fn wait_for(path: &std::path::Path) {
+    let since = Instant::now();
+    while !path.exists() {
+        assert!(
+            since.elapsed().as_secs() < 60,
+            "{} never came",
+            path.display()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// Turns after the first seal segments (only the cells they added); after
+/// a restart the session restores the artifact and its segments and replies
+/// exactly what it replies in a daemon that never stopped, and its next
+/// seal extends the chain again.
+#[test]
+fn later_turns_seal_segments_and_a_restart_restores_the_chain() {
+    const TURNS: [&str; 2] = ["And the lightest?", "And the heaviest?"];
+    let mut d = park_daemon();
+    d.spawn_and_wait();
+    let mut c = d.client();
+    let s = conversation(&mut c, &long_message(9));
+    let dir = d.sessions.join("park");
+    wait_for(&park::path(&dir, s));
+    for (k, q) in TURNS.iter().enumerate() {
+        say(&mut c, s, q);
+        generate(&mut c, s, 8);
+        wait_for(&park::segment_path(&dir, s, k as u32 + 1));
+    }
+    let chain = artifact_head(&d.sessions, s);
+    assert_eq!((chain.segments, chain.stopped.clone()), (2, None));
+    let base = std::fs::metadata(park::path(&dir, s)).unwrap().len();
+    for k in 1..=2 {
+        let seg = std::fs::metadata(park::segment_path(&dir, s, k))
+            .unwrap()
+            .len();
+        assert!(seg * 4 < base, "segment {k}: {seg} bytes, the base {base}");
+    }
+    let base_bytes = std::fs::read(park::path(&dir, s)).unwrap();
+    d.stop();
+
+    d.spawn_and_wait();
+    let mut c = d.client();
+    say(&mut c, s, "And the oldest?");
+    // (Two generations: the first token, then the rest.)
+    let (warm, reply, _) = timed_turn(&mut c, s);
+    assert_eq!(warm, chain.tokens.len() as u64, "restored from the chain");
+    // The restored chain is extended, not written again whole.
+    wait_for(&park::segment_path(&dir, s, 4));
+    d.stop();
+    assert_eq!(artifact_head(&d.sessions, s).segments, 4);
+    assert!(std::fs::read(park::path(&dir, s)).unwrap() == base_bytes);
+    let log = d.stderr();
+    assert!(
+        !log.contains("unusable") && !log.contains("park segment"),
+        "{log}"
+    );
+
+    let mut uninterrupted = park_daemon();
+    uninterrupted.spawn_and_wait();
+    let mut c = uninterrupted.client();
+    let u = conversation(&mut c, &long_message(9));
+    for q in TURNS {
+        say(&mut c, u, q);
+        generate(&mut c, u, 8);
+    }
+    say(&mut c, u, "And the oldest?");
+    let (_, resident, _) = timed_turn(&mut c, u);
+    uninterrupted.stop();
+    assert_eq!(
+        reply, resident,
+        "the restored reply differs from the resident one"
+    );
+}
+
 #[test]
 fn park_restores_a_session_after_a_restart_and_a_bad_artifact_prefills() {
     let mut d = park_daemon();
@@ -300,7 +377,7 @@ fn park_restores_a_session_after_a_restart_and_a_bad_artifact_prefills() {
     .into_iter()
     .map(|what| {
         let mut copy = TestDaemon::new();
-        copy_dir(&d.sessions, &copy.sessions);
+        crate::util::copy_dir(&d.sessions, &copy.sessions);
         let p = artifact(&copy.sessions);
         let mut bytes = sealed.clone();
         match what {
@@ -427,19 +504,6 @@ fn rebase_first_message(c: &mut Client, s: SessionId, text: &str) -> SessionId {
     )
 }
 
-fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap() {
-        let e = e.unwrap();
-        let dst = to.join(e.file_name());
-        if e.file_type().unwrap().is_dir() {
-            copy_dir(&e.path(), &dst);
-        } else {
-            std::fs::copy(e.path(), dst).unwrap();
-        }
-    }
-}
-
 /// Purge deletes the session's park artifact (and the index forgets it);
 /// an artifact of a purged session found at start is deleted, not indexed.
 #[test]
@@ -481,20 +545,15 @@ fn purge_deletes_the_park_artifact_and_a_start_deletes_a_late_one() {
 
 /// The header of `s`'s park artifact in `sessions`, read as the daemon
 /// reads it (every field and digest checked).
-fn artifact_head(sessions: &std::path::Path, s: SessionId) -> park::Header {
+fn artifact_head(sessions: &std::path::Path, s: SessionId) -> park::Chain {
     artifact_head_of(sessions, s, park::KV_TYPE_F16)
 }
 
-/// `artifact_head` as a cache of type `cache` reads it.
-fn artifact_head_of(sessions: &std::path::Path, s: SessionId, cache: u32) -> park::Header {
-    let p = sessions.join("park").join(format!("{s}.park"));
+/// `artifact_head` as a cache of type `cache` reads it: the base and the
+/// segments that chain on.
+fn artifact_head_of(sessions: &std::path::Path, s: SessionId, cache: u32) -> park::Chain {
     let identity = park::model_identity(&crate::util::model_path()).unwrap();
-    park::read_head(
-        &mut std::fs::File::open(&p).expect("the artifact"),
-        &identity,
-        cache,
-    )
-    .expect("a usable artifact")
+    park::read_chain_heads(&sessions.join("park"), s, &identity, cache).expect("a usable artifact")
 }
 
 /// Trims `s` to the events before its first reply and asks a 24-token turn
@@ -623,9 +682,40 @@ impl Drop for Created {
     }
 }
 
-/// SIGKILL while the writer thread writes an artifact (its temp file is
-/// there): the artifact in use is the previous one, whole, or the new one,
-/// whole; never a part of one. The restart restores it without a warning.
+/// The temp files in the park directory (a seal being written).
+fn temp_files(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    std::fs::read_dir(dir)
+        .map(|rd| {
+            rd.filter_map(|e| e.ok())
+                .map(|e| e.path())
+                .filter(|p| p.to_string_lossy().ends_with(".tmp"))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The files a session's artifact is read from (base, then segments), and
+/// their bytes.
+fn chain_files(dir: &std::path::Path, s: SessionId) -> Vec<(std::path::PathBuf, Vec<u8>)> {
+    let mut out = Vec::new();
+    let base = park::path(dir, s);
+    if let Ok(b) = std::fs::read(&base) {
+        out.push((base, b));
+        for k in 1..=park::MAX_SEGMENTS {
+            let p = park::segment_path(dir, s, k);
+            match std::fs::read(&p) {
+                Ok(b) => out.push((p, b)),
+                Err(_) => break,
+            }
+        }
+    }
+    out
+}
+
+/// SIGKILL while the writer thread writes a seal (its temp file is there):
+/// the first turn's seal is the whole artifact, the next ones segments.
+/// The artifact in use is the previous one, whole, or the new one, whole;
+/// never a part of one. The restart restores it without a warning.
 #[test]
 fn a_sigkill_while_sealing_leaves_a_whole_artifact() {
     let mut d = TestDaemon::new();
@@ -634,29 +724,44 @@ fn a_sigkill_while_sealing_leaves_a_whole_artifact() {
         .map(|a| a.to_string())
         .collect();
     d.spawn_and_wait();
-    let mut c = d.client();
-    // ~1,800 tokens: an artifact of ~40 MB, written and fsynced over
-    // milliseconds.
-    let text = (1..4).map(long_message).collect::<Vec<_>>().join(" ");
-    let s = conversation(&mut c, &text);
-    let art = d.sessions.join("park").join(format!("{s}.park"));
-    let tmp = art.with_extension("park.tmp");
-    let since = Instant::now();
-    while !art.exists() || tmp.exists() {
-        assert!(since.elapsed().as_secs() < 30, "no artifact sealed");
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
-    let created = Created::watch(&d.sessions.join("park"));
+    let dir = d.sessions.join("park");
+    std::fs::create_dir_all(&dir).unwrap();
+    let watch = Created::watch(&dir);
     let identity = park::model_identity(&crate::util::model_path()).unwrap();
+    let chain =
+        |dir: &std::path::Path, s| park::read_chain_heads(dir, s, &identity, park::KV_TYPE_F16);
+    // ~1,800 tokens: a whole artifact of ~40 MB, written and fsynced over
+    // milliseconds; the turns after it add segments of ~30 tokens.
+    let text = (1..4).map(long_message).collect::<Vec<_>>().join(" ");
+    let mut session = None;
     let mut caught = 0;
-    for turn in 0..10 {
-        let previous = std::fs::read(&art).unwrap();
-        say(
-            &mut d.client(),
-            s,
-            &format!("Question {turn}: and the lightest?"),
-        );
-        created.drain();
+    for turn in 0..12 {
+        let s = match session {
+            Some(s) => {
+                say(
+                    &mut d.client(),
+                    s,
+                    &format!("Question {turn}: and the lightest?"),
+                );
+                s
+            }
+            None => {
+                let mut c = d.client();
+                let s = created(
+                    &mut c,
+                    Request::Create {
+                        parent: None,
+                        params: params(1),
+                    },
+                );
+                say(&mut c, s, &text);
+                s
+            }
+        };
+        session = Some(s);
+        let previous = chain_files(&dir, s);
+        let previous_tokens = chain(&dir, s).map(|c| c.tokens).unwrap_or_default();
+        watch.drain();
         let socket = d.socket.clone();
         let gen = std::thread::spawn(move || {
             if let Ok(mut c) = Client::connect(&socket) {
@@ -668,7 +773,7 @@ fn a_sigkill_while_sealing_leaves_a_whole_artifact() {
             }
         });
         let workers = crate::util::children_of(d.pid());
-        assert!(created.wait(60_000), "no seal began");
+        assert!(watch.wait(120_000), "no seal began");
         // The writer has created its temp file: kill the worker (which
         // would finish the write on a clean exit), then the daemon.
         for w in &workers {
@@ -685,35 +790,55 @@ fn a_sigkill_while_sealing_leaves_a_whole_artifact() {
                 std::thread::yield_now();
             }
         }
-        let mid_write = tmp.exists();
+        let mid_write = !temp_files(&dir).is_empty();
         d.kill9();
         let _ = gen.join();
-        let now = std::fs::read(&art).unwrap();
-        assert!(
-            now == previous || park::read(&art, &identity, park::KV_TYPE_F16).is_ok(),
-            "a SIGKILL while sealing left a partial artifact in use"
+        // What was in use is still there, byte for byte; what a reader
+        // takes chains whole (no torn segment is ever in place).
+        let now = chain_files(&dir, s);
+        assert_eq!(
+            now[..previous.len().min(now.len())],
+            previous[..],
+            "turn {turn}: the artifact in use changed"
         );
+        match chain(&dir, s) {
+            Ok(c) => {
+                assert_eq!(c.stopped, None, "turn {turn}");
+                if mid_write {
+                    assert_eq!(
+                        c.tokens, previous_tokens,
+                        "killed mid-write, yet it changed"
+                    );
+                } else {
+                    assert!(c.tokens.starts_with(&previous_tokens), "turn {turn}");
+                }
+            }
+            // Killed while the first (whole) seal was written: none yet.
+            Err(_) => assert!(mid_write && previous.is_empty(), "turn {turn}"),
+        }
         if mid_write {
             caught += 1;
-            assert_eq!(now, previous, "killed mid-write, yet the artifact changed");
-            break;
+            if caught == 3 {
+                break;
+            }
         }
         d.spawn_and_wait();
     }
     assert!(caught > 0, "the SIGKILL never landed inside a write");
+    let s = session.unwrap();
     d.spawn_and_wait();
     // The worker removes stale temp files as it starts (it may start after
     // the socket answers); checked before the next turn, whose own seal
     // writes a new temp file.
     let since = Instant::now();
-    while tmp.exists() {
+    while !temp_files(&dir).is_empty() {
         assert!(
             since.elapsed().as_secs() < 60,
             "the temp file outlived a start"
         );
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
-    let kept = artifact_head(&d.sessions, s).tokens.len() as u64;
+    let kept = chain(&dir, s).map(|c| c.tokens.len() as u64).unwrap_or(0);
     say(&mut d.client(), s, "And the heaviest?");
     let (warm, reply, _) = timed_turn(&mut d.client(), s);
     d.stop();
@@ -722,7 +847,11 @@ fn a_sigkill_while_sealing_leaves_a_whole_artifact() {
         "warm_prefix {warm}, the artifact holds {kept}"
     );
     assert!(!reply.is_empty());
-    assert!(!d.stderr().contains("unusable"), "{}", d.stderr());
+    let log = d.stderr();
+    assert!(
+        !log.contains("unusable") && !log.contains("park segment"),
+        "{log}"
+    );
 }
 
 /// `--idle-spill-ms`: a session idle for the period leaves the KV cells

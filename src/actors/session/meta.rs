@@ -40,16 +40,11 @@ pub(super) async fn purge(
         shared
             .scheduler
             .do_send(crate::actors::scheduler::ForgetParked(sessions.clone()));
-        let paths: Vec<_> = sessions
-            .iter()
-            .map(|&s| crate::engine::park::path(dir, s))
-            .collect();
+        let (dir, sessions) = (dir.clone(), sessions.clone());
         let deleted = actix_rt::task::spawn_blocking(move || {
-            for p in paths {
-                match std::fs::remove_file(&p) {
-                    Ok(()) => log::debug!("purge: deleted {}", p.display()),
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                    Err(e) => log::warn!("purge: cannot delete {}: {e}", p.display()),
+            for s in sessions {
+                for p in crate::engine::park::remove_all(&dir, s) {
+                    log::debug!("purge: deleted {}", p.display());
                 }
             }
         });

@@ -72,6 +72,9 @@ use crate::wire::worker::{
     DecodeItem, Drawn, NextItem, Refused, Sample, WorkerConfig, WorkerRequest, WorkerResponse,
 };
 use error::RequestError;
+
+/// llama.cpp's most sequences in one context (`LLAMA_MAX_SEQ`).
+const MAX_LLAMA_SEQ: u32 = 256;
 use grammar::Grammars;
 use penalties::Penalties;
 use seqs::SeqTable;
@@ -134,6 +137,11 @@ pub struct WorkerEngine {
     park: Option<super::park::Parker>,
     /// The KV cache's type, as park artifacts name it (`--kv-bits`).
     kv_type: u32,
+    /// A sequence id past the scheduler's (`n_seq`), never decoded into:
+    /// a segment seal copies the cells after what is sealed into it to
+    /// export them alone, and a restore imports each segment into it before
+    /// copying it on. None at llama.cpp's most sequences (256).
+    scratch: Option<u32>,
 }
 
 impl std::fmt::Debug for WorkerEngine {
@@ -227,7 +235,7 @@ impl WorkerEngine {
 
         let cparams = LlamaContextParams::default()
             .with_n_ctx(std::num::NonZeroU32::new(n_ctx))
-            .with_n_seq_max(n_seq)
+            .with_n_seq_max(n_seq + u32::from(n_seq < MAX_LLAMA_SEQ))
             .with_n_batch(n_batch)
             .with_n_ubatch(n_batch)
             .with_n_threads(threads as i32)
@@ -279,6 +287,7 @@ impl WorkerEngine {
             spill: SpillStore::new(0),
             park: None,
             kv_type,
+            scratch: (n_seq < MAX_LLAMA_SEQ).then_some(n_seq),
         })
     }
 
@@ -623,6 +632,31 @@ impl WorkerEngine {
             log::debug!("park of session {session} skipped (length, or the writer is busy)");
             return Ok(WorkerResponse::Done);
         }
+        let from = match park.plan(session, tokens) {
+            super::park::SealPlan::From(from) if self.scratch.is_some() => Some(from),
+            _ => None,
+        };
+        let state = match from {
+            Some(from) => self.export_from(seq, from),
+            None => self.export(seq),
+        };
+        let Some(state) = state else {
+            log::warn!("park of session {session}: llama.cpp did not export the sequence");
+            return Ok(WorkerResponse::Done);
+        };
+        let Some(park) = &self.park else {
+            return Ok(WorkerResponse::Done);
+        };
+        match from {
+            Some(from) => park.seal_from(session, tokens.to_vec(), from, state),
+            None => park.seal(session, tokens.to_vec(), state),
+        };
+        Ok(WorkerResponse::Done)
+    }
+
+    /// llama.cpp's per-sequence state of `seq`; None if it wrote less than
+    /// it said.
+    fn export(&mut self, seq: u32) -> Option<Vec<u8>> {
         let flags = llama_cpp_2::LlamaStateSeqFlags::empty();
         let size = self.ctx.state_seq_get_size_ext(seq as i32, flags);
         let mut state = vec![0u8; size];
@@ -631,12 +665,47 @@ impl WorkerEngine {
             self.ctx
                 .state_seq_get_data_ext(state.as_mut_ptr(), seq as i32, flags)
         };
-        if n != size {
-            log::warn!("park of session {session}: llama.cpp wrote {n} of {size} bytes");
-            return Ok(WorkerResponse::Done);
-        }
-        park.seal(session, tokens.to_vec(), state);
-        Ok(WorkerResponse::Done)
+        (n == size).then_some(state)
+    }
+
+    /// The state of `seq`'s cells from position `from` on alone: copied
+    /// into the scratch sequence (which shares the cells, no data moves),
+    /// exported from there, and the scratch sequence cleared.
+    fn export_from(&mut self, seq: u32, from: u32) -> Option<Vec<u8>> {
+        let scratch = self.scratch?;
+        let _ = self.ctx.kv_cache_seq_rm(scratch as i32, None, None);
+        let state = match self
+            .ctx
+            .kv_cache_seq_cp(seq as i32, scratch as i32, Some(from), None)
+        {
+            Ok(()) => self.export(scratch),
+            Err(_) => None,
+        };
+        let _ = self.ctx.kv_cache_seq_rm(scratch as i32, None, None);
+        state
+    }
+
+    /// Imports a segment's state into `seq` beside what it holds: into the
+    /// scratch sequence first (llama.cpp clears the sequence it imports
+    /// into), then copied on (shared cells) and the scratch cleared.
+    fn import_beside(&mut self, seq: u32, state: &[u8]) -> bool {
+        let Some(scratch) = self.scratch else {
+            return false;
+        };
+        // SAFETY: the bytes are what llama.cpp's state_seq_get_data_ext wrote for this model
+        // (identity digest) and KV type, verified by their sha256 before this call.
+        let ok = unsafe {
+            self.ctx.state_seq_set_data_ext(
+                state,
+                scratch as i32,
+                llama_cpp_2::LlamaStateSeqFlags::empty(),
+            )
+        } && self
+            .ctx
+            .kv_cache_seq_cp(scratch as i32, seq as i32, None, None)
+            .is_ok();
+        let _ = self.ctx.kv_cache_seq_rm(scratch as i32, None, None);
+        ok
     }
 
     /// `KvUnpark`: restore `<session>.park` into `seq`, keep `0..len`.
@@ -659,7 +728,14 @@ impl WorkerEngine {
             return Ok(not);
         };
         let path = park.path(session);
-        let (head, state) = match super::park::read(&path, park.model(), park.cache()) {
+        let got = super::park::read_chain(
+            park.dir(),
+            session,
+            park.model(),
+            park.cache(),
+            len as usize,
+        );
+        let (chain, states) = match got {
             Ok(x) => x,
             Err(super::park::ParkError::Io(e)) if e.kind() == std::io::ErrorKind::NotFound => {
                 // Deleted by the park budget (least recently used first)
@@ -678,23 +754,42 @@ impl WorkerEngine {
                 return Ok(not);
             }
         };
-        if head.tokens != tokens || len as usize > tokens.len() {
+        if let Some(why) = &chain.stopped {
+            // Warned once at start (daemon::scan_parked), which deletes it.
+            log::info!(
+                "park segment {why}; restoring the {} tokens before it",
+                chain.tokens.len()
+            );
+        }
+        // Only positions 0..len are kept: the artifact must hold those
+        // tokens (a later seal may have added more, a skipped one fewer).
+        let n = len as usize;
+        if n > tokens.len() || n > chain.tokens.len() || chain.tokens[..n] != tokens[..n] {
             log::warn!(
                 "park artifact {} holds other tokens; prefilling instead",
                 path.display()
             );
             return Ok(not);
         }
-        // SAFETY: the bytes are what llama.cpp's state_seq_get_data_ext wrote for this model
-        // (identity digest) and KV type, verified by their sha256 before this call.
-        let ok = unsafe {
-            self.ctx.state_seq_set_data_ext(
-                &state,
-                seq as i32,
-                llama_cpp_2::LlamaStateSeqFlags::empty(),
-            )
-        };
-        let trim = if ok && (len as usize) < tokens.len() {
+        let mut ok = true;
+        for (i, (_, state)) in states.iter().enumerate() {
+            ok = ok
+                && if i == 0 {
+                    // SAFETY: the bytes are what llama.cpp's state_seq_get_data_ext wrote for
+                    // this model (identity digest) and KV type, verified by their sha256 before
+                    // this call.
+                    unsafe {
+                        self.ctx.state_seq_set_data_ext(
+                            state,
+                            seq as i32,
+                            llama_cpp_2::LlamaStateSeqFlags::empty(),
+                        )
+                    }
+                } else {
+                    self.import_beside(seq, state)
+                };
+        }
+        let trim = if ok && n < chain.tokens.len() {
             self.ctx.kv_cache_seq_rm(seq as i32, Some(len), None)
         } else {
             Ok(())
@@ -708,6 +803,13 @@ impl WorkerEngine {
             let _ = self.ctx.kv_cache_seq_rm(seq as i32, None, None);
             self.changed(s);
             return Ok(not);
+        }
+        if let Some(park) = &self.park {
+            if n == chain.tokens.len() {
+                // The sequence holds the chain as it is on disk: the next
+                // seal may add a segment to it.
+                park.restored(session, &chain);
+            }
         }
         // Used: the budget deletes it last.
         if let Ok(f) = std::fs::File::options().write(true).open(&path) {
@@ -884,8 +986,10 @@ impl WorkerEngine {
     ) -> Result<(), RequestError> {
         let n = self.batch.n_tokens();
         let start = Instant::now();
+        crate::logging::stage("w_decode", &n);
         let res = self.ctx.decode(&mut self.batch);
         out.decode_us += start.elapsed().as_micros() as u64;
+        crate::logging::stage("w_decoded", &n);
         self.batch.clear();
         res.map_err(|e| match e {
             DecodeError::NoKvCacheSlot => RequestError::KvFull {
