@@ -217,9 +217,15 @@ class Superfluid(Server):
         self.flags = list(flags)
 
     def park_bytes(self, session):
-        """The size of the session's park artifact, or None."""
-        p = os.path.join(self.sessions, "park", f"{session}.park")
-        return os.path.getsize(p) if os.path.exists(p) else None
+        """The size of the session's park artifact and its segments
+        (`<session>.park.<k>`, incremental seals), or None."""
+        d = os.path.join(self.sessions, "park")
+        p = os.path.join(d, f"{session}.park")
+        if not os.path.exists(p):
+            return None
+        segments = [f for f in os.listdir(d) if f.startswith(f"{session}.park.")
+                    and f.rsplit(".", 1)[1].isdigit()]
+        return os.path.getsize(p) + sum(os.path.getsize(os.path.join(d, f)) for f in segments)
 
     def start(self):
         """Starts (or restarts, on the same log) and returns seconds to ready."""

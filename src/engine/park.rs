@@ -721,6 +721,18 @@ pub const PARK_QUEUE: usize = 2;
 
 /// The writer thread's loop: each seal stored (Q8 for `--park-lossy`,
 /// quantized here, never on the worker's request path), then the budget.
+/// Puts the calling thread (the park writer) at the lowest CPU priority
+/// (nice 19; a Linux thread's nice value is its own): hashing, Q8 and
+/// writing a seal never take a core from the decode threads beside it,
+/// only what they leave idle. Best effort.
+fn lower_priority() {
+    // SAFETY: plain syscalls on the calling thread's own id.
+    unsafe {
+        let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+        libc::setpriority(libc::PRIO_PROCESS, tid, 19);
+    }
+}
+
 /// What the writer thread stores with and where.
 struct WriterConfig {
     dir: PathBuf,
@@ -874,6 +886,7 @@ impl Parker {
         let thread = std::thread::Builder::new()
             .name("park-writer".into())
             .spawn(move || {
+                lower_priority();
                 let w = WriterConfig {
                     dir: d,
                     model,
