@@ -198,8 +198,9 @@ pub fn scan_parked(
     let mut out = Vec::new();
     for p in rd.filter_map(|e| e.ok()).map(|e| e.path()) {
         if let Some((session, _)) = park::segment_of(&p) {
-            // Read with its base below; one of a purged session goes.
-            if !live(session) {
+            // Read with its base below; one of a purged session, or one
+            // whose base is gone, goes.
+            if !live(session) || !park::path(dir, session).exists() {
                 let _ = std::fs::remove_file(&p);
             }
             continue;
@@ -229,10 +230,16 @@ pub fn scan_parked(
                 }
                 out.push((session, chain.tokens));
             }
-            Err(e) => log::warn!(
-                "park artifact {} unusable ({e}); that session prefills",
-                p.display()
-            ),
+            Err(e) => {
+                log::warn!(
+                    "park artifact {} unusable ({e}); that session prefills",
+                    p.display()
+                );
+                // Its segments extend nothing usable.
+                for k in 1..=park::MAX_SEGMENTS {
+                    let _ = std::fs::remove_file(park::segment_path(dir, session, k));
+                }
+            }
         }
     }
     out

@@ -297,13 +297,18 @@ fn write_file(path: &Path, head: &[u8], state: &[u8]) -> std::io::Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir)?;
     let tmp = tmp_of(path);
-    {
+    let written = (|| {
         let mut f = File::create(&tmp)?;
         f.write_all(head)?;
         f.write_all(state)?;
         f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    if written.is_err() {
+        // A full disk, say: the temp file does not stay.
+        let _ = std::fs::remove_file(&tmp);
     }
-    std::fs::rename(&tmp, path)?;
+    written?;
     File::open(dir)?.sync_all()?;
     Ok(())
 }
@@ -509,6 +514,15 @@ pub struct Chain {
     parts: Vec<(PathBuf, u32, u64, u64, [u8; 32])>,
 }
 
+impl Chain {
+    /// The tokens the base alone covers.
+    pub fn base_len(&self) -> usize {
+        self.parts
+            .get(1)
+            .map_or(self.tokens.len(), |p| p.1 as usize)
+    }
+}
+
 /// Reads a session's artifact headers in `dir`: the base (any fault is the
 /// error) and the segments that chain on.
 pub fn read_chain_heads(
@@ -706,6 +720,9 @@ pub struct Parker {
     dir: PathBuf,
     /// The live cache's KV type: what lossless artifacts say they hold.
     cache: u32,
+    /// What this writer's artifacts say they hold: `cache`, or
+    /// [`KV_TYPE_F16_AS_Q8`] with `--park-lossy`.
+    stores: u32,
     model: [u8; 32],
     tx: Option<std::sync::mpsc::SyncSender<Job>>,
     /// Seals copied and not yet written (at most [`PARK_QUEUE`]).
@@ -721,18 +738,6 @@ pub const PARK_QUEUE: usize = 2;
 
 /// The writer thread's loop: each seal stored (Q8 for `--park-lossy`,
 /// quantized here, never on the worker's request path), then the budget.
-/// Puts the calling thread (the park writer) at the lowest CPU priority
-/// (nice 19; a Linux thread's nice value is its own): hashing, Q8 and
-/// writing a seal never take a core from the decode threads beside it,
-/// only what they leave idle. Best effort.
-fn lower_priority() {
-    // SAFETY: plain syscalls on the calling thread's own id.
-    unsafe {
-        let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
-        libc::setpriority(libc::PRIO_PROCESS, tid, 19);
-    }
-}
-
 /// What the writer thread stores with and where.
 struct WriterConfig {
     dir: PathBuf,
@@ -798,10 +803,10 @@ fn writer(
             } => {
                 // Only right after the segment before it (or the base), in
                 // the same chain, with the base still there.
-                let extends = lock(&chains)
+                let next = lock(&chains)
                     .get(&session)
-                    .is_some_and(|c| c.epoch == epoch && c.written == Some(k - 1))
-                    && path(&dir, session).exists();
+                    .is_some_and(|c| c.epoch == epoch && c.written == Some(k - 1));
+                let extends = next && path(&dir, session).exists();
                 let r = if extends {
                     let (stored, kv_type) = store(state);
                     let (before, own) = tokens.split_at(from as usize);
@@ -830,8 +835,14 @@ fn writer(
         match result {
             Ok(Some(k)) => {
                 log::debug!("parked {what} in {} ms", t.elapsed().as_millis());
-                if let Some(x) = c.get_mut(&session).filter(|_| mine) {
-                    x.written = Some(k);
+                if mine {
+                    if let Some(x) = c.get_mut(&session) {
+                        x.written = Some(k);
+                    }
+                } else if k == 0 {
+                    // An older whole seal replaced what a newer entry (a
+                    // restore) counts on: the next seal is whole again.
+                    c.remove(&session);
                 }
             }
             Ok(None) => {
@@ -886,7 +897,6 @@ impl Parker {
         let thread = std::thread::Builder::new()
             .name("park-writer".into())
             .spawn(move || {
-                lower_priority();
                 let w = WriterConfig {
                     dir: d,
                     model,
@@ -899,6 +909,7 @@ impl Parker {
         Ok(Parker {
             dir,
             cache,
+            stores: if lossy { KV_TYPE_F16_AS_Q8 } else { cache },
             model,
             tx: Some(tx),
             queued,
@@ -983,10 +994,11 @@ impl Parker {
     pub fn seal_from(&self, session: u64, tokens: Vec<Token>, from: u32, state: Vec<u8>) -> bool {
         let (epoch, k) = {
             let mut c = lock(&self.chains);
-            let Some(x) = c
-                .get_mut(&session)
-                .filter(|x| x.tokens.len() == from as usize && tokens.starts_with(&x.tokens))
-            else {
+            let Some(x) = c.get_mut(&session).filter(|x| {
+                x.tokens.len() == from as usize
+                    && tokens.len() > from as usize
+                    && tokens.starts_with(&x.tokens)
+            }) else {
                 return false;
             };
             x.planned += 1;
@@ -1019,16 +1031,25 @@ impl Parker {
         true
     }
 
-    /// A sequence now holds exactly `chain`'s tokens, restored from the
-    /// session's artifact as it is on disk: the next seal may extend it.
-    pub fn restored(&self, session: u64, chain: &Chain) {
-        if chain.stopped.is_some() {
-            // A segment file it could not take is in the way: the next
-            // seal writes the whole artifact again.
+    /// A sequence was restored from `session`'s artifact as it is on disk
+    /// (`whole`: all of `chain`'s tokens): the next seal may extend it, if
+    /// no seal of that session is on its way to the disk (then what is
+    /// planned stays), the chain was read whole, and its segments are
+    /// stored as this writer stores them. A chain that stopped at a bad
+    /// segment makes the next seal whole, which deletes the segments.
+    pub fn restored(&self, session: u64, chain: &Chain, whole: bool) {
+        let mut c = lock(&self.chains);
+        if c.get(&session)
+            .is_some_and(|x| x.written != Some(x.planned))
+        {
+            return;
+        }
+        if chain.stopped.is_some() || !whole || chain.kv_type != self.stores {
+            c.remove(&session);
             return;
         }
         let epoch = self.epoch();
-        lock(&self.chains).insert(
+        c.insert(
             session,
             Sealed {
                 epoch,
@@ -1327,10 +1348,22 @@ mod tests {
         let mut shorter = c.clone();
         shorter.segments = 3;
         shorter.tokens.truncate(other.len() + 30);
-        p.restored(7, &shorter);
+        p.restored(7, &shorter, true);
         assert_eq!(
             p.plan(7, &more),
             SealPlan::From(shorter.tokens.len() as u32)
         );
+        // A chain that stopped at a bad segment, one restored in part, or
+        // one stored as another writer stores it: the next seal is whole.
+        let mut stopped = shorter.clone();
+        stopped.stopped = Some("a bad segment".into());
+        let mut lossy = shorter.clone();
+        lossy.kv_type = KV_TYPE_F16_AS_Q8;
+        for (chain, whole) in [(&stopped, true), (&shorter, false), (&lossy, true)] {
+            p.restored(7, &shorter, true);
+            assert!(matches!(p.plan(7, &more), SealPlan::From(_)));
+            p.restored(7, chain, whole);
+            assert_eq!(p.plan(7, &more), SealPlan::Whole);
+        }
     }
 }

@@ -72,9 +72,6 @@ use crate::wire::worker::{
     DecodeItem, Drawn, NextItem, Refused, Sample, WorkerConfig, WorkerRequest, WorkerResponse,
 };
 use error::RequestError;
-
-/// llama.cpp's most sequences in one context (`LLAMA_MAX_SEQ`).
-const MAX_LLAMA_SEQ: u32 = 256;
 use grammar::Grammars;
 use penalties::Penalties;
 use seqs::SeqTable;
@@ -235,7 +232,7 @@ impl WorkerEngine {
 
         let cparams = LlamaContextParams::default()
             .with_n_ctx(std::num::NonZeroU32::new(n_ctx))
-            .with_n_seq_max(n_seq + u32::from(n_seq < MAX_LLAMA_SEQ))
+            .with_n_seq_max(n_seq + u32::from(n_seq < MAX_SEQ))
             .with_n_batch(n_batch)
             .with_n_ubatch(n_batch)
             .with_n_threads(threads as i32)
@@ -287,7 +284,7 @@ impl WorkerEngine {
             spill: SpillStore::new(0),
             park: None,
             kv_type,
-            scratch: (n_seq < MAX_LLAMA_SEQ).then_some(n_seq),
+            scratch: (n_seq < MAX_SEQ).then_some(n_seq),
         })
     }
 
@@ -755,16 +752,26 @@ impl WorkerEngine {
             }
         };
         if let Some(why) = &chain.stopped {
-            // Warned once at start (daemon::scan_parked), which deletes it.
-            log::info!(
+            // A stale or damaged header was warned about once at start
+            // (daemon::scan_parked, which deletes it); a state that fails
+            // its digest is found here. The next seal writes the whole
+            // artifact again (Parker::restored).
+            log::warn!(
                 "park segment {why}; restoring the {} tokens before it",
                 chain.tokens.len()
             );
         }
         // Only positions 0..len are kept: the artifact must hold those
         // tokens (a later seal may have added more, a skipped one fewer).
+        // Without a scratch sequence (at llama.cpp's most sequences) only
+        // the base restores.
         let n = len as usize;
-        if n > tokens.len() || n > chain.tokens.len() || chain.tokens[..n] != tokens[..n] {
+        let can = if self.scratch.is_some() {
+            chain.tokens.len()
+        } else {
+            chain.base_len()
+        };
+        if n > tokens.len() || n > can || chain.tokens[..n] != tokens[..n] {
             log::warn!(
                 "park artifact {} holds other tokens; prefilling instead",
                 path.display()
@@ -805,11 +812,9 @@ impl WorkerEngine {
             return Ok(not);
         }
         if let Some(park) = &self.park {
-            if n == chain.tokens.len() {
-                // The sequence holds the chain as it is on disk: the next
-                // seal may add a segment to it.
-                park.restored(session, &chain);
-            }
+            // The sequence holds the chain as it is on disk: the next seal
+            // may add a segment to it.
+            park.restored(session, &chain, n == chain.tokens.len());
         }
         // Used: the budget deletes it last.
         if let Ok(f) = std::fs::File::options().write(true).open(&path) {
