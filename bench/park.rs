@@ -68,6 +68,22 @@ struct Row {
     prefill_ms: f64,
 }
 
+/// Clears sequence 0 and restores `session`'s artifact (`KvUnpark`, every
+/// digest checked) into it; ms.
+fn restore(e: &mut WorkerEngine, session: u64, tokens: &[Token]) -> f64 {
+    e.handle(&WorkerRequest::KvClear { seq: 0 });
+    let t = Instant::now();
+    let r = e.handle(&WorkerRequest::KvUnpark {
+        seq: 0,
+        session,
+        tokens: tokens.to_vec(),
+        len: tokens.len() as u32,
+    });
+    let ms = t.elapsed().as_secs_f64() * 1e3;
+    assert_eq!(r, WorkerResponse::Done, "restored");
+    ms
+}
+
 fn one(e: &mut WorkerEngine, dir: &Path, session: u64, tokens: &[Token]) -> Row {
     let prefill_ms = prefill(e, tokens) * 1e3;
     let path = superfluid::engine::park::path(dir, session);
@@ -90,16 +106,7 @@ fn one(e: &mut WorkerEngine, dir: &Path, session: u64, tokens: &[Token]) -> Row 
     }
     let disk_ms = t.elapsed().as_secs_f64() * 1e3;
     let bytes = std::fs::metadata(&path).unwrap().len();
-    e.handle(&WorkerRequest::KvClear { seq: 0 });
-    let t = Instant::now();
-    let r = e.handle(&WorkerRequest::KvUnpark {
-        seq: 0,
-        session,
-        tokens: tokens.to_vec(),
-        len: tokens.len() as u32,
-    });
-    let restore_ms = t.elapsed().as_secs_f64() * 1e3;
-    assert_eq!(r, WorkerResponse::Done, "restored");
+    let restore_ms = restore(e, session, tokens);
     Row {
         copy_ms,
         disk_ms,
@@ -161,16 +168,7 @@ fn turn(e: &mut WorkerEngine, dir: &Path, session: u64, history: &[Token]) -> Tu
     assert!(matches!(r, WorkerResponse::Decoded { .. }), "{r:?}");
     let whole = seal(e, session + 50, &all, &park::path(dir, session + 50));
     let segment = seal(e, session, &all, &park::segment_path(dir, session, 1));
-    e.handle(&WorkerRequest::KvClear { seq: 0 });
-    let t = Instant::now();
-    let r = e.handle(&WorkerRequest::KvUnpark {
-        seq: 0,
-        session,
-        tokens: all.clone(),
-        len: all.len() as u32,
-    });
-    let restore_ms = t.elapsed().as_secs_f64() * 1e3;
-    assert_eq!(r, WorkerResponse::Done, "restored");
+    let restore_ms = restore(e, session, &all);
     TurnRow {
         whole,
         segment,
