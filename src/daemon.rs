@@ -81,6 +81,8 @@ pub struct ServeConfig {
     pub park_lossy: bool,
     /// `--kv-bits`: the KV cache's type, 16 (f16) or 8 (Q8_0).
     pub kv_bits: u8,
+    /// `--mmap`: the workers map the model file instead of reading it.
+    pub mmap: bool,
     /// `--step-timeout-secs`: how long a worker step may run before the
     /// worker is taken for hung (plus an allowance per token of work).
     pub step_timeout: std::time::Duration,
@@ -568,6 +570,7 @@ pub fn start_actors(
                 .map(|bytes| (park_dir(&config.sessions), bytes)),
             park_lossy: config.park_lossy,
             kv_bits: config.kv_bits,
+            mmap: config.mmap,
             vocabulary: render
                 .vocab_digest()
                 .map(|digest| (render.n_vocab(), digest)),

@@ -70,6 +70,9 @@ struct Worker {
     /// CPU threads.
     #[arg(long)]
     threads: u32,
+    /// Map the model file rather than read it into memory.
+    #[arg(long)]
+    mmap: bool,
     /// Cap of the host-memory store of spilled sequences, in MiB.
     #[arg(long, default_value_t = 0)]
     cache_ram_mb: u64,
@@ -163,6 +166,12 @@ struct Serve {
     /// CPU threads for decode [default: every core]
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
     threads: Option<u32>,
+    /// Map the model file into memory (pages shared with other processes
+    /// that map it, read on first use) instead of reading it whole at load.
+    /// Read weights go on 2 MiB pages where the kernel allows, which decodes
+    /// about 10% faster on a CPU; mapped weights stay on 4 KiB pages.
+    #[arg(long)]
+    mmap: bool,
     /// Serve the browser transport (JSON over HTTP and WebSocket) on this
     /// loopback address, e.g. 127.0.0.1:8455; port 0 picks a free one.
     #[arg(long, value_name = "ADDR")]
@@ -396,6 +405,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 park_budget_bytes: (s.park || s.park_lossy).then_some(s.park_budget_gb.0),
                 park_lossy: s.park_lossy,
                 kv_bits: s.kv_bits,
+                mmap: s.mmap,
                 step_timeout: std::time::Duration::from_secs(s.step_timeout_secs),
                 max_connections: s.max_connections as usize,
                 more_models: more.into_iter().map(|m| m.0).collect(),
@@ -409,24 +419,27 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             })
             .map_err(Into::into)
         }
-        Command::Worker(w) => superfluid::engine::worker::run(
-            &w.model,
-            superfluid::wire::worker::WorkerConfig {
-                n_ctx: w.ctx_size,
-                n_seq: w.parallel,
-                n_batch: w.batch,
-                threads: w.threads,
-            },
-            w.cache_ram_mb.saturating_mul(1 << 20),
-            w.park_dir.map(|d| (d, w.park_budget_bytes, w.park_lossy)),
-            w.kv_bits,
-            &superfluid::engine::rpc::Placement {
-                servers: w.rpc.map(|r| r.0).unwrap_or_default(),
-                split: w.tensor_split.map(|t| t.0).unwrap_or_default(),
-            },
-            w.mmproj.zip(w.media_dir),
-        )
-        .map_err(Into::into),
+        Command::Worker(w) => {
+            superfluid::engine::worker::run(superfluid::engine::worker::WorkerSetup {
+                config: superfluid::wire::worker::WorkerConfig {
+                    n_ctx: w.ctx_size,
+                    n_seq: w.parallel,
+                    n_batch: w.batch,
+                    threads: w.threads,
+                },
+                spill_cap_bytes: w.cache_ram_mb.saturating_mul(1 << 20),
+                park: w.park_dir.map(|d| (d, w.park_budget_bytes, w.park_lossy)),
+                kv_bits: w.kv_bits,
+                mmap: w.mmap,
+                placement: superfluid::engine::rpc::Placement {
+                    servers: w.rpc.map(|r| r.0).unwrap_or_default(),
+                    split: w.tensor_split.map(|t| t.0).unwrap_or_default(),
+                },
+                vision: w.mmproj.zip(w.media_dir),
+                model: w.model,
+            })
+            .map_err(Into::into)
+        }
         Command::Media(m) => {
             use superfluid::media::cli as media;
             match m {

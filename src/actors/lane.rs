@@ -374,6 +374,8 @@ pub struct LaneConfig {
     pub park_lossy: bool,
     /// `--kv-bits`: the worker's KV cache type, 16 or 8.
     pub kv_bits: u8,
+    /// `--mmap`: the worker maps the model file instead of reading it.
+    pub mmap: bool,
     /// The vocabulary the daemon tokenizes with (its size and digest): a
     /// worker whose `Ready` names another is refused.
     pub vocabulary: Option<(u32, [u8; 32])>,
@@ -620,6 +622,13 @@ impl LaneActor {
         {
             command.env("GOMP_SPINCOUNT", WORKER_SPINCOUNT);
         }
+        // The weights and KV buffers on 2 MiB pages (engine::hugepages).
+        command.env(
+            "GLIBC_TUNABLES",
+            crate::engine::hugepages::worker_tunables(
+                std::env::var_os("GLIBC_TUNABLES").as_deref(),
+            ),
+        );
         if !self.config.placement.servers.is_empty() {
             // A lost RPC server aborts the worker (ggml-rpc): an expected
             // death, not worth ggml's backtrace (which runs gdb when present
@@ -654,6 +663,7 @@ impl LaneActor {
             .args(["--threads", &w.threads.to_string()])
             .args(["--cache-ram-mb", &self.config.cache_ram_mb.to_string()])
             .args(["--kv-bits", &self.config.kv_bits.to_string()])
+            .args(self.config.mmap.then_some("--mmap"))
             .args(match &self.config.park {
                 Some((dir, bytes)) => vec![
                     "--park-dir".into(),

@@ -15,13 +15,15 @@
 //! - [`exec`]: the model and its one context ([`exec::WorkerEngine`]), executing worker requests:
 //!   the sequence table and request checks (`exec/seqs.rs`), grammar state (`exec/grammar.rs`);
 //! - [`worker`]: `superfluid worker`, frames on stdin/stdout around a [`exec::WorkerEngine`];
-//! - [`rpc`]: a model's layers on ggml RPC servers on other hosts (`serve --rpc`).
+//! - [`rpc`]: a model's layers on ggml RPC servers on other hosts (`serve --rpc`);
+//! - [`hugepages`]: the weights and KV buffers advised onto 2 MiB pages once loaded.
 //!
 //! Token ids are [`crate::wire::Token`]s, `< n_vocab` once validated by [`vocab::Vocab`] (in the
 //! daemon) or [`exec::seqs::SeqTable`] (in the worker).
 
 pub mod backend;
 pub mod exec;
+pub mod hugepages;
 pub mod park;
 pub mod park_q8;
 pub mod render;

@@ -25,7 +25,6 @@
 //! signal), marks the KV lost and respawns; the sessions are rebuilt by prefill from their logs.
 
 use std::io::{BufWriter, Read, Write};
-use std::path::Path;
 
 use super::exec::WorkerEngine;
 use super::EngineError;
@@ -34,23 +33,42 @@ use crate::wire::{
     from_postcard, read_frame_blocking, to_postcard, write_frame_blocking, MAX_FRAME_BYTES,
 };
 
-/// Runs the worker on stdin/stdout until `Shutdown` or EOF; its host-memory
-/// store of spilled sequences holds at most `spill_cap_bytes`.
-/// With `park` (directory, budget in bytes, lossy), it seals and restores
-/// park artifacts there. With `vision` (the projector, the media directory)
-/// it takes images.
-pub fn run(
-    model: &Path,
-    config: WorkerConfig,
-    spill_cap_bytes: u64,
-    park: Option<(std::path::PathBuf, u64, bool)>,
-    kv_bits: u8,
-    placement: &super::rpc::Placement,
-    vision: Option<(std::path::PathBuf, std::path::PathBuf)>,
-) -> Result<(), EngineError> {
+/// What a worker is started with (`superfluid worker`'s flags).
+#[derive(Debug, Clone)]
+pub struct WorkerSetup {
+    pub model: std::path::PathBuf,
+    pub config: WorkerConfig,
+    /// The cap of its host-memory store of spilled sequences.
+    pub spill_cap_bytes: u64,
+    /// Seal and restore park artifacts: the directory, its budget in bytes,
+    /// lossy.
+    pub park: Option<(std::path::PathBuf, u64, bool)>,
+    /// The KV cache's type, 16 or 8 bits.
+    pub kv_bits: u8,
+    /// Map the model file rather than read it.
+    pub mmap: bool,
+    pub placement: super::rpc::Placement,
+    /// Take images: the projector, the media directory.
+    pub vision: Option<(std::path::PathBuf, std::path::PathBuf)>,
+}
+
+/// Runs the worker on stdin/stdout until `Shutdown` or EOF.
+pub fn run(setup: WorkerSetup) -> Result<(), EngineError> {
+    let WorkerSetup {
+        model,
+        config,
+        spill_cap_bytes,
+        park,
+        kv_bits,
+        mmap,
+        placement,
+        vision,
+    } = setup;
+    let model = model.as_path();
+    let placement = &placement;
     let frames = take_stdout().map_err(EngineError::Stdout)?;
     let mut out = BufWriter::new(frames);
-    let engine = WorkerEngine::placed(model, &config, kv_bits, placement)
+    let engine = WorkerEngine::placed(model, &config, kv_bits, mmap, placement)
         .map(|e| e.with_spill_cap(spill_cap_bytes));
     let engine = match (engine, park) {
         (Ok(e), Some((dir, budget, lossy))) => e

@@ -914,3 +914,65 @@ fn pin_holds_a_deadline_and_zero_clears_it() {
     )
     .contains("unknown"));
 }
+
+/// The worker's bytes on huge pages (`AnonHugePages` of its smaps_rollup).
+fn huge_bytes(pid: u32) -> u64 {
+    let rollup = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap();
+    rollup
+        .lines()
+        .find_map(|l| l.strip_prefix("AnonHugePages:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .expect("AnonHugePages")
+        * 1024
+}
+
+/// The worker reads the model into memory, and its weights and KV cache
+/// sit on 2 MiB pages (engine::hugepages); `--mmap` maps the model file
+/// instead. Either way it generates.
+#[test]
+fn the_worker_reads_the_model_onto_huge_pages_unless_mmap() {
+    let thp =
+        std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
+    let model = std::fs::canonicalize(crate::util::model_path()).unwrap();
+    let model = model.to_string_lossy().into_owned();
+    for mmap in [false, true] {
+        let mut d = TestDaemon::new();
+        if mmap {
+            d.extra_args = vec!["--mmap".into()];
+        }
+        d.spawn_and_wait();
+        let mut c = d.client();
+        let s = d.create(&mut c);
+        commit(
+            &mut c,
+            Request::AppendMessage {
+                session: s,
+                role: Role::User.into(),
+                text: "Hello.".into(),
+            },
+        );
+        let text = crate::util::generate_text(&mut c, s, 4).expect("generation");
+        assert!(!text.is_empty());
+        let w = worker_pid(d.pid());
+        let maps = std::fs::read_to_string(format!("/proc/{w}/maps")).unwrap();
+        assert_eq!(
+            maps.contains(&model),
+            mmap,
+            "the model file mapped: {} (--mmap {mmap})",
+            maps.contains(&model)
+        );
+        if !mmap && !thp.contains("[never]") && !thp.is_empty() {
+            // The weights alone are 92 MiB.
+            let huge = huge_bytes(w);
+            assert!(
+                huge >= 64 << 20,
+                "only {huge} bytes on huge pages ({thp:?})"
+            );
+            assert!(
+                d.stderr().contains("MiB of the buffers on 2 MiB pages"),
+                "{}",
+                d.stderr()
+            );
+        }
+    }
+}

@@ -84,6 +84,7 @@ fn no_reply_before_the_fsync_that_covers_it() {
             park_budget_bytes: None,
             park_lossy: false,
             kv_bits: 16,
+            mmap: false,
             step_timeout: std::time::Duration::from_secs(60),
             max_connections: superfluid::frontend::socket::DEFAULT_MAX_CONNECTIONS,
             more_models: Vec::new(),

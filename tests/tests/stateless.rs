@@ -50,6 +50,7 @@ where
             park_budget_bytes: None,
             park_lossy: false,
             kv_bits: 16,
+            mmap: false,
             step_timeout: std::time::Duration::from_secs(60),
             max_connections: superfluid::frontend::socket::DEFAULT_MAX_CONNECTIONS,
             more_models: Vec::new(),

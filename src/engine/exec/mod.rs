@@ -166,15 +166,24 @@ impl WorkerEngine {
         config: &WorkerConfig,
         kv_bits: u8,
     ) -> Result<WorkerEngine, EngineError> {
-        WorkerEngine::placed(path, config, kv_bits, &super::rpc::Placement::default())
+        WorkerEngine::placed(
+            path,
+            config,
+            kv_bits,
+            false,
+            &super::rpc::Placement::default(),
+        )
     }
 
     /// [`with_kv_bits`](Self::with_kv_bits) with the model's layers placed on RPC servers
-    /// (`--rpc`, `--tensor-split`; none: all on this machine's CPU).
+    /// (`--rpc`, `--tensor-split`; none: all on this machine's CPU), and the model file mapped
+    /// (`mmap`) or read into memory. Once loaded, what the buffers have not touched yet is kept
+    /// off huge pages ([`super::hugepages`]).
     pub fn placed(
         path: &Path,
         config: &WorkerConfig,
         kv_bits: u8,
+        mmap: bool,
         placement: &super::rpc::Placement,
     ) -> Result<WorkerEngine, EngineError> {
         placement.check().map_err(EngineError::Rpc)?;
@@ -207,7 +216,9 @@ impl WorkerEngine {
         check_gguf(path)?;
         let backend = backend::backend()?;
         let model = if placement.servers.is_empty() {
-            let params = LlamaModelParams::default().with_n_gpu_layers(0);
+            let params = LlamaModelParams::default()
+                .with_n_gpu_layers(0)
+                .with_use_mmap(mmap);
             LlamaModel::load_from_file(backend, path, &params).map_err(|e| {
                 EngineError::ModelLoad {
                     path: path.to_path_buf(),
@@ -253,6 +264,14 @@ impl WorkerEngine {
                 reason: e.to_string(),
             })?;
         let step = ctx.n_batch().min(ctx.n_ubatch()).max(1);
+        match super::hugepages::settle() {
+            Ok(done) => log::info!(
+                "huge pages: {} MiB of the buffers on 2 MiB pages, {} MiB untouched kept off them",
+                done.huge_bytes >> 20,
+                done.kept_small >> 20
+            ),
+            Err(e) => log::info!("huge pages: {e}"),
+        }
         let effective = WorkerConfig {
             n_ctx: ctx.n_ctx(),
             n_seq,
