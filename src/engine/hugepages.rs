@@ -11,7 +11,7 @@
 //!   memory it maps, and llama.cpp's buffers fault in as 2 MiB pages;
 //! - the worker reads the model into memory (a file mapping keeps 4 KiB
 //!   pages; `serve --mmap` keeps the mapping);
-//! - once the model and its context are made, [`settle`] advises
+//! - once the model, its context and any projector are made, [`settle`] advises
 //!   `MADV_NOHUGEPAGE` on the stretches of the large mappings that nothing
 //!   touched yet. That is llama.cpp's compute buffer, reserved for the
 //!   largest graph and used in part: on huge pages each touch would make
@@ -21,8 +21,10 @@
 //!
 //! Measured on SmolLM2-135M, 2 threads (docs/benchmarks.md): reading the
 //! model instead of mapping it, decode 1.11x; huge pages on top, decode
-//! 1.13x and prefill 1.09x more. A kernel without THP, or a C library
-//! without the tunable, leaves 4 KiB pages, and the worker runs as before.
+//! 1.13x and prefill 1.12x more. A kernel without THP, or a C library
+//! without the tunable (glibc before 2.35), leaves 4 KiB pages, and the
+//! worker runs as before. With `--rpc` llama.cpp maps the file whatever
+//! `--mmap` says (`rpc::load` uses its default parameters).
 
 use std::ffi::{OsStr, OsString};
 
@@ -30,7 +32,12 @@ use std::ffi::{OsStr, OsString};
 /// hundreds of MiB; the allocator's arenas and thread stacks are smaller.
 pub const MIN_BYTES: u64 = 16 << 20;
 
-const PAGE: u64 = 4096;
+/// The kernel's page size.
+fn page_size() -> u64 {
+    // SAFETY: sysconf reads a constant of the system.
+    let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    u64::try_from(n).ok().filter(|n| *n > 0).unwrap_or(4096)
+}
 
 /// The tunable that makes glibc advise huge pages on what it maps.
 const TUNABLE: &str = "glibc.malloc.hugetlb=1";
@@ -47,17 +54,18 @@ pub fn worker_tunables(inherited: Option<&OsStr>) -> OsString {
 }
 
 /// The page-aligned stretches of the mapping `[start, end)` none of whose
-/// pages is resident (`resident[i]`: page `i`), adjacent ones merged.
-pub fn untouched_runs(start: u64, end: u64, resident: &[bool]) -> Vec<(u64, u64)> {
+/// pages (of `page` bytes) is resident (`resident[i]`: page `i`), adjacent
+/// ones merged.
+pub fn untouched_runs(start: u64, end: u64, page: u64, resident: &[bool]) -> Vec<(u64, u64)> {
     let mut out: Vec<(u64, u64)> = Vec::new();
     for (i, r) in resident.iter().enumerate() {
-        let page = start + i as u64 * PAGE;
-        if *r || page >= end {
+        let at = start + i as u64 * page;
+        if *r || at >= end {
             continue;
         }
         match out.last_mut() {
-            Some(last) if last.1 == page => last.1 = page + PAGE,
-            _ => out.push((page, page + PAGE)),
+            Some(last) if last.1 == at => last.1 = at + page,
+            _ => out.push((at, at + page)),
         }
     }
     out
@@ -82,11 +90,12 @@ fn large_anonymous() -> Result<Vec<(u64, u64)>, String> {
         .collect())
 }
 
-/// Which pages of `[start, end)` are resident (`mincore`); None when the
-/// range is not mapped any more (another thread freed it).
-fn residency(start: u64, end: u64) -> Option<Vec<bool>> {
+/// Which pages (of `page` bytes) of `[start, end)` are resident
+/// (`mincore`); None when the range is not mapped any more (another thread
+/// freed it).
+fn residency(start: u64, end: u64, page: u64) -> Option<Vec<bool>> {
     let len = usize::try_from(end - start).ok()?;
-    let mut vec = vec![0u8; len.div_ceil(PAGE as usize)];
+    let mut vec = vec![0u8; len.div_ceil(usize::try_from(page).ok()?)];
     // SAFETY: `vec` has one byte per page of the range, as mincore writes;
     // an unmapped range is ENOMEM, not undefined behaviour.
     let rc = unsafe { libc::mincore(start as *mut libc::c_void, len, vec.as_mut_ptr()) };
@@ -104,28 +113,18 @@ pub struct Settled {
 
 /// Advises `MADV_NOHUGEPAGE` on the untouched stretches of the process's
 /// large anonymous mappings, and reports the bytes on huge pages. Errors are
-/// the kernel's refusals, for the log; nothing depends on them.
+/// the kernel's refusals, for the log (the first one; the other stretches
+/// are still advised); nothing depends on them.
 pub fn settle() -> Result<Settled, String> {
     let mut done = Settled::default();
+    let mut first_error = None;
     for (start, end) in large_anonymous()? {
-        let Some(resident) = residency(start, end) else {
-            continue;
-        };
-        for (a, b) in untouched_runs(start, end, &resident) {
-            let len = usize::try_from(b - a).map_err(|e| e.to_string())?;
-            // SAFETY: madvise only reads the range's mappings (an address not
-            // mapped any more is ENOMEM, not undefined behaviour), and this
-            // advice changes no contents: it only bars huge pages there.
-            if unsafe { libc::madvise(a as *mut libc::c_void, len, libc::MADV_NOHUGEPAGE) } != 0 {
-                let e = std::io::Error::last_os_error();
-                if e.raw_os_error() == Some(libc::ENOMEM) {
-                    // Unmapped since it was listed: nothing to advise.
-                    continue;
-                }
-                return Err(format!("MADV_NOHUGEPAGE on {} KiB: {e}", len >> 10));
-            }
-            done.kept_small += b - a;
+        if let Err(e) = settle_range(start, end, &mut done) {
+            first_error.get_or_insert(e);
         }
+    }
+    if let Some(e) = first_error {
+        return Err(e);
     }
     done.huge_bytes = procfs::process::Process::myself()
         .and_then(|p| p.smaps_rollup())
@@ -138,6 +137,26 @@ pub fn settle() -> Result<Settled, String> {
         })
         .unwrap_or(0);
     Ok(done)
+}
+
+/// [`settle`] for one mapping `[start, end)`.
+fn settle_range(start: u64, end: u64, done: &mut Settled) -> Result<(), String> {
+    let page = page_size();
+    let Some(resident) = residency(start, end, page) else {
+        return Ok(());
+    };
+    for (a, b) in untouched_runs(start, end, page, &resident) {
+        let len = usize::try_from(b - a).map_err(|e| e.to_string())?;
+        // SAFETY: madvise only reads the range's mappings (an address not
+        // mapped any more is ENOMEM, not undefined behaviour), and this
+        // advice changes no contents: it only bars huge pages there.
+        if unsafe { libc::madvise(a as *mut libc::c_void, len, libc::MADV_NOHUGEPAGE) } != 0 {
+            let e = std::io::Error::last_os_error();
+            return Err(format!("MADV_NOHUGEPAGE on {} KiB: {e}", len >> 10));
+        }
+        done.kept_small += b - a;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -158,23 +177,26 @@ mod tests {
         );
     }
 
+    const PAGE: u64 = 4096;
+
     #[test]
     fn untouched_stretches_are_page_runs() {
         let start = 1 << 30;
         let resident = [true, false, false, true, false, true, true, false];
         assert_eq!(
-            untouched_runs(start, start + 8 * PAGE, &resident),
+            untouched_runs(start, start + 8 * PAGE, PAGE, &resident),
             vec![
                 (start + PAGE, start + 3 * PAGE),
                 (start + 4 * PAGE, start + 5 * PAGE),
                 (start + 7 * PAGE, start + 8 * PAGE)
             ]
         );
-        assert!(untouched_runs(start, start + 3 * PAGE, &[true; 3]).is_empty());
+        assert!(untouched_runs(start, start + 3 * PAGE, PAGE, &[true; 3]).is_empty());
     }
 
     /// A 64 MiB mapping advised for huge pages (what glibc does under the
-    /// tunable) with its first 24 MiB written: after `settle`, the written
+    /// tunable) with its first 24 MiB written: after `settle_range` (what
+    /// `settle` does for each large mapping), the written
     /// part is on huge pages with its bytes kept, and touching one byte in
     /// each 2 MiB of the rest makes 4 KiB resident there, not 2 MiB.
     #[test]
@@ -221,7 +243,8 @@ mod tests {
             huge_before >= (written as u64) / 2,
             "the advised mapping got {huge_before} bytes of huge pages"
         );
-        let done = settle().expect("settle");
+        let mut done = Settled::default();
+        settle_range(start, end, &mut done).expect("settle");
         assert!(
             done.kept_small >= (len - written) as u64 - (2 << 20),
             "{done:?}"

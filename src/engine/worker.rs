@@ -88,6 +88,16 @@ pub fn run(setup: WorkerSetup) -> Result<(), EngineError> {
             return Err(e);
         }
     };
+    // Every buffer is made (the model, its context, the projector): what
+    // none of them touched yet stays off huge pages.
+    match super::hugepages::settle() {
+        Ok(done) => log::info!(
+            "huge pages: {} MiB of the buffers on 2 MiB pages, {} MiB untouched kept off them",
+            done.huge_bytes >> 20,
+            done.kept_small >> 20
+        ),
+        Err(e) => log::info!("huge pages: {e}"),
+    }
     send(&mut out, &engine.ready())?;
     let stdin = std::io::stdin();
     serve(&mut engine, stdin.lock(), &mut out)

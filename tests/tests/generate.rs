@@ -915,6 +915,19 @@ fn pin_holds_a_deadline_and_zero_clears_it() {
     .contains("unknown"));
 }
 
+/// Whether this glibc has the `glibc.malloc.hugetlb` tunable (2.35 on).
+fn glibc_has_hugetlb() -> bool {
+    // SAFETY: gnu_get_libc_version returns a static NUL-terminated string.
+    let v = unsafe { std::ffi::CStr::from_ptr(libc::gnu_get_libc_version()) };
+    let mut parts = v
+        .to_string_lossy()
+        .split('.')
+        .map(|p| p.parse::<u32>().unwrap_or(0))
+        .collect::<Vec<_>>()
+        .into_iter();
+    (parts.next().unwrap_or(0), parts.next().unwrap_or(0)) >= (2, 35)
+}
+
 /// The worker's bytes on huge pages (`AnonHugePages` of its smaps_rollup).
 fn huge_bytes(pid: u32) -> u64 {
     let rollup = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap();
@@ -961,7 +974,7 @@ fn the_worker_reads_the_model_onto_huge_pages_unless_mmap() {
             "the model file mapped: {} (--mmap {mmap})",
             maps.contains(&model)
         );
-        if !mmap && !thp.contains("[never]") && !thp.is_empty() {
+        if !mmap && !thp.contains("[never]") && !thp.is_empty() && glibc_has_hugetlb() {
             // The weights alone are 92 MiB.
             let huge = huge_bytes(w);
             assert!(

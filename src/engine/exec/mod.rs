@@ -177,8 +177,8 @@ impl WorkerEngine {
 
     /// [`with_kv_bits`](Self::with_kv_bits) with the model's layers placed on RPC servers
     /// (`--rpc`, `--tensor-split`; none: all on this machine's CPU), and the model file mapped
-    /// (`mmap`) or read into memory. Once loaded, what the buffers have not touched yet is kept
-    /// off huge pages ([`super::hugepages`]).
+    /// (`mmap`) or read into memory (only on this machine's CPU: with RPC servers llama.cpp maps
+    /// it).
     pub fn placed(
         path: &Path,
         config: &WorkerConfig,
@@ -264,14 +264,6 @@ impl WorkerEngine {
                 reason: e.to_string(),
             })?;
         let step = ctx.n_batch().min(ctx.n_ubatch()).max(1);
-        match super::hugepages::settle() {
-            Ok(done) => log::info!(
-                "huge pages: {} MiB of the buffers on 2 MiB pages, {} MiB untouched kept off them",
-                done.huge_bytes >> 20,
-                done.kept_small >> 20
-            ),
-            Err(e) => log::info!("huge pages: {e}"),
-        }
         let effective = WorkerConfig {
             n_ctx: ctx.n_ctx(),
             n_seq,
