@@ -955,15 +955,7 @@ fn the_worker_reads_the_model_onto_huge_pages_unless_mmap() {
         }
         d.spawn_and_wait();
         let mut c = d.client();
-        let s = d.create(&mut c);
-        commit(
-            &mut c,
-            Request::AppendMessage {
-                session: s,
-                role: Role::User.into(),
-                text: "Hello.".into(),
-            },
-        );
+        let s = asked(&mut c, params(1), "Hello.");
         let text = crate::util::generate_text(&mut c, s, 4).expect("generation");
         assert!(!text.is_empty());
         let w = worker_pid(d.pid());
