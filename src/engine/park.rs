@@ -1194,12 +1194,17 @@ mod tests {
         seg(d, 3, 1..161, 160..170, 4);
         let c = read_chain_heads(d, 7, &model, KV_TYPE_F16).unwrap();
         assert_eq!((c.tokens.len(), c.segments), (160, 2));
-        assert!(c.stopped.unwrap().contains("other tokens"), "stale");
+        // `stopped` is "<path>: <error>"; each case names its own error.
+        let stopped_by = |c: Chain, e: ParkError| {
+            let why = c.stopped.expect("the chain stopped");
+            assert!(why.ends_with(&format!(": {e}")), "{why:?} is not {e:?}");
+        };
+        stopped_by(c, ParkError::Chain("other tokens before it"));
         // So does one that starts elsewhere.
         seg(d, 3, 0..150, 150..170, 4);
         let c = read_chain_heads(d, 7, &model, KV_TYPE_F16).unwrap();
         assert_eq!(c.tokens.len(), 160);
-        assert!(c.stopped.unwrap().contains("first position"));
+        stopped_by(c, ParkError::Chain("another first position"));
         std::fs::remove_file(segment_path(d, 7, 3)).unwrap();
 
         // A flipped bit in a segment's header stops the chain before it.
@@ -1210,7 +1215,7 @@ mod tests {
         std::fs::write(&p2, &b).unwrap();
         let c = read_chain_heads(d, 7, &model, KV_TYPE_F16).unwrap();
         assert_eq!((c.tokens.len(), c.segments), (150, 1));
-        assert!(c.stopped.is_some());
+        stopped_by(c, ParkError::HeaderCrc);
         // In its state: the headers chain, the states read cut it.
         let mut b = good.clone();
         let last = b.len() - 1;
@@ -1225,7 +1230,7 @@ mod tests {
         );
         let (c, states) = read_chain(d, 7, &model, KV_TYPE_F16, 160).unwrap();
         assert_eq!((c.tokens.len(), c.segments, states.len()), (150, 1, 2));
-        assert!(c.stopped.unwrap().contains("digest"));
+        stopped_by(c, ParkError::StateDigest);
         // Cut short: the same.
         std::fs::write(&p2, &good[..good.len() - 10]).unwrap();
         let c = read_chain_heads(d, 7, &model, KV_TYPE_F16).unwrap();
