@@ -13,7 +13,7 @@ use actix::prelude::*;
 use super::session::{commit, name, Busy, SessionActor, SessionRequest, SessionStream};
 use super::subscription::{self, SubscriptionActor};
 use super::{now_ms, Shared};
-use crate::session::SessionError;
+use crate::session::{Owned, SessionError};
 use crate::store::WalStats;
 use crate::wire::{Finish, Request, Response, SessionId};
 
@@ -58,6 +58,13 @@ pub struct Subscribe {
     pub provisional: bool,
     pub out: tokio::sync::mpsc::Sender<Response>,
 }
+
+/// Which session made each of a session's events (`SessionBook::owners`):
+/// the Responses route names a tool call by the session that made it, so
+/// a call keeps one name in every fork that shares it. Not a wire request.
+#[derive(Message)]
+#[rtype(result = "Result<Vec<Owned>, SessionError>")]
+pub struct Owners(pub SessionId);
 
 /// A session actor the registry started.
 struct Started {
@@ -363,6 +370,14 @@ impl Handler<Subscribe> for Registry {
 
     fn handle(&mut self, m: Subscribe, _: &mut Context<Self>) -> Self::Result {
         subscription::start(&self.shared, m.session, m.cursor, m.provisional, m.out)
+    }
+}
+
+impl Handler<Owners> for Registry {
+    type Result = Result<Vec<Owned>, SessionError>;
+
+    fn handle(&mut self, m: Owners, _: &mut Context<Self>) -> Self::Result {
+        self.shared.read().owners(m.0)
     }
 }
 

@@ -23,7 +23,7 @@ pub mod schema_limits;
 pub mod turn;
 
 pub use book::{
-    output_schema_of, tool_choice_of, ApplyError, GenerationPlan, Planned, PlannedEvent,
+    output_schema_of, tool_choice_of, ApplyError, GenerationPlan, Owned, Planned, PlannedEvent,
     SessionBook, TurnState,
 };
 

@@ -6,6 +6,8 @@ events, and each response's tool_choice read back as it was asked for."""
 
 import json
 
+import openai
+
 from compat import KEY, oai
 
 MODEL = "SmolLM2-135M-tools-think.gguf"
@@ -67,3 +69,78 @@ def test_named_call_streamed_with_argument_events(daemon):
     assert [o.name for o in calls] == ["get_time"]
     assert json.loads(calls[0].arguments) == json.loads(done.arguments)
     assert final.tool_choice.type == "function" and final.tool_choice.name == "get_time"
+
+
+def forced_call(c, **kw):
+    r = c.responses.create(model="default", tools=[WEATHER, TIME], tool_choice="required",
+                           max_output_tokens=160, temperature=0, **kw)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert len(calls) == 1, r.output
+    return r, calls[0]
+
+
+def answer(call):
+    return [{"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}]
+
+
+def test_call_ids_are_unique_across_sessions_and_kept_along_a_chain(daemon):
+    c = oai(daemon)
+    # The same request twice: two sessions, the call at the same event of each.
+    r1, a = forced_call(c, input="What is the weather in Paris?")
+    r1b, b = forced_call(c, input="What is the weather in Paris?")
+    assert a.call_id != b.call_id
+    # A call of another conversation is not this one's to answer.
+    try:
+        c.responses.create(model="default", previous_response_id=r1b.id, input=answer(a),
+                           max_output_tokens=8)
+        raise AssertionError("answered another session's call")
+    except openai.BadRequestError as e:
+        assert a.call_id in str(e) and e.param == "input"
+    # Down a chain (each response a fork of the one before), every call has
+    # its own id, and each is answered and read back by it.
+    r2 = c.responses.create(model="default", previous_response_id=r1.id, tools=[WEATHER, TIME],
+                            input=answer(a), max_output_tokens=24, temperature=0)
+    r3, d = forced_call(c, previous_response_id=r2.id, input="And in Rome?")
+    assert d.call_id not in (a.call_id, b.call_id)
+    r4 = c.responses.create(model="default", previous_response_id=r3.id, tools=[WEATHER, TIME],
+                            input=answer(d), max_output_tokens=8, temperature=0)
+    assert [i.call_id for i in c.responses.input_items.list(r4.id).data] == [d.call_id]
+    assert [i.call_id for i in c.responses.input_items.list(r2.id).data] == [a.call_id]
+    # A stateless continuation of the chain renders the history's calls and
+    # outputs under the same ids, so the template pairs them.
+    r5 = c.responses.create(model="default", previous_response_id=r4.id, store=False,
+                            input="Thanks.", max_output_tokens=4, temperature=0)
+    assert r5.status in ("completed", "incomplete")
+
+
+def test_conversation_items_keep_call_ids_across_a_rebase(daemon):
+    c = oai(daemon)
+    conv = c.conversations.create()
+    _, a = forced_call(c, conversation=conv.id, input="What is the weather in Paris?")
+    c.responses.create(model="default", conversation=conv.id, tools=[WEATHER, TIME], input=answer(a),
+                       max_output_tokens=4, temperature=0)
+    _, d = forced_call(c, conversation=conv.id, input="And in Rome?")
+    c.responses.create(model="default", conversation=conv.id, tools=[WEATHER, TIME], input=answer(d),
+                       max_output_tokens=4, temperature=0)
+
+    def pairs():
+        items = c.conversations.items.list(conv.id, order="asc").data
+        return ([i.call_id for i in items if i.type == "function_call"],
+                [i.call_id for i in items if i.type == "function_call_output"], items)
+
+    calls, outputs, items = pairs()
+    assert calls == [a.call_id, d.call_id] and outputs == calls
+    # Deleting the second question rebases the conversation onto a new
+    # session that shares the rest: the calls and outputs keep their ids.
+    question = [i for i in items if i.type == "message" and i.role == "user"][1]
+    c.conversations.items.delete(question.id, conversation_id=conv.id)
+    calls, outputs, items = pairs()
+    assert "And in Rome?" not in [i.content[0].text for i in items if i.type == "message"]
+    assert calls == [a.call_id, d.call_id] and outputs == calls
+    # The id still names the second call on the new branch: answering it
+    # again is refused as such, not as an unknown call.
+    try:
+        c.responses.create(model="default", conversation=conv.id, input=answer(d), max_output_tokens=4)
+        raise AssertionError("answered a call twice")
+    except openai.BadRequestError as e:
+        assert "already answered" in str(e), e

@@ -14,8 +14,8 @@ use serde_json::{json, Value};
 
 use super::error::{ApiError, Family, Kind};
 use super::responses::{
-    append_items, call, check_outputs, create_session, input_item, inspect, items, not_found, page,
-    read, Decode, ListQuery, Piece,
+    append_items, call, call_names, check_outputs, create_session, input_item, inspect, items,
+    not_found, page, read, Decode, ListQuery, Piece,
 };
 use super::{accept, authorize, params};
 use crate::http::routes::WebState;
@@ -212,10 +212,15 @@ pub async fn delete(
 
 /// A session's events as conversation items, each with the range of
 /// events it spans (for a delete).
-fn all_items(state: &WebState, s: SessionId, events: &[Event]) -> Vec<(Value, u64, u64)> {
+async fn all_items(
+    state: &WebState,
+    s: SessionId,
+    events: &[Event],
+) -> Result<Vec<(Value, u64, u64)>, ApiError> {
+    let names = call_names(state, s, events).await?;
     let (markers, _) = super::markers(state, &[]);
     let mut out: Vec<(Value, u64, u64)> = Vec::new();
-    let mut decode = Decode::new(s, &markers);
+    let mut decode = Decode::named(names.clone(), &markers);
     // The assistant message being read: (id, text, first, end).
     let mut open: Option<(String, String, u64, u64)> = None;
     let flush = |open: &mut Option<(String, String, u64, u64)>, out: &mut Vec<_>| {
@@ -232,7 +237,7 @@ fn all_items(state: &WebState, s: SessionId, events: &[Event]) -> Vec<(Value, u6
         let at = e.event_id;
         if let Record::GenerationPrompt { .. } = e.body {
             flush(&mut open, &mut out);
-            decode = Decode::new(s, &markers);
+            decode = Decode::named(names.clone(), &markers);
             continue;
         }
         match decode.piece(e) {
@@ -259,7 +264,7 @@ fn all_items(state: &WebState, s: SessionId, events: &[Event]) -> Vec<(Value, u6
             }
             Some(Piece::Reasoning { .. }) => {}
             None => {
-                if let Some(item) = input_item(s, e) {
+                if let Some(item) = input_item(&names, e) {
                     flush(&mut open, &mut out);
                     out.push((item, at, at + 1));
                 } else if matches!(e.body, Record::Generated { .. }) {
@@ -272,7 +277,7 @@ fn all_items(state: &WebState, s: SessionId, events: &[Event]) -> Vec<(Value, u6
         }
     }
     flush(&mut open, &mut out);
-    out
+    Ok(out)
 }
 
 /// `GET /v1/conversations/{id}/items`.
@@ -286,6 +291,7 @@ pub async fn list_items(
     let (s, _, _) = load(&state, &path).await?;
     let events = read(&state, s).await?;
     let items = all_items(&state, s, &events)
+        .await?
         .into_iter()
         .map(|(v, _, _)| v)
         .collect();
@@ -310,6 +316,7 @@ pub async fn add_items(
     append_items(&state, s, &new).await?;
     let events = read(&state, s).await?;
     let added: Vec<Value> = all_items(&state, s, &events)
+        .await?
         .into_iter()
         .filter(|(_, a, _)| *a >= info.events)
         .map(|(v, _, _)| v)
@@ -336,6 +343,7 @@ pub async fn delete_item(
     let (s, info, rec) = load(&state, &id).await?;
     let events = read(&state, s).await?;
     let (_, from, to) = all_items(&state, s, &events)
+        .await?
         .into_iter()
         .find(|(v, _, _)| v["id"].as_str() == Some(item_id.as_str()))
         .ok_or_else(|| not_found("item", &item_id))?;

@@ -15,7 +15,7 @@
 //! object and the streamed semantic events, so both always agree; resume.rs
 //! replays and follows a stored response's stream with it.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use actix_web::web::{self, Bytes};
 use actix_web::{HttpRequest, HttpResponse};
@@ -31,13 +31,13 @@ use super::{
     accept, authorize, check_lane, check_model, event_stream, new_id, now_secs, ok_with_warm,
     params, pick, sse, start_all, Access,
 };
-use crate::actors::registry::DispatchStream;
+use crate::actors::registry::{DispatchStream, Owners};
 use crate::actors::session::STREAM_REPLY_CAPACITY;
 use crate::frontend::conn::dispatch;
 use crate::http::routes::WebState;
 use crate::session::grammar::GrammarError;
 use crate::session::output::Markers;
-use crate::session::{output_schema_of, tool_choice_of};
+use crate::session::{output_schema_of, tool_choice_of, Owned};
 use crate::wire::{
     Channel, Event, EventId, Finish, Inspection, Params, PurgeMode, Record, Request, Response,
     Role, SessionId,
@@ -284,10 +284,129 @@ pub fn parse_response_id(id: &str) -> Option<(SessionId, EventId)> {
     parse_pair(id, "resp_")
 }
 
-/// A call's id: `call_<event>` of its `ToolUse` (what `AppendToolResult`
-/// answers).
-fn call_event(call_id: &str) -> Option<EventId> {
-    call_id.strip_prefix("call_")?.parse().ok()
+/// A call id's parts: `call_<session>_<event>` names the `ToolUse` event by
+/// the session that made it and its id there; `call_<event>` (what
+/// superfluid named calls before 2026-12) names an event of the session
+/// it is sent to.
+fn parse_call(call_id: &str) -> Option<(Option<SessionId>, EventId)> {
+    if let Some(pair) = parse_pair(call_id, "call_") {
+        return Some((Some(pair.0), pair.1));
+    }
+    Some((None, call_id.strip_prefix("call_")?.parse().ok()?))
+}
+
+/// Names a session's tool calls. An event id is unique only within a
+/// session, and a fork shares its parent's events under their ids, so a
+/// call is named by the session that made it and its id there: two
+/// sessions' calls never share a name (agents refuse a reused call id),
+/// and a call keeps its name in every fork and rebase that shares it.
+#[derive(Debug, Clone)]
+pub struct CallNames {
+    s: SessionId,
+    /// The session's runs by maker (`SessionBook::owners`), and those of
+    /// the sessions that made its tool results (a result's `call_id` is an
+    /// id in the session that made it). Past its runs, an event is the
+    /// session's own.
+    runs: HashMap<SessionId, Vec<Owned>>,
+}
+
+/// Who made event `e` of session `s`, and its id there.
+fn maker(runs: &[Owned], s: SessionId, e: EventId) -> (SessionId, EventId) {
+    runs.iter()
+        .find(|r| (r.at..r.at + r.len).contains(&e))
+        .map_or((s, e), |r| (r.owner, r.owner_at + (e - r.at)))
+}
+
+impl CallNames {
+    /// For a session's own events only (what it generates from now on).
+    pub fn own(s: SessionId) -> CallNames {
+        CallNames {
+            s,
+            runs: HashMap::new(),
+        }
+    }
+
+    pub fn session(&self) -> SessionId {
+        self.s
+    }
+
+    fn runs_of(&self, s: SessionId) -> &[Owned] {
+        self.runs.get(&s).map_or(&[], Vec::as_slice)
+    }
+
+    /// The id of the call event `e` of the session made.
+    pub fn name(&self, e: EventId) -> String {
+        let (owner, at) = maker(self.runs_of(self.s), self.s, e);
+        format!("call_{owner}_{at}")
+    }
+
+    /// The id of the call that the tool result at event `e` answers
+    /// (`call_id`, an id in the session that made the result).
+    pub fn answered(&self, e: EventId, call_id: EventId) -> String {
+        let (made_in, _) = maker(self.runs_of(self.s), self.s, e);
+        match self.runs.get(&made_in) {
+            Some(runs) if made_in != self.s => {
+                let (owner, at) = maker(runs, made_in, call_id);
+                format!("call_{owner}_{at}")
+            }
+            _ => self.name(call_id),
+        }
+    }
+
+    /// The session's event a call id names, if the call is one of its own
+    /// or one it shares with the session that made it.
+    pub fn event(&self, call_id: &str) -> Option<EventId> {
+        let (owner, at) = parse_call(call_id)?;
+        let Some(owner) = owner else {
+            return Some(at);
+        };
+        let runs = self.runs_of(self.s);
+        let shared = runs
+            .iter()
+            .find(|r| r.owner == owner && (r.owner_at..r.owner_at + r.len).contains(&at));
+        match shared {
+            Some(r) => Some(r.at + (at - r.owner_at)),
+            // Made here after the runs were read.
+            None if owner == self.s && runs.iter().all(|r| r.at + r.len <= at) => Some(at),
+            None => None,
+        }
+    }
+}
+
+async fn owners(state: &WebState, s: SessionId) -> Result<Vec<Owned>, ApiError> {
+    match state.m().registry.send(Owners(s)).await {
+        Ok(Ok(runs)) => Ok(runs),
+        Ok(Err(e)) => Err(ApiError::new(F, Kind::NotFound, e.to_string())),
+        Err(e) => Err(ApiError::new(
+            F,
+            Kind::Internal,
+            format!("the daemon is shutting down: {e}"),
+        )),
+    }
+}
+
+/// The call names of session `s`, for its `events` (any of its events: the
+/// runs of the sessions that made their tool results are read too).
+pub(crate) async fn call_names(
+    state: &WebState,
+    s: SessionId,
+    events: &[Event],
+) -> Result<CallNames, ApiError> {
+    let mut names = CallNames::own(s);
+    names.runs.insert(s, owners(state, s).await?);
+    let makers: HashSet<SessionId> = events
+        .iter()
+        .filter(|e| matches!(e.body, Record::ToolResult { .. }))
+        .map(|e| maker(names.runs_of(s), s, e.event_id).0)
+        .filter(|m| *m != s)
+        .collect();
+    for m in makers {
+        // A maker purged since is named as the session's own.
+        if let Ok(runs) = owners(state, m).await {
+            names.runs.insert(m, runs);
+        }
+    }
+    Ok(names)
 }
 
 // ---------------------------------------------------------------- sessions
@@ -363,7 +482,7 @@ pub(crate) fn check_outputs(items: &[Item]) -> Result<(), ApiError> {
                 resent.insert(c.id.as_str());
             }
             Item::Output { call_id, .. }
-                if !resent.contains(call_id.as_str()) && call_event(call_id).is_none() =>
+                if !resent.contains(call_id.as_str()) && parse_call(call_id).is_none() =>
             {
                 return Err(bad(format!(
                     "function_call_output answers call {call_id:?}, which no earlier item or \
@@ -385,6 +504,10 @@ pub(crate) async fn append_items(
     items: &[Item],
 ) -> Result<(), ApiError> {
     let mut resent: HashSet<String> = HashSet::new();
+    let names = match items.iter().any(|i| matches!(i, Item::Output { .. })) {
+        true => call_names(state, s, &[]).await?,
+        false => CallNames::own(s),
+    };
     for item in items {
         let request = match item {
             Item::Message { role, text } => Request::AppendMessage {
@@ -409,10 +532,10 @@ pub(crate) async fn append_items(
             }
             Item::Output { call_id, output } => Request::AppendToolResult {
                 session: s,
-                call_id: call_event(call_id).ok_or_else(|| {
+                call_id: names.event(call_id).ok_or_else(|| {
                     bad(format!(
                         "function_call_output answers call {call_id:?}, which no earlier item \
-                         or response made"
+                         or response of this conversation made"
                     ))
                 })?,
                 content: output.clone(),
@@ -452,22 +575,28 @@ pub enum Piece {
 /// leading whitespace and the thinking block's markers, as the chat route
 /// does.
 pub struct Decode {
-    s: SessionId,
+    names: CallNames,
     think: Option<(String, String)>,
     text_started: bool,
 }
 
 impl Decode {
+    /// For the session's own events (what it generates).
     pub fn new(s: SessionId, markers: &Markers) -> Decode {
+        Decode::named(CallNames::own(s), markers)
+    }
+
+    /// For any of the session's events, its calls named by `names`.
+    pub fn named(names: CallNames, markers: &Markers) -> Decode {
         Decode {
-            s,
+            names,
             think: markers.think.clone(),
             text_started: false,
         }
     }
 
     pub fn piece(&mut self, e: &Event) -> Option<Piece> {
-        let s = self.s;
+        let s = self.names.session();
         let id = e.event_id;
         match &e.body {
             Record::Generated {
@@ -505,7 +634,7 @@ impl Decode {
             }
             Record::ToolUse { name, arguments } => Some(Piece::Call {
                 id: format!("fc_{s}_{id}"),
-                call_id: format!("call_{id}"),
+                call_id: self.names.name(id),
                 name: name.clone(),
                 arguments: arguments.clone(),
             }),
@@ -1337,7 +1466,9 @@ async fn stateless(
         let end = Stored::locate(&events, pstart)
             .ok_or_else(|| not_found("response", prev).with_param("previous_response_id"))?
             .end;
-        messages.extend(history(&events[..end as usize]));
+        let events = &events[..end as usize];
+        let names = call_names(state, ps, events).await?;
+        messages.extend(history(&names, events));
     } else if let Some(i) = &r.instructions {
         messages.push(json!({"role": "system", "content": i}));
     }
@@ -1386,7 +1517,7 @@ async fn stateless(
 
 /// A stored session's events folded into chat messages (for a stateless
 /// continuation of a stored response).
-fn history(events: &[Event]) -> Vec<Value> {
+fn history(names: &CallNames, events: &[Event]) -> Vec<Value> {
     let mut out: Vec<Value> = Vec::new();
     let mut text = String::new();
     let mut calls: Vec<Value> = Vec::new();
@@ -1416,14 +1547,14 @@ fn history(events: &[Event]) -> Vec<Value> {
                 ..
             } => text.push_str(t),
             Record::ToolUse { name, arguments } => calls.push(json!({
-                "id": format!("call_{}", e.event_id), "type": "function",
+                "id": names.name(e.event_id), "type": "function",
                 "function": {"name": name, "arguments": arguments}})),
             Record::ToolResult {
                 call_id, content, ..
             } => {
                 flush(&mut out, &mut text, &mut calls);
                 out.push(
-                    json!({"role": "tool", "tool_call_id": format!("call_{call_id}"),
+                    json!({"role": "tool", "tool_call_id": names.answered(e.event_id, *call_id),
                                 "content": content}),
                 );
             }
@@ -1716,8 +1847,8 @@ pub async fn delete(
 }
 
 /// An input event as an item (`None` for what is not one).
-pub fn input_item(s: SessionId, e: &Event) -> Option<Value> {
-    let id = e.event_id;
+pub fn input_item(names: &CallNames, e: &Event) -> Option<Value> {
+    let (s, id) = (names.session(), e.event_id);
     match &e.body {
         Record::Message { role, text, .. } => {
             let (role, part) = match role {
@@ -1739,7 +1870,7 @@ pub fn input_item(s: SessionId, e: &Event) -> Option<Value> {
             call_id, content, ..
         } => Some(
             json!({"id": format!("fco_{s}_{id}"), "type": "function_call_output",
-                         "call_id": format!("call_{call_id}"), "output": content,
+                         "call_id": names.answered(id, *call_id), "output": content,
                          "status": "completed"}),
         ),
         _ => None,
@@ -1800,9 +1931,11 @@ pub async fn input_items(
     let id = path.into_inner();
     let (_, events, st) = load(&state, &id).await?;
     let (s, start) = parse_response_id(&id).ok_or_else(|| not_found("response", &id))?;
-    let items = events[start as usize..st.prompt]
+    let events = &events[start as usize..st.prompt];
+    let names = call_names(&state, s, events).await?;
+    let items = events
         .iter()
-        .filter_map(|e| input_item(s, e))
+        .filter_map(|e| input_item(&names, e))
         .collect();
     Ok(HttpResponse::Ok().json(page(items, &query)?))
 }
@@ -1943,8 +2076,58 @@ mod tests {
         assert_eq!(parse_response_id(&response_id(7, 12)), Some((7, 12)));
         assert_eq!(parse_response_id("resp_x_1"), None);
         assert_eq!(parse_response_id("resp_1"), None);
-        assert_eq!(call_event("call_5"), Some(5));
-        assert_eq!(call_event("call_abc"), None);
+        assert_eq!(parse_call("call_3_5"), Some((Some(3), 5)));
+        assert_eq!(parse_call("call_5"), Some((None, 5)));
+        assert_eq!(parse_call("call_abc"), None);
+        assert_eq!(parse_call("call_3_x"), None);
+    }
+
+    fn run(at: u64, len: u64, owner: SessionId, owner_at: u64) -> Owned {
+        Owned {
+            at,
+            len,
+            owner,
+            owner_at,
+        }
+    }
+
+    #[test]
+    fn a_call_is_named_by_the_session_that_made_it() {
+        // Session 2 forked 1 at 4; session 3 is a rebase of 2 that dropped
+        // its event 2, so 2's events 3.. sit at 2.. (and 1's event 3 at 2).
+        let mut names = CallNames::own(3);
+        names.runs.insert(2, vec![run(0, 4, 1, 0), run(4, 3, 2, 4)]);
+        names.runs.insert(
+            3,
+            vec![
+                run(0, 2, 1, 0),
+                run(2, 1, 1, 3),
+                run(3, 3, 2, 4),
+                run(6, 1, 3, 6),
+            ],
+        );
+        // 1's call at 3 keeps its name in the rebase; 2's call at 5 too.
+        assert_eq!(names.name(2), "call_1_3");
+        assert_eq!(names.name(4), "call_2_5");
+        assert_eq!(names.name(6), "call_3_6");
+        // Past the runs: made here since.
+        assert_eq!(names.name(9), "call_3_9");
+        // A result made in 2 answers 2's event 5 (at 4 here).
+        assert_eq!(names.answered(5, 5), "call_2_5");
+        // One made here answers an event of this view.
+        assert_eq!(names.answered(6, 4), "call_2_5");
+        // Every name reads back to its event here.
+        for e in [2, 4, 6, 9] {
+            assert_eq!(names.event(&names.name(e)), Some(e), "{e}");
+        }
+        // A call this view does not share, or another session's.
+        assert_eq!(names.event("call_1_4"), None);
+        assert_eq!(names.event("call_7_2"), None);
+        assert_eq!(names.event("call_3_3"), None);
+        // The old form names an event of this session.
+        assert_eq!(names.event("call_4"), Some(4));
+        // Two sessions' own calls at the same id differ.
+        assert_ne!(CallNames::own(5).name(4), CallNames::own(6).name(4));
     }
 
     #[test]

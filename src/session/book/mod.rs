@@ -34,6 +34,7 @@ mod view;
 pub use apply::ApplyError;
 pub use folds::{output_schema_of, tool_choice_of, TurnState};
 pub use plan_generation::GenerationPlan;
+pub use view::Owned;
 use view::ViewRange;
 
 #[derive(Debug)]

@@ -197,6 +197,73 @@ fn rebase_drops_and_replaces() {
     assert_eq!(texts(&b, r2), ["Created", "a", "b", "Rebased", "C"]);
 }
 
+/// `(view id, owner, owner's id)` of every event of `s`.
+fn owned(book: &SessionBook, s: SessionId) -> Vec<(u64, SessionId, u64)> {
+    let runs = book.owners(s).unwrap();
+    assert_eq!(
+        runs.iter().map(|r| r.len).sum::<u64>(),
+        book.len(s).unwrap(),
+        "the runs cover the view"
+    );
+    runs.iter()
+        .flat_map(|r| (0..r.len).map(move |i| (r.at + i, r.owner, r.owner_at + i)))
+        .collect()
+}
+
+#[test]
+fn owners_name_each_event_by_the_session_that_made_it() {
+    let mut b = SessionBook::new();
+    let s = create(&mut b);
+    for t in ["a", "b", "c", "d", "e"] {
+        say(&mut b, s, t);
+    }
+    assert_eq!(owned(&b, s), (0..6).map(|i| (i, s, i)).collect::<Vec<_>>());
+    // A fork of a fork: what it shares keeps its maker and its id.
+    let f = b.reserve_id();
+    commit!(b, b.plan_fork(f, s, 3, None, 30));
+    say(&mut b, f, "x");
+    let g = b.reserve_id();
+    commit!(b, b.plan_fork(g, f, 5, None, 30));
+    say(&mut b, g, "y");
+    assert_eq!(
+        owned(&b, g),
+        [
+            (0, s, 0),
+            (1, s, 1),
+            (2, s, 2),
+            (3, f, 3),
+            (4, f, 4),
+            (5, g, 5),
+            (6, g, 6)
+        ]
+    );
+    // A rebase moves what follows its edit: "c" is s's event 3 at 4.
+    let r = b.reserve_id();
+    let edits = vec![
+        Edit::Replace {
+            from: 2,
+            to: 3,
+            role: Role::User.into(),
+            text: "B".into(),
+        },
+        Edit::Drop { from: 4, to: 5 },
+    ];
+    commit!(b, b.plan_rebase(r, s, edits, None, &Bytes, 40));
+    assert_eq!(texts(&b, r), ["Created", "a", "Rebased", "B", "c", "e"]);
+    assert_eq!(
+        owned(&b, r),
+        [
+            (0, s, 0),
+            (1, s, 1),
+            (2, r, 2),
+            (3, r, 3),
+            (4, s, 3),
+            (5, s, 5)
+        ]
+    );
+    assert!(matches!(b.owners(99), Err(SessionError::Unknown(99))));
+}
+
 #[test]
 fn bad_rebase_edits_are_refused() {
     let mut b = SessionBook::new();

@@ -35,6 +35,17 @@ impl ViewRange {
     }
 }
 
+/// A run of a session's view and the session that made its events: the
+/// view's ids `at..at + len` are the owner's own ids `owner_at..`. A fork
+/// keeps its parent's ids for what it shares; a rebase may move them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Owned {
+    pub at: EventId,
+    pub len: u64,
+    pub owner: SessionId,
+    pub owner_at: EventId,
+}
+
 impl SessionBook {
     /// Appends a session's events `from..to` to `out`, with the ids they have
     /// in this session.
@@ -80,6 +91,42 @@ impl SessionBook {
         }
         let mut out = Vec::with_capacity((sess.len - cursor) as usize);
         self.collect(s, cursor, sess.len, &mut out);
+        Ok(out)
+    }
+
+    /// Which session made each of a live session's events, run by run, in
+    /// view order. A run whose owner is gone is named by `s` itself.
+    pub fn owners(&self, s: SessionId) -> Result<Vec<Owned>, SessionError> {
+        let sess = self.live(s)?;
+        let mut out = Vec::with_capacity(sess.view.len());
+        let mut at = 0u64;
+        for range in &sess.view {
+            let len = range.len();
+            let (owner, from) = match range {
+                ViewRange::Borrowed { session, from, .. } => (*session, *from),
+                ViewRange::Own { from, .. } => (s, *from),
+            };
+            let owner_at = self
+                .sessions
+                .get(&owner)
+                .and_then(|o| o.own.get(from))
+                .map(|e| e.event_id);
+            out.push(match owner_at {
+                Some(owner_at) => Owned {
+                    at,
+                    len,
+                    owner,
+                    owner_at,
+                },
+                None => Owned {
+                    at,
+                    len,
+                    owner: s,
+                    owner_at: at,
+                },
+            });
+            at += len;
+        }
         Ok(out)
     }
 
