@@ -155,6 +155,59 @@ def test_conversation_five_turns_survives_restart(daemon):
         c.conversations.retrieve(conv.id)
 
 
+def session_params(sf, response_id):
+    """The sampling settings of the session a stored response ran in."""
+    variant, payload = sf.call("Inspect", {"session": int(response_id.split("_")[1])})
+    assert variant == "Inspection", payload
+    return payload["inspection"]["params"]
+
+
+def test_conversation_responses_sample_with_what_they_ask(daemon, sf):
+    c = oai(daemon)
+    conv = c.conversations.create()
+    hot = c.responses.create(model="default", conversation=conv.id, input="Name a colour.",
+                             max_output_tokens=4)
+    assert session_params(sf, hot.id)["temperature"] == 1.0
+    # A response asking for greedy decoding gets it, on the conversation.
+    cold = c.responses.create(model="default", conversation=conv.id, input="Name another.",
+                              max_output_tokens=4, temperature=0, top_p=0.5)
+    params = session_params(sf, cold.id)
+    assert (params["temperature"], params["top_p"]) == (0.0, 0.5)
+    assert params["seed"] == session_params(sf, hot.id)["seed"]
+    assert cold.temperature == 0 and cold.conversation.id == conv.id
+    # The same settings again stay on that session; the default moves back.
+    same = c.responses.create(model="default", conversation=conv.id, input="And one more.",
+                              max_output_tokens=4, temperature=0, top_p=0.5)
+    assert same.id.split("_")[1] == cold.id.split("_")[1]
+    back = c.responses.create(model="default", conversation=conv.id, input="Last one.",
+                              max_output_tokens=4)
+    assert session_params(sf, back.id)["temperature"] == 1.0
+    # One conversation throughout: every turn listed once, ids unchanged.
+    items = c.conversations.items.list(conv.id, order="asc", limit=100).data
+    users = [i.content[0].text for i in items if i.type == "message" and i.role == "user"]
+    assert users == ["Name a colour.", "Name another.", "And one more.", "Last one."]
+    firsts = [o.id for r in (hot, cold, same, back) for o in r.output if o.type == "message"]
+    assert set(firsts) <= {i.id for i in items}
+    # The response on the moved-to branch is the conversation's, not its own
+    # to delete.
+    with pytest.raises(openai.BadRequestError):
+        c.responses.delete(cold.id)
+    assert c.conversations.items.list(conv.id, limit=100).data
+
+
+def test_a_conversation_moved_many_times_still_resolves(daemon):
+    # Each change of temperature moves the conversation to a new branch;
+    # its id must keep resolving past any cap on moved_to hops (64).
+    c = oai(daemon)
+    conv = c.conversations.create()
+    for i in range(70):
+        c.responses.create(model="default", conversation=conv.id, input=str(i), max_output_tokens=1,
+                           temperature=(i % 2) * 0.5)
+    items = c.conversations.items.list(conv.id, order="desc", limit=100).data
+    assert [i.content[0].text for i in items if i.type == "message" and i.role == "user"][:3] == \
+        ["69", "68", "67"]
+
+
 def test_delete_response(daemon):
     c = oai(daemon)
     r = c.responses.create(model="default", input="Name a city.", max_output_tokens=6)

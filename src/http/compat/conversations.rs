@@ -19,7 +19,7 @@ use super::responses::{
 };
 use super::{accept, authorize, params};
 use crate::http::routes::WebState;
-use crate::wire::{Edit, Event, Inspection, Record, Request, Response, SessionId};
+use crate::wire::{Edit, Event, EventId, Inspection, Params, Record, Request, Response, SessionId};
 
 const F: Family = Family::OpenAi;
 const KEY: &str = "openai.conversation";
@@ -95,6 +95,74 @@ async fn set_record(state: &WebState, s: SessionId, rec: Value) -> Result<(), Ap
     )
     .await?;
     Ok(())
+}
+
+/// Points conversation `id` at `branch`, a fork or rebase of its session
+/// `from` (whose record is `rec`): the branch takes the record, and `from`
+/// and the conversation's first session name the branch as `moved_to`, so
+/// the id resolves in at most two hops however often it moves.
+async fn move_to(
+    state: &WebState,
+    id: &str,
+    from: SessionId,
+    branch: SessionId,
+    rec: &Value,
+) -> Result<(), ApiError> {
+    set_record(state, branch, rec.clone()).await?;
+    let mut old = rec.clone();
+    old["moved_to"] = json!(branch);
+    set_record(state, from, old).await?;
+    let first = parse_conv(id).ok_or_else(|| not_found("conversation", id))?;
+    if first != from {
+        if let Some(mut first_rec) = inspect(state, first).await?.as_ref().and_then(record) {
+            first_rec["moved_to"] = json!(branch);
+            set_record(state, first, first_rec).await?;
+        }
+    }
+    Ok(())
+}
+
+/// Where a response on conversation `id` runs, sampling with `p`, and the
+/// event its input starts at. A session samples with the settings it was
+/// made with, so a response asking for others (a temperature, a top_p)
+/// runs on a fork of the conversation at its end, made with them, and the
+/// conversation moves to that fork; the seed stays the conversation's.
+pub(crate) async fn session_for(
+    state: &WebState,
+    id: &str,
+    p: Params,
+) -> Result<(SessionId, EventId), ApiError> {
+    let (s, info, rec) = load(state, id)
+        .await
+        .map_err(|e| e.with_param("conversation"))?;
+    let wanted = Params {
+        seed: info.params.seed,
+        ..p
+    };
+    if wanted == info.params {
+        return Ok((s, info.events));
+    }
+    let branch = match call(
+        state,
+        Request::Fork {
+            session: s,
+            at_event: info.events,
+            params: Some(wanted),
+        },
+    )
+    .await?
+    {
+        Response::Created { session } => session,
+        other => {
+            return Err(ApiError::new(
+                F,
+                Kind::Internal,
+                format!("unexpected reply {other:?}"),
+            ))
+        }
+    };
+    move_to(state, id, s, branch, &rec).await?;
+    Ok((branch, info.events))
 }
 
 fn conversation_json(id: &str, created_ms: u64, rec: &Value) -> Value {
@@ -373,9 +441,6 @@ pub async fn delete_item(
             ))
         }
     };
-    set_record(&state, branch, rec.clone()).await?;
-    let mut old = rec.clone();
-    old["moved_to"] = json!(branch);
-    set_record(&state, s, old).await?;
+    move_to(&state, &id, s, branch, &rec).await?;
     Ok(HttpResponse::Ok().json(conversation_json(&id, info.created_unix_ms, &rec)))
 }

@@ -336,8 +336,14 @@ impl CallNames {
 
     /// The id of the call event `e` of the session made.
     pub fn name(&self, e: EventId) -> String {
+        self.item("call", e)
+    }
+
+    /// `<prefix>_<maker>_<id there>`: the id of the item event `e` opens,
+    /// the same in every fork and rebase that shares the event.
+    pub fn item(&self, prefix: &str, e: EventId) -> String {
         let (owner, at) = maker(self.runs_of(self.s), self.s, e);
-        format!("call_{owner}_{at}")
+        format!("{prefix}_{owner}_{at}")
     }
 
     /// The id of the call that the tool result at event `e` answers
@@ -596,7 +602,6 @@ impl Decode {
     }
 
     pub fn piece(&mut self, e: &Event) -> Option<Piece> {
-        let s = self.names.session();
         let id = e.event_id;
         match &e.body {
             Record::Generated {
@@ -609,7 +614,7 @@ impl Decode {
                     None => text.clone(),
                 };
                 (!text.is_empty()).then(|| Piece::Reasoning {
-                    id: format!("rs_{s}_{id}"),
+                    id: self.names.item("rs", id),
                     text,
                 })
             }
@@ -628,12 +633,12 @@ impl Decode {
                     self.text_started = true;
                 }
                 Some(Piece::Text {
-                    id: format!("msg_{s}_{id}"),
+                    id: self.names.item("msg", id),
                     text,
                 })
             }
             Record::ToolUse { name, arguments } => Some(Piece::Call {
-                id: format!("fc_{s}_{id}"),
+                id: self.names.item("fc", id),
                 call_id: self.names.name(id),
                 name: name.clone(),
                 arguments: arguments.clone(),
@@ -1354,13 +1359,7 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
             };
             (s, end)
         }
-        (None, Some(conv)) => {
-            let s = super::conversations::resolve(state, conv).await?;
-            let i = inspect(state, s)
-                .await?
-                .ok_or_else(|| not_found("conversation", conv))?;
-            (s, i.events)
-        }
+        (None, Some(conv)) => super::conversations::session_for(state, conv, p).await?,
         (None, None) => (create_session(state, p).await?, 0),
     };
     let fresh = inspect(state, s)
@@ -1820,10 +1819,16 @@ pub async fn delete(
     let id = path.into_inner();
     let (_, events, st) = load(&state, &id).await?;
     let (s, start) = parse_response_id(&id).ok_or_else(|| not_found("response", &id))?;
+    let info = inspect(&state, s)
+        .await?
+        .ok_or_else(|| not_found("response", &id))?;
+    // A conversation's branch (forked for a response's sampling settings)
+    // is the conversation's, not the response's.
     let own = matches!(
         events[start as usize].body,
         Record::Created { .. } | Record::Forked { .. }
-    ) && Stored::locate(&events, st.end).is_none();
+    ) && Stored::locate(&events, st.end).is_none()
+        && super::conversations::conversation_of(&info).is_none();
     if !own {
         return Err(ApiError::invalid(
             F,
@@ -1831,9 +1836,6 @@ pub async fn delete(
              conversation, or its items",
         ));
     }
-    let info = inspect(&state, s)
-        .await?
-        .ok_or_else(|| not_found("response", &id))?;
     call(
         &state,
         Request::Purge {
@@ -1848,28 +1850,28 @@ pub async fn delete(
 
 /// An input event as an item (`None` for what is not one).
 pub fn input_item(names: &CallNames, e: &Event) -> Option<Value> {
-    let (s, id) = (names.session(), e.event_id);
+    let id = e.event_id;
     match &e.body {
         Record::Message { role, text, .. } => {
             let (role, part) = match role {
                 Role::Assistant => ("assistant", "output_text"),
                 Role::System => ("system", "input_text"),
                 Role::Tool => {
-                    return Some(json!({"id": format!("fco_{s}_{id}"),
+                    return Some(json!({"id": names.item("fco", id),
                         "type": "function_call_output", "call_id": "", "output": text,
                         "status": "completed"}))
                 }
                 Role::User => ("user", "input_text"),
             };
             Some(
-                json!({"id": format!("msg_{s}_{id}"), "type": "message", "role": role,
+                json!({"id": names.item("msg", id), "type": "message", "role": role,
                         "status": "completed", "content": [{"type": part, "text": text}]}),
             )
         }
         Record::ToolResult {
             call_id, content, ..
         } => Some(
-            json!({"id": format!("fco_{s}_{id}"), "type": "function_call_output",
+            json!({"id": names.item("fco", id), "type": "function_call_output",
                          "call_id": names.answered(id, *call_id), "output": content,
                          "status": "completed"}),
         ),
