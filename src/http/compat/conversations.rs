@@ -285,7 +285,7 @@ async fn all_items(
     s: SessionId,
     events: &[Event],
 ) -> Result<Vec<(Value, u64, u64)>, ApiError> {
-    let names = call_names(state, s, events).await?;
+    let names = call_names(state, s).await?;
     let (markers, _) = super::markers(state, &[]);
     let mut out: Vec<(Value, u64, u64)> = Vec::new();
     let mut decode = Decode::named(names.clone(), &markers);

@@ -15,7 +15,7 @@
 //! object and the streamed semantic events, so both always agree; resume.rs
 //! replays and follows a stored response's stream with it.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 
 use actix_web::web::{self, Bytes};
 use actix_web::{HttpRequest, HttpResponse};
@@ -295,46 +295,39 @@ fn parse_call(call_id: &str) -> Option<(Option<SessionId>, EventId)> {
     Some((None, call_id.strip_prefix("call_")?.parse().ok()?))
 }
 
-/// Names a session's tool calls. An event id is unique only within a
-/// session, and a fork shares its parent's events under their ids, so a
-/// call is named by the session that made it and its id there: two
-/// sessions' calls never share a name (agents refuse a reused call id),
-/// and a call keeps its name in every fork and rebase that shares it.
+/// Names a session's tool calls (and items). An event id is unique only
+/// within a session, and a fork shares its parent's events under their ids,
+/// so a call is named by the session that made it and its id there: two
+/// sessions' calls never share a name (agents refuse a reused call id), and
+/// a call keeps its name in every fork and rebase that shares it.
 #[derive(Debug, Clone)]
 pub struct CallNames {
     s: SessionId,
-    /// The session's runs by maker (`SessionBook::owners`), and those of
-    /// the sessions that made its tool results (a result's `call_id` is an
-    /// id in the session that made it). Past its runs, an event is the
-    /// session's own.
-    runs: HashMap<SessionId, Vec<Owned>>,
-}
-
-/// Who made event `e` of session `s`, and its id there.
-fn maker(runs: &[Owned], s: SessionId, e: EventId) -> (SessionId, EventId) {
-    runs.iter()
-        .find(|r| (r.at..r.at + r.len).contains(&e))
-        .map_or((s, e), |r| (r.owner, r.owner_at + (e - r.at)))
+    /// The session's runs by maker (`SessionBook::owners`). Past them, an
+    /// event is the session's own.
+    runs: Vec<Owned>,
 }
 
 impl CallNames {
     /// For a session's own events only (what it generates from now on).
     pub fn own(s: SessionId) -> CallNames {
-        CallNames {
-            s,
-            runs: HashMap::new(),
-        }
+        CallNames { s, runs: vec![] }
     }
 
     pub fn session(&self) -> SessionId {
         self.s
     }
 
-    fn runs_of(&self, s: SessionId) -> &[Owned] {
-        self.runs.get(&s).map_or(&[], Vec::as_slice)
+    /// Who made event `e` of the session, and its id there.
+    fn maker(&self, e: EventId) -> (SessionId, EventId) {
+        self.runs
+            .iter()
+            .find(|r| (r.at..r.at + r.len).contains(&e))
+            .map_or((self.s, e), |r| (r.owner, r.owner_at + (e - r.at)))
     }
 
-    /// The id of the call event `e` of the session made.
+    /// The id of the call event `e` of the session made (a `ToolResult`'s
+    /// `call_id` as `Read` gives it: an id in this session).
     pub fn name(&self, e: EventId) -> String {
         self.item("call", e)
     }
@@ -342,21 +335,8 @@ impl CallNames {
     /// `<prefix>_<maker>_<id there>`: the id of the item event `e` opens,
     /// the same in every fork and rebase that shares the event.
     pub fn item(&self, prefix: &str, e: EventId) -> String {
-        let (owner, at) = maker(self.runs_of(self.s), self.s, e);
+        let (owner, at) = self.maker(e);
         format!("{prefix}_{owner}_{at}")
-    }
-
-    /// The id of the call that the tool result at event `e` answers
-    /// (`call_id`, an id in the session that made the result).
-    pub fn answered(&self, e: EventId, call_id: EventId) -> String {
-        let (made_in, _) = maker(self.runs_of(self.s), self.s, e);
-        match self.runs.get(&made_in) {
-            Some(runs) if made_in != self.s => {
-                let (owner, at) = maker(runs, made_in, call_id);
-                format!("call_{owner}_{at}")
-            }
-            _ => self.name(call_id),
-        }
     }
 
     /// The session's event a call id names, if the call is one of its own
@@ -366,22 +346,23 @@ impl CallNames {
         let Some(owner) = owner else {
             return Some(at);
         };
-        let runs = self.runs_of(self.s);
-        let shared = runs
+        let shared = self
+            .runs
             .iter()
             .find(|r| r.owner == owner && (r.owner_at..r.owner_at + r.len).contains(&at));
         match shared {
             Some(r) => Some(r.at + (at - r.owner_at)),
             // Made here after the runs were read.
-            None if owner == self.s && runs.iter().all(|r| r.at + r.len <= at) => Some(at),
+            None if owner == self.s && self.runs.iter().all(|r| r.at + r.len <= at) => Some(at),
             None => None,
         }
     }
 }
 
-async fn owners(state: &WebState, s: SessionId) -> Result<Vec<Owned>, ApiError> {
+/// The call names of session `s`.
+pub(crate) async fn call_names(state: &WebState, s: SessionId) -> Result<CallNames, ApiError> {
     match state.m().registry.send(Owners(s)).await {
-        Ok(Ok(runs)) => Ok(runs),
+        Ok(Ok(runs)) => Ok(CallNames { s, runs }),
         Ok(Err(e)) => Err(ApiError::new(F, Kind::NotFound, e.to_string())),
         Err(e) => Err(ApiError::new(
             F,
@@ -389,30 +370,6 @@ async fn owners(state: &WebState, s: SessionId) -> Result<Vec<Owned>, ApiError> 
             format!("the daemon is shutting down: {e}"),
         )),
     }
-}
-
-/// The call names of session `s`, for its `events` (any of its events: the
-/// runs of the sessions that made their tool results are read too).
-pub(crate) async fn call_names(
-    state: &WebState,
-    s: SessionId,
-    events: &[Event],
-) -> Result<CallNames, ApiError> {
-    let mut names = CallNames::own(s);
-    names.runs.insert(s, owners(state, s).await?);
-    let makers: HashSet<SessionId> = events
-        .iter()
-        .filter(|e| matches!(e.body, Record::ToolResult { .. }))
-        .map(|e| maker(names.runs_of(s), s, e.event_id).0)
-        .filter(|m| *m != s)
-        .collect();
-    for m in makers {
-        // A maker purged since is named as the session's own.
-        if let Ok(runs) = owners(state, m).await {
-            names.runs.insert(m, runs);
-        }
-    }
-    Ok(names)
 }
 
 // ---------------------------------------------------------------- sessions
@@ -511,7 +468,7 @@ pub(crate) async fn append_items(
 ) -> Result<(), ApiError> {
     let mut resent: HashSet<String> = HashSet::new();
     let names = match items.iter().any(|i| matches!(i, Item::Output { .. })) {
-        true => call_names(state, s, &[]).await?,
+        true => call_names(state, s).await?,
         false => CallNames::own(s),
     };
     for item in items {
@@ -1466,7 +1423,7 @@ async fn stateless(
             .ok_or_else(|| not_found("response", prev).with_param("previous_response_id"))?
             .end;
         let events = &events[..end as usize];
-        let names = call_names(state, ps, events).await?;
+        let names = call_names(state, ps).await?;
         messages.extend(history(&names, events));
     } else if let Some(i) = &r.instructions {
         messages.push(json!({"role": "system", "content": i}));
@@ -1552,10 +1509,8 @@ fn history(names: &CallNames, events: &[Event]) -> Vec<Value> {
                 call_id, content, ..
             } => {
                 flush(&mut out, &mut text, &mut calls);
-                out.push(
-                    json!({"role": "tool", "tool_call_id": names.answered(e.event_id, *call_id),
-                                "content": content}),
-                );
+                out.push(json!({"role": "tool", "tool_call_id": names.name(*call_id),
+                                "content": content}));
             }
             _ => {}
         }
@@ -1872,7 +1827,7 @@ pub fn input_item(names: &CallNames, e: &Event) -> Option<Value> {
             call_id, content, ..
         } => Some(
             json!({"id": names.item("fco", id), "type": "function_call_output",
-                         "call_id": names.answered(id, *call_id), "output": content,
+                         "call_id": names.name(*call_id), "output": content,
                          "status": "completed"}),
         ),
         _ => None,
@@ -1934,7 +1889,7 @@ pub async fn input_items(
     let (_, events, st) = load(&state, &id).await?;
     let (s, start) = parse_response_id(&id).ok_or_else(|| not_found("response", &id))?;
     let events = &events[start as usize..st.prompt];
-    let names = call_names(&state, s, events).await?;
+    let names = call_names(&state, s).await?;
     let items = events
         .iter()
         .filter_map(|e| input_item(&names, e))
@@ -2095,29 +2050,25 @@ mod tests {
 
     #[test]
     fn a_call_is_named_by_the_session_that_made_it() {
-        // Session 2 forked 1 at 4; session 3 is a rebase of 2 that dropped
-        // its event 2, so 2's events 3.. sit at 2.. (and 1's event 3 at 2).
-        let mut names = CallNames::own(3);
-        names.runs.insert(2, vec![run(0, 4, 1, 0), run(4, 3, 2, 4)]);
-        names.runs.insert(
-            3,
-            vec![
+        // Session 3 is a rebase of session 2 (a fork of 1 at 4) that
+        // dropped 2's event 2, so 1's event 3 sits at 2 and 2's events 4..
+        // at 3...
+        let names = CallNames {
+            s: 3,
+            runs: vec![
                 run(0, 2, 1, 0),
                 run(2, 1, 1, 3),
                 run(3, 3, 2, 4),
                 run(6, 1, 3, 6),
             ],
-        );
+        };
         // 1's call at 3 keeps its name in the rebase; 2's call at 5 too.
         assert_eq!(names.name(2), "call_1_3");
         assert_eq!(names.name(4), "call_2_5");
         assert_eq!(names.name(6), "call_3_6");
+        assert_eq!(names.item("msg", 4), "msg_2_5");
         // Past the runs: made here since.
         assert_eq!(names.name(9), "call_3_9");
-        // A result made in 2 answers 2's event 5 (at 4 here).
-        assert_eq!(names.answered(5, 5), "call_2_5");
-        // One made here answers an event of this view.
-        assert_eq!(names.answered(6, 4), "call_2_5");
         // Every name reads back to its event here.
         for e in [2, 4, 6, 9] {
             assert_eq!(names.event(&names.name(e)), Some(e), "{e}");

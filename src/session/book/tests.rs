@@ -605,6 +605,104 @@ fn tool_call_bookkeeping() {
     assert!(b.open_tool_calls(s).unwrap().is_empty());
 }
 
+fn tool_use(b: &mut SessionBook, s: SessionId, name: &str) -> EventId {
+    let id = b.len(s).unwrap();
+    b.apply(&LogRecord::Events {
+        session: s,
+        events: vec![Event {
+            event_id: id,
+            epoch: 0,
+            ts_unix_ms: 1,
+            body: Record::ToolUse {
+                name: name.into(),
+                arguments: "{}".into(),
+            },
+        }],
+    })
+    .unwrap();
+    id
+}
+
+#[test]
+fn a_rebase_that_moves_calls_keeps_their_results_pointing_at_them() {
+    let mut b = SessionBook::new();
+    let s = create(&mut b);
+    say(&mut b, s, "a");
+    say(&mut b, s, "b");
+    say(&mut b, s, "c");
+    let f = tool_use(&mut b, s, "f");
+    commit!(b, b.plan_tool_result(s, f, "1".into(), &Bytes, 1));
+    let g = tool_use(&mut b, s, "g");
+    commit!(b, b.plan_tool_cancel(s, g, 1));
+    let asked = commit!(b, b.plan_permission_request(s, g, "may I?".into(), 1));
+    let LogRecord::Events { events, .. } = asked else {
+        panic!()
+    };
+    commit!(
+        b,
+        b.plan_permission_response(s, events[0].event_id, true, 1)
+    );
+    // Drop "b" and "c": everything after moves up by one (the header takes
+    // one of the two places).
+    let r = b.reserve_id();
+    commit!(
+        b,
+        b.plan_rebase(r, s, vec![Edit::Drop { from: 2, to: 4 }], None, &Bytes, 40)
+    );
+    let events = b.read(r, 0).unwrap();
+    let at = |name: &str| {
+        events
+            .iter()
+            .find(|e| matches!(&e.body, Record::ToolUse { name: n, .. } if n == name))
+            .unwrap()
+            .event_id
+    };
+    let (f2, g2) = (at("f"), at("g"));
+    assert_eq!((f2, g2), (f - 1, g - 1));
+    let refs: Vec<(&str, EventId)> = events
+        .iter()
+        .filter_map(|e| match &e.body {
+            Record::ToolResult { call_id, .. } => Some(("result", *call_id)),
+            Record::ToolCancelRequested { call_id } => Some(("cancel", *call_id)),
+            Record::PermissionRequested { call_id, .. } => Some(("asked", *call_id)),
+            Record::PermissionResponded { request_id, .. } => Some(("answer", *request_id)),
+            _ => None,
+        })
+        .collect();
+    let asked_at = events
+        .iter()
+        .find(|e| matches!(e.body, Record::PermissionRequested { .. }))
+        .unwrap()
+        .event_id;
+    assert_eq!(
+        refs,
+        [
+            ("result", f2),
+            ("cancel", g2),
+            ("asked", g2),
+            ("answer", asked_at)
+        ]
+    );
+    // The ledger agrees: f answered, g open (cancel asked) and permitted.
+    let ledger = b.ledger(r).unwrap();
+    let got: Vec<(EventId, &str, Option<bool>)> = ledger
+        .iter()
+        .map(|x| (x.call_id, x.status.name(), x.permission))
+        .collect();
+    assert_eq!(
+        got,
+        [(f2, "answered", None), (g2, "cancel requested", Some(true))]
+    );
+    let err = b
+        .plan_tool_result(r, f2, "again".into(), &Bytes, 1)
+        .unwrap_err();
+    assert!(matches!(err, SessionError::CallAnswered { .. }), "{err}");
+    commit!(b, b.plan_tool_result(r, g2, "2".into(), &Bytes, 1));
+    assert!(b.open_tool_calls(r).unwrap().is_empty());
+    // The parent reads as before.
+    assert_eq!(b.ledger(s).unwrap()[0].call_id, f);
+}
+
 #[test]
 fn turn_state_follows_the_last_generated_event() {
     let mut b = SessionBook::new();

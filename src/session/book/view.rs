@@ -7,7 +7,7 @@
 //! changes.
 
 use super::{SessionBook, SessionError};
-use crate::wire::{Event, EventId, SessionId};
+use crate::wire::{Event, EventId, Record, SessionId};
 
 /// A range of a session's view. A fork's ranges point straight at the
 /// sessions that own the events (never at another view), so reading any
@@ -65,10 +65,18 @@ impl SessionBook {
                     ViewRange::Own { from, .. } => (Some(sess), *from),
                 };
                 let Some(owner) = owner else { continue };
+                let maker = match range {
+                    ViewRange::Borrowed { session, .. } => Some(*session),
+                    ViewRange::Own { .. } => None,
+                };
                 for i in lo..hi {
                     let mut e = (*owner.own[of + (i - pos) as usize]).clone();
-                    // Ids are positions in this session's view.
+                    // Ids are positions in this session's view, the ids an
+                    // event refers to included.
                     e.event_id = i;
+                    if let Some(m) = maker {
+                        self.translate_refs(m, s, &mut e.body);
+                    }
                     out.push(e);
                 }
             }
@@ -77,6 +85,63 @@ impl SessionBook {
                 break;
             }
         }
+    }
+
+    /// Rewrites the event ids a record made in session `m` refers to (a
+    /// call, a permission request: ids in `m`'s view) into their ids in
+    /// session `s`'s view. A fork keeps the ids it shares, but a rebase
+    /// that drops or replaces events moves the ones after them; a
+    /// reference to an event `s` does not hold (its call dropped) is left
+    /// as it was.
+    fn translate_refs(&self, m: SessionId, s: SessionId, body: &mut Record) {
+        let id = match body {
+            Record::ToolResult { call_id, .. }
+            | Record::ToolOutcome { call_id, .. }
+            | Record::ToolCancelRequested { call_id }
+            | Record::PermissionRequested { call_id, .. } => call_id,
+            Record::PermissionResponded { request_id, .. } => request_id,
+            _ => return,
+        };
+        if let Some(here) = self
+            .own_index(m, *id)
+            .and_then(|(maker, j)| self.position_of(s, maker, j))
+        {
+            *id = here;
+        }
+    }
+
+    /// The session that made event `id` of session `s`'s view, and the
+    /// event's index among that session's own events.
+    fn own_index(&self, s: SessionId, id: EventId) -> Option<(SessionId, usize)> {
+        let mut pos = 0u64;
+        for range in &self.sessions.get(&s)?.view {
+            let n = range.len();
+            if id < pos + n {
+                let k = (id - pos) as usize;
+                return Some(match range {
+                    ViewRange::Borrowed { session, from, .. } => (*session, from + k),
+                    ViewRange::Own { from, .. } => (s, from + k),
+                });
+            }
+            pos += n;
+        }
+        None
+    }
+
+    /// Where own event `j` of session `maker` sits in session `s`'s view.
+    fn position_of(&self, s: SessionId, maker: SessionId, j: usize) -> Option<EventId> {
+        let mut pos = 0u64;
+        for range in &self.sessions.get(&s)?.view {
+            let (owner, from, to) = match range {
+                ViewRange::Borrowed { session, from, to } => (*session, *from, *to),
+                ViewRange::Own { from, to } => (s, *from, *to),
+            };
+            if owner == maker && (from..to).contains(&j) {
+                return Some(pos + (j - from) as u64);
+            }
+            pos += range.len();
+        }
+        None
     }
 
     /// `Read`: the session's events from `cursor` on.
