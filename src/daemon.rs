@@ -600,7 +600,8 @@ pub fn start_actors(
                     |s| book.is_live(s),
                 )
             }))
-            .with_n_vocab(render.n_vocab()),
+            .with_n_vocab(render.n_vocab())
+            .with_turn_opening(crate::session::turn_opening(render.as_ref())),
     );
     Shared {
         book: Arc::new(RwLock::new(book)),

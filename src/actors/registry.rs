@@ -316,6 +316,20 @@ fn counters(stats: crate::scheduler::Stats) -> String {
     );
     metric(
         &mut out,
+        "superfluid_turn_warmed_tokens_total",
+        "counter",
+        "Tokens decoded ahead of a session's next turn while the lane was idle (its end of turn and the chat template's turn opening).",
+        stats.turn_warmed_tokens,
+    );
+    metric(
+        &mut out,
+        "superfluid_turn_warm_missed_tokens_total",
+        "counter",
+        "Tokens decoded ahead of a next turn that opened otherwise (dropped).",
+        stats.turn_warm_missed_tokens,
+    );
+    metric(
+        &mut out,
         "superfluid_generations_refused_total",
         "counter",
         "Generations the worker refused on their own in a batched step (a grammar that does \

@@ -253,7 +253,17 @@ struct Seq {
     /// It holds an image: it gives no prefix to anyone, and is cleared when
     /// its generation ends.
     media: bool,
+    /// Tokens to decode onto it while the lane is idle: the end of turn its
+    /// generation drew and the lane's turn opening (`with_turn_opening`),
+    /// which the session's next turn most likely starts with.
+    warm: Vec<Token>,
+    /// How many of `resident`'s last tokens were decoded that way.
+    warmed: usize,
 }
+
+/// Stands for "no generation" beside a step's decode item that decodes a
+/// sequence's `warm` tokens (generation ids start at 1).
+pub(crate) const WARM: GenId = 0;
 
 #[derive(Debug, Clone)]
 struct Gen {
@@ -320,6 +330,11 @@ pub struct Stats {
     /// Generations the worker refused on their own in a batched step (a
     /// grammar that does not parse or dead-ends): each failed alone.
     pub refused: u64,
+    /// Tokens decoded ahead of a session's next turn while the lane was
+    /// idle (its end of turn and the turn opening), and those of them the
+    /// next turn's prompt did not start with (dropped).
+    pub turn_warmed_tokens: u64,
+    pub turn_warm_missed_tokens: u64,
 }
 
 /// The scheduler of one lane.
@@ -367,7 +382,14 @@ pub struct SchedulerState {
     /// the host-memory tier this long after its generation ended (0: never;
     /// only for room).
     idle_spill_ms: u64,
+    /// What a session's next turn opens with after one that ended (a user
+    /// message's head in the chat template): decoded ahead while the lane
+    /// is idle. Empty: only the end of turn is.
+    turn_opening: Vec<Token>,
 }
+
+/// The most tokens decoded ahead of a session's next turn.
+pub const MAX_TURN_OPENING: usize = 16;
 
 impl SchedulerState {
     pub fn new(n_ctx: u32, n_seq: u32, n_batch: u32) -> SchedulerState {
@@ -392,7 +414,20 @@ impl SchedulerState {
             spill_orphans: Vec::new(),
             park: false,
             idle_spill_ms: 0,
+            turn_opening: Vec::new(),
         }
+    }
+
+    /// The tokens a session's next turn opens with after one that ended
+    /// (at most [`MAX_TURN_OPENING`] of them are kept): while the lane is
+    /// idle, a session whose turn ended gets its end-of-turn token and these
+    /// decoded onto its sequence, so its next turn computes that much less
+    /// when it comes. A next turn that opens otherwise drops what it does
+    /// not share, as any prompt does.
+    pub fn with_turn_opening(mut self, mut tokens: Vec<Token>) -> SchedulerState {
+        tokens.truncate(MAX_TURN_OPENING);
+        self.turn_opening = tokens;
+        self
     }
 
     /// `--idle-spill-ms` (0: idle sequences stay until their cells are

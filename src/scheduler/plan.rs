@@ -5,6 +5,7 @@
 
 use super::{
     spill, GenEvent, GenId, SchedulerState, Seq, Step, FOLLOW_STEPS, NO_SESSION, WAIT_MIN_SHARED,
+    WARM,
 };
 use crate::wire::worker::{DecodeItem, MediaSpan, NextItem, Sample, WorkerRequest};
 use crate::wire::QosClass;
@@ -338,6 +339,17 @@ impl SchedulerState {
                     })
             });
             let Some(dst) = dst else { break };
+            // Tokens decoded ahead on it that this prompt does not start
+            // with are dropped below, like any others.
+            let d = &mut self.seqs[dst];
+            d.warm.clear();
+            if d.warmed > 0 {
+                let ahead = d.resident.len() - d.warmed;
+                let used = shared(d, &prompt, uncached).min(prompt.len() - 1);
+                self.stats.turn_warm_missed_tokens +=
+                    d.resident.len().saturating_sub(used.max(ahead)) as u64;
+                d.warmed = 0;
+            }
             // The best source of cells: the longest common prefix.
             let (src, common) = self
                 .seqs
@@ -562,6 +574,9 @@ impl SchedulerState {
             gens.push(gen);
             self.seqs[seq].last_used = self.steps_planned;
         }
+        if self.gens.is_empty() {
+            self.plan_warm(&mut decode, &mut gens);
+        }
         if decode.is_empty() && ops.is_empty() {
             return (None, events);
         }
@@ -574,6 +589,34 @@ impl SchedulerState {
             }),
             events,
         )
+    }
+
+    /// With nothing to run or admit: decodes each idle session sequence's
+    /// `warm` tokens (its end of turn and the turn opening) where the cells
+    /// have room, one item each, beside [`WARM`] in the step's generations.
+    fn plan_warm(&mut self, decode: &mut Vec<DecodeItem>, gens: &mut Vec<GenId>) {
+        let mut room = (self.n_ctx as u64).saturating_sub(self.resident_total(usize::MAX));
+        for i in 0..self.seqs.len() {
+            let s = &mut self.seqs[i];
+            let warm = std::mem::take(&mut s.warm);
+            let ready = s.active.is_none()
+                && !s.resident.is_empty()
+                && !s.idle_exported
+                && s.pin.is_none()
+                && s.owner.is_some_and(|o| o != NO_SESSION);
+            if warm.is_empty() || !ready || warm.len() as u64 > room {
+                continue;
+            }
+            room -= warm.len() as u64;
+            decode.push(DecodeItem {
+                seq: i as u32,
+                pos: s.resident.len() as u32,
+                tokens: warm,
+                sample: None,
+                media: vec![],
+            });
+            gens.push(WARM);
+        }
     }
 
     /// Plans the step after `last` while `last` is still in flight: the same

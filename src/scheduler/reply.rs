@@ -3,7 +3,7 @@
 //! the youngest generation); a failure (every generation fails, the KV is
 //! forgotten).
 
-use super::{GenEvent, GenId, SchedulerState, Seq, Step, StepError, NO_SESSION};
+use super::{GenEvent, GenId, SchedulerState, Seq, Step, StepError, NO_SESSION, WARM};
 use crate::wire::worker::{Drawn, Refused, WorkerRequest};
 use crate::wire::{Finish, Token};
 
@@ -103,6 +103,11 @@ impl SchedulerState {
                 continue;
             }
             self.seqs[seq].resident.extend_from_slice(&item.tokens);
+            if *gen == WARM {
+                self.seqs[seq].warmed += item.tokens.len();
+                self.stats.turn_warmed_tokens += item.tokens.len() as u64;
+                continue;
+            }
             // Prompt tokens among them were prefill; the rest were draws fed.
             if let Some(g) = self.gens.get(gen) {
                 let pos = item.pos as usize;
@@ -237,6 +242,27 @@ impl SchedulerState {
                 let deadline = self.clock_ms.saturating_add(pin.ttl_ms);
                 s.pin = Some((deadline, self.clock_ms, pin.len));
             }
+            // A session's turn that ended: its next turn starts with the end
+            // of turn drawn (not fed yet) and, most likely, the turn
+            // opening; both are decoded ahead while the lane is idle. Not
+            // for a batch-invariant session (its prompt would be computed
+            // in a shape that depends on timing), a pinned prefix, or a
+            // sequence that does not hold the turn it ran.
+            s.warm.clear();
+            if finish == Some(Finish::EndOfTurn)
+                && g.admit.session != NO_SESSION
+                && !g.admit.batch_invariant
+                && !s.media
+                && s.pin.is_none()
+                && g.tokens
+                    .split_last()
+                    .is_some_and(|(_, fed)| s.resident == fed)
+            {
+                let eot = g.tokens[g.tokens.len() - 1];
+                s.warm = std::iter::once(eot)
+                    .chain(self.turn_opening.iter().copied())
+                    .collect();
+            }
         }
         match finish {
             Some(finish) => {
@@ -296,6 +322,11 @@ impl SchedulerState {
     /// is the judge: evict the idle sequences, or if there are none, end the
     /// youngest generation of the step; the rest retry on the next step.
     fn kv_full(&mut self, step: &Step) -> Vec<GenEvent> {
+        if step.gens.iter().all(|g| *g == WARM) {
+            // Only tokens decoded ahead did not fit: they are not worth
+            // evicting anything for.
+            return vec![];
+        }
         let idle: Vec<usize> = (0..self.seqs.len())
             .filter(|&i| self.seqs[i].active.is_none() && !self.seqs[i].resident.is_empty())
             .collect();

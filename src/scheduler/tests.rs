@@ -1700,3 +1700,113 @@ fn without_the_period_idle_sequences_stay() {
     assert_eq!(s.stats().idle_spills, 0);
     assert!(!w.kv[0].is_empty());
 }
+
+/// A session's turn that draws end of turn at once on a lane whose turn
+/// opening is [7, 8].
+fn ended_turn(s: &mut SchedulerState, session: SessionId, prompt: &[Token]) -> GenId {
+    let g = s.admit(admit(session, prompt, 5)).unwrap();
+    let (_, events) = step_with(s, |_| EOG);
+    assert!(events.contains(&GenEvent::Finished {
+        gen: g,
+        finish: Finish::EndOfTurn
+    }));
+    g
+}
+
+#[test]
+fn an_ended_turn_gets_its_end_and_the_turn_opening_decoded_while_idle() {
+    let mut s = SchedulerState::new(4096, 2, 512).with_turn_opening(vec![7, 8]);
+    ended_turn(&mut s, 1, &[1, 2, 3]);
+    assert_eq!(s.resident(0), &[1, 2, 3]);
+    // Idle: the next step decodes the end of turn and the opening, no draw.
+    let (step, events) = step_with(&mut s, |_| 9);
+    let step = step.expect("a warm step");
+    assert!(events.is_empty());
+    assert_eq!(step.gens, vec![WARM]);
+    assert_eq!(
+        (
+            step.decode[0].pos,
+            step.decode[0].tokens.clone(),
+            step.decode[0].sample.is_none()
+        ),
+        (3, vec![EOG, 7, 8], true)
+    );
+    assert_eq!(s.resident(0), &[1, 2, 3, EOG, 7, 8]);
+    assert_eq!(s.stats().turn_warmed_tokens, 3);
+    // Once: nothing more to do.
+    assert!(step_with(&mut s, |_| 9).0.is_none());
+    // The next turn opens as predicted: only its own tokens are computed.
+    let g = s.admit(admit(1, &[1, 2, 3, EOG, 7, 8, 40, 41], 1)).unwrap();
+    let (step, events) = step_with(&mut s, |_| 9);
+    assert!(events.contains(&GenEvent::Started {
+        gen: g,
+        warm_prefix: 6,
+        evicted: 0
+    }));
+    assert_eq!(step.unwrap().decode[0].tokens, vec![40, 41]);
+    assert_eq!(s.stats().turn_warm_missed_tokens, 0);
+}
+
+#[test]
+fn a_next_turn_that_opens_otherwise_drops_what_was_decoded_ahead() {
+    let mut s = SchedulerState::new(4096, 1, 512).with_turn_opening(vec![7, 8]);
+    ended_turn(&mut s, 1, &[1, 2, 3]);
+    step_with(&mut s, |_| 9);
+    // A tool result opens with 7 but not 8.
+    let g = s.admit(admit(1, &[1, 2, 3, EOG, 7, 50, 51], 1)).unwrap();
+    let (step, events) = step_with(&mut s, |_| 9);
+    let step = step.unwrap();
+    assert_eq!(step.ops, vec![WorkerRequest::KvTrim { seq: 0, from: 5 }]);
+    assert!(events.contains(&GenEvent::Started {
+        gen: g,
+        warm_prefix: 5,
+        evicted: 1
+    }));
+    assert_eq!(step.decode[0].tokens, vec![50, 51]);
+    assert_eq!(s.stats().turn_warm_missed_tokens, 1);
+}
+
+#[test]
+fn nothing_is_decoded_ahead_beside_work_or_for_turns_that_must_not_be() {
+    // Beside a running generation: not until the lane is idle.
+    let mut s = SchedulerState::new(4096, 2, 512).with_turn_opening(vec![7]);
+    let long = s.admit(admit(2, &[60, 61], 3)).unwrap();
+    let short = s.admit(admit(1, &[1, 2], 3)).unwrap();
+    let (_, events) = step_with(&mut s, |seq| if seq == 1 { EOG } else { 9 });
+    assert!(events.contains(&GenEvent::Finished {
+        gen: short,
+        finish: Finish::EndOfTurn
+    }));
+    let (step, _) = step_with(&mut s, |_| 9);
+    assert_eq!(step.unwrap().gens, vec![long]);
+    assert_eq!(s.resident(1), &[1, 2]);
+    let events = run_to_end(&mut s);
+    assert!(events.contains(&GenEvent::Finished {
+        gen: long,
+        finish: Finish::MaxTokens
+    }));
+    assert_eq!(s.resident(1), &[1, 2, EOG, 7], "warmed once idle");
+    // A stateless generation, a batch-invariant one, a turn cut by
+    // max_tokens: none.
+    for (session, invariant, draw) in [(NO_SESSION, false, EOG), (3, true, EOG), (3, false, 9)] {
+        let mut s = SchedulerState::new(4096, 1, 512).with_turn_opening(vec![7]);
+        let mut a = admit(session, &[1, 2], 1);
+        a.batch_invariant = invariant;
+        s.admit(a).unwrap();
+        run_to_end_drawing(&mut s, draw);
+        assert_eq!(
+            s.stats().turn_warmed_tokens,
+            0,
+            "{session} {invariant} {draw}"
+        );
+        assert_eq!(s.resident(0), &[1, 2]);
+    }
+}
+
+fn run_to_end_drawing(s: &mut SchedulerState, token: Token) {
+    for _ in 0..100 {
+        if step_with(s, |_| token).0.is_none() {
+            break;
+        }
+    }
+}

@@ -45,6 +45,28 @@ impl ChatMessage {
     }
 }
 
+/// The tokens a user message's span opens with after an assistant turn:
+/// what a session's next turn most likely starts with (the scheduler
+/// decodes them ahead, `SchedulerState::with_turn_opening`). The part two
+/// different messages' spans share; empty when the template renders none.
+pub fn turn_opening(render: &dyn Render) -> Vec<Token> {
+    let history = [
+        ChatMessage::new(Role::User, "Hello."),
+        ChatMessage::new(Role::Assistant, "Hi."),
+    ];
+    let span =
+        |text: &str| render.message_span(&history, &[], &ChatMessage::new(Role::User, text), false);
+    match (span("A"), span("Z")) {
+        (Ok(a), Ok(b)) => a
+            .iter()
+            .zip(&b)
+            .take_while(|(x, y)| x == y)
+            .map(|(x, _)| *x)
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
 /// A whole conversation's tokens and where its parts are
 /// ([`Render::conversation`]).
 #[derive(Debug, Clone, PartialEq)]

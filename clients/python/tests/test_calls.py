@@ -93,6 +93,23 @@ def test_generate_returns_a_reply(sf):
     assert [e.kind for e in a.events()].count("GenerationPrompt") == 1
 
 
+def test_the_next_turn_starts_warm_from_what_was_decoded_while_idle(sf):
+    # A turn that ends: while the lane is idle, the daemon decodes its end of
+    # turn and the chat template's user-turn opening (<|im_start|>user\n,
+    # three tokens on this model) ahead, so the next turn computes only the
+    # rest of its message.
+    s, _ = asked(sf, "Hi there.")
+    r1 = s.generate(64)
+    assert r1.finish == 1, "the reply ends its turn"
+    held = sum(len(e.data.get("span") or []) for e in s.events())
+    s.user("Thanks.")
+    r2 = s.generate(4)
+    assert r2.warm_prefix == held + 3, (r2.warm_prefix, held)
+    text = sf.call("Metrics")[1]["text"]
+    warmed = [l for l in text.splitlines() if l.startswith("superfluid_turn_warmed_tokens_total ")]
+    assert warmed and int(warmed[0].split()[1]) >= 4, warmed
+
+
 def test_cancel_stops_the_generation_in_flight(sf):
     s, _ = asked(sf, "Write a long story about a dragon.")
     box = {}
