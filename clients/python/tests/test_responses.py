@@ -175,6 +175,10 @@ def test_conversation_responses_sample_with_what_they_ask(daemon, sf):
     assert (params["temperature"], params["top_p"]) == (0.0, 0.5)
     assert params["seed"] == session_params(sf, hot.id)["seed"]
     assert cold.temperature == 0 and cold.conversation.id == conv.id
+    # Read back, it is the conversation's, not a continuation of a response.
+    again = c.responses.retrieve(cold.id)
+    assert (again.previous_response_id, again.conversation.id, again.temperature) == \
+        (None, conv.id, 0)
     # The same settings again stay on that session; the default moves back.
     same = c.responses.create(model="default", conversation=conv.id, input="And one more.",
                               max_output_tokens=4, temperature=0, top_p=0.5)
@@ -206,6 +210,27 @@ def test_a_conversation_moved_many_times_still_resolves(daemon):
     items = c.conversations.items.list(conv.id, order="desc", limit=100).data
     assert [i.content[0].text for i in items if i.type == "message" and i.role == "user"][:3] == \
         ["69", "68", "67"]
+
+
+def test_a_conversation_takes_one_response_at_a_time(daemon):
+    c = oai(daemon)
+    conv = c.conversations.create()
+    with c.responses.stream(model="default", conversation=conv.id, input="Tell me a long story.",
+                            max_output_tokens=2000) as running:
+        first = next(iter(running))
+        assert first.type == "response.created"
+        # Another response on it, asking for other settings, while the first
+        # generates: refused, the conversation not moved.
+        with pytest.raises(openai.BadRequestError) as e:
+            c.responses.create(model="default", conversation=conv.id, input="Hello?",
+                               max_output_tokens=4, temperature=0)
+        assert e.value.body["param"] == "conversation" and "in progress" in str(e.value)
+        c.responses.cancel(first.response.id)
+    items = c.conversations.items.list(conv.id, order="asc").data
+    assert [i.content[0].text for i in items if i.role == "user"] == ["Tell me a long story."]
+    later = c.responses.create(model="default", conversation=conv.id, input="Hello?",
+                               max_output_tokens=4, temperature=0)
+    assert later.conversation.id == conv.id
 
 
 def test_delete_response(daemon):
@@ -292,7 +317,7 @@ def test_text_format_json_schema_follows_the_schema_and_reads_back(daemon):
     assert r2.text.format.type == "text"
     assert not r2.output_text.lstrip().startswith("{"), r2.output_text
     # json_object: any JSON object.
-    r3 = c.responses.create(model="default", previous_response_id=r2.id, input="Describe a cat.",
+    r3 = c.responses.create(model="default", previous_response_id=r2.id, input="Name a cat.",
                             text={"format": {"type": "json_object"}}, max_output_tokens=120, temperature=0)
     assert r3.status == "completed", r3.output_text
     assert isinstance(json.loads(r3.output_text), dict), r3.output_text

@@ -113,15 +113,22 @@ def test_call_ids_are_unique_across_sessions_and_kept_along_a_chain(daemon):
     assert r5.status in ("completed", "incomplete")
 
 
-def test_conversation_items_keep_call_ids_across_a_rebase(daemon):
+def tool_use_ids(sf, response_id):
+    """The event ids of the ToolUse events of the session a response ran in."""
+    variant, payload = sf.call("Read", {"session": int(response_id.split("_")[1]), "cursor": 0})
+    return [e["event_id"] for e in payload["events"] if "ToolUse" in e["body"]]
+
+
+def test_conversation_items_keep_call_ids_across_a_rebase(daemon, sf):
     c = oai(daemon)
     conv = c.conversations.create()
     _, a = forced_call(c, conversation=conv.id, input="What is the weather in Paris?")
     reply = c.responses.create(model="default", conversation=conv.id, tools=[WEATHER, TIME],
                                input=answer(a), max_output_tokens=24, temperature=0)
     _, d = forced_call(c, conversation=conv.id, input="And in Rome?")
-    c.responses.create(model="default", conversation=conv.id, tools=[WEATHER, TIME], input=answer(d),
-                       max_output_tokens=4, temperature=0)
+    last = c.responses.create(model="default", conversation=conv.id, tools=[WEATHER, TIME],
+                              input=answer(d), max_output_tokens=4, temperature=0)
+    before = tool_use_ids(sf, last.id)
 
     def pairs():
         items = c.conversations.items.list(conv.id, order="asc").data
@@ -139,6 +146,11 @@ def test_conversation_items_keep_call_ids_across_a_rebase(daemon):
     calls, outputs, items = pairs()
     assert texts[0].id not in [i.id for i in items]
     assert calls == [a.call_id, d.call_id] and outputs == calls
+    # The second call really moved up on the new branch.
+    branch = c.responses.create(model="default", conversation=conv.id, input="Thanks.",
+                                max_output_tokens=2, temperature=0)
+    after = tool_use_ids(sf, branch.id)
+    assert after[0] == before[0] and after[1] < before[1] - 1, (before, after)
     # The id still names the second call on the new branch: answering it
     # again is refused as such, not as an unknown call.
     try:

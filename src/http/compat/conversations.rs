@@ -14,8 +14,8 @@ use serde_json::{json, Value};
 
 use super::error::{ApiError, Family, Kind};
 use super::responses::{
-    append_items, call, call_names, check_outputs, create_session, input_item, inspect, items,
-    not_found, page, read, Decode, ListQuery, Piece,
+    append_items, call, call_names, check_calls, check_outputs, create_session, input_item,
+    inspect, items, not_found, page, read, Decode, Item, ListQuery, Piece,
 };
 use super::{accept, authorize, params};
 use crate::http::routes::WebState;
@@ -97,6 +97,21 @@ async fn set_record(state: &WebState, s: SessionId, rec: Value) -> Result<(), Ap
     Ok(())
 }
 
+/// Serializes what changes which session a conversation names, or adds to
+/// it (a response's setup up to its generation starting, items added or
+/// dropped, metadata, delete): two at once could fork the same session and
+/// one of them drop out of the conversation. Held for the few session
+/// requests each takes, never across a generation.
+pub(crate) static CHANGES: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+fn in_progress(id: &str) -> ApiError {
+    ApiError::invalid(
+        F,
+        format!("conversation {id} has a response in progress; wait for it or cancel it"),
+    )
+    .with_param("conversation")
+}
+
 /// Points conversation `id` at `branch`, a fork or rebase of its session
 /// `from` (whose record is `rec`): the branch takes the record, and `from`
 /// and the conversation's first session name the branch as `moved_to`, so
@@ -131,10 +146,16 @@ pub(crate) async fn session_for(
     state: &WebState,
     id: &str,
     p: Params,
+    items: &[Item],
 ) -> Result<(SessionId, EventId), ApiError> {
     let (s, info, rec) = load(state, id)
         .await
         .map_err(|e| e.with_param("conversation"))?;
+    if info.generating {
+        return Err(in_progress(id));
+    }
+    // Every output's call, before the conversation moves.
+    check_calls(state, s, items).await?;
     let wanted = Params {
         seed: info.params.seed,
         ..p
@@ -250,6 +271,7 @@ pub async fn update(
 ) -> Result<HttpResponse, ApiError> {
     let body: UpdateBody = accept(&state, F, &req, payload).await?;
     check_metadata(&body.metadata)?;
+    let _changes = CHANGES.lock().await;
     let (s, info, mut rec) = load(&state, &path).await?;
     rec["metadata"] = body.metadata;
     set_record(&state, s, rec.clone()).await?;
@@ -264,6 +286,7 @@ pub async fn delete(
     state: web::Data<WebState>,
 ) -> Result<HttpResponse, ApiError> {
     authorize(&state, F, &req)?;
+    let _changes = CHANGES.lock().await;
     let (s, info, _) = load(&state, &path).await?;
     call(
         &state,
@@ -380,6 +403,7 @@ pub async fn add_items(
 ) -> Result<HttpResponse, ApiError> {
     let body: ItemsBody = accept(&state, F, &req, payload).await?;
     let new = new_items(Some(&body.items))?;
+    let _changes = CHANGES.lock().await;
     let (s, info, _) = load(&state, &path).await?;
     append_items(&state, s, &new).await?;
     let events = read(&state, s).await?;
@@ -408,6 +432,7 @@ pub async fn delete_item(
 ) -> Result<HttpResponse, ApiError> {
     authorize(&state, F, &req)?;
     let (id, item_id) = path.into_inner();
+    let _changes = CHANGES.lock().await;
     let (s, info, rec) = load(&state, &id).await?;
     let events = read(&state, s).await?;
     let (_, from, to) = all_items(&state, s, &events)

@@ -435,8 +435,10 @@ pub(crate) async fn create_session(state: &WebState, p: Params) -> Result<Sessio
     }
 }
 
-/// Each output answers a call resent before it or names a session's call
-/// (`call_<event>`): checked before anything is written.
+/// Each output answers a call resent before it or names a call
+/// (`call_<session>_<event>`, or the older `call_<event>`): the syntax,
+/// checked before anything is written (`item_requests` checks the calls
+/// against the session).
 pub(crate) fn check_outputs(items: &[Item]) -> Result<(), ApiError> {
     let mut resent = HashSet::new();
     for item in items {
@@ -458,55 +460,101 @@ pub(crate) fn check_outputs(items: &[Item]) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// Appends `items` to session `s`. A resent call goes in as the model's own
-/// call text; an output answers a call resent in the same items (a tool
-/// message) or a call of the session (`AppendToolResult`).
+/// The session requests that append `items` to session `s`, whose calls
+/// `names` names, each with the call id an output answers (for its
+/// errors); every output's call checked before anything is written. A
+/// resent call goes in as the model's own call text; an output answers a
+/// call resent in the same items (a tool message) or a call of the session
+/// (`AppendToolResult`).
+fn item_requests(
+    s: SessionId,
+    items: &[Item],
+    names: &CallNames,
+) -> Result<Vec<(Request, Option<String>)>, ApiError> {
+    let mut resent: HashSet<&str> = HashSet::new();
+    let mut out = Vec::with_capacity(items.len());
+    for item in items {
+        out.push(match item {
+            Item::Message { role, text } => (
+                Request::AppendMessage {
+                    session: s,
+                    role: (*role).into(),
+                    text: text.clone(),
+                },
+                None,
+            ),
+            Item::Call(c) => {
+                resent.insert(c.id.as_str());
+                (
+                    Request::AppendMessage {
+                        session: s,
+                        role: Role::Assistant.into(),
+                        text: call_text(c).map_err(|e| bad(e.to_string()))?,
+                    },
+                    None,
+                )
+            }
+            Item::Output { call_id, output } if resent.contains(call_id.as_str()) => (
+                Request::AppendMessage {
+                    session: s,
+                    role: Role::Tool.into(),
+                    text: output.clone(),
+                },
+                None,
+            ),
+            Item::Output { call_id, output } => (
+                Request::AppendToolResult {
+                    session: s,
+                    call_id: names.event(call_id).ok_or_else(|| {
+                        bad(format!(
+                            "function_call_output answers call {call_id:?}, which is not a call \
+                             of this response chain or conversation"
+                        ))
+                    })?,
+                    content: output.clone(),
+                },
+                Some(call_id.clone()),
+            ),
+        });
+    }
+    Ok(out)
+}
+
+/// The call names `items` need on session `s` (none without an output).
+async fn names_for(state: &WebState, s: SessionId, items: &[Item]) -> Result<CallNames, ApiError> {
+    match items.iter().any(|i| matches!(i, Item::Output { .. })) {
+        true => call_names(state, s).await,
+        false => Ok(CallNames::own(s)),
+    }
+}
+
+/// Checks that every output of `items` answers a call resent with it or
+/// one session `s` holds, writing nothing.
+pub(crate) async fn check_calls(
+    state: &WebState,
+    s: SessionId,
+    items: &[Item],
+) -> Result<(), ApiError> {
+    item_requests(s, items, &names_for(state, s, items).await?).map(|_| ())
+}
+
+/// Appends `items` to session `s` (see [`item_requests`]): nothing is
+/// written unless every output names a call.
 pub(crate) async fn append_items(
     state: &WebState,
     s: SessionId,
     items: &[Item],
 ) -> Result<(), ApiError> {
-    let mut resent: HashSet<String> = HashSet::new();
-    let names = match items.iter().any(|i| matches!(i, Item::Output { .. })) {
-        true => call_names(state, s).await?,
-        false => CallNames::own(s),
-    };
-    for item in items {
-        let request = match item {
-            Item::Message { role, text } => Request::AppendMessage {
-                session: s,
-                role: (*role).into(),
-                text: text.clone(),
-            },
-            Item::Call(c) => {
-                resent.insert(c.id.clone());
-                Request::AppendMessage {
-                    session: s,
-                    role: Role::Assistant.into(),
-                    text: call_text(c).map_err(|e| bad(e.to_string()))?,
-                }
+    let names = names_for(state, s, items).await?;
+    for (request, call_id) in item_requests(s, items, &names)? {
+        call(state, request).await.map_err(|mut e| {
+            if e.kind == Kind::NotFound {
+                return e;
             }
-            Item::Output { call_id, output } if resent.contains(call_id) => {
-                Request::AppendMessage {
-                    session: s,
-                    role: Role::Tool.into(),
-                    text: output.clone(),
-                }
+            if let Some(id) = &call_id {
+                e.message = format!("function_call_output for call {id:?}: {}", e.message);
             }
-            Item::Output { call_id, output } => Request::AppendToolResult {
-                session: s,
-                call_id: names.event(call_id).ok_or_else(|| {
-                    bad(format!(
-                        "function_call_output answers call {call_id:?}, which no earlier item \
-                         or response of this conversation made"
-                    ))
-                })?,
-                content: output.clone(),
-            },
-        };
-        call(state, request).await.map_err(|e| match e.kind {
-            Kind::NotFound => e,
-            _ => e.with_param("input"),
+            e.with_param("input")
         })?;
     }
     Ok(())
@@ -1293,6 +1341,7 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
     check_outputs(&items)?;
     // Where the response runs: a fork of the previous response, a
     // conversation's session, or a new session.
+    let mut changes = None;
     let (s, start) = match (&r.previous_response_id, &conversation) {
         (Some(prev), _) => {
             let (ps, pstart) = parse_response_id(prev)
@@ -1316,7 +1365,12 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
             };
             (s, end)
         }
-        (None, Some(conv)) => super::conversations::session_for(state, conv, p).await?,
+        (None, Some(conv)) => {
+            // Held until the generation is asked for (below), so the next
+            // change to this conversation sees it in progress.
+            changes = Some(super::conversations::CHANGES.lock().await);
+            super::conversations::session_for(state, conv, p, &items).await?
+        }
         (None, None) => (create_session(state, p).await?, 0),
     };
     let fresh = inspect(state, s)
@@ -1392,6 +1446,9 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
         reply: tx,
         provisional: false,
     });
+    // The session takes the Generate before any later request: the next
+    // change to the conversation finds it generating.
+    drop(changes);
     let (markers, _) = super::markers(state, &[]);
     let mut head = head;
     head.id = response_id(s, start);
@@ -1415,6 +1472,7 @@ async fn stateless(
 ) -> Result<Running, ApiError> {
     let (_, schema) = text_format(r.text.as_ref())?;
     let mut messages = Vec::new();
+    let mut names_of_chain = None;
     if let Some(prev) = &r.previous_response_id {
         let (ps, pstart) = parse_response_id(prev)
             .ok_or_else(|| not_found("response", prev).with_param("previous_response_id"))?;
@@ -1425,6 +1483,7 @@ async fn stateless(
         let events = &events[..end as usize];
         let names = call_names(state, ps).await?;
         messages.extend(history(&names, events));
+        names_of_chain = Some(names);
     } else if let Some(i) = &r.instructions {
         messages.push(json!({"role": "system", "content": i}));
     }
@@ -1438,7 +1497,12 @@ async fn stateless(
                 {"id": c.id, "type": "function",
                  "function": {"name": c.name, "arguments": c.arguments}}]}),
             Item::Output { call_id, output } => {
-                json!({"role": "tool", "tool_call_id": call_id, "content": output})
+                // A call of the chain, in any form, as the history names it.
+                let id = names_of_chain
+                    .as_ref()
+                    .and_then(|n: &CallNames| n.event(call_id).map(|e| n.name(e)))
+                    .unwrap_or_else(|| call_id.clone());
+                json!({"role": "tool", "tool_call_id": id, "content": output})
             }
         });
     }
@@ -1635,10 +1699,13 @@ pub(crate) async fn open_stored(state: &WebState, id: &str) -> Result<StoredResp
                                "description": null, "strict": false}),
         None => json!({"type": "text"}),
     };
+    let conversation = super::conversations::conversation_of(&info);
+    // A conversation's branch forks for a response's sampling settings, not
+    // for a previous_response_id.
     let previous = match &events[start as usize].body {
         Record::Forked {
             parent, fork_at, ..
-        } => match read(state, *parent).await {
+        } if conversation.is_none() => match read(state, *parent).await {
             Ok(pe) if (*fork_at as usize) <= pe.len() => {
                 let pe = &pe[..*fork_at as usize];
                 pe.iter()
@@ -1649,7 +1716,6 @@ pub(crate) async fn open_stored(state: &WebState, id: &str) -> Result<StoredResp
         },
         _ => None,
     };
-    let conversation = super::conversations::conversation_of(&info);
     let head = Head {
         id: id.to_owned(),
         created_at: events[start as usize].ts_unix_ms / 1000,

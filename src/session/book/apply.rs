@@ -122,7 +122,11 @@ impl SessionBook {
                     });
                 }
                 let view = self.slice(*parent, 0, *fork_at);
+                let renumbered = self.sessions.get(parent).is_some_and(|p| p.renumbered);
                 self.new_session(id, Some(*parent), Some(*fork_at), *params, view, first)?;
+                if let Some(s) = self.sessions.get_mut(&id) {
+                    s.renumbered = renumbered;
+                }
                 self.push_own(id, &events[1..])
             }
             Record::Rebased {
@@ -145,6 +149,9 @@ impl SessionBook {
                 }
                 let view = self.slice(*parent, 0, *fork_at);
                 self.new_session(id, Some(*parent), Some(*fork_at), *params, view, first)?;
+                if let Some(s) = self.sessions.get_mut(&id) {
+                    s.renumbered = true;
+                }
                 let mut own = events[1..].iter();
                 for range in Self::rebase_ranges(edits, plen) {
                     match range {
@@ -206,6 +213,7 @@ impl SessionBook {
                 archived: false,
                 purged: false,
                 rerooted: false,
+                renumbered: false,
                 children: Vec::new(),
                 created_unix_ms: header.ts_unix_ms,
                 updated_unix_ms: header.ts_unix_ms,

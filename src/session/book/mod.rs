@@ -53,6 +53,10 @@ struct Session {
     purged: bool,
     /// Its tree parent was purged with Reroot: shown as a root.
     rerooted: bool,
+    /// A rebase, or a fork below one: events it borrows may sit at other
+    /// ids than in the session that made them (`collect` translates the
+    /// ids they refer to).
+    renumbered: bool,
     children: Vec<SessionId>,
     created_unix_ms: u64,
     updated_unix_ms: u64,

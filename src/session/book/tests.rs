@@ -704,6 +704,69 @@ fn a_rebase_that_moves_calls_keeps_their_results_pointing_at_them() {
 }
 
 #[test]
+fn a_rebase_of_a_fork_translates_what_its_parents_made() {
+    let mut b = SessionBook::new();
+    let p = create(&mut b);
+    say(&mut b, p, "a");
+    say(&mut b, p, "b");
+    let call = tool_use(&mut b, p, "f");
+    // The fork answers the parent's call.
+    let f = b.reserve_id();
+    commit!(b, b.plan_fork(f, p, b.len(p).unwrap(), None, 30));
+    commit!(b, b.plan_tool_result(f, call, "1".into(), &Bytes, 1));
+    let second = tool_use(&mut b, f, "g");
+    // A rebase of the fork drops "a" and "b": the call, made in p, and the
+    // result, made in f, both move up by one.
+    let r = b.reserve_id();
+    commit!(
+        b,
+        b.plan_rebase(r, f, vec![Edit::Drop { from: 1, to: 3 }], None, &Bytes, 40)
+    );
+    let ledger = b.ledger(r).unwrap();
+    let got: Vec<(EventId, &str)> = ledger
+        .iter()
+        .map(|x| (x.call_id, x.status.name()))
+        .collect();
+    assert_eq!(got, [(call - 1, "answered"), (second - 1, "open")]);
+    // A fork of that rebase reads the same.
+    let g = b.reserve_id();
+    commit!(b, b.plan_fork(g, r, b.len(r).unwrap(), None, 30));
+    assert_eq!(b.ledger(g).unwrap(), ledger);
+    // Dropping the call but keeping its result: the result names no call
+    // (its own id), and no call reads as answered by it.
+    let d = b.reserve_id();
+    commit!(
+        b,
+        b.plan_rebase(
+            d,
+            f,
+            vec![Edit::Drop {
+                from: call,
+                to: call + 1
+            }],
+            None,
+            &Bytes,
+            40
+        )
+    );
+    let events = b.read(d, 0).unwrap();
+    let result = events
+        .iter()
+        .find(|e| matches!(e.body, Record::ToolResult { .. }))
+        .unwrap();
+    let Record::ToolResult { call_id, .. } = result.body else {
+        panic!()
+    };
+    assert_eq!(call_id, result.event_id);
+    let ledger = b.ledger(d).unwrap();
+    let got: Vec<(&str, &str)> = ledger
+        .iter()
+        .map(|x| (x.name.as_str(), x.status.name()))
+        .collect();
+    assert_eq!(got, [("g", "open")]);
+}
+
+#[test]
 fn turn_state_follows_the_last_generated_event() {
     let mut b = SessionBook::new();
     let s = create(&mut b);

@@ -50,9 +50,17 @@ impl SessionBook {
     /// Appends a session's events `from..to` to `out`, with the ids they have
     /// in this session.
     pub(super) fn collect(&self, s: SessionId, from: u64, to: u64, out: &mut Vec<Event>) {
+        self.collect_with(s, from, to, out, true);
+    }
+
+    /// [`collect`](Self::collect); with `refs` false, the ids events refer
+    /// to are left in their maker's numbering (for what reads only spans).
+    fn collect_with(&self, s: SessionId, from: u64, to: u64, out: &mut Vec<Event>, refs: bool) {
         let Some(sess) = self.sessions.get(&s) else {
             return;
         };
+        // Only below a rebase do a maker's ids differ from this session's.
+        let refs = refs && sess.renumbered;
         let mut pos = 0u64;
         for range in &sess.view {
             let n = range.len();
@@ -66,8 +74,8 @@ impl SessionBook {
                 };
                 let Some(owner) = owner else { continue };
                 let maker = match range {
-                    ViewRange::Borrowed { session, .. } => Some(*session),
-                    ViewRange::Own { .. } => None,
+                    ViewRange::Borrowed { session, .. } if refs => Some(*session),
+                    _ => None,
                 };
                 for i in lo..hi {
                     let mut e = (*owner.own[of + (i - pos) as usize]).clone();
@@ -75,7 +83,7 @@ impl SessionBook {
                     // event refers to included.
                     e.event_id = i;
                     if let Some(m) = maker {
-                        self.translate_refs(m, s, &mut e.body);
+                        self.translate_refs(m, s, i, &mut e.body);
                     }
                     out.push(e);
                 }
@@ -89,11 +97,11 @@ impl SessionBook {
 
     /// Rewrites the event ids a record made in session `m` refers to (a
     /// call, a permission request: ids in `m`'s view) into their ids in
-    /// session `s`'s view. A fork keeps the ids it shares, but a rebase
-    /// that drops or replaces events moves the ones after them; a
-    /// reference to an event `s` does not hold (its call dropped) is left
-    /// as it was.
-    fn translate_refs(&self, m: SessionId, s: SessionId, body: &mut Record) {
+    /// session `s`'s view, where the record is event `at`. A fork keeps the
+    /// ids it shares, but a rebase that drops or replaces events moves the
+    /// ones after them. A reference to an event `s` does not hold (its call
+    /// dropped) becomes `at` itself: it names no call.
+    fn translate_refs(&self, m: SessionId, s: SessionId, at: EventId, body: &mut Record) {
         let id = match body {
             Record::ToolResult { call_id, .. }
             | Record::ToolOutcome { call_id, .. }
@@ -102,12 +110,10 @@ impl SessionBook {
             Record::PermissionResponded { request_id, .. } => request_id,
             _ => return,
         };
-        if let Some(here) = self
+        *id = self
             .own_index(m, *id)
             .and_then(|(maker, j)| self.position_of(s, maker, j))
-        {
-            *id = here;
-        }
+            .unwrap_or(at);
     }
 
     /// The session that made event `id` of session `s`'s view, and the
@@ -239,7 +245,7 @@ impl SessionBook {
 
     pub(super) fn span_tokens(&self, s: SessionId, from: u64, to: u64) -> u64 {
         let mut out = Vec::new();
-        self.collect(s, from, to, &mut out);
+        self.collect_with(s, from, to, &mut out, false);
         out.iter().map(|e| e.body.span().len() as u64).sum()
     }
 }
