@@ -14,12 +14,12 @@ use serde_json::{json, Value};
 
 use super::error::{ApiError, Family, Kind};
 use super::responses::{
-    append_items, call, call_names, check_calls, check_outputs, create_session, input_item,
-    inspect, items, not_found, page, read, Decode, Item, ListQuery, Piece,
+    append_items, call, call_names, check_calls, check_outputs, create_session, created,
+    input_item, inspect, items, not_found, page, read, Decode, Item, ListQuery, Piece,
 };
 use super::{accept, authorize, params};
 use crate::http::routes::WebState;
-use crate::wire::{Edit, Event, EventId, Inspection, Params, Record, Request, Response, SessionId};
+use crate::wire::{Edit, Event, EventId, Inspection, Params, Record, Request, SessionId};
 
 const F: Family = Family::OpenAi;
 const KEY: &str = "openai.conversation";
@@ -163,7 +163,7 @@ pub(crate) async fn session_for(
     if wanted == info.params {
         return Ok((s, info.events));
     }
-    let branch = match call(
+    let branch = created(
         state,
         Request::Fork {
             session: s,
@@ -171,17 +171,7 @@ pub(crate) async fn session_for(
             params: Some(wanted),
         },
     )
-    .await?
-    {
-        Response::Created { session } => session,
-        other => {
-            return Err(ApiError::new(
-                F,
-                Kind::Internal,
-                format!("unexpected reply {other:?}"),
-            ))
-        }
-    };
+    .await?;
     move_to(state, id, s, branch, &rec).await?;
     Ok((branch, info.events))
 }
@@ -447,7 +437,7 @@ pub async fn delete_item(
             "the first event cannot be dropped",
         ));
     }
-    let branch = match call(
+    let branch = created(
         &state,
         Request::Rebase {
             session: s,
@@ -455,17 +445,7 @@ pub async fn delete_item(
             params: None,
         },
     )
-    .await?
-    {
-        Response::Created { session } => session,
-        other => {
-            return Err(ApiError::new(
-                F,
-                Kind::Internal,
-                format!("unexpected reply {other:?}"),
-            ))
-        }
-    };
+    .await?;
     move_to(&state, &id, s, branch, &rec).await?;
     Ok(HttpResponse::Ok().json(conversation_json(&id, info.created_unix_ms, &rec)))
 }

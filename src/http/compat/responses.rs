@@ -303,15 +303,19 @@ fn parse_call(call_id: &str) -> Option<(Option<SessionId>, EventId)> {
 #[derive(Debug, Clone)]
 pub struct CallNames {
     s: SessionId,
-    /// The session's runs by maker (`SessionBook::owners`). Past them, an
+    /// The session's runs by maker (`SessionBook::owners`), in view order
+    /// (shared by the clones each turn's decoder takes). Past them, an
     /// event is the session's own.
-    runs: Vec<Owned>,
+    runs: std::sync::Arc<[Owned]>,
 }
 
 impl CallNames {
     /// For a session's own events only (what it generates from now on).
     pub fn own(s: SessionId) -> CallNames {
-        CallNames { s, runs: vec![] }
+        CallNames {
+            s,
+            runs: std::sync::Arc::new([]),
+        }
     }
 
     pub fn session(&self) -> SessionId {
@@ -320,9 +324,10 @@ impl CallNames {
 
     /// Who made event `e` of the session, and its id there.
     fn maker(&self, e: EventId) -> (SessionId, EventId) {
+        let i = self.runs.partition_point(|r| r.at + r.len <= e);
         self.runs
-            .iter()
-            .find(|r| (r.at..r.at + r.len).contains(&e))
+            .get(i)
+            .filter(|r| r.at <= e)
             .map_or((self.s, e), |r| (r.owner, r.owner_at + (e - r.at)))
     }
 
@@ -362,7 +367,10 @@ impl CallNames {
 /// The call names of session `s`.
 pub(crate) async fn call_names(state: &WebState, s: SessionId) -> Result<CallNames, ApiError> {
     match state.m().registry.send(Owners(s)).await {
-        Ok(Ok(runs)) => Ok(CallNames { s, runs }),
+        Ok(Ok(runs)) => Ok(CallNames {
+            s,
+            runs: runs.into(),
+        }),
         Ok(Err(e)) => Err(ApiError::new(F, Kind::NotFound, e.to_string())),
         Err(e) => Err(ApiError::new(
             F,
@@ -420,19 +428,24 @@ pub(crate) async fn read(state: &WebState, s: SessionId) -> Result<Vec<Event>, A
     }
 }
 
+/// A request that makes a session (Create, Fork, Rebase, Trim): the new
+/// session's id.
+pub(crate) async fn created(state: &WebState, request: Request) -> Result<SessionId, ApiError> {
+    match call(state, request).await? {
+        Response::Created { session } => Ok(session),
+        other => Err(unexpected(other)),
+    }
+}
+
 pub(crate) async fn create_session(state: &WebState, p: Params) -> Result<SessionId, ApiError> {
-    match call(
+    created(
         state,
         Request::Create {
             parent: None,
             params: p,
         },
     )
-    .await?
-    {
-        Response::Created { session } => Ok(session),
-        other => Err(unexpected(other)),
-    }
+    .await
 }
 
 /// Each output answers a call resent before it or names a call
@@ -1350,7 +1363,7 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
             let end = Stored::locate(&events, pstart)
                 .ok_or_else(|| not_found("response", prev).with_param("previous_response_id"))?
                 .end;
-            let s = match call(
+            let s = created(
                 state,
                 Request::Fork {
                     session: ps,
@@ -1358,11 +1371,7 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
                     params: Some(p),
                 },
             )
-            .await?
-            {
-                Response::Created { session } => session,
-                other => return Err(unexpected(other)),
-            };
+            .await?;
             (s, end)
         }
         (None, Some(conv)) => {
@@ -2116,9 +2125,9 @@ mod tests {
 
     #[test]
     fn a_call_is_named_by_the_session_that_made_it() {
-        // Session 3 is a rebase of session 2 (a fork of 1 at 4) that
-        // dropped 2's event 2, so 1's event 3 sits at 2 and 2's events 4..
-        // at 3...
+        // Runs as a view of session 3 may hold them (not a layout a rebase
+        // makes, whose header sits at its fork point): 1's events 0..2 at 0,
+        // 1's event 3 at 2, 2's events 4..7 at 3, then its own event 6.
         let names = CallNames {
             s: 3,
             runs: vec![
@@ -2126,7 +2135,8 @@ mod tests {
                 run(2, 1, 1, 3),
                 run(3, 3, 2, 4),
                 run(6, 1, 3, 6),
-            ],
+            ]
+            .into(),
         };
         // 1's call at 3 keeps its name in the rebase; 2's call at 5 too.
         assert_eq!(names.name(2), "call_1_3");

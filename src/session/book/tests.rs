@@ -526,25 +526,30 @@ fn replay_of_committed_records_rebuilds_the_same_book() {
     assert_eq!(again.epoch(), 1);
 }
 
-#[test]
-fn tool_call_bookkeeping() {
-    let mut b = SessionBook::new();
-    let s = create(&mut b);
-    // A ToolUse as the generator would commit it.
-    let call = b.len(s).unwrap();
+/// A ToolUse as the generator would commit it.
+fn tool_use(b: &mut SessionBook, s: SessionId, name: &str) -> EventId {
+    let id = b.len(s).unwrap();
     b.apply(&LogRecord::Events {
         session: s,
         events: vec![Event {
-            event_id: call,
+            event_id: id,
             epoch: 0,
             ts_unix_ms: 1,
             body: Record::ToolUse {
-                name: "f".into(),
+                name: name.into(),
                 arguments: "{}".into(),
             },
         }],
     })
     .unwrap();
+    id
+}
+
+#[test]
+fn tool_call_bookkeeping() {
+    let mut b = SessionBook::new();
+    let s = create(&mut b);
+    let call = tool_use(&mut b, s, "f");
     assert_eq!(
         b.open_tool_calls(s).unwrap(),
         vec![(call, "f".into(), "{}".into())]
@@ -559,23 +564,8 @@ fn tool_call_bookkeeping() {
     assert_eq!(b.ledger(s).unwrap()[0].status, LedgerStatus::Answered);
 
     // Two more calls: one cancelled on request, one failed with a note.
-    for name in ["g", "h"] {
-        let id = b.len(s).unwrap();
-        b.apply(&LogRecord::Events {
-            session: s,
-            events: vec![Event {
-                event_id: id,
-                epoch: 0,
-                ts_unix_ms: 1,
-                body: Record::ToolUse {
-                    name: name.into(),
-                    arguments: "{}".into(),
-                },
-            }],
-        })
-        .unwrap();
-    }
-    let (g, h) = (call + 2, call + 3);
+    let (g, h) = (tool_use(&mut b, s, "g"), tool_use(&mut b, s, "h"));
+    assert_eq!((g, h), (call + 2, call + 3));
     commit!(b, b.plan_tool_cancel(s, g, 1));
     assert_eq!(
         b.ledger(s).unwrap()[1].status,
@@ -603,24 +593,6 @@ fn tool_call_bookkeeping() {
     assert_eq!(statuses, ["answered", "cancelled", "failed"]);
     assert_eq!(ledger[2].permission, Some(false));
     assert!(b.open_tool_calls(s).unwrap().is_empty());
-}
-
-fn tool_use(b: &mut SessionBook, s: SessionId, name: &str) -> EventId {
-    let id = b.len(s).unwrap();
-    b.apply(&LogRecord::Events {
-        session: s,
-        events: vec![Event {
-            event_id: id,
-            epoch: 0,
-            ts_unix_ms: 1,
-            body: Record::ToolUse {
-                name: name.into(),
-                arguments: "{}".into(),
-            },
-        }],
-    })
-    .unwrap();
-    id
 }
 
 #[test]
