@@ -146,6 +146,7 @@ fn run(e: &mut WorkerEngine, layout: Layout, idle: usize, salt: usize) -> (f64, 
             seq: 1,
             key: 1,
             len: idle as u32,
+            keep: false,
         });
         restore_ms = t.elapsed().as_secs_f64() * 1e3;
         assert_eq!(r, WorkerResponse::Done);

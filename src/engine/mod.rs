@@ -29,6 +29,7 @@ pub mod park_q8;
 pub mod render;
 pub mod rpc;
 pub mod sample;
+pub mod seq_state;
 pub mod shield;
 pub mod template;
 pub mod vocab;

@@ -6,13 +6,8 @@
 //! their block's scale.
 //!
 //! llama.cpp's sequence state is opaque bytes; this reads the layout it
-//! writes (`llama_context::state_seq_get_data`: its magic and the sequence
-//! id, then `llama_kv_cache::state_write`: the stream count, then per
-//! stream the cell count, each cell's position and sequence ids, then
-//! `v_trans`, the layer count, `n_rot_k`, `n_rot_v`, and per layer the K
-//! rows, then the V rows or, transposed, the V columns, each region after
-//! its type and sizes) strictly: every count bounded, every size consistent,
-//! and the whole buffer consumed. A state it does not recognise (another
+//! writes (`engine::seq_state`) strictly: every count bounded, every size
+//! consistent, and the whole buffer consumed. A state it does not recognise (another
 //! layout, cells with extra position data, a type other than f16) is stored
 //! as it is: never smaller than it could be, never wrong.
 //!
@@ -23,10 +18,9 @@ use std::ops::Range;
 
 use half::f16;
 
+use super::seq_state::{Reader, MAX_CELLS, MAX_LAYERS, MAX_SEQ_IDS, MAX_STREAMS, STATE_MAGIC};
+
 const MAGIC: &[u8; 4] = b"SFQ8";
-/// What llama.cpp's `state_seq_get_data` writes first (its `io_magic`),
-/// before the sequence id and the KV cache's part.
-const STATE_MAGIC: u32 = 0xaf14_3cd8;
 /// ggml's type id of f16.
 const GGML_F16: i32 = 1;
 /// Values in a Q8_0 block.
@@ -36,57 +30,19 @@ const BLOCK_BYTES: usize = 2 + BLOCK;
 const RAW: u8 = 0;
 const Q8: u8 = 1;
 
-/// Bounds of the layout reader: more is not a state this build wrote.
-const MAX_STREAMS: u32 = 256;
-const MAX_CELLS: u32 = 1 << 24;
-const MAX_SEQ_IDS: u32 = 1 << 16;
-const MAX_LAYERS: u32 = 4096;
-
-/// A cursor over the state that fails rather than reads past its end.
-struct Reader<'a> {
-    b: &'a [u8],
-    at: usize,
-}
-
-impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> Option<Range<usize>> {
-        let end = self.at.checked_add(n)?;
-        if end > self.b.len() {
-            return None;
-        }
-        let r = self.at..end;
-        self.at = end;
-        Some(r)
+/// A data region of `len` bytes, kept as f16 when its type says so.
+fn region(r: &mut Reader, ty: i32, len: u64, out: &mut Vec<Range<usize>>) -> Option<()> {
+    let got = r.take(usize::try_from(len).ok()?)?;
+    if ty == GGML_F16 && got.len() % 2 == 0 && !got.is_empty() {
+        out.push(got);
     }
-
-    fn u32(&mut self) -> Option<u32> {
-        let r = self.take(4)?;
-        Some(u32::from_le_bytes(self.b[r].try_into().ok()?))
-    }
-
-    fn i32(&mut self) -> Option<i32> {
-        self.u32().map(|v| v as i32)
-    }
-
-    fn u64(&mut self) -> Option<u64> {
-        let r = self.take(8)?;
-        Some(u64::from_le_bytes(self.b[r].try_into().ok()?))
-    }
-
-    /// A data region of `len` bytes, kept as f16 when its type says so.
-    fn region(&mut self, ty: i32, len: u64, out: &mut Vec<Range<usize>>) -> Option<()> {
-        let r = self.take(usize::try_from(len).ok()?)?;
-        if ty == GGML_F16 && r.len() % 2 == 0 && !r.is_empty() {
-            out.push(r);
-        }
-        Some(())
-    }
+    Some(())
 }
 
 /// The f16 regions of a sequence state, in order; None when the layout is
 /// not the one this build knows.
 fn f16_regions(state: &[u8]) -> Option<Vec<Range<usize>>> {
-    let mut r = Reader { b: state, at: 0 };
+    let mut r = Reader::new(state);
     let mut out = Vec::new();
     if r.u32()? != STATE_MAGIC {
         return None;
@@ -122,17 +78,22 @@ fn f16_regions(state: &[u8]) -> Option<Vec<Range<usize>>> {
         for _ in 0..n_layer {
             let ty = r.i32()?;
             let row = r.u64()?;
-            r.region(ty, row.checked_mul(cells)?, &mut out)?;
+            region(&mut r, ty, row.checked_mul(cells)?, &mut out)?;
         }
         for _ in 0..n_layer {
             let ty = r.i32()?;
             if v_trans == 0 {
                 let row = r.u64()?;
-                r.region(ty, row.checked_mul(cells)?, &mut out)?;
+                region(&mut r, ty, row.checked_mul(cells)?, &mut out)?;
             } else {
                 let el = u64::from(r.u32()?);
                 let n_embd = u64::from(r.u32()?);
-                r.region(ty, n_embd.checked_mul(cells)?.checked_mul(el)?, &mut out)?;
+                region(
+                    &mut r,
+                    ty,
+                    n_embd.checked_mul(cells)?.checked_mul(el)?,
+                    &mut out,
+                )?;
             }
         }
     }
@@ -197,7 +158,7 @@ pub fn quantize(state: &[u8]) -> Option<Vec<u8>> {
 /// a stored form this build did not write.
 pub fn dequantize(stored: &[u8]) -> Result<Vec<u8>, String> {
     let bad = |what: &str| format!("the lossy park state is malformed: {what}");
-    let mut r = Reader { b: stored, at: 0 };
+    let mut r = Reader::new(stored);
     let magic = r.take(4).ok_or_else(|| bad("too short"))?;
     if &stored[magic] != MAGIC {
         return Err(bad("bad magic"));

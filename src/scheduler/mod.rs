@@ -29,7 +29,9 @@
 //!   so the worker never waits for the daemon between steps and the daemon
 //!   hears from it once per few tokens. Anything that changes the batch (an
 //!   admission, a KV operation, a prefill, a grammar) waits for the pipeline
-//!   to drain and goes through [`SchedulerState::plan`].
+//!   to drain and goes through [`SchedulerState::plan`]; nothing follows a
+//!   long prefill ([`FOLLOW_MAX_PREFILL`]), so a generation admitted during
+//!   one joins the very next step.
 //!
 //! Layout: this file holds the types and the state; `plan.rs` admission,
 //! `plan` and `follow`; `reply.rs` what a step's reply does to the state;
@@ -78,6 +80,12 @@ pub type GenId = u64;
 /// tokens of a stream instead of once per token, and a cancel lands within
 /// two following steps (the one running and the one queued).
 pub const FOLLOW_STEPS: u32 = 4;
+
+/// No step follows one that decodes more tokens than this (a prefill): it
+/// runs long enough that planning the next step after its reply costs the
+/// lane nothing worth counting, and a generation admitted meanwhile starts
+/// right after it, not behind a queued step of the others' draws.
+pub const FOLLOW_MAX_PREFILL: usize = 64;
 
 /// Why the scheduler refuses a generation. The text is what the client sees.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

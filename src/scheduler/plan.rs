@@ -4,8 +4,8 @@
 //! flight (`follow`).
 
 use super::{
-    spill, GenEvent, GenId, SchedulerState, Seq, Step, FOLLOW_STEPS, NO_SESSION, WAIT_MIN_SHARED,
-    WARM,
+    spill, GenEvent, GenId, SchedulerState, Seq, Step, FOLLOW_MAX_PREFILL, FOLLOW_STEPS,
+    NO_SESSION, WAIT_MIN_SHARED, WARM,
 };
 use crate::wire::worker::{DecodeItem, MediaSpan, NextItem, Sample, WorkerRequest};
 use crate::wire::QosClass;
@@ -406,15 +406,18 @@ impl SchedulerState {
             if let Some((key, n)) = restore {
                 let (stored, source) = self
                     .spill
-                    .restore(key)
-                    .unwrap_or((vec![], spill::Source::Memory));
+                    .restore(key, n)
+                    .unwrap_or((vec![], spill::Source::Memory { keep: false }));
                 let n = n.min(stored.len());
+                // A whole state is imported before it is trimmed (a prefix
+                // of one alone when the worker reads its layout).
                 extra = stored.len().saturating_sub(n) as u64;
                 restore_op = Some(match source {
-                    spill::Source::Memory => WorkerRequest::KvRestore {
+                    spill::Source::Memory { keep } => WorkerRequest::KvRestore {
                         seq: dst as u32,
                         key,
                         len: n as u32,
+                        keep,
                     },
                     spill::Source::Disk { session } => WorkerRequest::KvUnpark {
                         seq: dst as u32,
@@ -626,7 +629,8 @@ impl SchedulerState {
     /// [`plan`](Self::plan): a generation waiting for a sequence, KV
     /// operations to run, a prefill still going, a grammar (its state
     /// follows each committed token), a batch-invariant generation beside
-    /// others, or a background generation the divisor holds back. A
+    /// others, a background generation the divisor holds back, or a long
+    /// prefill in `last` ([`FOLLOW_MAX_PREFILL`]). A
     /// generation that `last` will finish (max_tokens, a cancel, a full
     /// context) is left out, as `plan` would; one that draws end of turn in
     /// `last` is skipped by the worker.
@@ -639,6 +643,11 @@ impl SchedulerState {
             return None;
         }
         if last.decode.iter().any(|i| i.sample.is_none()) {
+            return None;
+        }
+        // A long prefill: whoever is admitted while it runs joins the next
+        // step, which is planned when its reply comes.
+        if last.decode.iter().map(|i| i.tokens.len()).sum::<usize>() > FOLLOW_MAX_PREFILL {
             return None;
         }
         let ends = last.ends();

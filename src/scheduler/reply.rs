@@ -302,6 +302,9 @@ impl SchedulerState {
         s.last_draw = None;
         if let Some(key) = s.restored_from.take() {
             self.spill.forget(key);
+            // A state the restore was to leave in host memory (`keep`)
+            // goes from the worker's store too.
+            self.pending_ops.push(WorkerRequest::KvDrop { key });
         }
         self.stats.warm_tokens = self.stats.warm_tokens.saturating_sub(n);
         self.stats.restored_tokens = self.stats.restored_tokens.saturating_sub(n);

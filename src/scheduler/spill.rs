@@ -23,6 +23,12 @@ use crate::wire::Token;
 /// cheap, and each stored state carries a fixed overhead).
 pub const SPILL_MIN_TOKENS: usize = 32;
 
+/// A restore from host memory is worth it for this many tokens past what
+/// the cells hold: the worker imports only the cells restored (a copy of
+/// some kilobytes a token), where a prefill computes each token through
+/// the whole model.
+pub const RESTORE_MIN_TOKENS: usize = 4;
+
 #[derive(Debug, Clone)]
 struct Entry {
     tokens: Vec<Token>,
@@ -40,8 +46,9 @@ struct Entry {
 /// Where a restore comes from.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Source {
-    /// The worker's host-memory store (the entry leaves it).
-    Memory,
+    /// The worker's host-memory store: the entry leaves it, unless `keep`
+    /// (only a prefix of it is restored, and the rest stays worth having).
+    Memory { keep: bool },
     /// The session's park artifact.
     Disk { session: u64 },
 }
@@ -158,19 +165,25 @@ impl SpillIndex {
     }
 
     /// Whether restoring `n` tokens of `key` beats a prefill from `keep`:
-    /// at least `min_tokens` more than the cells hold, and for a park
-    /// artifact (read whole from disk) at least half of it.
+    /// from host memory, at least [`RESTORE_MIN_TOKENS`] more than the
+    /// cells hold; from a park artifact (read whole from disk), at least
+    /// `min_tokens` more and at least half of it.
     pub fn worth_restoring(&self, key: u64, n: usize, keep: usize) -> bool {
         let Some(e) = self.entries.get(&key) else {
             return false;
         };
-        n > keep && n - keep >= self.min_tokens && (e.disk.is_none() || 2 * n >= e.tokens.len())
+        let more = n.saturating_sub(keep);
+        match e.disk {
+            None => more >= RESTORE_MIN_TOKENS.min(self.min_tokens),
+            Some(_) => more >= self.min_tokens && 2 * n >= e.tokens.len(),
+        }
     }
 
-    /// For a restore from `key`: its tokens and where they come from. A
-    /// host-memory entry leaves the index (and the store); a park artifact
-    /// stays.
-    pub fn restore(&mut self, key: u64) -> Option<(Vec<Token>, Source)> {
+    /// For a restore of `n` tokens from `key`: its tokens and where they
+    /// come from. A host-memory entry restored whole leaves the index (and
+    /// the store); one only a prefix of which is restored, and a park
+    /// artifact, stay.
+    pub fn restore(&mut self, key: u64, n: usize) -> Option<(Vec<Token>, Source)> {
         self.clock += 1;
         let e = self.entries.get_mut(&key)?;
         match e.disk {
@@ -178,10 +191,14 @@ impl SpillIndex {
                 e.last_used = self.clock;
                 Some((e.tokens.clone(), Source::Disk { session }))
             }
+            None if n < e.tokens.len() => {
+                e.last_used = self.clock;
+                Some((e.tokens.clone(), Source::Memory { keep: true }))
+            }
             None => self
                 .entries
                 .remove(&key)
-                .map(|e| (e.tokens, Source::Memory)),
+                .map(|e| (e.tokens, Source::Memory { keep: false })),
         }
     }
 
@@ -424,8 +441,22 @@ mod tests {
     fn a_restore_must_gain_enough_and_an_artifact_must_be_half_used() {
         let mut ix = SpillIndex::new(1 << 30).with_min_tokens(8);
         let (mem, _) = ix.insert(&toks(0..100), false).unwrap();
-        assert!(ix.worth_restoring(mem, 20, 12));
-        assert!(!ix.worth_restoring(mem, 19, 12));
+        // From host memory, a few tokens more than the cells hold are
+        // worth it (only those cells are imported).
+        assert!(ix.worth_restoring(mem, 12 + RESTORE_MIN_TOKENS, 12));
+        assert!(!ix.worth_restoring(mem, 11 + RESTORE_MIN_TOKENS, 12));
+        // A prefix of an entry leaves it in host memory; all of it takes it.
+        assert_eq!(
+            ix.restore(mem, 10).unwrap().1,
+            Source::Memory { keep: true }
+        );
+        assert_eq!(ix.len(), 1);
+        assert_eq!(
+            ix.restore(mem, 100).unwrap().1,
+            Source::Memory { keep: false }
+        );
+        assert_eq!(ix.len(), 0);
+        let (mem, _) = ix.insert(&toks(0..100), false).unwrap();
         ix.add_parked(5, &toks(1000..1100));
         let disk = ix.longest(&toks(1000..1010)).unwrap().0;
         // A rewritten history sharing a tenth of the artifact: prefilled.

@@ -642,10 +642,18 @@ impl FakeWorker {
                     self.spilled.push((*key, bytes));
                     return Ok(None);
                 }
-                WorkerRequest::KvRestore { seq, key, len } => {
+                WorkerRequest::KvRestore {
+                    seq,
+                    key,
+                    len,
+                    keep,
+                } => {
                     let s = self.table.check_seq(*seq).map_err(failed)?;
                     self.kv_op(s, vec![]);
-                    let stored = self.store.remove(key);
+                    let stored = match keep {
+                        true => self.store.get(key).cloned(),
+                        false => self.store.remove(key),
+                    };
                     match stored {
                         Some(t) if !self.fail_restores && t.len() >= *len as usize => {
                             self.kv_op(s, t[..*len as usize].to_vec());
@@ -907,6 +915,34 @@ fn follow_waits_for_what_changes_the_batch() {
     s.admit(admit(1, &[1, 2, 3], 1)).unwrap();
     let (step, _) = s.plan();
     assert!(s.follow(&step.unwrap()).is_none());
+}
+
+#[test]
+fn a_generation_admitted_during_a_long_prefill_joins_the_next_step() {
+    let mut s = SchedulerState::new(4096, 4, 512);
+    let long: Vec<Token> = (0..FOLLOW_MAX_PREFILL as Token + 1).collect();
+    let a = s.admit(admit(1, &long, 10)).unwrap();
+    let step = s.plan().0.unwrap();
+    // Nothing is queued behind a long prefill...
+    assert!(s.follow(&step).is_none());
+    // ...so a generation admitted while it runs is in the very next step,
+    // not behind FOLLOW_STEPS of the first one's draws.
+    let b = s.admit(admit(2, &[5, 6, 7], 10)).unwrap();
+    let drawn = vec![Drawn {
+        seq: 0,
+        token: 100,
+        eog: false,
+        logprob: None,
+    }];
+    assert_eq!(tokens_of(&s.step_done(&step, Ok(drawn)), a), [100]);
+    let next = s.plan().0.unwrap();
+    assert_eq!(next.gens, [a, b]);
+    assert_eq!(next.decode[1].tokens, [5, 6, 7]);
+    // A prompt of FOLLOW_MAX_PREFILL tokens is still followed.
+    let mut s = SchedulerState::new(4096, 4, 512);
+    s.admit(admit(1, &long[..FOLLOW_MAX_PREFILL], 10)).unwrap();
+    let step = s.plan().0.unwrap();
+    assert!(s.follow(&step).is_some());
 }
 
 #[test]
@@ -1602,6 +1638,36 @@ fn run_one_at(
     let events = drive_at(s, w, 2, now_ms, |_, _| vec![]);
     assert!(finish_of(&events, g).is_some(), "{events:?}");
     (g, events)
+}
+
+#[test]
+fn a_shared_opening_comes_from_host_memory_and_its_conversation_stays_there() {
+    let mut s = spilling(2, 1 << 20).with_idle_spill_ms(1000);
+    let mut w = FakeWorker::new(2);
+    // Session 1's conversation leaves the cells when it has been idle a
+    // period; session 2's prompt shares its 10-token opening.
+    let opening: Vec<Token> = (1..=10).collect();
+    let first = [&opening[..], &(500..530).collect::<Vec<_>>()].concat();
+    let (g1, e1) = run_one_at(&mut s, &mut w, admit(1, &first, 4), 10_000);
+    drive_at(&mut s, &mut w, 2, 11_000, |_, _| vec![]);
+    assert_eq!(s.stats().idle_spills, 1);
+    assert!(s.resident(0).is_empty() && s.resident(1).is_empty());
+    let second = [&opening[..], &(600..630).collect::<Vec<_>>()].concat();
+    let (g2, e2) = run_one_at(&mut s, &mut w, admit(2, &second, 4), 11_000);
+    // The opening was restored (only it), and the conversation it came
+    // from is still in host memory, whole.
+    assert_eq!(warm_of(&e2, g2), Some(10));
+    assert_eq!(s.stats().restored_tokens, 10);
+    let history = first.len() + tokens_of(&e1, g1).len() - 1;
+    assert_eq!(w.store.len(), 1);
+    assert_eq!(w.store.values().next().unwrap().len(), history);
+    // So session 1's next turn restores all of its history.
+    let mut turn2 = first.clone();
+    turn2.extend(tokens_of(&e1, g1));
+    turn2.extend([7, 8, 9]);
+    let (g, events) = run_one_at(&mut s, &mut w, admit(1, &turn2, 4), 11_000);
+    assert_eq!(warm_of(&events, g), Some(history as u64));
+    assert_eq!(s.stats().restored_tokens, 10 + history as u64);
 }
 
 #[test]

@@ -158,11 +158,19 @@ pub enum WorkerRequest {
     /// failed export). The bytes stay in the worker; the daemon's index
     /// mirrors the key and the size.
     KvSpill { seq: u32, key: u64, len: u32 },
-    /// Replace whatever `seq` holds with the state stored under `key`, then
-    /// keep only its positions `0..len`; the entry leaves the store.
-    /// Answered `Done`, or `NotRestored` (the sequence then holds nothing):
-    /// no such key, or llama.cpp found no room for the cells.
-    KvRestore { seq: u32, key: u64, len: u32 },
+    /// Replace whatever `seq` holds with the state stored under `key`'s
+    /// positions `0..len` (only those cells are imported when the worker
+    /// reads the state's layout, `engine::seq_state::prefix`); the entry
+    /// leaves the store unless `keep` (a prefix another conversation
+    /// shares: its own stays in host memory). Answered `Done`, or
+    /// `NotRestored` (the sequence then holds nothing): no such key, or
+    /// llama.cpp found no room for the cells.
+    KvRestore {
+        seq: u32,
+        key: u64,
+        len: u32,
+        keep: bool,
+    },
     /// Forget the stored state under `key` (no such key is fine).
     KvDrop { key: u64 },
     /// `--park`: seal `seq` (holding exactly `tokens`) to the worker's park

@@ -399,7 +399,12 @@ impl WorkerEngine {
             WorkerRequest::Shutdown => Ok(WorkerResponse::Done),
             WorkerRequest::DecodeNext { items } => self.decode_next(items).map(Decoded::reply),
             WorkerRequest::KvSpill { seq, key, len } => self.kv_spill(*seq, *key, *len),
-            WorkerRequest::KvRestore { seq, key, len } => self.kv_restore(*seq, *key, *len),
+            WorkerRequest::KvRestore {
+                seq,
+                key,
+                len,
+                keep,
+            } => self.kv_restore(*seq, *key, *len, *keep),
             WorkerRequest::KvDrop { key } => {
                 self.spill.drop_key(*key);
                 Ok(WorkerResponse::Done)
@@ -568,20 +573,28 @@ impl WorkerEngine {
             log::debug!("spill of sequence {seq}: {size} bytes do not fit the host store");
             return Ok(none);
         }
-        match self.ctx.state_seq_get(seq as i32, flags) {
-            Ok(state) => {
+        match self.export(seq) {
+            Some(state) => {
                 let bytes = self.spill.put(key, state, len);
                 Ok(WorkerResponse::Spilled { key, bytes })
             }
-            Err(e) => {
-                log::warn!("spill of sequence {seq} failed: {e}");
+            None => {
+                log::warn!("spill of sequence {seq} failed: llama.cpp wrote another size");
                 Ok(none)
             }
         }
     }
 
-    /// `KvRestore`: `seq` becomes the stored state's first `len` positions.
-    fn kv_restore(&mut self, seq: u32, key: u64, len: u32) -> Result<WorkerResponse, RequestError> {
+    /// `KvRestore`: `seq` becomes the stored state's first `len` positions
+    /// (only those cells imported, when the layout is read); the entry
+    /// stays in the store when `keep`.
+    fn kv_restore(
+        &mut self,
+        seq: u32,
+        key: u64,
+        len: u32,
+        keep: bool,
+    ) -> Result<WorkerResponse, RequestError> {
         let s = self.seqs.check_seq(seq)?;
         let not = WorkerResponse::NotRestored { seq };
         let rm = self.ctx.kv_cache_seq_rm(seq as i32, None, None);
@@ -594,20 +607,40 @@ impl WorkerEngine {
             log::warn!("restore into sequence {seq}: no stored state {key}");
             return Ok(not);
         };
-        if len > stored {
+        if len == 0 || len > stored {
             log::warn!(
                 "restore into sequence {seq}: state {key} holds {stored} positions, not {len}"
             );
+            if keep {
+                self.spill.put(key, state, stored);
+            }
             return Ok(not);
         }
-        let set = self.ctx.state_seq_set(&state, seq as i32);
-        if let Err(e) = set {
-            log::warn!("restore into sequence {seq} failed: {e}");
+        let part = if len < stored {
+            super::seq_state::prefix(&state, len)
+        } else {
+            None
+        };
+        let flags = llama_cpp_2::LlamaStateSeqFlags::empty();
+        // SAFETY: the bytes are what llama.cpp's state_seq_get_data_ext wrote for this context
+        // (the store holds only what `export` returned), or their first cells as
+        // `seq_state::prefix` rewrote them: the same layout with fewer cells, every count and
+        // size read back and checked.
+        let set = unsafe {
+            self.ctx
+                .state_seq_set_data_ext(part.as_deref().unwrap_or(&state), seq as i32, flags)
+        };
+        let whole = part.is_none();
+        if keep {
+            self.spill.put(key, state, stored);
+        }
+        if !set {
+            log::warn!("restore into sequence {seq} failed (llama.cpp refused the state)");
             let _ = self.ctx.kv_cache_seq_rm(seq as i32, None, None);
             self.changed(s);
             return Ok(not);
         }
-        let trim = if len < stored {
+        let trim = if whole && len < stored {
             self.ctx.kv_cache_seq_rm(seq as i32, Some(len), None)
         } else {
             Ok(())
@@ -1184,6 +1217,30 @@ mod tests {
             len: n - 1,
         });
         assert_eq!(r, WorkerResponse::Spilled { key: 8, bytes: 0 });
+        // A prefix another conversation shares: only its cells are imported
+        // (llama.cpp's layout is read), and the entry stays in host memory.
+        // At a batch boundary, the rest is decoded in the same shapes as
+        // before: the same draw.
+        let m = 2 * config.n_batch;
+        let whole = e.export(0).expect("exported");
+        let part = crate::engine::seq_state::prefix(&whole, m).expect("the layout is read");
+        assert!(
+            part.len() < whole.len() * 11 / 20,
+            "{} of {}",
+            part.len(),
+            whole.len()
+        );
+        let r = e.handle(&WorkerRequest::KvRestore {
+            seq: 1,
+            key: 7,
+            len: m,
+            keep: true,
+        });
+        assert_eq!(r, WorkerResponse::Done);
+        assert_eq!(e.seq_len(1), Some(m));
+        assert_eq!(e.spill_usage(), (bytes, 1));
+        assert_eq!(decode(&mut e, 1, m, &prompt[m as usize..]), want);
+        e.handle(&WorkerRequest::KvClear { seq: 1 });
         e.handle(&WorkerRequest::KvClear { seq: 0 });
         // Restored into the other sequence, all but the last prompt token.
         let t = Instant::now();
@@ -1191,6 +1248,7 @@ mod tests {
             seq: 1,
             key: 7,
             len: n - 1,
+            keep: false,
         });
         let restore_ms = t.elapsed().as_secs_f64() * 1e3;
         assert_eq!(r, WorkerResponse::Done);
@@ -1206,6 +1264,7 @@ mod tests {
             seq: 1,
             key: 7,
             len: 10,
+            keep: false,
         });
         assert_eq!(r, WorkerResponse::NotRestored { seq: 1 });
         assert_eq!(e.seq_len(1), Some(0));

@@ -1,19 +1,19 @@
 //! `SpillStore`: the worker's host-memory tier. Sequences the scheduler
 //! evicts from the KV cells are exported here (llama.cpp's per-sequence
-//! state, `state_seq_get`) under a key the daemon chose, and imported back
-//! (`state_seq_set`) when a prompt reuses their prefix. The daemon's
+//! state, as the bytes `state_seq_get_data_ext` writes) under a key the
+//! daemon chose, and imported back, whole or the prefix a prompt shares
+//! (`engine::seq_state::prefix`), when a prompt reuses it. The daemon's
 //! `scheduler::spill::SpillIndex` mirrors the keys, token ids and sizes and
 //! decides everything; this store only holds the bytes, within its own cap
 //! (checked against the state's size before the state is copied).
 
 use std::collections::HashMap;
 
-use llama_cpp_2::SeqState;
-
-/// Stored states by key, and their total size.
+/// Stored states (llama.cpp's bytes, and the positions they hold) by key,
+/// and their total size.
 #[derive(Debug, Default)]
 pub struct SpillStore {
-    entries: HashMap<u64, (SeqState, u32)>,
+    entries: HashMap<u64, (Vec<u8>, u32)>,
     bytes: u64,
     cap_bytes: u64,
 }
@@ -31,16 +31,13 @@ impl SpillStore {
     /// Whether `size` more bytes fit beside what is stored (with the entry
     /// under `key` replaced).
     pub fn fits(&self, key: u64, size: u64) -> bool {
-        let replaced = self
-            .entries
-            .get(&key)
-            .map_or(0, |(s, _)| s.byte_len() as u64);
+        let replaced = self.entries.get(&key).map_or(0, |(s, _)| s.len() as u64);
         self.bytes - replaced + size <= self.cap_bytes
     }
 
     /// Stores `state` (of `len` positions) under `key`; returns its size.
-    pub fn put(&mut self, key: u64, state: SeqState, len: u32) -> u64 {
-        let size = state.byte_len() as u64;
+    pub fn put(&mut self, key: u64, state: Vec<u8>, len: u32) -> u64 {
+        let size = state.len() as u64;
         self.drop_key(key);
         self.bytes += size;
         self.entries.insert(key, (state, len));
@@ -48,9 +45,9 @@ impl SpillStore {
     }
 
     /// Takes the entry under `key` out of the store.
-    pub fn take(&mut self, key: u64) -> Option<(SeqState, u32)> {
+    pub fn take(&mut self, key: u64) -> Option<(Vec<u8>, u32)> {
         let (state, len) = self.entries.remove(&key)?;
-        self.bytes -= state.byte_len() as u64;
+        self.bytes -= state.len() as u64;
         Some((state, len))
     }
 
