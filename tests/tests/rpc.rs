@@ -37,40 +37,62 @@ fn rpc_server_bin() -> PathBuf {
 
 impl RpcServer {
     fn start(dir: &std::path::Path) -> RpcServer {
-        // A port the kernel just handed out and took back: free for the server.
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let mut s = RpcServer {
-            port,
-            child: None,
-            log: dir.join(format!("rpc-{port}.log")),
-        };
-        s.spawn();
-        s
+        for _ in 0..5 {
+            // A port the kernel just handed out and took back: free for the
+            // server, unless another test's server took it meanwhile (then
+            // this one exits at once, and another port is tried).
+            let port = TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+                .port();
+            let mut s = RpcServer {
+                port,
+                child: None,
+                log: dir.join(format!("rpc-{port}.log")),
+            };
+            if s.spawn() {
+                return s;
+            }
+        }
+        panic!("ggml-rpc-server found no free port in 5 tries");
     }
 
-    fn spawn(&mut self) {
+    /// Starts the server on its port; false when it exited instead of
+    /// listening (the port is taken). What answers the port is then this
+    /// process, not another test's.
+    fn spawn(&mut self) -> bool {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(&self.log)
             .unwrap();
-        let child = Command::new(rpc_server_bin())
+        let mut child = Command::new(rpc_server_bin())
             .args(["-H", "127.0.0.1", "-p", &self.port.to_string(), "-t", "1"])
             .stdout(log.try_clone().unwrap())
             .stderr(log)
             .stdin(Stdio::null())
             .spawn()
             .expect("starting ggml-rpc-server");
-        self.child = Some(child);
         let until = Instant::now() + Duration::from_secs(10);
-        while TcpStream::connect(self.endpoint()).is_err() {
+        loop {
+            if child.try_wait().unwrap().is_some() {
+                return false;
+            }
+            if TcpStream::connect(self.endpoint()).is_ok() {
+                // Still alive a while after something answers: it is the
+                // listener (one that lost the port exits at once).
+                std::thread::sleep(Duration::from_millis(200));
+                if child.try_wait().unwrap().is_none() {
+                    break;
+                }
+                return false;
+            }
             assert!(Instant::now() < until, "ggml-rpc-server did not listen");
             std::thread::sleep(Duration::from_millis(20));
         }
+        self.child = Some(child);
+        true
     }
 
     fn endpoint(&self) -> String {
@@ -287,7 +309,7 @@ fn a_lost_rpc_server_fails_the_generation_then_the_model_refuses_until_it_is_bac
     );
 
     // Back on the same port: the lane starts a worker, and the session goes on.
-    a.spawn();
+    assert!(a.spawn(), "the port was taken while the server was down");
     let until = Instant::now() + Duration::from_secs(30);
     while !metrics(&d).contains("superfluid_lane_state{state=\"ready\"} 1") {
         assert!(Instant::now() < until, "the lane did not come back");
