@@ -75,6 +75,9 @@ pub struct ServeConfig {
     /// `--idle-spill-ms`: idle sequences leave the cells after this long
     /// (0: never).
     pub idle_spill_ms: u64,
+    /// `--turn-warm-ms`: an ended turn's opening is decoded ahead after
+    /// this long without a next turn.
+    pub turn_warm_ms: u64,
     /// `--park` with `--park-budget-gb` (0: unbounded); None: off.
     pub park_budget_bytes: Option<u64>,
     /// `--park-lossy`: park artifacts with their KV rows as Q8_0.
@@ -592,6 +595,7 @@ pub fn start_actors(
             .with_pin_budget_pct(config.pin_budget_pct)
             .with_spill(SpillIndex::new(config.cache_ram_mb.saturating_mul(1 << 20)))
             .with_idle_spill_ms(config.idle_spill_ms)
+            .with_turn_warm_ms(config.turn_warm_ms)
             .with_park_if(config.park_budget_bytes.map(|_| {
                 scan_parked(
                     &park_dir(&config.sessions),

@@ -151,6 +151,13 @@ struct Serve {
     /// sequences stay until their cells are needed. Needs --cache-ram-mb.
     #[arg(long, value_name = "MS", default_value_t = daemon::DEFAULT_IDLE_SPILL_MS)]
     idle_spill_ms: u64,
+    /// A session's turn that ended with the lane idle this many
+    /// milliseconds, and no next turn yet, gets its end of turn and the chat
+    /// template's user-turn opening decoded ahead, so its next turn computes
+    /// less; a next turn sooner computes them itself.
+    #[arg(long, value_name = "MS", default_value_t = superfluid::scheduler::TURN_WARM_DELAY_MS,
+          value_parser = clap::value_parser!(u64).range(0..=3_600_000))]
+    turn_warm_ms: u64,
     /// Sequences decoded together (continuous batching).
     #[arg(long, default_value_t = daemon::DEFAULT_PARALLEL,
           value_parser = clap::value_parser!(u32).range(1..=256))]
@@ -403,6 +410,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 sub_buffer: s.sub_buffer,
                 cache_ram_mb: s.cache_ram_mb.unwrap_or_else(daemon::default_cache_ram_mb),
                 idle_spill_ms: s.idle_spill_ms,
+                turn_warm_ms: s.turn_warm_ms,
                 park_budget_bytes: (s.park || s.park_lossy).then_some(s.park_budget_gb.0),
                 park_lossy: s.park_lossy,
                 kv_bits: s.kv_bits,

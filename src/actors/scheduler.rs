@@ -81,14 +81,14 @@ impl SchedulerActor {
     }
 
     /// While nothing is in flight, wakes the actor when the next idle
-    /// sequence is due to leave the cells (`plan` moves it). While steps
-    /// are in flight, `follow` stops at a due one and the reply's `kick`
-    /// plans the move.
+    /// sequence is due to leave the cells or a turn opening to be decoded
+    /// ahead (`plan` does either). While steps are in flight, `follow`
+    /// stops at a due spill and the reply's `kick` plans it.
     fn arm_idle_timer(&mut self, ctx: &mut Context<Self>) {
         if !self.pipeline.is_empty() {
             return;
         }
-        let Some(due) = self.state.idle_spill_due_at() else {
+        let Some(due) = self.state.wake_due_at() else {
             return;
         };
         if self.idle_timer.as_ref().is_some_and(|(at, _)| *at <= due) {

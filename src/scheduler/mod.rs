@@ -394,10 +394,19 @@ pub struct SchedulerState {
     /// message's head in the chat template): decoded ahead while the lane
     /// is idle. Empty: only the end of turn is.
     turn_opening: Vec<Token>,
+    /// `--turn-warm-ms`: how long an ended turn waits for its next one
+    /// before its opening is decoded ahead.
+    turn_warm_ms: u64,
 }
 
 /// The most tokens decoded ahead of a session's next turn.
 pub const MAX_TURN_OPENING: usize = 16;
+
+/// `--turn-warm-ms` default: how long a session's ended turn waits before
+/// its end and the turn opening are decoded ahead. A client that goes on at
+/// once (an agent's tool result, a script's next message) gets them
+/// computed in its own step instead of waiting behind a small one.
+pub const TURN_WARM_DELAY_MS: u64 = 100;
 
 impl SchedulerState {
     pub fn new(n_ctx: u32, n_seq: u32, n_batch: u32) -> SchedulerState {
@@ -423,6 +432,7 @@ impl SchedulerState {
             park: false,
             idle_spill_ms: 0,
             turn_opening: Vec::new(),
+            turn_warm_ms: TURN_WARM_DELAY_MS,
         }
     }
 
@@ -435,6 +445,13 @@ impl SchedulerState {
     pub fn with_turn_opening(mut self, mut tokens: Vec<Token>) -> SchedulerState {
         tokens.truncate(MAX_TURN_OPENING);
         self.turn_opening = tokens;
+        self
+    }
+
+    /// `--turn-warm-ms`: how long an ended turn waits for its next one
+    /// before its end and the turn opening are decoded ahead.
+    pub fn with_turn_warm_ms(mut self, ms: u64) -> SchedulerState {
+        self.turn_warm_ms = ms;
         self
     }
 

@@ -595,12 +595,17 @@ impl SchedulerState {
     }
 
     /// With nothing to run or admit: decodes each idle session sequence's
-    /// `warm` tokens (its end of turn and the turn opening) where the cells
-    /// have room, one item each, beside [`WARM`] in the step's generations.
+    /// `warm` tokens (its end of turn and the turn opening) once its turn
+    /// ended `--turn-warm-ms` ago, where the cells have room, one item
+    /// each, beside [`WARM`] in the step's generations.
     fn plan_warm(&mut self, decode: &mut Vec<DecodeItem>, gens: &mut Vec<GenId>) {
         let mut room = (self.n_ctx as u64).saturating_sub(self.resident_total(usize::MAX));
+        let now = self.clock_ms;
         for i in 0..self.seqs.len() {
             let s = &mut self.seqs[i];
+            if s.idle_since_ms.saturating_add(self.turn_warm_ms) > now {
+                continue;
+            }
             let warm = std::mem::take(&mut s.warm);
             let ready = s.active.is_none()
                 && !s.resident.is_empty()
@@ -619,6 +624,27 @@ impl SchedulerState {
                 media: vec![],
             });
             gens.push(WARM);
+        }
+    }
+
+    /// When the scheduler actor next has to plan with nothing in flight
+    /// (unix ms): an idle sequence due to leave the cells, or a session's
+    /// turn opening due to be decoded ahead.
+    pub fn wake_due_at(&self) -> Option<u64> {
+        let warm = self
+            .gens
+            .is_empty()
+            .then(|| {
+                self.seqs
+                    .iter()
+                    .filter(|s| !s.warm.is_empty() && s.active.is_none())
+                    .map(|s| s.idle_since_ms.saturating_add(self.turn_warm_ms))
+                    .min()
+            })
+            .flatten();
+        match (self.idle_spill_due_at(), warm) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
         }
     }
 

@@ -1784,7 +1784,13 @@ fn an_ended_turn_gets_its_end_and_the_turn_opening_decoded_while_idle() {
     let mut s = SchedulerState::new(4096, 2, 512).with_turn_opening(vec![7, 8]);
     ended_turn(&mut s, 1, &[1, 2, 3]);
     assert_eq!(s.resident(0), &[1, 2, 3]);
-    // Idle: the next step decodes the end of turn and the opening, no draw.
+    // Not at once (a client that goes on at once gets them in its own
+    // step): the actor is woken when they are due.
+    assert!(step_with(&mut s, |_| 9).0.is_none());
+    assert_eq!(s.wake_due_at(), Some(TURN_WARM_DELAY_MS));
+    // Idle that long: the next step decodes the end of turn and the
+    // opening, no draw.
+    s.set_clock(TURN_WARM_DELAY_MS);
     let (step, events) = step_with(&mut s, |_| 9);
     let step = step.expect("a warm step");
     assert!(events.is_empty());
@@ -1801,6 +1807,7 @@ fn an_ended_turn_gets_its_end_and_the_turn_opening_decoded_while_idle() {
     assert_eq!(s.stats().turn_warmed_tokens, 3);
     // Once: nothing more to do.
     assert!(step_with(&mut s, |_| 9).0.is_none());
+    assert_eq!(s.wake_due_at(), None);
     // The next turn opens as predicted: only its own tokens are computed.
     let g = s.admit(admit(1, &[1, 2, 3, EOG, 7, 8, 40, 41], 1)).unwrap();
     let (step, events) = step_with(&mut s, |_| 9);
@@ -1814,9 +1821,29 @@ fn an_ended_turn_gets_its_end_and_the_turn_opening_decoded_while_idle() {
 }
 
 #[test]
+fn a_turn_that_follows_at_once_computes_the_opening_itself() {
+    let mut s = SchedulerState::new(4096, 1, 512).with_turn_opening(vec![7, 8]);
+    ended_turn(&mut s, 1, &[1, 2, 3]);
+    // The next turn comes before the delay: nothing was decoded ahead, and
+    // its one step takes the end of turn and the opening with its message.
+    s.set_clock(TURN_WARM_DELAY_MS - 1);
+    assert!(step_with(&mut s, |_| 9).0.is_none(), "no step of its own");
+    let g = s.admit(admit(1, &[1, 2, 3, EOG, 7, 8, 40, 41], 1)).unwrap();
+    let (step, events) = step_with(&mut s, |_| 9);
+    assert_eq!(warm_of(&events, g), Some(3));
+    assert_eq!(step.unwrap().decode[0].tokens, vec![EOG, 7, 8, 40, 41]);
+    assert_eq!(s.stats().turn_warmed_tokens, 0);
+    // And nothing is left to decode ahead on the sequence it took.
+    s.set_clock(1 << 30);
+    run_to_end(&mut s);
+    assert_eq!(s.stats().turn_warmed_tokens, 0);
+}
+
+#[test]
 fn a_next_turn_that_opens_otherwise_drops_what_was_decoded_ahead() {
     let mut s = SchedulerState::new(4096, 1, 512).with_turn_opening(vec![7, 8]);
     ended_turn(&mut s, 1, &[1, 2, 3]);
+    s.set_clock(TURN_WARM_DELAY_MS);
     step_with(&mut s, |_| 9);
     // A tool result opens with 7 but not 8.
     let g = s.admit(admit(1, &[1, 2, 3, EOG, 7, 50, 51], 1)).unwrap();
@@ -1851,6 +1878,8 @@ fn nothing_is_decoded_ahead_beside_work_or_for_turns_that_must_not_be() {
         gen: long,
         finish: Finish::MaxTokens
     }));
+    s.set_clock(TURN_WARM_DELAY_MS);
+    run_to_end(&mut s);
     assert_eq!(s.resident(1), &[1, 2, EOG, 7], "warmed once idle");
     // A stateless generation, a batch-invariant one, a turn cut by
     // max_tokens: none.
@@ -1859,6 +1888,8 @@ fn nothing_is_decoded_ahead_beside_work_or_for_turns_that_must_not_be() {
         let mut a = admit(session, &[1, 2], 1);
         a.batch_invariant = invariant;
         s.admit(a).unwrap();
+        run_to_end_drawing(&mut s, draw);
+        s.set_clock(1 << 30);
         run_to_end_drawing(&mut s, draw);
         assert_eq!(
             s.stats().turn_warmed_tokens,

@@ -81,6 +81,7 @@ fn no_reply_before_the_fsync_that_covers_it() {
             sub_buffer: SUB_BUFFER_EVENTS,
             cache_ram_mb: 0,
             idle_spill_ms: 0,
+            turn_warm_ms: superfluid::scheduler::TURN_WARM_DELAY_MS,
             park_budget_bytes: None,
             park_lossy: false,
             kv_bits: 16,
