@@ -409,9 +409,13 @@ impl SchedulerState {
                     .restore(key, n)
                     .unwrap_or((vec![], spill::Source::Memory { keep: false }));
                 let n = n.min(stored.len());
-                // A whole state is imported before it is trimmed (a prefix
-                // of one alone when the worker reads its layout).
-                extra = stored.len().saturating_sub(n) as u64;
+                // A park artifact is imported whole before it is trimmed;
+                // from host memory only the prefix's cells are (the worker
+                // reads the state's layout; one it cannot read, imported
+                // whole, may find no room: the generation then prefills).
+                if matches!(source, spill::Source::Disk { .. }) {
+                    extra = stored.len().saturating_sub(n) as u64;
+                }
                 restore_op = Some(match source {
                     spill::Source::Memory { keep } => WorkerRequest::KvRestore {
                         seq: dst as u32,

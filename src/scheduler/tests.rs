@@ -1671,6 +1671,46 @@ fn a_shared_opening_comes_from_host_memory_and_its_conversation_stays_there() {
 }
 
 #[test]
+fn a_prefix_from_host_memory_evicts_nothing_for_the_rest_of_its_state() {
+    // 100 cells: session 1's 60-token conversation goes to host memory,
+    // session 2's stays resident; session 3 shares session 1's opening.
+    let mut s = SchedulerState::new(100, 3, 512)
+        .with_spill(spill::SpillIndex::new(1 << 20).with_min_tokens(4))
+        .with_idle_spill_ms(1000);
+    let mut w = FakeWorker::new(3);
+    let opening: Vec<Token> = (1..=10).collect();
+    let first = [&opening[..], &(500..550).collect::<Vec<_>>()].concat();
+    run_one_at(&mut s, &mut w, admit(1, &first, 2), 10_000);
+    drive_at(&mut s, &mut w, 2, 11_000, |_, _| vec![]);
+    assert_eq!(s.stats().idle_spills, 1);
+    let (_, e2) = run_one_at(
+        &mut s,
+        &mut w,
+        admit(2, &(600..630).collect::<Vec<_>>(), 2),
+        11_000,
+    );
+    assert!(e2
+        .iter()
+        .all(|e| !matches!(e, GenEvent::Started { evicted, .. } if *evicted > 0)));
+    let second = (0..3)
+        .find(|&q| s.resident(q).first() == Some(&600))
+        .expect("resident");
+    // Only the opening's 10 cells are imported: the 31 this turn needs fit
+    // beside session 2's 31, and nothing is evicted for the 50 it leaves.
+    let third = [&opening[..], &(700..730).collect::<Vec<_>>()].concat();
+    let (g3, e3) = run_one_at(&mut s, &mut w, admit(3, &third, 2), 11_000);
+    assert_eq!(warm_of(&e3, g3), Some(10));
+    assert_eq!(
+        s.resident(second).len(),
+        31,
+        "session 2 stayed in the cells"
+    );
+    assert!(e3
+        .iter()
+        .any(|e| matches!(e, GenEvent::Started { evicted: 0, .. })));
+}
+
+#[test]
 fn idle_sequences_leave_the_cells_after_the_period_and_come_back_warm() {
     let mut s = spilling(4, 1 << 20).with_idle_spill_ms(1000);
     let mut w = FakeWorker::new(4);
