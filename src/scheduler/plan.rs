@@ -675,9 +675,16 @@ impl SchedulerState {
         if last.decode.iter().any(|i| i.sample.is_none()) {
             return None;
         }
-        // A long prefill: whoever is admitted while it runs joins the next
-        // step, which is planned when its reply comes.
-        if last.decode.iter().map(|i| i.tokens.len()).sum::<usize>() > FOLLOW_MAX_PREFILL {
+        // A long prefill (the items of more than one token; a decode item
+        // has one): whoever is admitted while it runs joins the next step,
+        // which is planned when its reply comes.
+        let prefill: usize = last
+            .decode
+            .iter()
+            .map(|i| i.tokens.len())
+            .filter(|&n| n > 1)
+            .sum();
+        if prefill > FOLLOW_MAX_PREFILL {
             return None;
         }
         let ends = last.ends();

@@ -938,10 +938,19 @@ fn a_generation_admitted_during_a_long_prefill_joins_the_next_step() {
     let next = s.plan().0.unwrap();
     assert_eq!(next.gens, [a, b]);
     assert_eq!(next.decode[1].tokens, [5, 6, 7]);
-    // A prompt of FOLLOW_MAX_PREFILL tokens is still followed.
+    // A prompt of FOLLOW_MAX_PREFILL tokens is still followed, and so is a
+    // step of more one-token items than that (a decode of many streams).
     let mut s = SchedulerState::new(4096, 4, 512);
     s.admit(admit(1, &long[..FOLLOW_MAX_PREFILL], 10)).unwrap();
     let step = s.plan().0.unwrap();
+    assert!(s.follow(&step).is_some());
+    let n = FOLLOW_MAX_PREFILL as u32 + 6;
+    let mut s = SchedulerState::new(4096, n, 512);
+    for k in 0..n {
+        s.admit(admit(u64::from(k) + 1, &[k + 10], 10)).unwrap();
+    }
+    let step = s.plan().0.unwrap();
+    assert_eq!(step.decode.len(), n as usize);
     assert!(s.follow(&step).is_some());
 }
 

@@ -67,32 +67,36 @@ impl RpcServer {
             .append(true)
             .open(&self.log)
             .unwrap();
-        let mut child = Command::new(rpc_server_bin())
-            .args(["-H", "127.0.0.1", "-p", &self.port.to_string(), "-t", "1"])
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .stdin(Stdio::null())
-            .spawn()
-            .expect("starting ggml-rpc-server");
+        let endpoint = self.endpoint();
+        // Held from the start, so Drop kills it whatever happens below.
+        let child = self.child.insert(
+            Command::new(rpc_server_bin())
+                .args(["-H", "127.0.0.1", "-p", &self.port.to_string(), "-t", "1"])
+                .stdout(log.try_clone().unwrap())
+                .stderr(log)
+                .stdin(Stdio::null())
+                .spawn()
+                .expect("starting ggml-rpc-server"),
+        );
         let until = Instant::now() + Duration::from_secs(10);
-        loop {
+        let listening = loop {
             if child.try_wait().unwrap().is_some() {
-                return false;
+                break false;
             }
-            if TcpStream::connect(self.endpoint()).is_ok() {
+            if TcpStream::connect(&endpoint).is_ok() {
                 // Still alive a while after something answers: it is the
-                // listener (one that lost the port exits at once).
+                // listener (one that lost the port exits at once; this
+                // CPU build binds within milliseconds of its start).
                 std::thread::sleep(Duration::from_millis(200));
-                if child.try_wait().unwrap().is_none() {
-                    break;
-                }
-                return false;
+                break child.try_wait().unwrap().is_none();
             }
             assert!(Instant::now() < until, "ggml-rpc-server did not listen");
             std::thread::sleep(Duration::from_millis(20));
+        };
+        if !listening {
+            self.kill();
         }
-        self.child = Some(child);
-        true
+        listening
     }
 
     fn endpoint(&self) -> String {

@@ -96,26 +96,29 @@ def test_generate_returns_a_reply(sf):
 def warmed_tokens(sf):
     text = sf.call("Metrics")[1]["text"]
     line = [l for l in text.splitlines() if l.startswith("superfluid_turn_warmed_tokens_total ")]
+    assert line, "the metric superfluid_turn_warmed_tokens_total is missing"
     return int(line[0].split()[1])
 
 
-def test_the_next_turn_starts_warm_from_what_was_decoded_while_idle(sf):
+def test_the_next_turn_starts_warm_from_what_was_decoded_while_idle():
     # A turn that ends: once the lane has been idle a moment (100 ms), the
     # daemon decodes its end of turn and the chat template's user-turn
     # opening (<|im_start|>user\n, three tokens on this model) ahead, so the
-    # next turn computes only the rest of its message.
-    s, _ = asked(sf, "Hi there.")
-    before = warmed_tokens(sf)
-    r1 = s.generate(64)
-    assert r1.finish == 1, "the reply ends its turn"
-    held = sum(len(e.data.get("span") or []) for e in s.events())
-    deadline = time.time() + 10
-    while warmed_tokens(sf) < before + 4 and time.time() < deadline:
-        time.sleep(0.02)
-    assert warmed_tokens(sf) == before + 4
-    s.user("Thanks.")
-    r2 = s.generate(4)
-    assert r2.warm_prefix == held + 3, (r2.warm_prefix, held)
+    # next turn computes only the rest of its message. A daemon of its own:
+    # the counter is this session's alone.
+    with Daemon() as d:
+        sf = d.client()
+        s, _ = asked(sf, "Hi there.")
+        r1 = s.generate(64)
+        assert r1.finish == 1, "the reply ends its turn"
+        held = sum(len(e.data.get("span") or []) for e in s.events())
+        deadline = time.time() + 10
+        while warmed_tokens(sf) < 4 and time.time() < deadline:
+            time.sleep(0.02)
+        assert warmed_tokens(sf) == 4
+        s.user("Thanks.")
+        r2 = s.generate(4)
+        assert r2.warm_prefix == held + 3, (r2.warm_prefix, held)
 
 
 def test_a_turn_that_follows_at_once_does_not_wait_for_the_opening():

@@ -700,8 +700,13 @@ impl WorkerEngine {
     fn export(&mut self, seq: u32) -> Option<Vec<u8>> {
         let flags = llama_cpp_2::LlamaStateSeqFlags::empty();
         let size = self.ctx.state_seq_get_size_ext(seq as i32, flags);
+        if size == 0 {
+            // Not even the header: llama.cpp could not size it.
+            return None;
+        }
         let mut state = vec![0u8; size];
-        // SAFETY: `state` holds the `size` bytes llama.cpp just reported for this sequence.
+        // SAFETY: `state` holds the `size` bytes llama.cpp just reported for this sequence (at
+        // least its header, checked above), and it writes exactly what it sized.
         let n = unsafe {
             self.ctx
                 .state_seq_get_data_ext(state.as_mut_ptr(), seq as i32, flags)
