@@ -604,12 +604,11 @@ impl SchedulerState {
     /// each, beside [`WARM`] in the step's generations.
     fn plan_warm(&mut self, decode: &mut Vec<DecodeItem>, gens: &mut Vec<GenId>) {
         let mut room = (self.n_ctx as u64).saturating_sub(self.resident_total(usize::MAX));
-        let now = self.clock_ms;
         for i in 0..self.seqs.len() {
-            let s = &mut self.seqs[i];
-            if s.idle_since_ms.saturating_add(self.turn_warm_ms) > now {
+            if self.warm_due_at(&self.seqs[i]) > self.clock_ms {
                 continue;
             }
+            let s = &mut self.seqs[i];
             let warm = std::mem::take(&mut s.warm);
             let ready = s.active.is_none()
                 && !s.resident.is_empty()
@@ -631,25 +630,22 @@ impl SchedulerState {
         }
     }
 
+    /// When a sequence's `warm` tokens are due (unix ms): `--turn-warm-ms`
+    /// after its turn ended.
+    fn warm_due_at(&self, s: &Seq) -> u64 {
+        s.idle_since_ms.saturating_add(self.turn_warm_ms)
+    }
+
     /// When the scheduler actor next has to plan with nothing in flight
-    /// (unix ms): an idle sequence due to leave the cells, or a session's
-    /// turn opening due to be decoded ahead.
+    /// (unix ms): an idle sequence due to leave the cells, or (with no
+    /// generation to run) a session's turn opening due to be decoded ahead.
     pub fn wake_due_at(&self) -> Option<u64> {
         let warm = self
-            .gens
-            .is_empty()
-            .then(|| {
-                self.seqs
-                    .iter()
-                    .filter(|s| !s.warm.is_empty() && s.active.is_none())
-                    .map(|s| s.idle_since_ms.saturating_add(self.turn_warm_ms))
-                    .min()
-            })
-            .flatten();
-        match (self.idle_spill_due_at(), warm) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+            .seqs
+            .iter()
+            .filter(|s| self.gens.is_empty() && !s.warm.is_empty() && s.active.is_none())
+            .map(|s| self.warm_due_at(s));
+        warm.chain(self.idle_spill_due_at()).min()
     }
 
     /// Plans the step after `last` while `last` is still in flight: the same

@@ -28,6 +28,16 @@ fn admit(session: SessionId, prompt: &[Token], max_tokens: u32) -> Admit {
 }
 
 /// Runs one step with a worker that draws `draw(seq)` for every sampling item.
+/// One draw: `token` for sequence `seq`.
+fn drew(seq: u32, token: Token) -> Vec<Drawn> {
+    vec![Drawn {
+        seq,
+        token,
+        eog: token == EOG,
+        logprob: None,
+    }]
+}
+
 fn step_with(s: &mut SchedulerState, draw: impl Fn(u32) -> Token) -> (Option<Step>, Vec<GenEvent>) {
     let (step, mut events) = s.plan();
     if let Some(step) = &step {
@@ -928,12 +938,7 @@ fn a_generation_admitted_during_a_long_prefill_joins_the_next_step() {
     // ...so a generation admitted while it runs is in the very next step,
     // not behind FOLLOW_STEPS of the first one's draws.
     let b = s.admit(admit(2, &[5, 6, 7], 10)).unwrap();
-    let drawn = vec![Drawn {
-        seq: 0,
-        token: 100,
-        eog: false,
-        logprob: None,
-    }];
+    let drawn = drew(0, 100);
     assert_eq!(tokens_of(&s.step_done(&step, Ok(drawn)), a), [100]);
     let next = s.plan().0.unwrap();
     assert_eq!(next.gens, [a, b]);
@@ -1069,12 +1074,7 @@ fn a_full_cache_on_a_following_step_falls_back_to_single_steps() {
     let g = s.admit(admit(1, &[1, 2, 3], 50)).unwrap();
     let step = s.plan().0.unwrap();
     let next = s.follow(&step).unwrap();
-    let drawn = vec![Drawn {
-        seq: 0,
-        token: 100,
-        eog: false,
-        logprob: None,
-    }];
+    let drawn = drew(0, 100);
     assert_eq!(tokens_of(&s.step_done(&step, Ok(drawn)), g), [100]);
     // The 4 cells the following step asked for are not there: nothing ends.
     let events = s.step_done(&next, Err(StepError::KvFull));

@@ -607,35 +607,40 @@ impl WorkerEngine {
             log::warn!("restore into sequence {seq}: no stored state {key}");
             return Ok(not);
         };
-        if len == 0 || len > stored {
-            log::warn!(
-                "restore into sequence {seq}: state {key} holds {stored} positions, not {len}"
-            );
-            if keep {
-                self.spill.put(key, state, stored);
-            }
-            return Ok(not);
-        }
-        let part = if len < stored {
+        // Only the cells below `len`, when the layout is read; else all.
+        let part = if len > 0 && len < stored {
             super::seq_state::prefix(&state, len)
         } else {
             None
         };
-        let flags = llama_cpp_2::LlamaStateSeqFlags::empty();
-        // SAFETY: the bytes are what llama.cpp's state_seq_get_data_ext wrote for this context
-        // (the store holds only what `export` returned), or their first cells as
-        // `seq_state::prefix` rewrote them: the same layout with fewer cells, every count and
-        // size read back and checked.
-        let set = unsafe {
-            self.ctx
-                .state_seq_set_data_ext(part.as_deref().unwrap_or(&state), seq as i32, flags)
-        };
         let whole = part.is_none();
+        let set = if len == 0 || len > stored {
+            log::warn!(
+                "restore into sequence {seq}: state {key} holds {stored} positions, not {len}"
+            );
+            false
+        } else {
+            let flags = llama_cpp_2::LlamaStateSeqFlags::empty();
+            // SAFETY: the bytes are what llama.cpp's state_seq_get_data_ext wrote for this
+            // context (the store holds only what `export` returned), or their first cells as
+            // `seq_state::prefix` rewrote them: the same layout with fewer cells, every count
+            // and size read back and checked.
+            let ok = unsafe {
+                self.ctx.state_seq_set_data_ext(
+                    part.as_deref().unwrap_or(&state),
+                    seq as i32,
+                    flags,
+                )
+            };
+            if !ok {
+                log::warn!("restore into sequence {seq} failed (llama.cpp refused the state)");
+            }
+            ok
+        };
         if keep {
             self.spill.put(key, state, stored);
         }
         if !set {
-            log::warn!("restore into sequence {seq} failed (llama.cpp refused the state)");
             let _ = self.ctx.kv_cache_seq_rm(seq as i32, None, None);
             self.changed(s);
             return Ok(not);
