@@ -79,18 +79,28 @@ pub fn draw(
     draw_pos: u64,
     allowed: Option<&dyn Fn(u32) -> bool>,
 ) -> u32 {
+    // Step 2 (and the max for step 4): the argmax, lowest id on ties.
     match allowed {
-        None => draw_with(logits, params, draw_pos, |_| true),
-        Some(f) => draw_with(logits, params, draw_pos, f),
+        None => draw_with(logits, params, draw_pos, argmax_all(logits), |_| true),
+        Some(f) => {
+            let best = argmax(logits, |id, l| l > f32::NEG_INFINITY && f(id));
+            draw_with(logits, params, draw_pos, best, f)
+        }
     }
 }
 
-/// [`draw`], monomorphised over the filter so the unfiltered case costs no call per token.
-fn draw_with(logits: &[f32], params: &Params, draw_pos: u64, allowed: impl Fn(u32) -> bool) -> u32 {
+/// [`draw`], monomorphised over the filter so the unfiltered case costs no call per token;
+/// `best` is the argmax over what passes steps 1 and 2.
+fn draw_with(
+    logits: &[f32],
+    params: &Params,
+    draw_pos: u64,
+    best: Option<u32>,
+    allowed: impl Fn(u32) -> bool,
+) -> u32 {
     // Step 1: NaN and -inf never pass (`l > -inf` is false for both).
     let ok = |id: u32, l: f32| l > f32::NEG_INFINITY && allowed(id);
-    // Step 2 (and the max for step 4): the argmax, lowest id on ties.
-    let Some(best) = argmax(logits, ok) else {
+    let Some(best) = best else {
         return fallback(logits);
     };
     if is_greedy(params) {
@@ -328,6 +338,31 @@ fn argmax(logits: &[f32], ok: impl Fn(u32, f32) -> bool) -> Option<u32> {
     best.map(|b| b.0)
 }
 
+/// [`argmax`] over every id with `l > -inf` (NaN and `-inf` excluded), lowest id on ties, in two
+/// passes the compiler vectorises (the branchy single pass costs a greedy draw ~0.1 ms over a
+/// 49,152-token vocabulary): the maximum lane by lane, then the first id that holds it.
+fn argmax_all(logits: &[f32]) -> Option<u32> {
+    const LANES: usize = 16;
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let chunks = logits.chunks_exact(LANES);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for (m, &l) in lanes.iter_mut().zip(c) {
+            // `>` is false for NaN and for `-inf` against the start: neither becomes the max.
+            *m = if l > *m { l } else { *m };
+        }
+    }
+    let max = lanes
+        .iter()
+        .chain(rest)
+        .fold(f32::NEG_INFINITY, |m, &l| if l > m { l } else { m });
+    if max == f32::NEG_INFINITY {
+        return None;
+    }
+    // `==` finds the max itself (NaN equals nothing; 0.0 and -0.0 tie, as `>` has them).
+    logits.iter().position(|&l| l == max).map(|i| i as u32)
+}
+
 /// What [`draw`] returns when nothing survives: the raw argmax (NaN ignored), or 0.
 fn fallback(logits: &[f32]) -> u32 {
     argmax(logits, |_, l| !l.is_nan()).unwrap_or(0)
@@ -417,6 +452,30 @@ mod tests {
         // Negative and NaN temperatures are greedy too.
         assert_eq!(draw(&logits, &params(-1.0, 1.0, 0.0, 0, 1), 0, None), 1);
         assert_eq!(draw(&logits, &params(f32::NAN, 1.0, 0.0, 0, 1), 0, None), 1);
+    }
+
+    /// Logits drawn from a few values, so ties, NaN, both infinities and both zeros are common.
+    fn tricky_logits() -> impl proptest::strategy::Strategy<Value = Vec<f32>> {
+        use proptest::prelude::*;
+        let value = prop_oneof![
+            Just(f32::NAN),
+            Just(f32::NEG_INFINITY),
+            Just(f32::INFINITY),
+            Just(0.0f32),
+            Just(-0.0f32),
+            (-3i8..3).prop_map(f32::from),
+        ];
+        proptest::collection::vec(value, 0..80)
+    }
+
+    proptest::proptest! {
+        /// The vectorised argmax of the unfiltered draw is the plain one: the lowest id of the
+        /// largest value above `-inf`, or none.
+        #[test]
+        fn argmax_all_is_the_plain_argmax(logits in tricky_logits()) {
+            let plain = argmax(&logits, |_, l| l > f32::NEG_INFINITY);
+            proptest::prop_assert_eq!(argmax_all(&logits), plain);
+        }
     }
 
     #[test]

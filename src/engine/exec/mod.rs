@@ -1085,26 +1085,33 @@ impl WorkerEngine {
         let Some(sample) = &item.sample else {
             return Err(RequestError::Internal("no sample asked".into()));
         };
-        self.row.clear();
-        self.row.extend_from_slice(self.ctx.get_logits_ith(i));
-        if let Some(x) = &sample.extras {
-            // Only penalties need the history (bias and logprobs do not).
-            if x.extras.penalizes() {
-                let counts = self
-                    .penalties
-                    .counts(item.seq, x.first_draw, sample.draw_pos)?;
-                sample::apply_extras(
-                    &mut self.row,
-                    &x.extras,
-                    counts.iter().map(|(&t, &c)| (t, c)),
-                );
-            } else {
-                sample::apply_extras(&mut self.row, &x.extras, std::iter::empty());
+        // The logits are read in place unless an extra adjusts them: a copy
+        // of the row (the vocabulary's width) costs a plain greedy draw as
+        // much as the draw itself.
+        let row: &[f32] = match &sample.extras {
+            None => self.ctx.get_logits_ith(i),
+            Some(x) => {
+                self.row.clear();
+                self.row.extend_from_slice(self.ctx.get_logits_ith(i));
+                // Only penalties need the history (bias and logprobs do not).
+                if x.extras.penalizes() {
+                    let counts = self
+                        .penalties
+                        .counts(item.seq, x.first_draw, sample.draw_pos)?;
+                    sample::apply_extras(
+                        &mut self.row,
+                        &x.extras,
+                        counts.iter().map(|(&t, &c)| (t, c)),
+                    );
+                } else {
+                    sample::apply_extras(&mut self.row, &x.extras, std::iter::empty());
+                }
+                &self.row
             }
-        }
+        };
         let token = match self.grammars.get_mut(item.seq as usize) {
             Some(g) if sample.grammar.is_some() => {
-                if !g.allowed(&self.row, &mut self.mask) {
+                if !g.allowed(row, &mut self.mask) {
                     return Err(RequestError::GrammarDeadEnd {
                         seq: item.seq,
                         pos: sample.draw_pos,
@@ -1112,22 +1119,19 @@ impl WorkerEngine {
                 }
                 let mask = &self.mask;
                 let allowed = |t: u32| mask.get(t as usize).copied().unwrap_or(false);
-                let token =
-                    sample::draw(&self.row, &sample.params, sample.draw_pos, Some(&allowed));
+                let token = sample::draw(row, &sample.params, sample.draw_pos, Some(&allowed));
                 let eog = self.model.vocab().is_eog(LlamaToken(token as i32));
                 g.accept(token, eog)?;
                 token
             }
-            _ => sample::draw(&self.row, &sample.params, sample.draw_pos, None),
+            _ => sample::draw(row, &sample.params, sample.draw_pos, None),
         };
         let logprob = match &sample.extras {
             Some(x) => {
                 if x.extras.penalizes() {
                     self.penalties.drew(item.seq, token);
                 }
-                x.extras
-                    .logprobs
-                    .map(|n| sample::logprobs(&self.row, token, n))
+                x.extras.logprobs.map(|n| sample::logprobs(row, token, n))
             }
             None => None,
         };
