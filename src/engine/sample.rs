@@ -454,6 +454,36 @@ mod tests {
         assert_eq!(draw(&logits, &params(f32::NAN, 1.0, 0.0, 0, 1), 0, None), 1);
     }
 
+    #[test]
+    fn argmax_all_ties_nan_and_zeros_across_lanes() {
+        // 40 ids: two full 16-lane chunks and a remainder of 8.
+        let mut row = vec![-1.0f32; 40];
+        row[3] = f32::NAN;
+        row[5] = -0.0;
+        row[21] = 0.0;
+        row[37] = 0.0;
+        // -0.0 and 0.0 tie: the lowest id, though a later lane holds +0.0.
+        assert_eq!(argmax_all(&row), Some(5));
+        // The max in the remainder only; NaN never wins.
+        row[39] = 2.0;
+        assert_eq!(argmax_all(&row), Some(39));
+        row[17] = 2.0;
+        assert_eq!(argmax_all(&row), Some(17));
+        // Nothing above -inf: none.
+        let bad: Vec<f32> = (0..33)
+            .map(|i| {
+                if i % 2 == 0 {
+                    f32::NAN
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
+            .collect();
+        assert_eq!(argmax_all(&bad), None);
+        // The draw falls back to the raw argmax, NaN ignored: the first -inf.
+        assert_eq!(draw(&bad, &params(0.0, 1.0, 0.0, 0, 1), 0, None), 1);
+    }
+
     /// Logits drawn from a few values, so ties, NaN, both infinities and both zeros are common.
     fn tricky_logits() -> impl proptest::strategy::Strategy<Value = Vec<f32>> {
         use proptest::prelude::*;

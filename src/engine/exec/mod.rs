@@ -124,7 +124,8 @@ pub struct WorkerEngine {
     seqs: SeqTable,
     /// Per sequence: its generation's draws, for penalties.
     penalties: Penalties,
-    /// The logits row being sampled (a copy, so the context is free again).
+    /// The logits row adjusted by a draw's extras (bias, penalties); a draw
+    /// without extras reads the context's row in place.
     row: Vec<f32>,
     /// The grammar's verdict on each token id, for the row being sampled.
     mask: Vec<bool>,
