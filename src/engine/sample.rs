@@ -339,8 +339,8 @@ fn argmax(logits: &[f32], ok: impl Fn(u32, f32) -> bool) -> Option<u32> {
 }
 
 /// [`argmax`] over every id with `l > -inf` (NaN and `-inf` excluded), lowest id on ties, in two
-/// passes the compiler vectorises (the branchy single pass costs a greedy draw ~0.1 ms over a
-/// 49,152-token vocabulary): the maximum lane by lane, then the first id that holds it.
+/// passes the compiler vectorises (the branchy single pass cost a greedy draw ~0.2 ms over a
+/// 49,152-token vocabulary; bench/results/profile-2026-12-04.md): the maximum lane by lane, then the first id that holds it.
 fn argmax_all(logits: &[f32]) -> Option<u32> {
     const LANES: usize = 16;
     let mut lanes = [f32::NEG_INFINITY; LANES];

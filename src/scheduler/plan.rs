@@ -640,10 +640,12 @@ impl SchedulerState {
     /// (unix ms): an idle sequence due to leave the cells, or (with no
     /// generation to run) a session's turn opening due to be decoded ahead.
     pub fn wake_due_at(&self) -> Option<u64> {
+        // Warm steps run only with no generation to run.
+        let idle = self.gens.is_empty();
         let warm = self
             .seqs
             .iter()
-            .filter(|s| self.gens.is_empty() && !s.warm.is_empty() && s.active.is_none())
+            .filter(|s| idle && !s.warm.is_empty() && s.active.is_none())
             .map(|s| self.warm_due_at(s));
         warm.chain(self.idle_spill_due_at()).min()
     }

@@ -27,7 +27,6 @@ fn admit(session: SessionId, prompt: &[Token], max_tokens: u32) -> Admit {
     }
 }
 
-/// Runs one step with a worker that draws `draw(seq)` for every sampling item.
 /// One draw: `token` for sequence `seq`.
 fn drew(seq: u32, token: Token) -> Vec<Drawn> {
     vec![Drawn {
@@ -38,6 +37,7 @@ fn drew(seq: u32, token: Token) -> Vec<Drawn> {
     }]
 }
 
+/// Runs one step with a worker that draws `draw(seq)` for every sampling item.
 fn step_with(s: &mut SchedulerState, draw: impl Fn(u32) -> Token) -> (Option<Step>, Vec<GenEvent>) {
     let (step, mut events) = s.plan();
     if let Some(step) = &step {
@@ -1886,6 +1886,17 @@ fn a_turn_that_follows_at_once_computes_the_opening_itself() {
     s.set_clock(1 << 30);
     run_to_end(&mut s);
     assert_eq!(s.stats().turn_warmed_tokens, 0);
+}
+
+#[test]
+fn no_wake_up_for_a_turn_opening_while_a_generation_waits() {
+    let mut s = SchedulerState::new(4096, 2, 512).with_turn_opening(vec![7, 8]);
+    ended_turn(&mut s, 1, &[1, 2, 3]);
+    assert_eq!(s.wake_due_at(), Some(TURN_WARM_DELAY_MS));
+    // Another session's generation is admitted: the opening waits for the
+    // lane to be idle, so nothing wakes the actor for it meanwhile.
+    s.admit(admit(2, &[20, 21], 1)).unwrap();
+    assert_eq!(s.wake_due_at(), None);
 }
 
 #[test]
