@@ -461,35 +461,43 @@ def w_decode(sf, ll, runs, out):
                 f"{r['tokens']} tok at {r['decode_tps'] or 0:.1f} tok/s")
 
 
+def concurrent_round(who, server, run, prefix="c"):
+    """PARALLEL streams started at once on `server` ("sf" or "ll"), each a
+    decode prompt and DECODE_TOKENS; returns (results, seconds from the start
+    to the last stream's end)."""
+    results = [None] * PARALLEL
+    barrier = threading.Barrier(PARALLEL + 1)
+    if who == "sf":
+        sessions = []
+        for k in range(PARALLEL):
+            s = server.create()
+            server.append(s, 0, SYSTEM.format(tag=f"{prefix}{run}.{k}"))
+            sessions.append(s)
+
+        def work(k):
+            barrier.wait()
+            results[k] = server.turn(sessions[k], decode_prompt(f"{prefix}{run}.{k}"), DECODE_TOKENS)
+    else:
+        def work(k):
+            barrier.wait()
+            results[k] = ll_single(server, f"{prefix}{run}.{k}", DECODE_TOKENS)
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(PARALLEL)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if any(r is None for r in results):
+        raise RuntimeError(f"{who}: a concurrent stream failed")
+    return results, wall
+
+
 def w_concurrent(sf, ll, runs, out):
     for run in range(runs):
         for who in ab(run):
-            results = [None] * PARALLEL
-            barrier = threading.Barrier(PARALLEL + 1)
-            if who == "sf":
-                sessions = []
-                for k in range(PARALLEL):
-                    s = sf.create()
-                    sf.append(s, 0, SYSTEM.format(tag=f"c{run}.{k}"))
-                    sessions.append(s)
-
-                def work(k):
-                    barrier.wait()
-                    results[k] = sf.turn(sessions[k], decode_prompt(f"c{run}.{k}"), DECODE_TOKENS)
-            else:
-                def work(k):
-                    barrier.wait()
-                    results[k] = ll_single(ll, f"c{run}.{k}", DECODE_TOKENS)
-            threads = [threading.Thread(target=work, args=(k,)) for k in range(PARALLEL)]
-            for t in threads:
-                t.start()
-            barrier.wait()
-            t0 = time.perf_counter()
-            for t in threads:
-                t.join()
-            wall = time.perf_counter() - t0
-            if any(r is None for r in results):
-                raise RuntimeError(f"{who}: a concurrent stream failed")
+            results, wall = concurrent_round(who, sf if who == "sf" else ll, run)
             tokens = sum(r["tokens"] for r in results)
             ttft_max = max(r["ttft_s"] for r in results)
             rec = {"wall_s": wall, "tokens": tokens, "agg_tps": tokens / wall,

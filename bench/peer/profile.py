@@ -24,7 +24,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -45,31 +44,7 @@ def one_round(who, srv, workload, run):
         r = bench.sf_single(srv, tag, bench.DECODE_TOKENS) if who == "sf" else \
             bench.ll_single(srv, tag, bench.DECODE_TOKENS)
         return r["ttft_s"]
-    results = [None] * bench.PARALLEL
-    barrier = threading.Barrier(bench.PARALLEL + 1)
-    if who == "sf":
-        sessions = []
-        for k in range(bench.PARALLEL):
-            s = srv.create()
-            srv.append(s, 0, bench.SYSTEM.format(tag=f"p{run}.{k}"))
-            sessions.append(s)
-
-    def work(k):
-        barrier.wait()
-        tag = f"p{run}.{k}"
-        if who == "sf":
-            results[k] = srv.turn(sessions[k], bench.decode_prompt(tag), bench.DECODE_TOKENS)
-        else:
-            results[k] = bench.ll_single(srv, tag, bench.DECODE_TOKENS)
-
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(bench.PARALLEL)]
-    for t in threads:
-        t.start()
-    barrier.wait()
-    for t in threads:
-        t.join()
-    if any(r is None for r in results):
-        raise RuntimeError(f"{who}: a stream failed")
+    results, _ = bench.concurrent_round(who, srv, run, prefix="p")
     return max(r["ttft_s"] for r in results)
 
 
