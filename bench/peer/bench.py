@@ -461,27 +461,16 @@ def w_decode(sf, ll, runs, out):
                 f"{r['tokens']} tok at {r['decode_tps'] or 0:.1f} tok/s")
 
 
-def concurrent_round(who, server, run, prefix="c"):
-    """PARALLEL streams started at once on `server` ("sf" or "ll"), each a
-    decode prompt and DECODE_TOKENS; returns (results, seconds from the start
-    to the last stream's end)."""
-    results = [None] * PARALLEL
-    barrier = threading.Barrier(PARALLEL + 1)
-    if who == "sf":
-        sessions = []
-        for k in range(PARALLEL):
-            s = server.create()
-            server.append(s, 0, SYSTEM.format(tag=f"{prefix}{run}.{k}"))
-            sessions.append(s)
+def at_once(n, work, what):
+    """Calls work(0..n) on n threads released together by a barrier; returns
+    (their results, seconds from the release to the last one's end)."""
+    results = [None] * n
+    barrier = threading.Barrier(n + 1)
 
-        def work(k):
-            barrier.wait()
-            results[k] = server.turn(sessions[k], decode_prompt(f"{prefix}{run}.{k}"), DECODE_TOKENS)
-    else:
-        def work(k):
-            barrier.wait()
-            results[k] = ll_single(server, f"{prefix}{run}.{k}", DECODE_TOKENS)
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(PARALLEL)]
+    def run(k):
+        barrier.wait()
+        results[k] = work(k)
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(n)]
     for t in threads:
         t.start()
     barrier.wait()
@@ -490,8 +479,27 @@ def concurrent_round(who, server, run, prefix="c"):
         t.join()
     wall = time.perf_counter() - t0
     if any(r is None for r in results):
-        raise RuntimeError(f"{who}: a concurrent stream failed")
+        raise RuntimeError(f"{what} failed")
     return results, wall
+
+
+def concurrent_round(who, server, run, prefix="c"):
+    """PARALLEL streams started at once on `server` ("sf" or "ll"), each a
+    decode prompt and DECODE_TOKENS; returns (results, seconds from the start
+    to the last stream's end)."""
+    if who == "sf":
+        sessions = []
+        for k in range(PARALLEL):
+            s = server.create()
+            server.append(s, 0, SYSTEM.format(tag=f"{prefix}{run}.{k}"))
+            sessions.append(s)
+
+        def work(k):
+            return server.turn(sessions[k], decode_prompt(f"{prefix}{run}.{k}"), DECODE_TOKENS)
+    else:
+        def work(k):
+            return ll_single(server, f"{prefix}{run}.{k}", DECODE_TOKENS)
+    return at_once(PARALLEL, work, f"{who}: a concurrent stream")
 
 
 def w_concurrent(sf, ll, runs, out):
@@ -866,26 +874,14 @@ def w_oai_fanout(sf, ll, runs, out):
         tag = f"of{run}"
         for who in ab(run):
             srv = servers[who]
-            results = [None] * len(QUESTIONS)
             before = prompt_counter(srv, who)
-            barrier = threading.Barrier(len(QUESTIONS) + 1)
 
-            def work(k, srv=srv, barrier=barrier, results=results, tag=tag):
-                barrier.wait()
-                results[k] = oai_chat(srv, [{"role": "system", "content": SYSTEM.format(tag=tag)},
-                                            {"role": "user", "content": fanout_doc(tag)},
-                                            {"role": "user", "content": QUESTIONS[k]}],
-                                      FANOUT_REPLY)
-            threads = [threading.Thread(target=work, args=(k,)) for k in range(len(QUESTIONS))]
-            for t in threads:
-                t.start()
-            barrier.wait()
-            t0 = time.perf_counter()
-            for t in threads:
-                t.join()
-            wall = time.perf_counter() - t0
-            if any(r is None for r in results):
-                raise RuntimeError(f"{who}: an oai-fanout request failed")
+            def work(k, srv=srv, tag=tag):
+                return oai_chat(srv, [{"role": "system", "content": SYSTEM.format(tag=tag)},
+                                      {"role": "user", "content": fanout_doc(tag)},
+                                      {"role": "user", "content": QUESTIONS[k]}],
+                                FANOUT_REPLY)
+            results, wall = at_once(len(QUESTIONS), work, f"{who}: an oai-fanout request")
             after = prompt_counter(srv, who)
             by_usage = sum(r["computed"] for r in results)
             metric = after - before if before is not None and after is not None else None
