@@ -224,11 +224,18 @@ pub trait Render: Send + Sync {
 #[error("{0}")]
 pub struct RenderError(pub String);
 
+/// The most edits one `Rebase` takes.
+pub const MAX_EDITS: usize = 64;
+
 /// Why a Rebase's edits were refused.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum EditError {
     #[error("Rebase needs at least one edit")]
     NoEdits,
+    /// Each `Replace` is rendered against the history before it, so the
+    /// work grows with the square of the edits: a cap, checked first.
+    #[error("Rebase takes at most {MAX_EDITS} edits; this one has {0}")]
+    TooMany(usize),
     #[error("edit {index} includes event 0, which no rebase may touch")]
     TouchesEventZero { index: usize },
     #[error(

@@ -214,6 +214,21 @@ fn rebase_edit_past_end() {
 }
 
 #[test]
+fn rebase_with_too_many_edits() {
+    // Refused on the count, before the ranges are looked at (these run past
+    // the fixture's end too).
+    refused(
+        |s| {
+            let edits = (1..=65)
+                .map(|i| Edit::Drop { from: i, to: i + 1 })
+                .collect();
+            vec![rebase(s, edits)]
+        },
+        "at most 64 edits",
+    );
+}
+
+#[test]
 fn rebase_without_edits() {
     refused(|s| vec![rebase(s, vec![])], "at least one edit");
 }
@@ -405,4 +420,43 @@ fn frame_cut_off_mid_body() {
     assert_serves(&d, None, s);
     assert_eq!(d.wal_bytes(), wal);
     assert_eq!(d.read_all(s).len(), 3);
+}
+
+/// A Generate whose input cannot fit the context is refused before anything
+/// is committed: no assistant header in the log, no open turn, no `Delta`.
+#[test]
+fn a_generation_that_cannot_fit_leaves_the_session_as_it_was() {
+    let d = shared_daemon();
+    let (mut c, s) = fixture(&d);
+    // Past the shared daemon's 8,192 cells (about one token a word).
+    commit(
+        &mut c,
+        Request::AppendMessage {
+            session: s,
+            role: Role::User.into(),
+            text: "word ".repeat(9_000),
+        },
+    );
+    let wal = d.wal_bytes();
+    let replies = c
+        .generate(&Request::Generate {
+            session: s,
+            max_tokens: 8,
+        })
+        .unwrap();
+    match replies.as_slice() {
+        [Response::Err { message }] => {
+            assert!(message.contains("does not fit the context"), "{message:?}")
+        }
+        other => panic!("expected one Err and nothing else, got {other:?}"),
+    }
+    assert_eq!(d.wal_bytes(), wal, "the refused Generate changed wal.log");
+    assert_eq!(d.read_all(s).len(), 4);
+    match d.call(&Request::Inspect { session: s }) {
+        Response::Inspection { inspection } => {
+            assert!(!inspection.open_turn && !inspection.generating)
+        }
+        other => panic!("Inspect {s}: {other:?}"),
+    }
+    assert_serves(&d, Some(&mut c), s);
 }

@@ -25,12 +25,16 @@ impl TurnState {
     pub fn of(events: &[Event], think_close: Option<&str>) -> TurnState {
         for e in events.iter().rev() {
             match &e.body {
+                // A fork's or a rebase's header puts nothing on the input:
+                // a fork (or trim) of a cut reply continues that reply.
                 Record::ToolUse { .. }
                 | Record::ToolParseFailure { .. }
                 | Record::EpochBump
                 | Record::ToolChoice { .. }
                 | Record::OutputFormat { .. }
-                | Record::Qos { .. } => continue,
+                | Record::Qos { .. }
+                | Record::Forked { .. }
+                | Record::Rebased { .. } => continue,
                 Record::GenerationPrompt { .. } => {
                     return TurnState::Open {
                         in_reasoning: false,

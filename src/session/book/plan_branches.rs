@@ -7,7 +7,7 @@
 
 use super::plan_messages::check_role;
 use super::{Planned, Render, SessionBook, SessionError};
-use crate::session::EditError;
+use crate::session::{EditError, MAX_EDITS};
 use crate::wire::{Edit, EventId, Params, Record, SessionId};
 
 /// A planned range of a rebased view, before it has event ids: kept from
@@ -93,6 +93,9 @@ impl SessionBook {
         let len = self.get(parent)?.len;
         if edits.is_empty() {
             return Err(EditError::NoEdits.into());
+        }
+        if edits.len() > MAX_EDITS {
+            return Err(EditError::TooMany(edits.len()).into());
         }
         let mut prev_to = 0;
         for (i, e) in edits.iter().enumerate() {

@@ -100,7 +100,14 @@ impl SessionBook {
         }
         let opening = match state {
             TurnState::Open { .. } => {
-                let stale = events.last().map_or(0, |e| e.epoch) < self.epoch;
+                // The epoch of the turn's last output, not of a fork's
+                // header after it: a fork made now of a turn cut before the
+                // restart is rebuilt by prefill too.
+                let last = events
+                    .iter()
+                    .rev()
+                    .find(|e| !matches!(e.body, Record::Forked { .. } | Record::Rebased { .. }));
+                let stale = last.map_or(0, |e| e.epoch) < self.epoch;
                 stale.then(|| self.planned_event(s, sess.len, now, Record::EpochBump))
             }
             TurnState::Closed => {
@@ -112,6 +119,18 @@ impl SessionBook {
                 Some(self.planned_event(s, sess.len, now, Record::GenerationPrompt { span }))
             }
         };
+        // Refused before anything is committed: the opening record of a
+        // generation the scheduler cannot admit would stay in the log, an
+        // open turn no client was told of.
+        if prompt.len() as u64 + 1 > u64::from(n_ctx) {
+            return Err(SessionError::Admit(
+                crate::scheduler::SchedulerError::DoesNotFit {
+                    tokens: prompt.len(),
+                    n_ctx,
+                }
+                .to_string(),
+            ));
+        }
         let (grammar_from, header) = header.unwrap_or((prompt.len(), Vec::new()));
         let opened_in_reasoning =
             think_open.is_some_and(|m| render.detokenize(&header).trim_end().ends_with(m));

@@ -3,7 +3,7 @@
 
 use super::*;
 use crate::session::grammar::GrammarError;
-use crate::session::RenderError;
+use crate::session::{EditError, RenderError};
 use crate::wire::{
     Channel, Edit, Finish, LedgerStatus, LogRecord, Params, PurgeMode, QosClass, Record, Role,
     Token,
@@ -195,6 +195,30 @@ fn rebase_drops_and_replaces() {
     }];
     commit!(b, b.plan_rebase(r2, s, edits, None, &Bytes, 40));
     assert_eq!(texts(&b, r2), ["Created", "a", "b", "Rebased", "C"]);
+}
+
+#[test]
+fn rebase_takes_at_most_64_edits() {
+    let mut b = SessionBook::new();
+    let s = create(&mut b);
+    for _ in 0..130 {
+        say(&mut b, s, "m");
+    }
+    let drops = |n: u64| -> Vec<Edit> {
+        (0..n)
+            .map(|i| Edit::Drop {
+                from: 1 + 2 * i,
+                to: 2 + 2 * i,
+            })
+            .collect()
+    };
+    let r = b.reserve_id();
+    assert_eq!(
+        b.plan_rebase(r, s, drops(65), None, &Bytes, 40).err(),
+        Some(EditError::TooMany(65).into())
+    );
+    commit!(b, b.plan_rebase(r, s, drops(64), None, &Bytes, 40));
+    assert_eq!(b.len(r).unwrap(), 131 - 64 + 1);
 }
 
 /// `(view id, owner, owner's id)` of every event of `s`.
@@ -1010,6 +1034,54 @@ fn generation_after_an_epoch_change_bumps_the_epoch_first() {
     assert_eq!(p.turn.len(), 2);
     open(&mut b, &p);
     assert_eq!(plan(&b, s, &Bytes).opening, None, "bumped once");
+}
+
+#[test]
+fn a_fork_trim_or_rebase_of_a_cut_reply_continues_it() {
+    let mut b = SessionBook::new();
+    let s = create(&mut b);
+    say(&mut b, s, "q");
+    let first = plan(&b, s, &Bytes);
+    open(&mut b, &first);
+    commit!(b, b.plan_output(s, generated("ab", Finish::MaxTokens), 1));
+    let cut = TurnState::Open {
+        in_reasoning: false,
+    };
+    // A fork (a trim is one) at the end, and a rebase that edits the question.
+    let f = b.reserve_id();
+    commit!(b, b.plan_fork(f, s, b.len(s).unwrap(), None, 30));
+    let r = b.reserve_id();
+    let edits = vec![Edit::Replace {
+        from: 1,
+        to: 2,
+        role: Role::User.into(),
+        text: "Q".into(),
+    }];
+    commit!(b, b.plan_rebase(r, s, edits, None, &Bytes, 40));
+    for branch in [f, r] {
+        let p = plan(&b, branch, &Bytes);
+        assert_eq!(p.state, cut, "session {branch}");
+        assert_eq!(p.opening, None, "same epoch, no new header: {branch}");
+        assert_eq!(p.prompt, b.input(branch).unwrap());
+        assert_eq!(
+            p.turn,
+            vec![(b'a' as u32, b"a".to_vec()), (b'b' as u32, b"b".to_vec())]
+        );
+        assert!(b.inspect(branch).unwrap().open_turn, "session {branch}");
+    }
+    // Forked after a restart, the turn cut before it is rebuilt by prefill:
+    // the fork's own header is of the new epoch, the cut output is not.
+    let boot = b.plan_boot(40);
+    b.apply(&boot).unwrap();
+    let g = b.reserve_id();
+    commit!(b, b.plan_fork(g, s, b.len(s).unwrap(), None, 50));
+    let p = plan(&b, g, &Bytes);
+    assert_eq!(p.state, cut);
+    assert_eq!(
+        p.opening.map(|o| o.event.body),
+        Some(Record::EpochBump),
+        "a fork of a turn cut before the restart"
+    );
 }
 
 #[test]
