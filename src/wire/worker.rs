@@ -255,9 +255,10 @@ pub enum WorkerResponse {
 /// few numbers, not the request): the draws of a `Decode` or `DecodeNext`.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ReplyCheck {
-    /// `Decode`: exactly one draw per sampling item, on its sequence, in
-    /// order.
-    Decode { seqs: Vec<u32> },
+    /// `Decode`: exactly one draw per sampling item (`seqs`), on its
+    /// sequence, in order, except on refused ones; any item (`items`, a
+    /// prefill chunk holding an image too) may be refused.
+    Decode { seqs: Vec<u32>, items: Vec<u32> },
     /// `DecodeNext`: at most `steps` draws per item (none when the draw
     /// before it ended the turn: it was queued before that draw was known),
     /// each on one of the items' sequences.
@@ -275,6 +276,7 @@ impl ReplyCheck {
                     .filter(|i| i.sample.is_some())
                     .map(|i| i.seq)
                     .collect(),
+                items: items.iter().map(|i| i.seq).collect(),
             },
             WorkerRequest::DecodeNext { items } => ReplyCheck::Next {
                 seqs: items.iter().map(|i| (i.seq, i.steps)).collect(),
@@ -297,11 +299,11 @@ impl ReplyCheck {
             ));
         }
         match self {
-            ReplyCheck::Decode { seqs } => {
+            ReplyCheck::Decode { seqs, items } => {
                 // Every sampling item drew once, in order, unless refused.
-                if let Some(r) = refused.iter().find(|r| !seqs.contains(&r.seq)) {
+                if let Some(r) = refused.iter().find(|r| !items.contains(&r.seq)) {
                     return Err(format!(
-                        "the worker refused sequence {}, which was not asked to draw",
+                        "the worker refused sequence {}, which was not in the request",
                         r.seq
                     ));
                 }
@@ -372,7 +374,11 @@ mod check_tests {
 
     #[test]
     fn a_refused_item_draws_nothing() {
-        let c = ReplyCheck::Decode { seqs: vec![0, 2] };
+        // Sequence 1 prefills (a chunk holding an image) without drawing.
+        let c = ReplyCheck::Decode {
+            seqs: vec![0, 2],
+            items: vec![0, 1, 2],
+        };
         let refused = |seq, d: Vec<Drawn>| WorkerResponse::Decoded {
             drawn: d,
             tokens: 1,
@@ -386,8 +392,14 @@ mod check_tests {
         assert!(c
             .verify(&refused(2, vec![drawn(0, 5), drawn(2, 1)]), 10)
             .is_err());
+        // A prefill item refused on its own (its image): the draws stand.
         assert!(c
             .verify(&refused(1, vec![drawn(0, 5), drawn(2, 1)]), 10)
+            .is_ok());
+        assert!(c.verify(&refused(1, vec![drawn(0, 5)]), 10).is_err());
+        // A sequence the request did not hold.
+        assert!(c
+            .verify(&refused(3, vec![drawn(0, 5), drawn(2, 1)]), 10)
             .is_err());
         let n = ReplyCheck::Next { seqs: vec![(1, 3)] };
         assert!(n.verify(&refused(1, vec![]), 10).is_err());
@@ -395,7 +407,10 @@ mod check_tests {
 
     #[test]
     fn draws_are_checked_against_what_was_asked_and_the_vocabulary() {
-        let c = ReplyCheck::Decode { seqs: vec![0, 2] };
+        let c = ReplyCheck::Decode {
+            seqs: vec![0, 2],
+            items: vec![0, 2],
+        };
         assert!(c
             .verify(&decoded(vec![drawn(0, 5), drawn(2, 9)]), 10)
             .is_ok());

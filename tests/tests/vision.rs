@@ -308,6 +308,63 @@ fn images_are_refused_clearly_and_a_flipped_blob_never_reaches_the_model() {
     assert!(e.contains("20000x20000"), "{e}");
 }
 
+/// With `--batch 16` an image's positions are prefilled in a chunk before
+/// the one that draws: a flipped blob refuses that chunk's item, which the
+/// lane must take as the item's own failure, not as a bad reply that kills
+/// the worker (and every generation beside it).
+#[test]
+fn a_flipped_blob_in_a_prefill_chunk_fails_only_its_own_generation() {
+    let mut d = TestDaemon::new();
+    d.model = derived_model("SmolLM2-135M-vision.gguf");
+    let mmproj = derived_model("mmproj-SmolLM2-135M-vision.gguf");
+    d.extra_args = vec![
+        "--mmproj".into(),
+        mmproj.display().to_string(),
+        "--batch".into(),
+        "16".into(),
+    ];
+    d.spawn_and_wait();
+    let mut c = d.client();
+    let s = d.create(&mut c);
+    let blob = put(&mut c, &png(20, 20, 9));
+    let long_question = "Describe the colours, the shapes and the light of the picture \
+                         above in three short sentences, one for each of them, please.";
+    match c
+        .call(&Request::AppendImage {
+            session: s,
+            role: 1,
+            blob: blob.clone(),
+            pre_text: String::new(),
+            post_text: long_question.into(),
+        })
+        .unwrap()
+    {
+        Response::Committed { .. } => {}
+        other => panic!("AppendImage: {other:?}"),
+    }
+    let path = d.sessions.join("media").join(&blob);
+    let mut bytes = std::fs::read(&path).unwrap();
+    let last = bytes.len() - 20;
+    bytes[last] ^= 0x40;
+    std::fs::write(&path, &bytes).unwrap();
+    let worker = crate::generate::worker_pid(d.pid());
+    let (_, err) = generate(&mut c, s, 4);
+    let err = err.expect("the generation on a flipped blob fails");
+    assert!(err.contains("no longer matches its hash"), "{err}");
+    assert_eq!(
+        crate::generate::worker_pid(d.pid()),
+        worker,
+        "the worker was replaced"
+    );
+    let other = d.create(&mut c);
+    let _ = c.call(&Request::AppendMessage {
+        session: other,
+        role: 1,
+        text: "Hello".into(),
+    });
+    assert_eq!(generate(&mut c, other, 4).1, None);
+}
+
 fn append_image_req(s: SessionId, blob: &str) -> Request {
     Request::AppendImage {
         session: s,
