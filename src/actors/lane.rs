@@ -695,6 +695,12 @@ impl LaneActor {
             Ok(c) => c,
             Err(e) => {
                 log::error!("cannot start the worker: {e}");
+                // What waits for this worker would otherwise wait for as
+                // long as the respawns fail.
+                self.fail_held(&LaneError::CouldNotStart(format!(
+                    "{}: {e}",
+                    self.config.exe.display()
+                )));
                 self.schedule_respawn(ctx);
                 return;
             }
@@ -720,6 +726,7 @@ impl LaneActor {
                 log::error!("cannot set up the worker's pipes: {e}");
                 let _ = child.kill();
                 let _ = child.wait();
+                self.fail_held(&LaneError::CouldNotStart(format!("its pipes: {e}")));
                 self.schedule_respawn(ctx);
                 return;
             }
@@ -751,6 +758,7 @@ impl LaneActor {
                 log::error!("cannot set up the worker's stderr: {e}");
                 let _ = child.kill();
                 let _ = child.wait();
+                self.fail_held(&LaneError::CouldNotStart(format!("its stderr: {e}")));
                 self.schedule_respawn(ctx);
                 return;
             }

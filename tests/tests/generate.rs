@@ -981,3 +981,49 @@ fn the_worker_reads_the_model_onto_huge_pages_unless_mmap() {
         }
     }
 }
+
+/// A worker that cannot be started again (its binary is gone) fails the
+/// generations waiting for it, saying why, instead of holding them forever.
+#[test]
+fn a_worker_that_cannot_be_respawned_fails_what_waits_for_it() {
+    let mut d = TestDaemon::new();
+    let exe = d.path().join("superfluid-copy");
+    std::fs::copy(crate::util::bin(), &exe).unwrap();
+    d.binary = exe.clone();
+    d.spawn_and_wait();
+    let mut c = d.client();
+    let s = asked(&mut c, sampled(5), QUESTION);
+    assert!(matches!(
+        generate(&mut c, s, 4).1,
+        Response::Generated { .. }
+    ));
+    std::fs::remove_file(&exe).unwrap();
+    unsafe { libc::kill(worker_pid(d.pid()) as i32, libc::SIGKILL) };
+    // Until the lane has seen the death a request can meet the dead worker
+    // ("the worker died"); then the respawn fails, and so must what waits.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let socket = d.socket.clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut c = Client::connect(&socket).expect("connecting");
+            let _ = tx.send(generate(&mut c, s, 4).1);
+        });
+        let last = rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("a Generate waited 30 s for a worker that cannot start");
+        let Response::Err { message } = &last else {
+            panic!("generated without a worker: {last:?}");
+        };
+        if message.contains("the worker could not start") {
+            assert!(message.contains("superfluid-copy"), "{message}");
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never failed for the respawn: {message}\n{}",
+            d.stderr()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}

@@ -68,6 +68,8 @@ pub struct TestDaemon {
     pub rust_log: String,
     /// More environment variables of `serve`.
     pub env: Vec<(String, String)>,
+    /// The binary `serve` runs from (the built one unless a test sets a copy).
+    pub binary: PathBuf,
     /// SIGKILL the daemon when the thread that spawned it exits (the shared
     /// daemon, which no `Drop` ever stops).
     die_with_spawner: bool,
@@ -92,6 +94,7 @@ impl TestDaemon {
             model: model_path(),
             rust_log: "info".into(),
             env: Vec::new(),
+            binary: PathBuf::from(bin()),
             die_with_spawner: false,
         }
     }
@@ -128,7 +131,7 @@ impl TestDaemon {
         self.starts += 1;
         count_spawn(&format!("serve {}", sessions.display()));
         let (out, err) = self.out_paths(self.starts);
-        let mut cmd = Command::new(bin());
+        let mut cmd = Command::new(&self.binary);
         if self.die_with_spawner {
             let parent = std::process::id();
             // SAFETY: prctl, getppid and _exit are async-signal-safe; nothing
