@@ -359,6 +359,10 @@ pub struct SchedulerState {
     background_divisor: u32,
     /// Alternates batch-invariant generations with the shared batch.
     invariant_turn: bool,
+    /// Batch-invariant steps planned: which invariant generation runs next
+    /// (not `steps_planned`, whose parity on the invariant turns is fixed
+    /// while a shared batch runs beside them).
+    invariant_picks: u64,
     /// The worker's KV may hold what this state no longer knows of (after a
     /// failed step): clear every sequence before the next step.
     dirty: bool,
@@ -419,6 +423,7 @@ impl SchedulerState {
             steps_planned: 0,
             background_divisor: 1,
             invariant_turn: false,
+            invariant_picks: 0,
             dirty: false,
             pending_ops: Vec::new(),
             kv_tight: false,

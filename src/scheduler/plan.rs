@@ -537,7 +537,8 @@ impl SchedulerState {
         self.invariant_turn = !self.invariant_turn;
         let chosen: Vec<GenId> =
             if !invariant.is_empty() && (self.invariant_turn || shared.is_empty()) {
-                let k = (self.steps_planned as usize) % invariant.len();
+                let k = (self.invariant_picks % invariant.len() as u64) as usize;
+                self.invariant_picks += 1;
                 vec![invariant[k]]
             } else {
                 shared

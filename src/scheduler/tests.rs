@@ -422,6 +422,30 @@ fn qos_and_background_rate_and_batch_invariance() {
             "the invariant one always runs alone"
         );
     }
+
+    // Two invariant generations beside a shared one: each gets its turns.
+    let mut s = SchedulerState::new(4096, 3, 512);
+    for session in [1, 2] {
+        s.admit(Admit {
+            batch_invariant: true,
+            ..admit(session, &[session as Token], 100)
+        })
+        .unwrap();
+    }
+    s.admit(admit(3, &[3], 100)).unwrap();
+    let mut alone = [0; 3];
+    for _ in 0..12 {
+        let (step, _) = step_with(&mut s, |_| 5);
+        let step = step.unwrap();
+        if let [item] = step.decode.as_slice() {
+            alone[item.seq as usize] += 1;
+        }
+    }
+    assert_eq!(
+        alone[..2],
+        [3, 3],
+        "each invariant one ran alone: {alone:?}"
+    );
 }
 
 #[test]
