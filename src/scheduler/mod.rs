@@ -145,10 +145,13 @@ pub enum StepError {
     /// generations that have drawn tokens fail; the step's others run again.
     #[error("{0}")]
     NotDelivered(String),
-    /// A `KvRestore` of the step found nothing to restore or no room: the
-    /// sequence is empty, and its generation prefills instead.
-    #[error("sequence {seq} was not restored from host memory")]
-    NotRestored { seq: u32 },
+    /// `KvRestore`s (or `KvUnpark`s) of the step found nothing to restore
+    /// or no room: those sequences are empty, and their generations prefill
+    /// instead. The worker ran the step's other requests: `decoded` when its
+    /// decode went through (on the other sequences) although the step is
+    /// taken as not run.
+    #[error("sequences {seqs:?} were not restored")]
+    NotRestored { seqs: Vec<u32>, decoded: bool },
 }
 
 /// A generation asking to run.

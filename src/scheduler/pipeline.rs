@@ -41,10 +41,18 @@ pub type StepResult = Result<StepOutput, StepError>;
 
 impl StepOutput {
     /// Reads the worker's replies to one step's requests: the `Decoded` one,
-    /// or the first failure.
+    /// or the first failure. The worker runs every request of a step, so a
+    /// restore that failed is read with all the others: every sequence left
+    /// empty, and whether the decode went through beside them.
     pub fn from_replies(replies: Vec<WorkerResponse>) -> StepResult {
         let mut out = StepOutput::default();
+        let mut not_restored = Vec::new();
+        let mut decoded = false;
+        let mut failure = None;
         for reply in replies {
+            if failure.is_some() && not_restored.is_empty() {
+                break;
+            }
             match reply {
                 WorkerResponse::Done => {}
                 WorkerResponse::Decoded {
@@ -53,23 +61,40 @@ impl StepOutput {
                     decode_us,
                     refused,
                 } => {
+                    decoded = true;
                     out.drawn = drawn;
                     out.refused = refused;
                     out.tokens = u64::from(tokens);
                     out.decode_us = decode_us;
                 }
                 WorkerResponse::Spilled { key, bytes } => out.spilled.push((key, bytes)),
-                WorkerResponse::NotRestored { seq } => return Err(StepError::NotRestored { seq }),
-                WorkerResponse::Err { message } => return Err(StepError::Failed(message)),
-                WorkerResponse::KvFull { .. } => return Err(StepError::KvFull),
+                WorkerResponse::NotRestored { seq } => not_restored.push(seq),
+                WorkerResponse::Err { message } => {
+                    failure.get_or_insert(StepError::Failed(message));
+                }
+                WorkerResponse::KvFull { .. } => {
+                    failure.get_or_insert(StepError::KvFull);
+                }
                 other => {
-                    return Err(StepError::Failed(format!(
+                    failure.get_or_insert(StepError::Failed(format!(
                         "unexpected worker reply {other:?}"
-                    )))
+                    )));
                 }
             }
         }
-        Ok(out)
+        // A request behind a failed restore is refused for it (a decode or
+        // a copy on the emptied sequence): the restores are the step's
+        // failure, and the scheduler replans.
+        if !not_restored.is_empty() {
+            return Err(StepError::NotRestored {
+                seqs: not_restored,
+                decoded,
+            });
+        }
+        match failure {
+            Some(e) => Err(e),
+            None => Ok(out),
+        }
     }
 }
 

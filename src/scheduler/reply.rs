@@ -58,7 +58,9 @@ impl SchedulerState {
                     StepError::KvFull => self.kv_full(step),
                     StepError::Failed(message) => self.lane_failed(&step.gens, &message),
                     StepError::NotDelivered(message) => self.lane_failed(&[], &message),
-                    StepError::NotRestored { seq } => self.not_restored(seq),
+                    StepError::NotRestored { seqs, decoded } => {
+                        self.not_restored(step, &seqs, decoded)
+                    }
                 };
             }
         };
@@ -288,10 +290,47 @@ impl SchedulerState {
         }
     }
 
-    /// A restore failed (the worker emptied the sequence, and the rest of
-    /// the step was refused untouched): the generation on it prefills its
-    /// prompt instead, on the next step.
-    fn not_restored(&mut self, seq: u32) -> Vec<GenEvent> {
+    /// Restores failed (the worker emptied their sequences): the
+    /// generations on them prefill their prompts instead, on the next step.
+    /// The step is taken as not run, so what the worker did beside the
+    /// failed restores is undone too: a copy (from a sequence that was not
+    /// restored, it was refused) and, when the decode went through
+    /// (`decoded`), every sequence it decoded on are cleared, and their
+    /// generations prefill again from the tokens they had.
+    fn not_restored(&mut self, step: &Step, seqs: &[u32], decoded: bool) -> Vec<GenEvent> {
+        let mut touched: Vec<u32> = step
+            .ops
+            .iter()
+            .filter_map(|op| match op {
+                WorkerRequest::KvCopy { dst, .. } => Some(*dst),
+                _ => None,
+            })
+            .collect();
+        if decoded {
+            touched.extend(step.decode.iter().map(|i| i.seq));
+            touched.extend(step.next.iter().map(|n| n.seq));
+        }
+        for seq in touched {
+            if seqs.contains(&seq) {
+                continue;
+            }
+            let Some(s) = self.seqs.get_mut(seq as usize) else {
+                continue;
+            };
+            if !s.resident.is_empty() {
+                s.resident.clear();
+                s.last_draw = None;
+                self.pending_ops.push(WorkerRequest::KvClear { seq });
+            }
+        }
+        let mut events = Vec::new();
+        for &seq in seqs {
+            events.extend(self.not_restored_one(seq));
+        }
+        events
+    }
+
+    fn not_restored_one(&mut self, seq: u32) -> Vec<GenEvent> {
         // The worker logged why (one warning); the generation prefills.
         log::debug!("sequence {seq} was not restored; prefilling it");
         let Some(s) = self.seqs.get_mut(seq as usize) else {

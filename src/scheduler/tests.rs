@@ -638,16 +638,31 @@ impl FakeWorker {
         // Like the lane, every request runs and the first failure is the
         // step's: a failed restore leaves its sequence empty, and the
         // decode behind it is then refused untouched.
+        // Failed restores are read together, with whether the decode went
+        // through beside them (StepOutput::from_replies).
         let mut first_err = None;
+        let mut not_restored = vec![];
+        let mut decoded = false;
         let mut drawn = vec![];
         for request in requests {
             match self.run_one(request) {
-                Ok(Some(d)) => drawn = d,
+                Ok(Some(d)) => {
+                    decoded = true;
+                    drawn = d;
+                }
                 Ok(None) => {}
+                Err(StepError::NotRestored { seqs, .. }) => not_restored.extend(seqs),
                 Err(e) => {
                     first_err.get_or_insert(e);
                 }
             }
+        }
+        if !not_restored.is_empty() {
+            self.table.forget_draws();
+            return Err(StepError::NotRestored {
+                seqs: not_restored,
+                decoded,
+            });
         }
         if let Some(e) = first_err {
             self.table.forget_draws();
@@ -692,7 +707,12 @@ impl FakeWorker {
                         Some(t) if !self.fail_restores && t.len() >= *len as usize => {
                             self.kv_op(s, t[..*len as usize].to_vec());
                         }
-                        _ => return Err(StepError::NotRestored { seq: *seq }),
+                        _ => {
+                            return Err(StepError::NotRestored {
+                                seqs: vec![*seq],
+                                decoded: false,
+                            })
+                        }
                     }
                     return Ok(None);
                 }
@@ -725,7 +745,12 @@ impl FakeWorker {
                             let t = t[..*len as usize].to_vec();
                             self.kv_op(s, t);
                         }
-                        _ => return Err(StepError::NotRestored { seq: *seq }),
+                        _ => {
+                            return Err(StepError::NotRestored {
+                                seqs: vec![*seq],
+                                decoded: false,
+                            })
+                        }
                     }
                     return Ok(None);
                 }
@@ -1538,6 +1563,72 @@ fn a_failed_restore_prefills_and_draws_the_same() {
     let mut wb = FakeWorker::new(8);
     let (gb, eb, _, _) = five_then_first_again(&mut big, &mut wb, 3, false);
     assert_eq!(tokens_of(&events, g), tokens_of(&eb, gb));
+}
+
+/// Conversations 0 and 1 (sessions 1 and 2) run a turn, then 2 and 3
+/// push them out to host memory; then both come back at once with turn 2,
+/// and (with `foreground`) conversation 4 generates beside them. Returns the
+/// events of that last part and the turn-2 generations.
+fn two_come_back_together(
+    s: &mut SchedulerState,
+    w: &mut FakeWorker,
+    foreground: bool,
+    class: QosClass,
+) -> (Vec<GenEvent>, Vec<GenId>) {
+    let mut replies = vec![];
+    for c in 0..4u32 {
+        let (g, e) = run_one(s, w, admit(u64::from(c) + 1, &conversation(c), 8));
+        replies.push(tokens_of(&e, g));
+    }
+    let mut gens = vec![];
+    if foreground {
+        gens.push(s.admit(admit(5, &conversation(4), 24)).unwrap());
+    }
+    for c in 0..2usize {
+        let mut turn2 = conversation(c as u32);
+        turn2.extend(&replies[c]);
+        turn2.extend([7, 8, 9]);
+        gens.push(
+            s.admit(Admit {
+                class,
+                ..admit(c as SessionId + 1, &turn2, 8)
+            })
+            .unwrap(),
+        );
+    }
+    (drive(s, w, 2, |_, _| vec![]), gens)
+}
+
+#[test]
+fn restores_that_fail_together_or_beside_a_decode_only_prefill() {
+    // Together; beside a decode that fails with them; and background ones
+    // left out of the decode that goes on beside their failed restores.
+    for (foreground, class) in [
+        (false, QosClass::First),
+        (true, QosClass::First),
+        (true, QosClass::Background),
+    ] {
+        let mut s = spilling(3, 1 << 20);
+        s.set_background_divisor(4);
+        let mut w = FakeWorker::new(3);
+        w.fail_restores = true;
+        let (events, gens) = two_come_back_together(&mut s, &mut w, foreground, class);
+        let failed: Vec<_> = events
+            .iter()
+            .filter(|e| matches!(e, GenEvent::Failed { .. }))
+            .collect();
+        assert!(failed.is_empty(), "foreground {foreground}: {failed:?}");
+        assert_eq!(s.stats().restored_tokens, 0);
+        // What they drew is what they draw with everything resident.
+        let mut big = SchedulerState::new(FAKE_N_CTX, 8, 512);
+        big.set_background_divisor(4);
+        let mut wb = FakeWorker::new(8);
+        let (eb, gb) = two_come_back_together(&mut big, &mut wb, foreground, class);
+        for (g, gb) in gens.iter().zip(&gb) {
+            assert!(finish_of(&events, *g).is_some(), "{events:?}");
+            assert_eq!(tokens_of(&events, *g), tokens_of(&eb, *gb));
+        }
+    }
 }
 
 #[test]
