@@ -1584,9 +1584,9 @@ fn two_come_back_together(
     if foreground {
         gens.push(s.admit(admit(5, &conversation(4), 24)).unwrap());
     }
-    for c in 0..2usize {
+    for (c, reply) in replies.iter().take(2).enumerate() {
         let mut turn2 = conversation(c as u32);
-        turn2.extend(&replies[c]);
+        turn2.extend(reply);
         turn2.extend([7, 8, 9]);
         gens.push(
             s.admit(Admit {
