@@ -295,6 +295,35 @@ def test_bad_inputs_in_openai_shape(daemon):
     assert status == 401
 
 
+def test_list_routes_check_the_caller_before_the_query(daemon):
+    # A list route's query was parsed by actix before the credential, Origin
+    # and Host checks ran: a bad `limit` got actix's plain-text 400 where a
+    # foreign Host must get 403 and a missing key 401, in OpenAI's shape.
+    c = oai(daemon)
+    r = c.responses.create(model="default", input="Say hi.", max_output_tokens=4, temperature=0)
+    conv = c.conversations.create(items=[{"type": "message", "role": "user", "content": "hi"}])
+    key = {"Authorization": "Bearer " + KEY}
+    for path in ("/v1/responses/{}/input_items".format(r.id), "/v1/conversations/{}/items".format(conv.id)):
+        cases = [
+            (dict(key, Host="evil.example:{}".format(daemon.port)), 403, "permission_error", None),
+            (dict(key, Origin="http://evil.example"), 403, "permission_error", None),
+            ({}, 401, "authentication_error", None),
+            ({"Authorization": "Bearer wrong"}, 401, "authentication_error", None),
+            (key, 400, "invalid_request_error", "limit"),
+        ]
+        for headers, status, kind, param in cases:
+            got, _, body = raw(daemon, "GET", path + "?limit=x", None, headers)
+            assert got == status, (path, headers, got, body)
+            err = json.loads(body)["error"]
+            assert (err["type"], err["param"]) == (kind, param), (path, headers, err)
+        # The rest of a bad query is still the route's 400, naming its field.
+        for query, param in (("limit=0", "limit"), ("limit=-1", "limit"), ("order=sideways", "order")):
+            got, _, body = raw(daemon, "GET", path + "?" + query, None, key)
+            assert got == 400 and json.loads(body)["error"]["param"] == param, (path, query, body)
+        got, _, body = raw(daemon, "GET", path + "?limit=1&order=asc", None, key)
+        assert got == 200 and len(json.loads(body)["data"]) == 1, body
+
+
 CITY = {"type": "object",
         "properties": {"city": {"type": "string", "maxLength": 24},
                        "population": {"type": "integer", "minimum": 0, "maximum": 99999999}},

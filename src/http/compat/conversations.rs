@@ -365,10 +365,10 @@ async fn all_items(
 pub async fn list_items(
     req: HttpRequest,
     path: web::Path<String>,
-    query: web::Query<ListQuery>,
     state: web::Data<WebState>,
 ) -> Result<HttpResponse, ApiError> {
     authorize(&state, F, &req)?;
+    let query = ListQuery::of(&req)?;
     let (s, _, _) = load(&state, &path).await?;
     let events = read(&state, s).await?;
     let items = all_items(&state, s, &events)

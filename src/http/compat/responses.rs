@@ -1909,23 +1909,39 @@ pub fn input_item(names: &CallNames, e: &Event) -> Option<Value> {
     }
 }
 
-/// `?limit=&order=&after=` of a list route.
+/// `?limit=&order=&after=` of a list route. `limit` is read as text and
+/// parsed by [`page`], so that a bad one is a 400 naming it.
 #[derive(Debug, Deserialize)]
 pub struct ListQuery {
-    pub limit: Option<usize>,
+    pub limit: Option<String>,
     pub order: Option<String>,
     pub after: Option<String>,
 }
 
+impl ListQuery {
+    /// The request's query, read after `authorize` (never as an extractor:
+    /// actix would parse it before the caller is checked, and answer a bad
+    /// one with its own plain-text 400).
+    pub fn of(req: &HttpRequest) -> Result<ListQuery, ApiError> {
+        web::Query::<ListQuery>::from_query(req.query_string())
+            .map(web::Query::into_inner)
+            .map_err(|e| ApiError::invalid(F, format!("the query: {e}")))
+    }
+}
+
 /// One page of `items` (in log order) as OpenAI's list object.
 pub fn page(mut items: Vec<Value>, q: &ListQuery) -> Result<Value, ApiError> {
-    let limit = q.limit.unwrap_or(20);
-    if !(1..=MAX_PAGE).contains(&limit) {
-        return Err(
-            ApiError::invalid(F, format!("limit must be between 1 and {MAX_PAGE}"))
-                .with_param("limit"),
-        );
-    }
+    let limit = match q.limit.as_deref() {
+        None => 20,
+        Some(l) => l
+            .parse()
+            .ok()
+            .filter(|n| (1..=MAX_PAGE).contains(n))
+            .ok_or_else(|| {
+                ApiError::invalid(F, format!("limit must be an integer from 1 to {MAX_PAGE}"))
+                    .with_param("limit")
+            })?,
+    };
     match q.order.as_deref() {
         None | Some("desc") => items.reverse(),
         Some("asc") => {}
@@ -1956,10 +1972,10 @@ pub fn page(mut items: Vec<Value>, q: &ListQuery) -> Result<Value, ApiError> {
 pub async fn input_items(
     req: HttpRequest,
     path: web::Path<String>,
-    query: web::Query<ListQuery>,
     state: web::Data<WebState>,
 ) -> Result<HttpResponse, ApiError> {
     authorize(&state, F, &req)?;
+    let query = ListQuery::of(&req)?;
     let id = path.into_inner();
     let (_, events, st) = load(&state, &id).await?;
     let (s, start) = parse_response_id(&id).ok_or_else(|| not_found("response", &id))?;
