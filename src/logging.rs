@@ -163,6 +163,27 @@ pub fn sanitize_worker_line(bytes: &[u8], cut: usize) -> String {
     out
 }
 
+/// Client text (a request's `model`) as one field of a log line: at most
+/// `max_chars` characters, the rest said as `…+N` (N characters cut), and
+/// escaped as Rust's `{:?}` escapes a char, whitespace too (a space is
+/// `\u{20}`), so that it can neither end the line nor pose as another field.
+pub fn log_field(text: &str, max_chars: usize) -> String {
+    let mut out = String::new();
+    let mut chars = text.chars();
+    for c in chars.by_ref().take(max_chars) {
+        if c.is_whitespace() && !c.is_control() {
+            out.extend(c.escape_unicode());
+        } else {
+            out.extend(c.escape_debug());
+        }
+    }
+    let cut = chars.count();
+    if cut > 0 {
+        out.push_str(&format!("…+{cut}"));
+    }
+    out
+}
+
 /// Splits a worker log line into its level, target and message.
 pub fn parse_worker_line(line: &str) -> Option<(log::Level, &str, &str)> {
     let mut parts = line.splitn(3, '\t');
@@ -230,6 +251,25 @@ mod tests {
         assert_eq!(sanitize_worker_line(b"ok\xff", 0), "ok\u{fffd}");
         assert_eq!(sanitize_worker_line(b"abc", 5), "abc …(5 more bytes cut)");
     }
+
+    #[test]
+    fn a_log_field_is_one_field_of_one_line() {
+        assert_eq!(
+            log_field("SmolLM2-135M.Q4_1:latest", 128),
+            "SmolLM2-135M.Q4_1:latest"
+        );
+        assert_eq!(
+            log_field("x\nPOST / 200 model=y\r\t\u{2028}\u{1b}", 128),
+            "x\\nPOST\\u{20}/\\u{20}200\\u{20}model=y\\r\\t\\u{2028}\\u{1b}"
+        );
+        assert_eq!(log_field("a\\b\"", 128), "a\\\\b\\\"");
+        assert_eq!(log_field("ééé", 2), "éé…+1");
+        assert_eq!(
+            log_field(&"m".repeat(300), 128),
+            format!("{}…+172", "m".repeat(128))
+        );
+    }
+
     use log::{Level, LevelFilter, Metadata};
 
     fn enabled(f: &env_filter::Filter, target: &str, level: Level) -> bool {

@@ -240,6 +240,41 @@ def test_errors_in_openai_shape(daemon):
     assert chat(c, "Still there?", max_tokens=3).usage.completion_tokens == 3
 
 
+def test_a_forged_model_name_makes_one_access_line(daemon):
+    # The access line wrote a request's `model` as sent: a newline in it
+    # forged a second line, a space another field, and a megabyte of it
+    # went into the log whole. Every generating route logs through it.
+    forged = "x\nPOST /v1/chat/completions 200 model=default prompt=1 cached=0 generated=0 wall_ms=1"
+    routes = [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+        ("/v1/completions", {"prompt": "x"}),
+        ("/v1/messages", {"max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}),
+        ("/v1/responses", {"input": "x"}),
+        ("/api/chat", {"messages": [{"role": "user", "content": "x"}]}),
+        ("/api/generate", {"prompt": "x"}),
+    ]
+    auth = {"Authorization": "Bearer " + KEY}
+
+    def lines():
+        return [l for l in daemon.log().splitlines() if " model=" in l]
+
+    for path, body in routes:
+        for model in (forged, "default prompt=999 cached=999", "m" * (1 << 20)):
+            before = len(lines())
+            status, _, _ = raw(daemon, "POST", path, dict(body, model=model), auth)
+            assert status == 404, (path, status)
+            new = lines()[before:]
+            assert len(new) == 1, (path, new)
+            line = new[0]
+            assert "superfluid::access" in line and "POST {} 404 model=".format(path) in line, line
+            fields = line.split("superfluid::access] ")[1].split(" ")
+            assert [f.split("=")[0] for f in fields[3:]] == ["model", "prompt", "cached", "generated", "wall_ms"], line
+            assert len(line) < 400, (path, len(line))
+        assert "model=x\\nPOST\\u{20}/v1" in lines()[-3], lines()[-3]
+        # The first 128 characters, and how many more were cut.
+        assert "model={}\u2026+{} ".format("m" * 128, (1 << 20) - 128) in lines()[-1], lines()[-1]
+
+
 def test_a_client_that_disconnects_cancels_its_generation(daemon):
     c = oai(daemon)
     before = metrics(daemon)['superfluid_generations_total{finish="cancelled"}']

@@ -427,7 +427,7 @@ pub async fn messages(
     let r: MessagesRequest = accept(&state, F, &req, payload)
         .await
         .map_err(|e| logged(&access, e))?;
-    access.model = r.model.clone();
+    access.set_model(&r.model);
     let state = pick(&state, F, &r.model).map_err(|e| logged(&access, e))?;
     let run = async {
         check_lane(&state, F)?;

@@ -478,11 +478,17 @@ pub(crate) async fn start_all(
     Ok((warm, runs))
 }
 
+/// The most characters of a request's `model` its access line shows.
+const ACCESS_MODEL_MAX_CHARS: usize = 128;
+
 /// One line per request of the compatible routes, never its content.
 pub(crate) struct Access {
     pub method: &'static str,
     pub path: &'static str,
-    pub model: String,
+    /// The request's `model` as the line shows it: the client's text,
+    /// escaped and cut ([`crate::logging::log_field`]), set before it is
+    /// checked (an unknown model's 404 is logged too).
+    model: String,
     pub prompt: usize,
     pub cached: u64,
     pub generated: u64,
@@ -494,12 +500,17 @@ impl Access {
         Access {
             method: "POST",
             path,
-            model: model.to_owned(),
+            model: crate::logging::log_field(model, ACCESS_MODEL_MAX_CHARS),
             prompt: 0,
             cached: 0,
             generated: 0,
             started,
         }
+    }
+
+    /// The request's `model`, once its body is read.
+    pub fn set_model(&mut self, model: &str) {
+        self.model = crate::logging::log_field(model, ACCESS_MODEL_MAX_CHARS);
     }
 
     pub fn log(&self, status: u16) {

@@ -844,7 +844,7 @@ pub async fn chat(
     let r: ChatRequest = accept(&state, F, &req, payload)
         .await
         .map_err(|e| logged(&access, e))?;
-    access.model = r.model.clone();
+    access.set_model(&r.model);
     let state = pick(&state, F, model_name(&r.model)).map_err(|e| logged(&access, e))?;
     if r.messages.is_empty() {
         check_model(&state, F, model_name(&r.model)).map_err(|e| logged(&access, e))?;
@@ -876,7 +876,7 @@ pub async fn generate(
     let r: GenerateRequest = accept(&state, F, &req, payload)
         .await
         .map_err(|e| logged(&access, e))?;
-    access.model = r.model.clone();
+    access.set_model(&r.model);
     let state = pick(&state, F, model_name(&r.model)).map_err(|e| logged(&access, e))?;
     if r.prompt.as_deref().unwrap_or_default().is_empty() && r.suffix.is_none() {
         check_model(&state, F, model_name(&r.model)).map_err(|e| logged(&access, e))?;

@@ -479,7 +479,7 @@ pub async fn chat_completions(
     let r: ChatRequest = accept(&state, F, &req, payload)
         .await
         .map_err(|e| logged(&access, e))?;
-    access.model = r.model.clone();
+    access.set_model(&r.model);
     let state = pick(&state, F, &r.model).map_err(|e| logged(&access, e))?;
     let run = async {
         check_lane(&state, F)?;
@@ -854,7 +854,7 @@ pub async fn completions(
     let r: CompletionRequest = accept(&state, F, &req, payload)
         .await
         .map_err(|e| logged(&access, e))?;
-    access.model = r.model.clone();
+    access.set_model(&r.model);
     let state = pick(&state, F, &r.model).map_err(|e| logged(&access, e))?;
     let run = async {
         check_lane(&state, F)?;
