@@ -5,6 +5,7 @@ opens a thinking block): a tool round trip (the call forced by superfluid's
 `message.thinking`, `think: false`, and `/api/show`'s capabilities."""
 
 import ollama
+import pytest
 
 from compat import KEY, access_lines, number
 
@@ -50,6 +51,36 @@ def test_tool_round_trip(daemon):
     cached = int(line.split("cached=")[1].split()[0])
     assert cached >= r.prompt_eval_count - 3, (cached, r.prompt_eval_count)
     assert r2.prompt_eval_count == prompt - cached
+
+
+def test_a_tool_name_that_names_no_open_call_is_refused(daemon):
+    # A tool message whose tool_name matched no unanswered call used to
+    # answer the earliest call of another name; it is a 400 now, before any
+    # generation. Without tool_name, it answers the earliest unanswered call.
+    c = oll(daemon)
+    call = {"role": "assistant", "content": "",
+            "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    asked = {"role": "user", "content": "What is the weather in Paris?"}
+    opts = {"temperature": 0, "num_predict": 1}
+    before = len(access_lines(daemon))
+    for msgs in (
+        [asked, call, {"role": "tool", "content": "12:00", "tool_name": "get_time"}],
+        # The call is answered already: a second result of its name answers nothing.
+        [asked, call, {"role": "tool", "content": "sunny", "tool_name": "get_weather"},
+         {"role": "tool", "content": "rainy", "tool_name": "get_weather"}],
+        [asked, {"role": "tool", "content": "sunny", "tool_name": "get_weather"}],
+    ):
+        with pytest.raises(ollama.ResponseError) as e:
+            c.chat(model="default", messages=msgs, tools=[WEATHER, TIME], stream=False, options=opts)
+        assert e.value.status_code == 400, e.value
+        assert "messages[{}].tool_name".format(len(msgs) - 1) in e.value.error, e.value.error
+    lines = access_lines(daemon)[before:]
+    assert len(lines) == 3 and all("POST /api/chat 400" in l and "generated=0" in l for l in lines), lines
+    for tool in ({"role": "tool", "content": "sunny", "tool_name": "get_weather"},
+                 {"role": "tool", "content": "sunny"}):
+        r = c.chat(model="default", messages=[asked, call, tool], tools=[WEATHER, TIME], stream=False,
+                   options=opts)
+        assert r.done, r
 
 
 def test_named_tool_streams_one_call(daemon):

@@ -109,8 +109,9 @@ fn listed_name(state: &WebState) -> String {
 
 /// Ollama's messages as superfluid's. Ollama's calls carry no ids: each gets
 /// one, and a tool message answers the earliest unanswered call of its
-/// `tool_name` (or, unnamed, the earliest unanswered call). A tool message
-/// with no call to answer is passed on as it is, as Ollama does.
+/// `tool_name` (a 400 when no unanswered call has that name), or, unnamed,
+/// the earliest unanswered call. An unnamed tool message with no call to
+/// answer is passed on as it is, as Ollama does.
 pub fn messages(raw: &[Value], images: &Resolved) -> Result<Vec<Msg>, ApiError> {
     let mut out: Vec<Msg> = Vec::with_capacity(raw.len());
     // (id, name) of calls not yet answered.
@@ -170,12 +171,18 @@ pub fn messages(raw: &[Value], images: &Resolved) -> Result<Vec<Msg>, ApiError> 
             }
         }
         if role == Role::Tool {
-            let named = m.get("tool_name").and_then(Value::as_str);
-            let at = match named {
-                Some(n) => open.iter().position(|(_, name)| name == n),
-                None => None,
-            }
-            .or(if open.is_empty() { None } else { Some(0) });
+            let at = match m.get("tool_name").and_then(Value::as_str) {
+                Some(n) => match open.iter().position(|(_, name)| name == n) {
+                    Some(at) => Some(at),
+                    None => {
+                        return Err(bad(format!(
+                            "messages[{i}].tool_name is {n:?}, but no earlier assistant call \
+                             of that name is unanswered"
+                        )))
+                    }
+                },
+                None => (!open.is_empty()).then_some(0),
+            };
             if let Some(at) = at {
                 msg.answers = Some(open.remove(at).0);
             }
@@ -1316,6 +1323,25 @@ mod tests {
         assert_eq!(m[3].answers.as_deref(), Some(m[1].calls[0].id.as_str()));
         assert_eq!(m[4].answers, None);
         assert_eq!(super::super::chat::check(&m, 0), Ok(()));
+    }
+
+    #[test]
+    fn a_tool_name_that_names_no_open_call_is_refused() {
+        let call = |name: &str| {
+            json!({"role": "assistant", "content": "", "tool_calls": [
+                {"function": {"name": name, "arguments": {}}}]})
+        };
+        let result = |name: &str| json!({"role": "tool", "content": "r", "tool_name": name});
+        for raw in [
+            vec![call("a"), result("b")],
+            vec![call("a"), result("a"), result("a")],
+            vec![result("a")],
+        ] {
+            let e = messages(&raw, &Default::default()).unwrap_err();
+            assert_eq!(e.kind, Kind::Invalid);
+            let at = format!("messages[{}].tool_name is \"", raw.len() - 1);
+            assert!(e.message.starts_with(&at), "{}", e.message);
+        }
     }
 
     #[test]
