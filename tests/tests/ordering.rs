@@ -1,14 +1,14 @@
 //! The ordering invariant, in process: **no reply carrying an event leaves
 //! before the fsync that covers it**. The WAL writer's failpoint holds the
-//! fsync; while it is held, neither the Committed reply nor a Read may show
-//! the event. The actors are the daemon's own, built by
+//! fsync; while it is held, neither the Committed reply, a Read nor a
+//! subscriber may show the event. The actors are the daemon's own, built by
 //! `daemon::start_actors`.
 
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use actix::prelude::*;
-use superfluid::actors::bus::SUB_BUFFER_EVENTS;
+use superfluid::actors::bus::{BusItem, SUB_BUFFER_EVENTS};
 use superfluid::actors::lane::LaneState;
 use superfluid::actors::registry::{Dispatch, Registry};
 use superfluid::daemon::{replay, start_actors, ModelRender, ServeConfig};
@@ -117,6 +117,9 @@ fn no_reply_before_the_fsync_that_covers_it() {
             other => panic!("{other:?}"),
         };
 
+        // A subscriber of the session, registered as a Subscribe does.
+        let mut sub = shared.bus.subscribe(session, true);
+
         gate.set(true);
         let durable_before = w.durable_len();
         let arrived_before = gate.arrived();
@@ -140,6 +143,13 @@ fn no_reply_before_the_fsync_that_covers_it() {
         assert!(std::fs::metadata(&wal_path).unwrap().len() > durable_before);
         // The book does not show the event...
         assert_eq!(shared.read().read(session, 0).unwrap().len(), 1);
+        // ...nor does a subscriber get it...
+        assert!(
+            tokio::time::timeout(Duration::from_millis(READ_WAIT_MS), sub.recv())
+                .await
+                .is_err(),
+            "a subscriber got an event before the fsync covering its record"
+        );
         // ...and a Read through the registry from another task neither: a
         // session runs its requests in order, so the Read queues behind the
         // append, answers only after the fsync, and then shows the event.
@@ -157,6 +167,11 @@ fn no_reply_before_the_fsync_that_covers_it() {
             other => panic!("{other:?}"),
         };
         assert_eq!(event.event_id, 1);
+        // Once it is durable, the subscriber gets it.
+        match tokio::time::timeout(Duration::from_secs(5), sub.recv()).await {
+            Ok(Some(BusItem::Event(e))) => assert_eq!(e, event),
+            other => panic!("the subscriber after the fsync: {other:?}"),
+        }
         let on_disk = std::fs::metadata(&wal_path).unwrap().len();
         assert!(
             w.durable_len() >= on_disk,
