@@ -27,7 +27,8 @@ pub enum OpenMode {
     /// Replay the existing log; refuse to start on corruption.
     Durable,
     /// `--sessions-cache`: move an existing `wal.log` to `wal.log.prev`
-    /// (replacing an older one) and start a fresh, empty log.
+    /// (an older one there moved aside to `wal.log.prev.<secs>`) and start
+    /// a fresh, empty log.
     Cache,
 }
 
@@ -44,8 +45,8 @@ pub struct Recovery {
     pub dropped_bytes: u64,
     /// `OpenMode::Cache` moved an existing log aside.
     pub prev_kept: bool,
-    /// Where it is now: `wal.log.prev`, or `wal.log.prev.<unix seconds>`
-    /// when that name is taken (an older kept log is never replaced).
+    /// Where it is now: `wal.log.prev` (an older log found there was moved
+    /// to `wal.log.prev.<unix seconds>`).
     pub prev_path: Option<PathBuf>,
     /// The log's format version (1: an old log, appended to without group
     /// markers; 2: every log created by this build).
@@ -415,32 +416,44 @@ fn torn_group(file: &File, file_len: u64, group: u64, at: u64) -> io::Result<boo
     Ok(true)
 }
 
-/// Moves `path` (the log) aside without replacing anything: to
-/// `wal.log.prev`, or when that exists `wal.log.prev.<unix seconds>` (then
-/// `.1`, `.2`, ...). A hard link fails rather than replace an existing name,
-/// so an older kept log is never lost.
+/// Moves `path` (the log) to `wal.log.prev`, so that name always holds the
+/// previous log. An older one found there is kept too, first moved to
+/// `wal.log.prev.<unix seconds>` (then `.1`, `.2`, ...). Hard links fail
+/// rather than replace an existing name, so no kept log is ever lost, and
+/// a crash between the steps leaves every log under some name (the next
+/// start finishes the move).
 fn move_aside(dir: &Path, path: &Path) -> Result<PathBuf, StoreError> {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
-    let mut names = vec![WAL_PREV_FILE.to_string(), format!("{WAL_PREV_FILE}.{secs}")];
-    names.extend((1..1000).map(|n| format!("{WAL_PREV_FILE}.{secs}.{n}")));
-    for name in names {
-        let prev = dir.join(name);
-        match fs::hard_link(path, &prev) {
-            Ok(()) => {
-                fs::remove_file(path).map_err(io_err(path))?;
-                return Ok(prev);
+    let prev = dir.join(WAL_PREV_FILE);
+    if fs::symlink_metadata(&prev).is_ok() {
+        let secs = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        let names = std::iter::once(format!("{WAL_PREV_FILE}.{secs}"))
+            .chain((1..1000).map(|n| format!("{WAL_PREV_FILE}.{secs}.{n}")));
+        let mut kept = false;
+        for name in names {
+            let older = dir.join(name);
+            match fs::hard_link(&prev, &older) {
+                Ok(()) => {
+                    kept = true;
+                    break;
+                }
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
+                Err(e) => return Err(io_err(&older)(e)),
             }
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
-            Err(e) => return Err(io_err(&prev)(e)),
         }
+        if !kept {
+            return Err(io_err(path)(io::Error::new(
+                io::ErrorKind::AlreadyExists,
+                "too many kept logs named wal.log.prev*; remove old ones",
+            )));
+        }
+        fs::remove_file(&prev).map_err(io_err(&prev))?;
     }
-    Err(io_err(path)(io::Error::new(
-        io::ErrorKind::AlreadyExists,
-        "too many kept logs named wal.log.prev*; remove old ones",
-    )))
+    fs::hard_link(path, &prev).map_err(io_err(&prev))?;
+    fs::remove_file(path).map_err(io_err(path))?;
+    Ok(prev)
 }
 
 /// Opens (or creates) `<dir>/wal.log`, replaying every record through
@@ -750,9 +763,10 @@ mod tests {
         ));
     }
 
-    /// `--sessions-cache` twice: the first kept log is not replaced.
+    /// `--sessions-cache` twice: `wal.log.prev` is the previous log, and the
+    /// one before it is kept aside, not replaced.
     #[test]
-    fn cache_mode_never_overwrites_a_kept_log() {
+    fn cache_mode_keeps_the_previous_log_as_prev_and_older_ones_aside() {
         let d = tempfile::tempdir().unwrap();
         write_all(d.path(), &[b"first".to_vec()]);
         let first = wal_bytes(d.path());
@@ -761,17 +775,31 @@ mod tests {
         write_all(d.path(), &[b"second".to_vec(), b"more".to_vec()]);
         let second = wal_bytes(d.path());
         let (_, r, _) = open_collect(d.path(), OpenMode::Cache).unwrap();
-        let kept = r.prev_path.unwrap();
-        assert_ne!(kept, d.path().join(WAL_PREV_FILE));
-        assert!(kept
-            .file_name()
+        assert_eq!(r.prev_path, Some(d.path().join(WAL_PREV_FILE)));
+        assert_eq!(fs::read(d.path().join(WAL_PREV_FILE)).unwrap(), second);
+        let older: Vec<_> = fs::read_dir(d.path())
             .unwrap()
-            .to_str()
-            .unwrap()
-            .starts_with("wal.log.prev."));
-        assert_eq!(fs::read(d.path().join(WAL_PREV_FILE)).unwrap(), first);
-        assert_eq!(fs::read(&kept).unwrap(), second);
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .filter(|n| n.starts_with("wal.log.prev."))
+            .collect();
+        assert_eq!(older.len(), 1, "{older:?}");
+        assert_eq!(fs::read(d.path().join(&older[0])).unwrap(), first);
         assert_eq!(wal_bytes(d.path()), file_header());
+        // A third start: the second goes aside beside the first.
+        write_all(d.path(), &[b"third".to_vec()]);
+        let third = wal_bytes(d.path());
+        open_collect(d.path(), OpenMode::Cache).unwrap();
+        assert_eq!(fs::read(d.path().join(WAL_PREV_FILE)).unwrap(), third);
+        let mut older: Vec<_> = fs::read_dir(d.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .filter(|n| n.starts_with("wal.log.prev."))
+            .map(|n| fs::read(d.path().join(n)).unwrap())
+            .collect();
+        older.sort();
+        let mut want = vec![first, second];
+        want.sort();
+        assert_eq!(older, want);
     }
 
     #[test]
