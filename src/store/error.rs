@@ -26,14 +26,19 @@ pub enum StoreError {
     BadHeader { path: PathBuf, found: FormatError },
     #[error(
         "wal.log is corrupt at byte offset {offset} ({reason}); refusing to start rather than guess. \
-         Keep what is before it with `superfluid salvage --sessions {} --truncate-at {offset}`, \
+         Keep what is before it with `superfluid salvage --sessions {} --truncate-at {cut}`, \
          move {} aside, or start with --sessions-cache to keep it aside and begin a fresh log",
         .path.parent().unwrap_or(std::path::Path::new(".")).display(),
         .path.display()
     )]
     Corrupt {
         path: PathBuf,
+        /// Where the damage is.
         offset: u64,
+        /// Where a salvage may cut, at or before `offset`: the start of the
+        /// damaged record in a version-1 log, of the commit group holding
+        /// it in a version-2 log.
+        cut: u64,
         reason: FormatError,
     },
     #[error("record of {len} bytes exceeds the WAL record cap of 64 MiB")]

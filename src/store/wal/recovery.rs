@@ -233,10 +233,11 @@ fn scan(
     }
 }
 
-fn corrupt(path: &Path, offset: u64, reason: FormatError) -> StoreError {
+fn corrupt(path: &Path, offset: u64, cut: u64, reason: FormatError) -> StoreError {
     StoreError::Corrupt {
         path: path.to_path_buf(),
         offset,
+        cut,
         reason,
     }
 }
@@ -274,7 +275,7 @@ fn scan_v1(
                 if zero_from(file, pos, file_len).map_err(io_err(path))? {
                     return Ok((ScanEnd::Torn, records, pos));
                 }
-                return Err(corrupt(path, pos, reason));
+                return Err(corrupt(path, pos, pos, reason));
             }
         };
         let total = RECORD_HEADER_LEN as u64 + u64::from(header.len);
@@ -291,7 +292,7 @@ fn scan_v1(
             if is_final && zero_from(file, payload_start, file_len).map_err(io_err(path))? {
                 return Ok((ScanEnd::Torn, records, pos));
             }
-            return Err(corrupt(path, pos, reason));
+            return Err(corrupt(path, pos, pos, reason));
         }
         on_record(pos, payload).map_err(|cause| StoreError::Replay { offset: pos, cause })?;
         pos += total;
@@ -320,7 +321,7 @@ fn scan_v2(
         if torn_group(file, file_len, group, at).map_err(io_err(path))? {
             Ok((ScanEnd::Torn, records, group))
         } else {
-            Err(corrupt(path, at, reason))
+            Err(corrupt(path, at, group, reason))
         }
     };
     loop {
@@ -720,11 +721,20 @@ mod tests {
                 }
                 fs::write(&path, &bad).unwrap();
                 match open_collect(d.path(), OpenMode::Durable) {
-                    Err(StoreError::Corrupt { offset, .. }) => {
+                    Err(e @ StoreError::Corrupt { offset, cut, .. }) => {
                         assert!(
                             offset >= starts[0] && offset < starts[1],
                             "at {at}: {offset}"
-                        )
+                        );
+                        // The salvage command the error prints cuts at the
+                        // damaged group's start, which salvage takes.
+                        assert_eq!(cut, starts[0], "at {at}");
+                        assert!(
+                            e.to_string().contains(&format!("--truncate-at {cut}`")),
+                            "{e}"
+                        );
+                        crate::store::salvage::plan(d.path(), cut)
+                            .unwrap_or_else(|e| panic!("at {at}: salvage at {cut}: {e}"));
                     }
                     other => panic!(
                         "damage at {at}: expected Corrupt, got {:?}",
@@ -894,10 +904,12 @@ mod tests {
                 match &err {
                     StoreError::Corrupt {
                         offset,
+                        cut,
                         path,
                         reason,
                     } => {
                         assert_eq!(*offset, victim.offset, "byte {byte} bit {bit}");
+                        assert!(cut <= offset);
                         assert_eq!(path, &d.path().join(WAL_FILE));
                         // A flip in len or len_crc fails the length's own
                         // checksum; one in crc or the payload, the payload's.
