@@ -8,7 +8,7 @@ import json
 
 import openai
 
-from compat import KEY, oai
+from compat import KEY, oai, raw
 
 MODEL = "SmolLM2-135M-tools-think.gguf"
 EXTRA_ARGS = ["--api-key", KEY]
@@ -159,3 +159,58 @@ def test_conversation_items_keep_call_ids_across_a_rebase(daemon, sf):
         raise AssertionError("answered a call twice")
     except openai.BadRequestError as e:
         assert "already answered" in str(e), e
+
+
+def test_an_output_for_no_open_call_writes_nothing(daemon):
+    # The call ids were checked only as names of an event: an id past the
+    # session's events, an older call_<n> naming any event, or a call
+    # already answered passed, and the session refused the output only
+    # after the items before it were written (a 400, "hi" left behind).
+    c = oai(daemon)
+    conv = c.conversations.create()
+    _, a = forced_call(c, conversation=conv.id, input="What is the weather in Paris?")
+    answered = c.responses.create(model="default", conversation=conv.id, tools=[WEATHER, TIME],
+                                  input=answer(a), max_output_tokens=4, temperature=0)
+    last, d = forced_call(c, conversation=conv.id, input="And in Rome?")
+    own = last.id.split("_")[1]
+    headers = {"Authorization": "Bearer " + KEY}
+
+    def items():
+        return [i.id for i in c.conversations.items.list(conv.id, limit=100).data]
+
+    def output(call_id):
+        return {"type": "function_call_output", "call_id": call_id, "output": "x"}
+
+    hi = {"role": "user", "content": "hi"}
+    before, sessions = items(), len(daemon.client().list())
+    bad = [[hi, output("call_{}_999999".format(own))],  # past the session's events
+           [hi, output("call_0")],  # the older form, naming an event that is no call
+           [hi, output(a.call_id)],  # answered already
+           [hi, output(d.call_id), output(d.call_id)]]  # answered twice at once
+    for new in bad:
+        status, _, body = raw(daemon, "POST", "/v1/conversations/{}/items".format(conv.id), {"items": new},
+                              headers)
+        assert status == 400, (new, body)
+        assert json.loads(body)["error"]["type"] == "invalid_request_error"
+        assert items() == before, new
+        for where in (dict(conversation=conv.id), dict(previous_response_id=last.id)):
+            try:
+                c.responses.create(model="default", tools=[WEATHER, TIME], input=new, max_output_tokens=4,
+                                   **where)
+                raise AssertionError("took {} on {}".format(new, where))
+            except openai.BadRequestError as e:
+                assert e.param == "input" and new[-1]["call_id"] in str(e), e
+            assert items() == before, (new, where)
+            assert len(daemon.client().list()) == sessions, (new, where)
+    try:
+        c.responses.create(model="default", previous_response_id=answered.id, input=[hi, output(a.call_id)],
+                           max_output_tokens=4)
+        raise AssertionError("answered a call twice down a chain")
+    except openai.BadRequestError as e:
+        assert "already answered" in str(e), e
+    assert len(daemon.client().list()) == sessions
+    # The open call is still answered.
+    status, _, body = raw(daemon, "POST", "/v1/conversations/{}/items".format(conv.id),
+                          {"items": [output(d.call_id)]}, headers)
+    assert status == 200, body
+    assert len(items()) == len(before) + 1

@@ -154,8 +154,9 @@ pub(crate) async fn session_for(
     if info.generating {
         return Err(in_progress(id));
     }
-    // Every output's call, before the conversation moves.
-    check_calls(state, s, items).await?;
+    // Every output's call, before anything is written or the conversation
+    // moves.
+    check_calls(state, s, &read(state, s).await?, items).await?;
     let wanted = Params {
         seed: info.params.seed,
         ..p

@@ -37,10 +37,10 @@ use crate::frontend::conn::dispatch;
 use crate::http::routes::WebState;
 use crate::session::grammar::GrammarError;
 use crate::session::output::Markers;
-use crate::session::{output_schema_of, tool_choice_of, Owned};
+use crate::session::{ledger_of, output_schema_of, tool_choice_of, Owned};
 use crate::wire::{
-    Channel, Event, EventId, Finish, Inspection, Params, PurgeMode, Record, Request, Response,
-    Role, SessionId,
+    Channel, Event, EventId, Finish, Inspection, LedgerEntry, Params, PurgeMode, Record, Request,
+    Response, Role, SessionId,
 };
 
 const F: Family = Family::OpenAi;
@@ -474,17 +474,19 @@ pub(crate) fn check_outputs(items: &[Item]) -> Result<(), ApiError> {
 }
 
 /// The session requests that append `items` to session `s`, whose calls
-/// `names` names, each with the call id an output answers (for its
-/// errors); every output's call checked before anything is written. A
-/// resent call goes in as the model's own call text; an output answers a
-/// call resent in the same items (a tool message) or a call of the session
-/// (`AppendToolResult`).
+/// `names` names and `ledger` says how each stands, each with the call id
+/// an output answers (for its errors); every output's call checked before
+/// anything is written. A resent call goes in as the model's own call
+/// text; an output answers a call resent in the same items (a tool
+/// message) or an open call of the session (`AppendToolResult`), once.
 fn item_requests(
     s: SessionId,
     items: &[Item],
     names: &CallNames,
+    ledger: &[LedgerEntry],
 ) -> Result<Vec<(Request, Option<String>)>, ApiError> {
     let mut resent: HashSet<&str> = HashSet::new();
+    let mut answered: HashSet<EventId> = HashSet::new();
     let mut out = Vec::with_capacity(items.len());
     for item in items {
         out.push(match item {
@@ -518,12 +520,7 @@ fn item_requests(
             Item::Output { call_id, output } => (
                 Request::AppendToolResult {
                     session: s,
-                    call_id: names.event(call_id).ok_or_else(|| {
-                        bad(format!(
-                            "function_call_output answers call {call_id:?}, which is not a call \
-                             of this response chain or conversation"
-                        ))
-                    })?,
+                    call_id: open_call(call_id, names, ledger, &mut answered)?,
                     content: output.clone(),
                 },
                 Some(call_id.clone()),
@@ -533,33 +530,82 @@ fn item_requests(
     Ok(out)
 }
 
-/// The call names `items` need on session `s` (none without an output).
-async fn names_for(state: &WebState, s: SessionId, items: &[Item]) -> Result<CallNames, ApiError> {
-    match items.iter().any(|i| matches!(i, Item::Output { .. })) {
-        true => call_names(state, s).await,
-        false => Ok(CallNames::own(s)),
+/// The event of the open call `call_id` names, not answered before in the
+/// same items (`answered`, which takes it): what the session will take a
+/// result for. Checked here because the session refuses an output only
+/// when it comes to it, after the items before it were written.
+fn open_call(
+    call_id: &str,
+    names: &CallNames,
+    ledger: &[LedgerEntry],
+    answered: &mut HashSet<EventId>,
+) -> Result<EventId, ApiError> {
+    let entry = names
+        .event(call_id)
+        .and_then(|e| ledger.iter().find(|x| x.call_id == e))
+        .ok_or_else(|| {
+            bad(format!(
+                "function_call_output answers call {call_id:?}, which is not a call of this \
+                 response chain or conversation"
+            ))
+        })?;
+    if entry.closed_by.is_some() {
+        return Err(bad(format!(
+            "function_call_output answers call {call_id:?}, which was already answered ({})",
+            entry.status
+        )));
     }
+    if !answered.insert(entry.call_id) {
+        return Err(bad(format!(
+            "call {call_id:?} is answered by two function_call_output items"
+        )));
+    }
+    Ok(entry.call_id)
 }
 
-/// Checks that every output of `items` answers a call resent with it or
-/// one session `s` holds, writing nothing.
-pub(crate) async fn check_calls(
+/// The call names and the ledger `items` need on session `s` (none
+/// without an output).
+async fn calls_of(
     state: &WebState,
     s: SessionId,
     items: &[Item],
+) -> Result<(CallNames, Vec<LedgerEntry>), ApiError> {
+    if !items.iter().any(|i| matches!(i, Item::Output { .. })) {
+        return Ok((CallNames::own(s), Vec::new()));
+    }
+    let names = call_names(state, s).await?;
+    match call(state, Request::Ledger { session: s }).await? {
+        Response::Ledger { entries } => Ok((names, entries)),
+        other => Err(unexpected(other)),
+    }
+}
+
+/// Checks that every output of `items` answers a call resent with it or an
+/// open one of `events`, the history of session `s` the items would follow
+/// (a fork of `s` at their end shares them under the same ids), writing
+/// nothing.
+pub(crate) async fn check_calls(
+    state: &WebState,
+    s: SessionId,
+    events: &[Event],
+    items: &[Item],
 ) -> Result<(), ApiError> {
-    item_requests(s, items, &names_for(state, s, items).await?).map(|_| ())
+    if !items.iter().any(|i| matches!(i, Item::Output { .. })) {
+        return Ok(());
+    }
+    let names = call_names(state, s).await?;
+    item_requests(s, items, &names, &ledger_of(events)).map(|_| ())
 }
 
 /// Appends `items` to session `s` (see [`item_requests`]): nothing is
-/// written unless every output names a call.
+/// written unless every output answers an open call.
 pub(crate) async fn append_items(
     state: &WebState,
     s: SessionId,
     items: &[Item],
 ) -> Result<(), ApiError> {
-    let names = names_for(state, s, items).await?;
-    for (request, call_id) in item_requests(s, items, &names)? {
+    let (names, ledger) = calls_of(state, s, items).await?;
+    for (request, call_id) in item_requests(s, items, &names, &ledger)? {
         call(state, request).await.map_err(|mut e| {
             if e.kind == Kind::NotFound {
                 return e;
@@ -1363,6 +1409,8 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
             let end = Stored::locate(&events, pstart)
                 .ok_or_else(|| not_found("response", prev).with_param("previous_response_id"))?
                 .end;
+            // Every output's call, before the fork is made.
+            check_calls(state, ps, &events[..end as usize], &items).await?;
             let s = created(
                 state,
                 Request::Fork {
@@ -1380,7 +1428,12 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
             changes = Some(super::conversations::CHANGES.lock().await);
             super::conversations::session_for(state, conv, p, &items).await?
         }
-        (None, None) => (create_session(state, p).await?, 0),
+        (None, None) => {
+            // A new session holds no call: an output answers one resent
+            // with it, or the request is refused before the session is made.
+            item_requests(0, &items, &CallNames::own(0), &[])?;
+            (create_session(state, p).await?, 0)
+        }
     };
     let fresh = inspect(state, s)
         .await?
@@ -1991,6 +2044,7 @@ pub async fn input_items(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::wire::LedgerStatus;
 
     fn head() -> Head {
         Head {
@@ -2173,6 +2227,65 @@ mod tests {
         assert_eq!(names.event("call_4"), Some(4));
         // Two sessions' own calls at the same id differ.
         assert_ne!(CallNames::own(5).name(4), CallNames::own(6).name(4));
+    }
+
+    #[test]
+    fn an_output_answers_an_open_call_once() {
+        // Session 3's calls at 4 (open) and 6 (answered at 7).
+        let entry = |call_id, closed_by: Option<u64>| LedgerEntry {
+            call_id,
+            name: "f".into(),
+            arguments: "{}".into(),
+            status: match closed_by {
+                Some(_) => LedgerStatus::Answered,
+                None => LedgerStatus::Open,
+            },
+            closed_by,
+            permission: None,
+        };
+        let ledger = [entry(4, None), entry(6, Some(7))];
+        let names = CallNames::own(3);
+        let hi = Item::Message {
+            role: Role::User,
+            text: "hi".into(),
+        };
+        let out = |id: &str| Item::Output {
+            call_id: id.into(),
+            output: "x".into(),
+        };
+        let requests = item_requests(3, &[hi.clone(), out("call_3_4")], &names, &ledger).unwrap();
+        assert!(matches!(
+            requests[1],
+            (Request::AppendToolResult { call_id: 4, .. }, Some(_))
+        ));
+        assert_eq!(
+            item_requests(3, &[out("call_4")], &names, &ledger)
+                .unwrap()
+                .len(),
+            1
+        );
+        for (items, why) in [
+            (vec![hi.clone(), out("call_3_999")], "not a call"),
+            (vec![hi.clone(), out("call_0")], "not a call"),
+            (vec![hi.clone(), out("call_5")], "not a call"),
+            (vec![hi.clone(), out("call_3_6")], "already answered"),
+            (
+                vec![out("call_3_4"), out("call_4")],
+                "two function_call_output",
+            ),
+        ] {
+            let e = item_requests(3, &items, &names, &ledger).unwrap_err();
+            assert!(e.message.contains(why), "{items:?}: {}", e.message);
+            assert_eq!(e.param, Some("input"));
+        }
+        // On a new session only a call resent with its output is answered.
+        let call = Item::Call(Call {
+            id: "c1".into(),
+            name: "f".into(),
+            arguments: "{}".into(),
+        });
+        assert!(item_requests(0, &[call, out("c1")], &CallNames::own(0), &[]).is_ok());
+        assert!(item_requests(0, &[out("call_1")], &CallNames::own(0), &[]).is_err());
     }
 
     #[test]

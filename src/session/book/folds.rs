@@ -253,6 +253,63 @@ pub(super) fn declared_tools(events: &[Event]) -> Vec<String> {
         .unwrap_or_default()
 }
 
+/// Every ToolUse of `events` (a session's, in order) with how it stands:
+/// the `Ledger`, and what a result or outcome must answer (an `Open` call),
+/// for a caller that checks a request before anything is written.
+pub fn ledger_of(events: &[Event]) -> Vec<LedgerEntry> {
+    let mut entries: Vec<LedgerEntry> = Vec::new();
+    for e in events {
+        match &e.body {
+            Record::ToolUse { name, arguments } => entries.push(LedgerEntry {
+                call_id: e.event_id,
+                name: name.clone(),
+                arguments: arguments.clone(),
+                status: LedgerStatus::Open,
+                closed_by: None,
+                permission: None,
+            }),
+            Record::ToolResult { call_id, .. } => {
+                if let Some(x) = entries.iter_mut().find(|x| x.call_id == *call_id) {
+                    x.status = LedgerStatus::Answered;
+                    x.closed_by = Some(e.event_id);
+                }
+            }
+            Record::ToolOutcome {
+                call_id, outcome, ..
+            } => {
+                if let Some(x) = entries.iter_mut().find(|x| x.call_id == *call_id) {
+                    x.status = LedgerStatus::from(*outcome);
+                    x.closed_by = Some(e.event_id);
+                }
+            }
+            Record::ToolCancelRequested { call_id } => {
+                if let Some(x) = entries
+                    .iter_mut()
+                    .find(|x| x.call_id == *call_id && x.closed_by.is_none())
+                {
+                    x.status = LedgerStatus::CancelRequested;
+                }
+            }
+            Record::PermissionResponded {
+                request_id,
+                granted,
+            } => {
+                let call = events.iter().find_map(|r| match &r.body {
+                    Record::PermissionRequested { call_id, .. } if r.event_id == *request_id => {
+                        Some(*call_id)
+                    }
+                    _ => None,
+                });
+                if let Some(x) = entries.iter_mut().find(|x| Some(x.call_id) == call) {
+                    x.permission = Some(*granted);
+                }
+            }
+            _ => {}
+        }
+    }
+    entries
+}
+
 impl SessionBook {
     /// Every token on the session's input, in order.
     #[cfg(test)]
@@ -273,60 +330,7 @@ impl SessionBook {
     /// Every ToolUse of a session with how it stands.
     pub fn ledger(&self, s: SessionId) -> Result<Vec<LedgerEntry>, SessionError> {
         self.live(s)?;
-        let events = self.all_events(s);
-        let mut entries: Vec<LedgerEntry> = Vec::new();
-        for e in &events {
-            match &e.body {
-                Record::ToolUse { name, arguments } => entries.push(LedgerEntry {
-                    call_id: e.event_id,
-                    name: name.clone(),
-                    arguments: arguments.clone(),
-                    status: LedgerStatus::Open,
-                    closed_by: None,
-                    permission: None,
-                }),
-                Record::ToolResult { call_id, .. } => {
-                    if let Some(x) = entries.iter_mut().find(|x| x.call_id == *call_id) {
-                        x.status = LedgerStatus::Answered;
-                        x.closed_by = Some(e.event_id);
-                    }
-                }
-                Record::ToolOutcome {
-                    call_id, outcome, ..
-                } => {
-                    if let Some(x) = entries.iter_mut().find(|x| x.call_id == *call_id) {
-                        x.status = LedgerStatus::from(*outcome);
-                        x.closed_by = Some(e.event_id);
-                    }
-                }
-                Record::ToolCancelRequested { call_id } => {
-                    if let Some(x) = entries
-                        .iter_mut()
-                        .find(|x| x.call_id == *call_id && x.closed_by.is_none())
-                    {
-                        x.status = LedgerStatus::CancelRequested;
-                    }
-                }
-                Record::PermissionResponded {
-                    request_id,
-                    granted,
-                } => {
-                    let call = events.iter().find_map(|r| match &r.body {
-                        Record::PermissionRequested { call_id, .. }
-                            if r.event_id == *request_id =>
-                        {
-                            Some(*call_id)
-                        }
-                        _ => None,
-                    });
-                    if let Some(x) = entries.iter_mut().find(|x| Some(x.call_id) == call) {
-                        x.permission = Some(*granted);
-                    }
-                }
-                _ => {}
-            }
-        }
-        Ok(entries)
+        Ok(ledger_of(&self.all_events(s)))
     }
 
     /// `OpenToolCalls`: calls without a result or an outcome.
