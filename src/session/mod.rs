@@ -23,8 +23,8 @@ pub mod schema_limits;
 pub mod turn;
 
 pub use book::{
-    ledger_of, output_schema_of, tool_choice_of, ApplyError, GenerationPlan, Owned, Planned,
-    PlannedEvent, SessionBook, TurnState,
+    input_after, ledger_of, output_schema_of, tool_choice_of, ApplyError, GenerationPlan, Owned,
+    Planned, PlannedEvent, SessionBook, TurnState,
 };
 
 use crate::wire::{LedgerStatus, Role, Token, UnknownCode};

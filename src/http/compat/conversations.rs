@@ -14,8 +14,8 @@ use serde_json::{json, Value};
 
 use super::error::{ApiError, Family, Kind};
 use super::responses::{
-    append_items, call, call_names, check_calls, check_outputs, create_session, created,
-    input_item, inspect, items, not_found, page, read, Decode, Item, ListQuery, Piece,
+    append_items, call, call_names, check_outputs, create_session, created, input_item, inspect,
+    items, not_found, page, read, Decode, Input, ListQuery, Piece,
 };
 use super::{accept, authorize, params};
 use crate::http::routes::WebState;
@@ -146,7 +146,7 @@ pub(crate) async fn session_for(
     state: &WebState,
     id: &str,
     p: Params,
-    items: &[Item],
+    input: &Input<'_>,
 ) -> Result<(SessionId, EventId), ApiError> {
     let (s, info, rec) = load(state, id)
         .await
@@ -154,9 +154,8 @@ pub(crate) async fn session_for(
     if info.generating {
         return Err(in_progress(id));
     }
-    // Every output's call, before anything is written or the conversation
-    // moves.
-    check_calls(state, s, &read(state, s).await?, items).await?;
+    // Before anything is written or the conversation moves.
+    input.check(state, Some(s), &read(state, s).await?).await?;
     let wanted = Params {
         seed: info.params.seed,
         ..p

@@ -37,7 +37,9 @@ use crate::frontend::conn::dispatch;
 use crate::http::routes::WebState;
 use crate::session::grammar::GrammarError;
 use crate::session::output::Markers;
-use crate::session::{ledger_of, output_schema_of, tool_choice_of, Owned};
+use crate::session::{
+    input_after, ledger_of, output_schema_of, tool_choice_of, ChatMessage, Owned,
+};
 use crate::wire::{
     Channel, Event, EventId, Finish, Inspection, LedgerEntry, Params, PurgeMode, Record, Request,
     Response, Role, SessionId,
@@ -580,21 +582,72 @@ async fn calls_of(
     }
 }
 
-/// Checks that every output of `items` answers a call resent with it or an
-/// open one of `events`, the history of session `s` the items would follow
-/// (a fork of `s` at their end shares them under the same ids), writing
-/// nothing.
-pub(crate) async fn check_calls(
-    state: &WebState,
-    s: SessionId,
-    events: &[Event],
-    items: &[Item],
-) -> Result<(), ApiError> {
-    if !items.iter().any(|i| matches!(i, Item::Output { .. })) {
-        return Ok(());
+/// What a stored response puts on its session's input, checked against
+/// the history it will follow before anything is written: a refusal
+/// leaves no item, no fork, no new session and no moved conversation.
+pub(crate) struct Input<'a> {
+    pub items: &'a [Item],
+    /// The system turn (instructions, tools) a session opens with when
+    /// nothing is on its input yet.
+    pub system: Option<(Option<&'a str>, &'a [String])>,
+}
+
+impl Input<'_> {
+    /// Checks the input against `events`, the history of session `s` it
+    /// would follow (a fork of `s` at their end shares them under the same
+    /// ids), or against an empty history for a new session (`s` None):
+    /// every output answers a call resent with it or an open one of the
+    /// history, and the input leaves room in the context for a token of
+    /// reply.
+    pub(crate) async fn check(
+        &self,
+        state: &WebState,
+        s: Option<SessionId>,
+        events: &[Event],
+    ) -> Result<(), ApiError> {
+        if self.items.iter().any(|i| matches!(i, Item::Output { .. })) {
+            let names = match s {
+                Some(s) => call_names(state, s).await?,
+                None => CallNames::own(0),
+            };
+            item_requests(names.session(), self.items, &names, &ledger_of(events))?;
+        }
+        self.check_fit(state, events)
     }
-    let names = call_names(state, s).await?;
-    item_requests(s, items, &names, &ledger_of(events)).map(|_| ())
+
+    /// The input rendered after `events` as the session will render it,
+    /// with the assistant header a generation opens with, must be shorter
+    /// than the context: the session would refuse the generation only
+    /// after the input was written (a 503, and the input left in a
+    /// conversation for every later response to fail on).
+    fn check_fit(&self, state: &WebState, events: &[Event]) -> Result<(), ApiError> {
+        let messages = self
+            .items
+            .iter()
+            .map(|item| {
+                Ok(match item {
+                    Item::Message { role, text } => ChatMessage {
+                        role: *role,
+                        content: text.clone(),
+                    },
+                    Item::Call(c) => ChatMessage {
+                        role: Role::Assistant,
+                        content: call_text(c).map_err(|e| bad(e.to_string()))?,
+                    },
+                    Item::Output { output, .. } => ChatMessage {
+                        role: Role::Tool,
+                        content: output.clone(),
+                    },
+                })
+            })
+            .collect::<Result<Vec<_>, ApiError>>()?;
+        let render = state.m().shared.render.as_ref();
+        let tokens = input_after(events, self.system, &messages, render)
+            .map_err(|e| bad(format!("the input cannot be rendered: {}", e.0)))?;
+        super::budget(state, F, tokens, None, "max_output_tokens")
+            .map(|_| ())
+            .map_err(|e| e.with_param("input"))
+    }
 }
 
 /// Appends `items` to session `s` (see [`item_requests`]): nothing is
@@ -1398,6 +1451,12 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
         return Err(bad("input must hold at least one item"));
     }
     check_outputs(&items)?;
+    let tool_texts: Vec<String> = chat_tools.iter().map(Value::to_string).collect();
+    let input = Input {
+        items: &items,
+        system: (r.instructions.is_some() || !chat_tools.is_empty())
+            .then_some((r.instructions.as_deref(), tool_texts.as_slice())),
+    };
     // Where the response runs: a fork of the previous response, a
     // conversation's session, or a new session.
     let mut changes = None;
@@ -1409,8 +1468,10 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
             let end = Stored::locate(&events, pstart)
                 .ok_or_else(|| not_found("response", prev).with_param("previous_response_id"))?
                 .end;
-            // Every output's call, before the fork is made.
-            check_calls(state, ps, &events[..end as usize], &items).await?;
+            // Before the fork is made.
+            input
+                .check(state, Some(ps), &events[..end as usize])
+                .await?;
             let s = created(
                 state,
                 Request::Fork {
@@ -1426,12 +1487,10 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
             // Held until the generation is asked for (below), so the next
             // change to this conversation sees it in progress.
             changes = Some(super::conversations::CHANGES.lock().await);
-            super::conversations::session_for(state, conv, p, &items).await?
+            super::conversations::session_for(state, conv, p, &input).await?
         }
         (None, None) => {
-            // A new session holds no call: an output answers one resent
-            // with it, or the request is refused before the session is made.
-            item_requests(0, &items, &CallNames::own(0), &[])?;
+            input.check(state, None, &[]).await?;
             (create_session(state, p).await?, 0)
         }
     };
@@ -1446,7 +1505,7 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
             Request::AppendSystem {
                 session: s,
                 text: r.instructions.clone(),
-                tools: chat_tools.iter().map(Value::to_string).collect(),
+                tools: tool_texts.clone(),
             },
         )
         .await

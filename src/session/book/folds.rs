@@ -4,6 +4,7 @@
 
 use super::{ChatMessage, SessionBook, SessionError};
 use crate::session::turn::ends_turn;
+use crate::session::{Render, RenderError};
 use crate::wire::worker::MediaSpan;
 use crate::wire::{
     Channel, Event, EventId, LedgerEntry, LedgerStatus, QosClass, Record, Role, SessionId, Token,
@@ -251,6 +252,37 @@ pub(super) fn declared_tools(events: &[Event]) -> Vec<String> {
             _ => None,
         })
         .unwrap_or_default()
+}
+
+/// The tokens on a session's input after `events` once `messages` are
+/// appended and a generation opens, each rendered as the session will
+/// (`AppendMessage`, `AppendToolResult`, then the `GenerationPrompt`):
+/// what `plan_generation` weighs against the context, for a caller that
+/// refuses what cannot fit before writing anything. `system` (text and
+/// tools) is the opening system turn, appended first when nothing is on
+/// the input yet, as `AppendSystem` is refused after input.
+pub fn input_after(
+    events: &[Event],
+    system: Option<(Option<&str>, &[String])>,
+    messages: &[ChatMessage],
+    render: &dyn Render,
+) -> Result<usize, RenderError> {
+    let mut tokens = events.iter().map(|e| e.body.span().len()).sum::<usize>();
+    let mut history = chat_messages(events);
+    let mut tools = declared_tools(events);
+    if let Some((text, declared)) = system.filter(|_| tokens == 0) {
+        tokens += render.system_span(text, declared)?.len();
+        history.push(ChatMessage {
+            role: Role::System,
+            content: text.unwrap_or_default().to_owned(),
+        });
+        tools = declared.to_vec();
+    }
+    for m in messages {
+        tokens += render.message_span(&history, &tools, m, tokens == 0)?.len();
+        history.push(m.clone());
+    }
+    Ok(tokens + render.generation_prompt_span(&history, &tools)?.len())
 }
 
 /// Every ToolUse of `events` (a session's, in order) with how it stands:

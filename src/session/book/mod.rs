@@ -32,7 +32,7 @@ mod plan_tools;
 mod view;
 
 pub use apply::ApplyError;
-pub use folds::{ledger_of, output_schema_of, tool_choice_of, TurnState};
+pub use folds::{input_after, ledger_of, output_schema_of, tool_choice_of, TurnState};
 pub use plan_generation::GenerationPlan;
 pub use view::Owned;
 use view::ViewRange;

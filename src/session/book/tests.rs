@@ -1226,3 +1226,49 @@ fn the_finish_rule() {
     assert_eq!(reported_finish(Finish::EndOfTurn, true), Finish::Grammar);
     assert_eq!(reported_finish(Finish::EndOfTurn, false), Finish::EndOfTurn);
 }
+
+#[test]
+fn input_after_counts_what_the_appends_and_the_header_put_on_the_input() {
+    let mut b = SessionBook::new();
+    let s = create(&mut b);
+    let tools = vec!["{\"name\":\"f\"}".to_string()];
+    let hi = ChatMessage {
+        role: Role::User,
+        content: "hi".into(),
+    };
+    let system = Some((Some("be brief"), tools.as_slice()));
+    let counted = input_after(
+        &b.read(s, 0).unwrap(),
+        system,
+        &[hi.clone(), hi.clone()],
+        &Bytes,
+    );
+    commit!(
+        b,
+        b.plan_system(s, Some("be brief".into()), tools.clone(), &Bytes, 1)
+    );
+    say(&mut b, s, "hi");
+    say(&mut b, s, "hi");
+    let plan = b
+        .plan_generation(s, 1, N_CTX, &Bytes, &any_schema, 30)
+        .unwrap();
+    assert_eq!(counted.unwrap(), plan.prompt.len());
+    // With input on the session, the system turn is not appended again.
+    let more = input_after(
+        &b.read(s, 0).unwrap(),
+        system,
+        std::slice::from_ref(&hi),
+        &Bytes,
+    )
+    .unwrap();
+    let span = Bytes.message_span(&[], &[], &hi, false).unwrap();
+    assert_eq!(more, plan.prompt.len() + span.len());
+    // The first message of a bare session renders as the first.
+    let t = create(&mut b);
+    let counted = input_after(&b.read(t, 0).unwrap(), None, &[hi], &Bytes).unwrap();
+    say(&mut b, t, "hi");
+    let plan = b
+        .plan_generation(t, 1, N_CTX, &Bytes, &any_schema, 30)
+        .unwrap();
+    assert_eq!(counted, plan.prompt.len());
+}
