@@ -34,7 +34,9 @@ fn parse_conv(id: &str) -> Option<SessionId> {
     id.strip_prefix("conv_")?.parse().ok()
 }
 
-fn check_metadata(m: &Value) -> Result<(), ApiError> {
+/// OpenAI's metadata caps (16 pairs, keys of 64 and string values of 512
+/// characters), for a conversation's and a response's `metadata`.
+pub(crate) fn check_metadata(m: &Value) -> Result<(), ApiError> {
     let bad = |s: String| ApiError::invalid(F, s).with_param("metadata");
     let Some(o) = m.as_object() else {
         return Err(bad("metadata must be an object".into()));

@@ -1379,6 +1379,9 @@ fn conversation_arg(v: &Value) -> Result<String, ApiError> {
 async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiError> {
     check_model(state, F, &r.model)?;
     check_lane(state, F)?;
+    if let Some(m) = &r.metadata {
+        super::conversations::check_metadata(m)?;
+    }
     let items = items(r.input.as_ref())?;
     let tools = r.tools.as_deref().unwrap_or_default();
     if tools.len() > MAX_TOOLS {

@@ -1,0 +1,98 @@
+"""The caps of the compatible routes (docs/compat.md): one request over each
+is a 400 in the route's own error shape naming the cap (and, on OpenAI's
+routes, the field), checked before any work, so nothing reaches the log.
+Removing any of the checks (src/http/compat/chat.rs `check`, openai.rs
+`choices`, the Responses route's tool count and metadata) fails this
+test."""
+
+import json
+import os
+
+import pytest
+
+from compat import KEY, raw
+
+EXTRA_ARGS = ["--api-key", KEY]
+AUTH = {"Authorization": "Bearer " + KEY}
+
+
+def turns(n):
+    """n messages, user and assistant in turn, ending with the user's."""
+    roles = ["user", "assistant"]
+    return [{"role": roles[(n - 1 - i) % 2], "content": "x"} for i in range(n)]
+
+
+def oai_tool(i):
+    return {"type": "function", "function": {"name": "t%d" % i, "parameters": {"type": "object"}}}
+
+
+CASES = [
+    # (id, path, body, family, OpenAI param, what the message names)
+    ("chat 513 messages", "/v1/chat/completions",
+     {"model": "default", "messages": turns(513), "max_tokens": 4}, "openai", "messages", "512"),
+    ("chat 129 tools", "/v1/chat/completions",
+     {"model": "default", "messages": turns(1), "max_tokens": 4,
+      "tools": [oai_tool(i) for i in range(129)]}, "openai", "tools", "128"),
+    ("chat n 17", "/v1/chat/completions",
+     {"model": "default", "messages": turns(1), "max_tokens": 4, "n": 17}, "openai", "n", "16"),
+    ("messages 513", "/v1/messages",
+     {"model": "default", "max_tokens": 4, "messages": turns(513)}, "anthropic", None, "512"),
+    ("messages 129 tools", "/v1/messages",
+     {"model": "default", "max_tokens": 4, "messages": turns(1),
+      "tools": [{"name": "t%d" % i, "input_schema": {"type": "object"}} for i in range(129)]},
+     "anthropic", None, "128"),
+    ("ollama chat 513", "/api/chat",
+     {"model": "default", "messages": turns(513), "stream": False}, "ollama", None, "512"),
+    ("ollama chat 129 tools", "/api/chat",
+     {"model": "default", "messages": turns(1), "stream": False,
+      "tools": [oai_tool(i) for i in range(129)]}, "ollama", None, "128"),
+    ("responses 129 tools", "/v1/responses",
+     {"model": "default", "input": "x", "max_output_tokens": 16,
+      "tools": [{"type": "function", "name": "t%d" % i, "parameters": {"type": "object"}}
+                for i in range(129)]}, "openai", "tools", "128"),
+    ("responses metadata 17 pairs", "/v1/responses",
+     {"model": "default", "input": "x", "max_output_tokens": 16,
+      "metadata": {"k%d" % i: "v" for i in range(17)}}, "openai", "metadata", "16"),
+    ("responses metadata value 513", "/v1/responses",
+     {"model": "default", "input": "x", "max_output_tokens": 16,
+      "metadata": {"k": "v" * 513}}, "openai", "metadata", "512"),
+]
+
+
+def wal_size(daemon):
+    return os.path.getsize(os.path.join(daemon.sessions, "wal.log"))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_one_over_each_cap_is_a_400_before_any_work(daemon, case):
+    _, path, body, family, param, cap = case
+    before = wal_size(daemon)
+    status, _, raw_body = raw(daemon, "POST", path, body, AUTH)
+    assert status == 400, (status, raw_body[:300])
+    reply = json.loads(raw_body)
+    if family == "openai":
+        err = reply["error"]
+        assert err["type"] == "invalid_request_error" and err["param"] == param, err
+        message = err["message"]
+    elif family == "anthropic":
+        assert reply["type"] == "error" and reply["error"]["type"] == "invalid_request_error", reply
+        message = reply["error"]["message"]
+    else:
+        message = reply["error"]
+        assert isinstance(message, str)
+    assert cap in message, message
+    assert wal_size(daemon) == before, "a refused request reached the log"
+
+
+def test_at_the_caps_the_requests_are_taken(daemon):
+    """The control: exactly at each cap the same requests are served."""
+    status, _, body = raw(daemon, "POST", "/v1/chat/completions",
+                          {"model": "default", "messages": turns(511), "max_tokens": 1}, AUTH)
+    assert status == 200, body[:300]
+    status, _, body = raw(daemon, "POST", "/v1/chat/completions",
+                          {"model": "default", "messages": turns(1), "max_tokens": 1, "n": 16}, AUTH)
+    assert status == 200 and len(json.loads(body)["choices"]) == 16, body[:300]
+    status, _, body = raw(daemon, "POST", "/v1/chat/completions",
+                          {"model": "default", "messages": turns(1), "max_tokens": 1,
+                           "tools": [oai_tool(i) for i in range(128)]}, AUTH)
+    assert status == 200, body[:300]
