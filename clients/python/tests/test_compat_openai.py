@@ -180,6 +180,15 @@ def test_logprobs_logit_bias_and_penalties(daemon):
         chat(c, "x", presence_penalty=3.0)
     cl = c.completions.create(model="default", prompt="The capital of France is", max_tokens=3, logprobs=2, **GREEDY)
     assert len(cl.choices[0].logprobs.tokens) == 3 and all(p <= 0 for p in cl.choices[0].logprobs.token_logprobs)
+    # Streamed, the same logprobs come a token to a chunk, offsets running on.
+    chunks = list(c.completions.create(model="default", prompt="The capital of France is", max_tokens=3,
+                                       logprobs=2, stream=True, **GREEDY))
+    lps = [ch.choices[0].logprobs for ch in chunks if ch.choices and ch.choices[0].logprobs]
+    assert [t for lp in lps for t in lp.tokens] == cl.choices[0].logprobs.tokens
+    assert [o for lp in lps for o in lp.text_offset] == cl.choices[0].logprobs.text_offset
+    assert all(len(top) == 2 for lp in lps for top in lp.top_logprobs)
+    streamed = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert streamed == cl.choices[0].text
 
 
 def test_suffix_without_fim_tokens_is_a_clear_400(daemon):

@@ -425,7 +425,13 @@ fn logprob_json(lp: &Logprob) -> Value {
 
 /// The legacy completion's `logprobs` object.
 fn completion_logprobs(lps: &[Logprob]) -> Value {
-    let mut offset = 0usize;
+    completion_logprobs_at(lps, 0)
+}
+
+/// The same for tokens whose text starts `start` bytes into the choice's
+/// text (a streamed chunk's).
+fn completion_logprobs_at(lps: &[Logprob], start: usize) -> Value {
+    let mut offset = start;
     let mut offsets = Vec::new();
     for lp in lps {
         offsets.push(offset);
@@ -916,6 +922,8 @@ async fn stream_completion(
     mut access: Access,
 ) {
     let data = |v: &Value| super::sse(None, v);
+    // Each choice's text so far, in bytes: its next token's text_offset.
+    let mut offsets = vec![0usize; runs.len()];
     let mut merged =
         futures_util::stream::select_all(runs.into_iter().enumerate().map(|(i, rx)| {
             futures_util::stream::unfold(
@@ -929,7 +937,21 @@ async fn stream_completion(
     while let Some((i, o)) = merged.next().await {
         let (text, reason) = match o {
             Out::Text { text, .. } => (text, Value::Null),
-            Out::Call { .. } | Out::Logprob(_) => continue,
+            Out::Call { .. } => continue,
+            // A token's logprobs in a chunk of their own, before the text
+            // they are part of (as the chat route sends them).
+            Out::Logprob(lp) => {
+                let lps = completion_logprobs_at(std::slice::from_ref(&lp), offsets[i]);
+                offsets[i] += lp.token.len();
+                let c = head.chunk(
+                    json!([{"index": i, "text": "", "logprobs": lps, "finish_reason": null}]),
+                );
+                if tx.send(data(&c)).await.is_err() {
+                    access.log(499);
+                    return;
+                }
+                continue;
+            }
             Out::Ended { end, generated: g } => {
                 generated += u64::from(g);
                 let r = if end == End::MaxTokens {
