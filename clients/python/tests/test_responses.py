@@ -406,3 +406,24 @@ def test_dropped_stream_resumed_with_starting_after_then_cancelled(daemon):
     assert [key(e) for e in c.responses.retrieve(rid, stream=True)] == [key(e) for e in got]
     with pytest.raises(openai.NotFoundError):
         list(c.responses.retrieve("resp_999999_0", stream=True))
+
+
+def test_a_response_cut_by_sigkill_reads_back_cancelled_not_in_progress(daemon):
+    c = oai(daemon)
+    fmt = {"format": {"type": "json_schema", "name": "digits", "schema": DIGITS}}
+    s = c.responses.create(model="default", input="Write digits.", text=fmt, max_output_tokens=3000,
+                           temperature=0, stream=True)
+    it = iter(s)
+    seen = [next(it) for _ in range(8)]
+    rid = seen[0].response.id
+    assert c.responses.retrieve(rid).status == "in_progress"
+    daemon.restart()  # SIGKILL mid-generation, then start on the same dir
+    c = oai(daemon)
+    back = c.responses.retrieve(rid)
+    # Nothing is generating it any more: it reads as cut, with what was kept.
+    assert back.status == "cancelled", back.status
+    text = back.output_text
+    assert text.startswith("["), text
+    replay = list(c.responses.retrieve(rid, stream=True))
+    assert replay[-1].response.status == "cancelled"
+    assert "".join(e.delta for e in replay if e.type == "response.output_text.delta") == text
