@@ -297,11 +297,13 @@ fn receiver() -> (String, std::sync::mpsc::Receiver<(String, String)>) {
             }
             let mut body = vec![0; len];
             reader.read_exact(&mut body).unwrap();
-            let _ = stream
-                .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}");
+            // Queued before the reply, so an exporter that has its answer
+            // (and may exit) has every body it sent counted.
             if tx.send((head, String::from_utf8(body).unwrap())).is_err() {
                 return;
             }
+            let _ = stream
+                .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}");
         }
     });
     (url, rx)

@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use superfluid::frontend::socket::Client;
-use superfluid::wire::{Request, Response, SessionId};
+use superfluid::wire::{Record, Request, Response, SessionId};
 
 use crate::util::{created, params, TestDaemon};
 
@@ -305,7 +305,13 @@ fn soak_generating_sessions_subscribers_appends_and_forks() {
                 }) {
                     Ok(Response::Created { session }) => {
                         match c.call(&Request::Read { session, cursor: 0 }) {
-                            Ok(Response::Events { events }) if events.len() as u64 >= at => {}
+                            // The parent's events 0..at, then the fork's header.
+                            Ok(Response::Events { events })
+                                if events.len() as u64 == at + 1
+                                    && matches!(
+                                        events.last().map(|e| &e.body),
+                                        Some(Record::Forked { fork_at, .. }) if *fork_at == at
+                                    ) => {}
                             other => failures
                                 .lock()
                                 .unwrap()
