@@ -101,7 +101,7 @@ impl SchedulerState {
     /// unprotected before protected; within each, cached prefixes of
     /// generations without a session before sessions' sequences; then
     /// least recently used first.
-    fn eviction_rank(&self, protected: &[bool], i: usize) -> (bool, bool, u64) {
+    pub(super) fn eviction_rank(&self, protected: &[bool], i: usize) -> (bool, bool, u64) {
         let s = &self.seqs[i];
         (protected[i], s.owner != Some(NO_SESSION), s.last_used)
     }

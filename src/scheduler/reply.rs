@@ -369,13 +369,25 @@ impl SchedulerState {
             // evicting anything for.
             return vec![];
         }
-        let idle: Vec<usize> = (0..self.seqs.len())
+        let mut idle: Vec<usize> = (0..self.seqs.len())
             .filter(|&i| self.seqs[i].active.is_none() && !self.seqs[i].resident.is_empty())
             .collect();
         if !idle.is_empty() {
+            // In eviction order (cached prefixes before sessions, least
+            // recently used first, pins last), only as many as the step's
+            // new tokens need by the cells they hold; a shared prefix frees
+            // less than that, and the next KvFull takes the next one.
             let protected = self.protected();
+            idle.sort_by_key(|&i| self.eviction_rank(&protected, i));
+            let need: usize = step.decode.iter().map(|d| d.tokens.len()).sum::<usize>()
+                + step.next.iter().map(|n| n.steps as usize).sum::<usize>();
+            let mut freed = 0;
             let mut ops = Vec::new();
             for i in idle {
+                if freed >= need.max(1) {
+                    break;
+                }
+                freed += self.seqs[i].resident.len();
                 self.spill_seq(i, protected[i], &mut ops);
                 ops.push(WorkerRequest::KvClear { seq: i as u32 });
                 self.seqs[i] = Seq::default();

@@ -510,6 +510,42 @@ fn a_full_cache_evicts_idle_sequences_then_ends_the_youngest() {
 }
 
 #[test]
+fn a_full_cache_evicts_idle_sequences_one_rank_at_a_time() {
+    let mut s = SchedulerState::new(4096, 4, 512).with_pin_budget_pct(50);
+    s.set_clock(1_000);
+    // Three idle sessions, the oldest first; the middle one pinned.
+    for session in 1..=3 {
+        s.admit(admit(session, &[session as Token; 8], 1)).unwrap();
+        run_to_end(&mut s);
+    }
+    assert_eq!(s.pin(2, 60_000), 60_000);
+    s.admit(admit(4, &[4; 8], 100)).unwrap();
+    let cleared = |step: &Step| -> Vec<u32> {
+        step.ops
+            .iter()
+            .filter_map(|op| match op {
+                WorkerRequest::KvClear { seq } => Some(*seq),
+                _ => None,
+            })
+            .collect()
+    };
+    let (step, _) = s.plan();
+    let mut step = step.unwrap();
+    // Each KvFull evicts one more (8 cells cover the step's tokens):
+    // the least recently used unpinned, the next one, the pinned one last.
+    let mut order = vec![];
+    for _ in 0..3 {
+        assert!(s.step_done(&step, Err(StepError::KvFull)).is_empty());
+        let (next, _) = s.plan();
+        step = next.unwrap();
+        let c = cleared(&step);
+        assert_eq!(c.len(), 1, "one eviction per KvFull: {c:?}");
+        order.extend(c);
+    }
+    assert_eq!(order, vec![0, 2, 1], "sessions 1, 3, then the pinned 2");
+}
+
+#[test]
 fn admission_waits_for_room_beside_running_sequences() {
     let mut s = SchedulerState::new(64, 2, 512);
     let a = s.admit(admit(1, &[1; 40], 100)).unwrap();
