@@ -42,10 +42,11 @@ fn generated_tokens(d: &TestDaemon, s: SessionId) -> usize {
         .sum()
 }
 
-/// Runs a 48-token class-0 generation beside an open-ended background one
+/// Runs a 96-token class-0 generation beside an open-ended background one
 /// on the same prompt (greedy, so both draw the same tokens); returns the
 /// tokens each drew while both generated: from the class-0 one's first
-/// committed chunk to its end.
+/// committed chunk to its end (96 tokens, so that window stays long when a
+/// loaded machine sees that first chunk late).
 fn race(d: &TestDaemon, divisor: u32) -> (usize, usize) {
     let mut c = d.client();
     assert!(matches!(
@@ -67,7 +68,7 @@ fn race(d: &TestDaemon, divisor: u32) -> (usize, usize) {
     let foreground = thread::spawn(move || {
         c.generate(&Request::Generate {
             session: fg,
-            max_tokens: 48,
+            max_tokens: 96,
         })
         .unwrap()
     });
@@ -79,7 +80,7 @@ fn race(d: &TestDaemon, divisor: u32) -> (usize, usize) {
         "{replies:?}"
     );
     let (fg1, bg1) = (generated_tokens(d, fg), generated_tokens(d, bg));
-    assert_eq!(fg1, 48, "the class-0 generation ended early");
+    assert_eq!(fg1, 96, "the class-0 generation ended early");
     // Cancelling (or Err when it already ended by itself).
     let _ = d.call(&Request::Cancel { session: bg });
     background.join().unwrap();
