@@ -89,6 +89,7 @@ impl StepOutput {
             return Err(StepError::NotRestored {
                 seqs: not_restored,
                 decoded,
+                spilled: out.spilled,
             });
         }
         match failure {
@@ -213,5 +214,68 @@ impl Pipeline {
             }
         }
         events
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn decoded() -> WorkerResponse {
+        WorkerResponse::Decoded {
+            drawn: vec![],
+            tokens: 3,
+            decode_us: 1,
+            refused: vec![],
+        }
+    }
+
+    fn not_restored(r: StepResult) -> (Vec<u32>, bool, Vec<(u64, u64)>) {
+        match r {
+            Err(StepError::NotRestored {
+                seqs,
+                decoded,
+                spilled,
+            }) => (seqs, decoded, spilled),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn failed_restores_are_read_with_the_whole_step() {
+        use WorkerResponse::{Done, NotRestored, Spilled};
+        // Every failed restore of the step, not the first only.
+        let r = StepOutput::from_replies(vec![
+            Done,
+            NotRestored { seq: 1 },
+            Spilled { key: 7, bytes: 70 },
+            NotRestored { seq: 2 },
+        ]);
+        assert_eq!(not_restored(r), (vec![1, 2], false, vec![(7, 70)]));
+        // A decode that went through beside one.
+        let r = StepOutput::from_replies(vec![NotRestored { seq: 1 }, decoded()]);
+        assert_eq!(not_restored(r), (vec![1], true, vec![]));
+        // A decode refused for it (its item on the emptied sequence): the
+        // restores are the step's failure, and the scheduler replans.
+        let r = StepOutput::from_replies(vec![
+            NotRestored { seq: 1 },
+            WorkerResponse::Err {
+                message: "item 0: sequence 1 holds positions 0..0".into(),
+            },
+        ]);
+        assert_eq!(not_restored(r), (vec![1], false, vec![]));
+        // Without a failed restore, the first failure is the step's.
+        let r = StepOutput::from_replies(vec![
+            WorkerResponse::Err {
+                message: "first".into(),
+            },
+            WorkerResponse::KvFull {
+                n_ctx: 1,
+                tokens: 2,
+            },
+        ]);
+        assert!(matches!(r, Err(StepError::Failed(m)) if m == "first"));
+        let r = StepOutput::from_replies(vec![Spilled { key: 1, bytes: 2 }, decoded()]).unwrap();
+        assert_eq!((r.spilled, r.tokens), (vec![(1, 2)], 3));
     }
 }

@@ -58,7 +58,12 @@ impl SchedulerState {
                     StepError::KvFull => self.kv_full(step),
                     StepError::Failed(message) => self.lane_failed(&step.gens, &message),
                     StepError::NotDelivered(message) => self.lane_failed(&[], &message),
-                    StepError::NotRestored { seqs, decoded } => {
+                    StepError::NotRestored {
+                        seqs,
+                        decoded,
+                        spilled,
+                    } => {
+                        self.note_spilled(&spilled);
                         self.not_restored(step, &seqs, decoded)
                     }
                 };
@@ -293,12 +298,15 @@ impl SchedulerState {
     /// Restores failed (the worker emptied their sequences): the
     /// generations on them prefill their prompts instead, on the next step.
     /// The step is taken as not run, so what the worker did beside the
-    /// failed restores is undone too: a copy (from a sequence that was not
-    /// restored, it was refused) and, when the decode went through
-    /// (`decoded`), every sequence it decoded on are cleared, and their
-    /// generations prefill again from the tokens they had.
+    /// failed restores is undone too: a copy into another sequence (from
+    /// one that was not restored, it was refused) is cleared, and its
+    /// generation told it starts cold; when the decode went through
+    /// (`decoded`), the tokens it added are trimmed off each sequence it
+    /// decoded on (the state still counts what they held before the step),
+    /// so those generations decode the same tokens again, nothing more.
     fn not_restored(&mut self, step: &Step, seqs: &[u32], decoded: bool) -> Vec<GenEvent> {
-        let mut touched: Vec<u32> = step
+        let mut events = Vec::new();
+        let copied: Vec<u32> = step
             .ops
             .iter()
             .filter_map(|op| match op {
@@ -306,24 +314,42 @@ impl SchedulerState {
                 _ => None,
             })
             .collect();
-        if decoded {
-            touched.extend(step.decode.iter().map(|i| i.seq));
-            touched.extend(step.next.iter().map(|n| n.seq));
-        }
-        for seq in touched {
+        for seq in copied {
             if seqs.contains(&seq) {
                 continue;
             }
             let Some(s) = self.seqs.get_mut(seq as usize) else {
                 continue;
             };
-            if !s.resident.is_empty() {
-                s.resident.clear();
-                s.last_draw = None;
-                self.pending_ops.push(WorkerRequest::KvClear { seq });
+            let n = s.resident.len() as u64;
+            s.resident.clear();
+            s.last_draw = None;
+            self.pending_ops.push(WorkerRequest::KvClear { seq });
+            self.stats.warm_tokens = self.stats.warm_tokens.saturating_sub(n);
+            if let Some(gen) = s.active {
+                events.push(GenEvent::Started {
+                    gen,
+                    warm_prefix: 0,
+                    evicted: 0,
+                });
             }
         }
-        let mut events = Vec::new();
+        if decoded {
+            let decoded_on = step
+                .decode
+                .iter()
+                .map(|i| i.seq)
+                .chain(step.next.iter().map(|n| n.seq));
+            for seq in decoded_on {
+                if seqs.contains(&seq) {
+                    continue;
+                }
+                if let Some(s) = self.seqs.get(seq as usize) {
+                    let from = s.resident.len() as u32;
+                    self.pending_ops.push(WorkerRequest::KvTrim { seq, from });
+                }
+            }
+        }
         for &seq in seqs {
             events.extend(self.not_restored_one(seq));
         }

@@ -694,10 +694,12 @@ impl FakeWorker {
             }
         }
         if !not_restored.is_empty() {
-            self.table.forget_draws();
+            // The worker keeps its draws (a failed restore is not a failed
+            // request); what decoded beside it is trimmed by the scheduler.
             return Err(StepError::NotRestored {
                 seqs: not_restored,
                 decoded,
+                spilled: self.spilled.clone(),
             });
         }
         if let Some(e) = first_err {
@@ -747,6 +749,7 @@ impl FakeWorker {
                             return Err(StepError::NotRestored {
                                 seqs: vec![*seq],
                                 decoded: false,
+                                spilled: vec![],
                             })
                         }
                     }
@@ -785,6 +788,7 @@ impl FakeWorker {
                             return Err(StepError::NotRestored {
                                 seqs: vec![*seq],
                                 decoded: false,
+                                spilled: vec![],
                             })
                         }
                     }
@@ -1664,6 +1668,17 @@ fn restores_that_fail_together_or_beside_a_decode_only_prefill() {
             assert!(finish_of(&events, *g).is_some(), "{events:?}");
             assert_eq!(tokens_of(&events, *g), tokens_of(&eb, *gb));
         }
+        // Only what the failed restores were to bring back is prefilled
+        // again: a generation decoding beside them is not rebuilt.
+        let restored: u64 = gb[gb.len() - 2..]
+            .iter()
+            .map(|g| warm_of(&eb, *g).unwrap())
+            .sum();
+        assert_eq!(
+            s.stats().prefilled_tokens,
+            big.stats().prefilled_tokens + restored,
+            "foreground {foreground} {class:?}"
+        );
     }
 }
 
