@@ -50,6 +50,9 @@ use crate::wire::{from_postcard, read_frame, to_postcard};
 const RESPAWN_DELAY_MS: u64 = 100;
 /// The longest wait between respawns.
 const RESPAWN_DELAY_MAX_MS: u64 = 5_000;
+/// Failed starts in a row after which the requests held for a worker fail
+/// (a passing error: no file descriptors, no memory for the fork).
+const SPAWN_TRIES: u32 = 3;
 /// How often the lane looks for a step past its deadline, and whether its
 /// idle model's keep-alive ran out.
 const DEADLINE_CHECK: Duration = Duration::from_millis(250);
@@ -695,12 +698,8 @@ impl LaneActor {
             Ok(c) => c,
             Err(e) => {
                 log::error!("cannot start the worker: {e}");
-                // What waits for this worker would otherwise wait for as
-                // long as the respawns fail.
-                self.fail_held(&LaneError::CouldNotStart(format!(
-                    "{}: {e}",
-                    self.config.exe.display()
-                )));
+                let why = format!("{}: {e}", self.config.exe.display());
+                self.spawn_failed(&e, why);
                 self.schedule_respawn(ctx);
                 return;
             }
@@ -726,7 +725,7 @@ impl LaneActor {
                 log::error!("cannot set up the worker's pipes: {e}");
                 let _ = child.kill();
                 let _ = child.wait();
-                self.fail_held(&LaneError::CouldNotStart(format!("its pipes: {e}")));
+                self.spawn_failed(&e, format!("its pipes: {e}"));
                 self.schedule_respawn(ctx);
                 return;
             }
@@ -758,7 +757,7 @@ impl LaneActor {
                 log::error!("cannot set up the worker's stderr: {e}");
                 let _ = child.kill();
                 let _ = child.wait();
-                self.fail_held(&LaneError::CouldNotStart(format!("its stderr: {e}")));
+                self.spawn_failed(&e, format!("its stderr: {e}"));
                 self.schedule_respawn(ctx);
                 return;
             }
@@ -945,6 +944,26 @@ impl LaneActor {
                 self.first_config = Some(config.clone());
                 Ok(())
             }
+        }
+    }
+
+    /// A worker could not be started. What waits for it would otherwise
+    /// wait for as long as the respawns fail: it fails, saying why, when
+    /// the error will not pass (the binary is gone or not executable) or
+    /// has not passed [`SPAWN_TRIES`] times in a row; before that it is
+    /// handed back undelivered, and runs on the next worker (a generation
+    /// that has drawn nothing sees only the delay).
+    fn spawn_failed(&mut self, e: &std::io::Error, why: String) {
+        let lasting = matches!(
+            e.kind(),
+            std::io::ErrorKind::NotFound | std::io::ErrorKind::PermissionDenied
+        );
+        if lasting || self.failures_in_a_row + 1 >= SPAWN_TRIES {
+            self.fail_held(&LaneError::CouldNotStart(why));
+        } else {
+            self.fail_held(&LaneError::NotDelivered(format!(
+                "the worker could not start ({why}); trying again"
+            )));
         }
     }
 
