@@ -100,13 +100,20 @@ impl SessionBook {
         }
         let opening = match state {
             TurnState::Open { .. } => {
-                // The epoch of the turn's last output, not of a fork's
-                // header after it: a fork made now of a turn cut before the
-                // restart is rebuilt by prefill too.
-                let last = events
-                    .iter()
-                    .rev()
-                    .find(|e| !matches!(e.body, Record::Forked { .. } | Record::Rebased { .. }));
+                // The epoch of the turn's last output, not of a record after
+                // it that puts nothing on the input (a fork's header, a QoS,
+                // tool choice or output format set since): a fork made now
+                // of a turn cut before the restart is rebuilt by prefill too.
+                let last = events.iter().rev().find(|e| {
+                    !matches!(
+                        e.body,
+                        Record::Forked { .. }
+                            | Record::Rebased { .. }
+                            | Record::Qos { .. }
+                            | Record::ToolChoice { .. }
+                            | Record::OutputFormat { .. }
+                    )
+                });
                 let stale = last.map_or(0, |e| e.epoch) < self.epoch;
                 stale.then(|| self.planned_event(s, sess.len, now, Record::EpochBump))
             }

@@ -1082,6 +1082,13 @@ fn a_fork_trim_or_rebase_of_a_cut_reply_continues_it() {
         Some(Record::EpochBump),
         "a fork of a turn cut before the restart"
     );
+    // Nor does a QoS set after the restart hide the turn's epoch.
+    commit!(b, b.plan_qos(s, 2, false, 60));
+    assert_eq!(
+        plan(&b, s, &Bytes).opening.map(|o| o.event.body),
+        Some(Record::EpochBump),
+        "a QoS record after the restart"
+    );
 }
 
 #[test]
