@@ -87,7 +87,7 @@ def test_one_over_each_cap_is_a_400_before_any_work(daemon, case):
 def test_at_the_caps_the_requests_are_taken(daemon):
     """The control: exactly at each cap the same requests are served."""
     status, _, body = raw(daemon, "POST", "/v1/chat/completions",
-                          {"model": "default", "messages": turns(511), "max_tokens": 1}, AUTH)
+                          {"model": "default", "messages": turns(512), "max_tokens": 1}, AUTH)
     assert status == 200, body[:300]
     status, _, body = raw(daemon, "POST", "/v1/chat/completions",
                           {"model": "default", "messages": turns(1), "max_tokens": 1, "n": 16}, AUTH)
