@@ -81,10 +81,16 @@ pub fn png_of(w: u32, h: u32, pixel: impl Fn(u32, u32) -> [u8; 3]) -> Vec<u8> {
 }
 
 pub fn vision_daemon() -> TestDaemon {
+    vision_daemon_with(&[])
+}
+
+/// The vision daemon with more `serve` flags.
+fn vision_daemon_with(extra: &[&str]) -> TestDaemon {
     let mut d = TestDaemon::new();
     d.model = derived_model("SmolLM2-135M-vision.gguf");
     let mmproj = derived_model("mmproj-SmolLM2-135M-vision.gguf");
     d.extra_args = vec!["--mmproj".into(), mmproj.display().to_string()];
+    d.extra_args.extend(extra.iter().map(|a| a.to_string()));
     d.spawn_and_wait();
     d
 }
@@ -314,16 +320,7 @@ fn images_are_refused_clearly_and_a_flipped_blob_never_reaches_the_model() {
 /// the worker (and every generation beside it).
 #[test]
 fn a_flipped_blob_in_a_prefill_chunk_fails_only_its_own_generation() {
-    let mut d = TestDaemon::new();
-    d.model = derived_model("SmolLM2-135M-vision.gguf");
-    let mmproj = derived_model("mmproj-SmolLM2-135M-vision.gguf");
-    d.extra_args = vec![
-        "--mmproj".into(),
-        mmproj.display().to_string(),
-        "--batch".into(),
-        "16".into(),
-    ];
-    d.spawn_and_wait();
+    let d = vision_daemon_with(&["--batch", "16"]);
     let mut c = d.client();
     let s = d.create(&mut c);
     let blob = put(&mut c, &png(20, 20, 9));
@@ -434,15 +431,7 @@ fn gc_media_keeps_the_blobs_live_sessions_reference_until_they_are_purged() {
 
 #[test]
 fn an_image_session_is_never_parked_and_its_fork_encodes_the_image_again() {
-    let mut d = TestDaemon::new();
-    d.model = derived_model("SmolLM2-135M-vision.gguf");
-    let mmproj = derived_model("mmproj-SmolLM2-135M-vision.gguf");
-    d.extra_args = vec![
-        "--mmproj".into(),
-        mmproj.display().to_string(),
-        "--park".into(),
-    ];
-    d.spawn_and_wait();
+    let d = vision_daemon_with(&["--park"]);
     let mut c = d.client();
     let blob = put(&mut c, &png(24, 24, 7));
     let s = d.create(&mut c);
