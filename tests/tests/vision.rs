@@ -282,11 +282,7 @@ fn images_are_refused_clearly_and_a_flipped_blob_never_reaches_the_model() {
         Response::Committed { .. } => {}
         other => panic!("AppendImage: {other:?}"),
     }
-    let path = d.sessions.join("media").join(&blob);
-    let mut bytes = std::fs::read(&path).unwrap();
-    let last = bytes.len() - 20;
-    bytes[last] ^= 0x40;
-    std::fs::write(&path, &bytes).unwrap();
+    flip_a_bit(&d, &blob);
     let (_, err) = generate(&mut c, s, 4);
     let err = err.expect("the generation on a flipped blob fails");
     assert!(err.contains("no longer matches its hash"), "{err}");
@@ -339,11 +335,7 @@ fn a_flipped_blob_in_a_prefill_chunk_fails_only_its_own_generation() {
         Response::Committed { .. } => {}
         other => panic!("AppendImage: {other:?}"),
     }
-    let path = d.sessions.join("media").join(&blob);
-    let mut bytes = std::fs::read(&path).unwrap();
-    let last = bytes.len() - 20;
-    bytes[last] ^= 0x40;
-    std::fs::write(&path, &bytes).unwrap();
+    flip_a_bit(&d, &blob);
     let worker = crate::generate::worker_pid(d.pid());
     let (_, err) = generate(&mut c, s, 4);
     let err = err.expect("the generation on a flipped blob fails");
@@ -360,6 +352,15 @@ fn a_flipped_blob_in_a_prefill_chunk_fails_only_its_own_generation() {
         text: "Hello".into(),
     });
     assert_eq!(generate(&mut c, other, 4).1, None);
+}
+
+/// Flips a bit near the end of a stored blob (after it was appended).
+fn flip_a_bit(d: &TestDaemon, blob: &str) {
+    let path = d.sessions.join("media").join(blob);
+    let mut bytes = std::fs::read(&path).unwrap();
+    let last = bytes.len() - 20;
+    bytes[last] ^= 0x40;
+    std::fs::write(&path, &bytes).unwrap();
 }
 
 fn append_image_req(s: SessionId, blob: &str) -> Request {
