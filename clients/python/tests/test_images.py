@@ -177,3 +177,31 @@ def test_ollama_chat_images(daemon):
     with pytest.raises(ollama.ResponseError) as e:
         ask(b"this is not an image")
     assert "not a PNG" in str(e.value)
+
+
+def test_a_request_over_the_message_cap_stores_none_of_its_images(daemon):
+    """The message cap is checked before any image is stored or laid out."""
+    media = os.path.join(daemon.sessions, "media")
+    before = set(os.listdir(media)) if os.path.isdir(media) else set()
+    pixels = [png(12, 12, (i, 255 - i, 7)) for i in range(3)]
+    uri = "data:image/png;base64,"
+    filler = [{"role": r, "content": "x"} for _ in range(256) for r in ("user", "assistant")]
+    with pytest.raises(openai.BadRequestError) as e:
+        oai(daemon).chat.completions.create(model="default", max_tokens=4, messages=filler + [
+            {"role": "user", "content": [{"type": "text", "text": "what is this?"}] + [
+                {"type": "image_url", "image_url": {"url": uri + base64.b64encode(p).decode()}}
+                for p in pixels]}])
+    assert "512" in str(e.value) and e.value.param == "messages"
+    with pytest.raises(anthropic.BadRequestError) as e:
+        ant(daemon).messages.create(model="default", max_tokens=4, messages=filler + [
+            {"role": "user", "content": [
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                             "data": base64.b64encode(p).decode()}} for p in pixels]}])
+    assert "512" in str(e.value)
+    client = ollama.Client(host=daemon.url, headers={"Authorization": "Bearer " + KEY})
+    with pytest.raises(ollama.ResponseError) as e:
+        client.chat(model="SmolLM2-135M-vision", messages=filler + [
+            {"role": "user", "content": "what is this?", "images": pixels}])
+    assert "512" in str(e.value)
+    after = set(os.listdir(media)) if os.path.isdir(media) else set()
+    assert after == before, "a refused request stored images"

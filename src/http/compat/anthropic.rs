@@ -99,6 +99,7 @@ fn image_data(b: &Value) -> Option<&str> {
 /// source; a `url` source is refused: the daemon makes no outbound
 /// requests), stored and laid out.
 async fn resolve_images(state: &WebState, messages: &[Value]) -> Result<Resolved, ApiError> {
+    super::chat::check_count(messages.len()).map_err(|e| super::chat_error(F, e))?;
     let mut sources = Vec::new();
     for m in messages {
         for b in m

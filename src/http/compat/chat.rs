@@ -96,6 +96,18 @@ pub fn call_text(call: &Call) -> Result<String, ChatError> {
     Ok(format!("{open}\n{body}\n{close}"))
 }
 
+/// The message cap alone, on a request's messages as sent: the routes
+/// check it before any of their images is stored or laid out.
+pub fn check_count(n: usize) -> Result<(), ChatError> {
+    if n > MAX_MESSAGES {
+        return Err(ChatError::TooManyMessages {
+            got: n,
+            max: MAX_MESSAGES,
+        });
+    }
+    Ok(())
+}
+
 /// Checks the shape of a conversation before any rendering: its size, and
 /// that each tool result answers a call made before it.
 pub fn check(msgs: &[Msg], tools: usize) -> Result<(), ChatError> {

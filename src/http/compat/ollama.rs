@@ -199,6 +199,7 @@ fn no_images() -> ApiError {
 /// The images of a chat's messages (base64 strings, their type sniffed),
 /// stored and laid out.
 async fn resolve_images(state: &WebState, messages: &[Value]) -> Result<Resolved, ApiError> {
+    super::chat::check_count(messages.len()).map_err(|e| super::chat_error(F, e))?;
     let mut sources = Vec::new();
     for m in messages {
         for data in m

@@ -143,6 +143,7 @@ pub(crate) async fn resolve_images(
     state: &WebState,
     messages: &[Value],
 ) -> Result<Resolved, ApiError> {
+    super::chat::check_count(messages.len()).map_err(|e| chat_error(F, e))?;
     let mut sources = Vec::new();
     for m in messages {
         for p in m
