@@ -612,15 +612,16 @@ impl Input<'_> {
             };
             item_requests(names.session(), self.items, &names, &ledger_of(events))?;
         }
-        self.check_fit(state, events)
+        self.check_fit(state, events).await
     }
 
     /// The input rendered after `events` as the session will render it,
     /// with the assistant header a generation opens with, must be shorter
     /// than the context: the session would refuse the generation only
     /// after the input was written (a 503, and the input left in a
-    /// conversation for every later response to fail on).
-    fn check_fit(&self, state: &WebState, events: &[Event]) -> Result<(), ApiError> {
+    /// conversation for every later response to fail on). The render of
+    /// the history runs on a render thread, not the HTTP worker.
+    async fn check_fit(&self, state: &WebState, events: &[Event]) -> Result<(), ApiError> {
         let messages = self
             .items
             .iter()
@@ -641,9 +642,20 @@ impl Input<'_> {
                 })
             })
             .collect::<Result<Vec<_>, ApiError>>()?;
-        let render = state.m().shared.render.as_ref();
-        let tokens = input_after(events, self.system, &messages, render)
-            .map_err(|e| bad(format!("the input cannot be rendered: {}", e.0)))?;
+        let render = state.m().shared.render.clone();
+        let events = events.to_vec();
+        let system = self
+            .system
+            .map(|(text, tools)| (text.map(str::to_string), tools.to_vec()));
+        let tokens = crate::actors::render_pool::run(move || {
+            let system = system
+                .as_ref()
+                .map(|(text, tools)| (text.as_deref(), tools.as_slice()));
+            input_after(&events, system, &messages, render.as_ref())
+        })
+        .await
+        .ok_or_else(|| bad("the input could not be rendered (no render thread)"))?
+        .map_err(|e| bad(format!("the input cannot be rendered: {}", e.0)))?;
         super::budget(state, F, tokens, None, "max_output_tokens")
             .map(|_| ())
             .map_err(|e| e.with_param("input"))
