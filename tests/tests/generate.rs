@@ -392,23 +392,10 @@ fn a_worker_on_a_swapped_model_file_is_refused() {
     unsafe { libc::kill(worker_pid(d.pid()) as i32, libc::SIGKILL) };
     // Until the new worker is refused, a request can still meet the dead
     // one ("the worker died"); none may generate.
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        let (_, last) = generate(&mut c, s, 4);
-        let Response::Err { message } = &last else {
-            panic!("a worker on another vocabulary generated: {last:?}");
-        };
-        if message.contains("changed since the daemon started") {
-            assert!(message.contains("model.gguf"), "{message}");
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "never refused: {message}\n{}",
-            d.stderr()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let message = until_err_with(&d, "changed since the daemon started", || {
+        generate(&mut c, s, 4).1
+    });
+    assert!(message.contains("model.gguf"), "{message}");
     assert_eq!(
         outputs(&d.read_all(s)),
         before,
@@ -1001,27 +988,35 @@ fn a_worker_that_cannot_be_respawned_fails_what_waits_for_it() {
     unsafe { libc::kill(worker_pid(d.pid()) as i32, libc::SIGKILL) };
     // Until the lane has seen the death a request can meet the dead worker
     // ("the worker died"); then the respawn fails, and so must what waits.
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    loop {
+    let message = until_err_with(&d, "the worker could not start", || {
         let socket = d.socket.clone();
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             let mut c = Client::connect(&socket).expect("connecting");
             let _ = tx.send(generate(&mut c, s, 4).1);
         });
-        let last = rx
-            .recv_timeout(Duration::from_secs(30))
-            .expect("a Generate waited 30 s for a worker that cannot start");
-        let Response::Err { message } = &last else {
-            panic!("generated without a worker: {last:?}");
+        rx.recv_timeout(Duration::from_secs(30))
+            .expect("a Generate waited 30 s for a worker that cannot start")
+    });
+    assert!(message.contains("superfluid-copy"), "{message}");
+}
+
+/// Runs `attempt` (a Generate) until it answers an `Err` containing `want`,
+/// for up to 60 s; any other `Err` (a request that met the dead worker)
+/// tries again, a reply that generated fails the test. Returns the message.
+fn until_err_with(d: &TestDaemon, want: &str, mut attempt: impl FnMut() -> Response) -> String {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let last = attempt();
+        let Response::Err { message } = last else {
+            panic!("generated, where each request had to fail: {last:?}");
         };
-        if message.contains("the worker could not start") {
-            assert!(message.contains("superfluid-copy"), "{message}");
-            break;
+        if message.contains(want) {
+            return message;
         }
         assert!(
             std::time::Instant::now() < deadline,
-            "never failed for the respawn: {message}\n{}",
+            "never {want:?}: {message}\n{}",
             d.stderr()
         );
         std::thread::sleep(Duration::from_millis(100));

@@ -286,13 +286,7 @@ fn images_are_refused_clearly_and_a_flipped_blob_never_reaches_the_model() {
     let (_, err) = generate(&mut c, s, 4);
     let err = err.expect("the generation on a flipped blob fails");
     assert!(err.contains("no longer matches its hash"), "{err}");
-    let other = d.create(&mut c);
-    let _ = c.call(&Request::AppendMessage {
-        session: other,
-        role: 1,
-        text: "Hello".into(),
-    });
-    assert_eq!(generate(&mut c, other, 4).1, None);
+    another_session_generates(&d, &mut c);
     let e = expect_err(&mut c, &append_image_req(s, &blob));
     assert!(e.contains("no longer matches its hash"), "{e}");
     // Not an image at all (stored under its hash by hand).
@@ -345,13 +339,18 @@ fn a_flipped_blob_in_a_prefill_chunk_fails_only_its_own_generation() {
         worker,
         "the worker was replaced"
     );
-    let other = d.create(&mut c);
+    another_session_generates(&d, &mut c);
+}
+
+/// A new session on `d` says hello and generates without an error.
+fn another_session_generates(d: &TestDaemon, c: &mut Client) {
+    let other = d.create(c);
     let _ = c.call(&Request::AppendMessage {
         session: other,
         role: 1,
         text: "Hello".into(),
     });
-    assert_eq!(generate(&mut c, other, 4).1, None);
+    assert_eq!(generate(c, other, 4).1, None);
 }
 
 /// Flips a bit near the end of a stored blob (after it was appended).
