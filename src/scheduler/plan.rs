@@ -659,7 +659,8 @@ impl SchedulerState {
     /// operations to run, a prefill still going, a grammar (its state
     /// follows each committed token), a batch-invariant generation beside
     /// others, a background generation the divisor holds back, or a long
-    /// prefill in `last` ([`FOLLOW_MAX_PREFILL`]). A
+    /// prefill in `last` ([`FOLLOW_MAX_PREFILL`]), or an image in `last`
+    /// (the worker may refuse its item alone). A
     /// generation that `last` will finish (max_tokens, a cancel, a full
     /// context) is left out, as `plan` would; one that draws end of turn in
     /// `last` is skipped by the worker.
@@ -672,6 +673,13 @@ impl SchedulerState {
             return None;
         }
         if last.decode.iter().any(|i| i.sample.is_none()) {
+            return None;
+        }
+        // The worker may refuse an item holding an image on its own (a blob
+        // gone from the store, not an image it decodes) and put its sequence
+        // back: a step queued behind it would decode past cells that are not
+        // there. Its reply decides what comes next.
+        if last.decode.iter().any(|i| !i.media.is_empty()) {
             return None;
         }
         // A long prefill (the items of more than one token; a decode item

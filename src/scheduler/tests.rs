@@ -1017,6 +1017,29 @@ fn follow_waits_for_what_changes_the_batch() {
 }
 
 #[test]
+fn nothing_follows_a_step_holding_an_image() {
+    // A short prompt whose image the worker could refuse on its own: the
+    // next step waits for that reply (a step queued behind a refused item
+    // would decode past cells that are not there).
+    let mut s = SchedulerState::new(4096, 2, 512);
+    let mut g = admit(1, &[1, MEDIA_TOKEN, MEDIA_TOKEN, MEDIA_TOKEN, 5], 10);
+    g.media = vec![MediaSpan {
+        at: 1,
+        len: 3,
+        blob: "ab".repeat(32),
+    }];
+    s.admit(g).unwrap();
+    let step = s.plan().0.unwrap();
+    assert_eq!(step.decode[0].media.len(), 1);
+    assert!(s.follow(&step).is_none());
+    // The same prompt without an image is followed at once.
+    let mut s = SchedulerState::new(4096, 2, 512);
+    s.admit(admit(1, &[1, 2, 3, 4, 5], 10)).unwrap();
+    let step = s.plan().0.unwrap();
+    assert!(s.follow(&step).is_some());
+}
+
+#[test]
 fn a_generation_admitted_during_a_long_prefill_joins_the_next_step() {
     let mut s = SchedulerState::new(4096, 4, 512);
     let long: Vec<Token> = (0..FOLLOW_MAX_PREFILL as Token + 1).collect();
