@@ -204,7 +204,16 @@ struct Probed {
 /// runs them back to back, and two `Exec`s reach it in the order sent.
 #[derive(Message)]
 #[rtype(result = "Result<Vec<WorkerResponse>, LaneError>")]
-pub struct Exec(pub Vec<WorkerRequest>);
+pub struct Exec {
+    pub requests: Vec<WorkerRequest>,
+    /// For requests planned against the worker's KV (the scheduler's
+    /// steps): the [`LaneReset`]s their planner had heard of. Requests
+    /// planned before a reset it had not heard of yet would run on the next
+    /// worker against cells that are not there: they are refused,
+    /// `NotDelivered`, and the planner replans once it hears. None for
+    /// requests that do not read the KV (an image's layout).
+    pub kv_epoch: Option<u64>,
+}
 
 /// Why an image has no layout.
 #[derive(Debug, thiserror::Error)]
@@ -226,9 +235,12 @@ pub async fn media_layout(
     blob: &str,
 ) -> Result<Vec<crate::wire::Token>, LayoutError> {
     let replies = lane
-        .send(Exec(vec![WorkerRequest::MediaLayout {
-            blob: blob.to_owned(),
-        }]))
+        .send(Exec {
+            requests: vec![WorkerRequest::MediaLayout {
+                blob: blob.to_owned(),
+            }],
+            kv_epoch: None,
+        })
         .await
         .map_err(|e| LayoutError::Lane(e.to_string()))?
         .map_err(|e| LayoutError::Lane(e.to_string()))?;
@@ -241,10 +253,15 @@ pub async fn media_layout(
     }
 }
 
-/// The worker died; everything it held is gone.
+/// The worker died or was unloaded; everything it held is gone.
 #[derive(Message)]
 #[rtype(result = "()")]
-pub struct LaneReset(pub LaneError);
+pub struct LaneReset {
+    pub error: LaneError,
+    /// The lane's resets so far, this one included: what the scheduler puts
+    /// in [`Exec::kv_epoch`] from now on.
+    pub epoch: u64,
+}
 
 /// What the lane's worker is doing. The lane publishes it on a watch channel
 /// ([`LaneHealth`]); Metrics and /web/health report it, and tests and
@@ -445,6 +462,33 @@ fn rpc_args(placement: &crate::engine::rpc::Placement) -> Vec<String> {
 
 /// Whether a request needs the model loaded: a decode, or a restore of KV
 /// kept outside the cells. The rest manage KV a worker holds.
+/// The wait before the next worker starts: [`RESPAWN_DELAY_MS`], doubled
+/// for each failure since a worker last decoded, up to
+/// [`RESPAWN_DELAY_MAX_MS`].
+#[derive(Debug, Default)]
+struct Respawns {
+    failures_in_a_row: u32,
+}
+
+impl Respawns {
+    /// A worker answered. One that decoded is a good start: the delay
+    /// starts over. Not at `Ready`, nor at the cache housekeeping a step
+    /// carries before its decode (`Done`, `Spilled`), or a step that crashes
+    /// each new worker would be retried at full speed.
+    fn answered(&mut self, response: &WorkerResponse) {
+        if matches!(response, WorkerResponse::Decoded { .. }) {
+            self.failures_in_a_row = 0;
+        }
+    }
+
+    /// The wait before the next start, which counts as one more failure.
+    fn next_delay(&mut self) -> Duration {
+        let shift = self.failures_in_a_row.min(6);
+        self.failures_in_a_row += 1;
+        Duration::from_millis((RESPAWN_DELAY_MS << shift).min(RESPAWN_DELAY_MAX_MS))
+    }
+}
+
 fn needs_model(request: &WorkerRequest) -> bool {
     matches!(
         request,
@@ -487,11 +531,14 @@ pub struct LaneActor {
     /// a step past its deadline): what it leaves fails with this, not as a
     /// death.
     stop_reason: Option<LaneError>,
-    /// Requests held until the worker says Ready.
-    held: VecDeque<(WorkerRequest, Reply)>,
+    /// Requests held until the worker says Ready, each with whether it was
+    /// planned against the worker's KV ([`Exec::kv_epoch`]).
+    held: VecDeque<(WorkerRequest, Reply, bool)>,
+    /// The [`LaneReset`]s sent so far.
+    resets: u64,
     ready: bool,
     incarnation: u64,
-    failures_in_a_row: u32,
+    respawns: Respawns,
     /// Who hears that the worker restarted (its KV is gone): the lane's
     /// scheduler, which is born knowing the lane (`daemon::start_lane`).
     listener: Recipient<LaneReset>,
@@ -536,9 +583,10 @@ impl LaneActor {
             n_vocab: 0,
             stop_reason: None,
             held: VecDeque::new(),
+            resets: 0,
             ready: false,
             incarnation: 0,
-            failures_in_a_row: 0,
+            respawns: Respawns::default(),
             listener,
             state: watch::Sender::new(if config_lazy {
                 LaneState::Unloaded
@@ -900,9 +948,30 @@ impl LaneActor {
 
     /// Fails every request held for a worker that is not ready.
     fn fail_held(&mut self, error: &LaneError) {
-        for (_, reply) in self.held.drain(..) {
+        for (_, reply, _) in self.held.drain(..) {
             let _ = reply.send(Err(error.clone()));
         }
+    }
+
+    /// Tells the scheduler the worker's KV is gone. Requests held for the
+    /// next worker that were planned against the gone one's KV are refused
+    /// (`NotDelivered`): their planner had not heard.
+    fn reset_kv(&mut self, error: LaneError) {
+        self.resets += 1;
+        let stale = LaneError::NotDelivered(format!(
+            "planned against the cells of a worker that is gone ({error})"
+        ));
+        for (request, reply, kv) in std::mem::take(&mut self.held) {
+            if kv {
+                let _ = reply.send(Err(stale.clone()));
+            } else {
+                self.held.push_back((request, reply, kv));
+            }
+        }
+        self.listener.do_send(LaneReset {
+            error,
+            epoch: self.resets,
+        });
     }
 
     /// Kills the running worker; its exit (WorkerGone) then fails what it
@@ -958,7 +1027,7 @@ impl LaneActor {
             e.kind(),
             std::io::ErrorKind::NotFound | std::io::ErrorKind::PermissionDenied
         );
-        if lasting || self.failures_in_a_row + 1 >= SPAWN_TRIES {
+        if lasting || self.respawns.failures_in_a_row + 1 >= SPAWN_TRIES {
             self.fail_held(&LaneError::CouldNotStart(why));
         } else {
             self.fail_held(&LaneError::NotDelivered(format!(
@@ -969,12 +1038,8 @@ impl LaneActor {
 
     fn schedule_respawn(&mut self, ctx: &mut Context<Self>) {
         self.state.send_replace(LaneState::Respawning);
-        let shift = self.failures_in_a_row.min(6);
-        let delay = (RESPAWN_DELAY_MS << shift).min(RESPAWN_DELAY_MAX_MS);
-        self.failures_in_a_row += 1;
-        ctx.run_later(Duration::from_millis(delay), |this, ctx| {
-            this.start_worker(ctx)
-        });
+        let delay = self.respawns.next_delay();
+        ctx.run_later(delay, |this, ctx| this.start_worker(ctx));
     }
 
     fn send_now(&mut self, request: WorkerRequest, reply: Reply) {
@@ -1064,6 +1129,13 @@ impl Handler<Exec> for LaneActor {
     type Result = ResponseFuture<Result<Vec<WorkerResponse>, LaneError>>;
 
     fn handle(&mut self, msg: Exec, ctx: &mut Context<Self>) -> Self::Result {
+        if msg.kv_epoch.is_some_and(|e| e < self.resets) {
+            let error = LaneError::NotDelivered(
+                "planned against the cells of a worker that is gone".into(),
+            );
+            return Box::pin(async move { Err(error) });
+        }
+        let kv = msg.kv_epoch.is_some();
         if let Some(why) = &self.rpc_down {
             let error = LaneError::RpcUnreachable(format!(
                 "{why}; the model refuses work until it answers again"
@@ -1071,7 +1143,7 @@ impl Handler<Exec> for LaneActor {
             return Box::pin(async move { Err(error) });
         }
         let unloaded = self.child.is_none() && *self.state.borrow() == LaneState::Unloaded;
-        if (unloaded || self.unloading) && !msg.0.iter().any(needs_model) {
+        if (unloaded || self.unloading) && !msg.requests.iter().any(needs_model) {
             // Housekeeping of a KV that is gone with the worker (a spill,
             // a clear): nothing to do, and no reason to load the model.
             return Box::pin(async { Err(LaneError::Unloaded) });
@@ -1082,13 +1154,13 @@ impl Handler<Exec> for LaneActor {
             }
         }
         self.touch(true);
-        let mut replies = Vec::with_capacity(msg.0.len());
-        for request in msg.0 {
+        let mut replies = Vec::with_capacity(msg.requests.len());
+        for request in msg.requests {
             let (tx, rx) = oneshot::channel();
             if self.ready {
                 self.send_now(request, tx);
             } else {
-                self.held.push_back((request, tx));
+                self.held.push_back((request, tx, kv));
             }
             replies.push(rx);
         }
@@ -1141,7 +1213,7 @@ impl Handler<FromWorker> for LaneActor {
             );
             self.ready = true;
             self.state.send_replace(LaneState::Ready);
-            while let Some((request, reply)) = self.held.pop_front() {
+            while let Some((request, reply, _)) = self.held.pop_front() {
                 self.send_now(request, reply);
             }
             return;
@@ -1150,10 +1222,7 @@ impl Handler<FromWorker> for LaneActor {
         match self.in_flight.pop_front() {
             Some((reply, check, _, _)) => match self.took_reply(&check, &msg.response) {
                 Ok(()) => {
-                    // A worker that answered is a good start: the respawn
-                    // delay starts over (not at Ready, or a request that
-                    // crashes each new worker would be retried at full speed).
-                    self.failures_in_a_row = 0;
+                    self.respawns.answered(&msg.response);
                     let _ = reply.send(Ok(msg.response));
                     if self.in_flight.is_empty() {
                         self.touch(false);
@@ -1271,8 +1340,9 @@ impl LaneActor {
         }
         if unloaded {
             // The KV is gone as after a death; requests that came while the
-            // worker exited load the model again.
-            self.listener.do_send(LaneReset(error));
+            // worker exited load the model again (those planned against its
+            // cells are refused: the scheduler replans).
+            self.reset_kv(error);
             self.state.send_replace(LaneState::Unloaded);
             self.gate_update(|e| e.loaded = false);
             if !self.held.is_empty() {
@@ -1286,7 +1356,7 @@ impl LaneActor {
         // Requests held for a worker that never became ready fail too: a
         // respawn that keeps failing must not leave them waiting forever.
         self.fail_held(&error);
-        self.listener.do_send(LaneReset(error));
+        self.reset_kv(error);
         self.schedule_respawn(ctx);
     }
 }
@@ -1321,6 +1391,32 @@ impl Handler<Unload> for LaneActor {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_respawn_delay_starts_over_only_after_a_decode() {
+        let ms = |d: Duration| d.as_millis() as u64;
+        let mut r = Respawns::default();
+        assert_eq!(ms(r.next_delay()), RESPAWN_DELAY_MS);
+        // A step's housekeeping answered, then its decode crashed the
+        // worker: the delay keeps doubling.
+        r.answered(&WorkerResponse::Done);
+        r.answered(&WorkerResponse::Spilled { key: 1, bytes: 2 });
+        assert_eq!(ms(r.next_delay()), 2 * RESPAWN_DELAY_MS);
+        r.answered(&WorkerResponse::Done);
+        assert_eq!(ms(r.next_delay()), 4 * RESPAWN_DELAY_MS);
+        for _ in 0..10 {
+            r.next_delay();
+        }
+        assert_eq!(ms(r.next_delay()), RESPAWN_DELAY_MAX_MS);
+        // A worker that decoded: the next death waits the first delay.
+        r.answered(&WorkerResponse::Decoded {
+            drawn: vec![],
+            tokens: 1,
+            decode_us: 1,
+            refused: vec![],
+        });
+        assert_eq!(ms(r.next_delay()), RESPAWN_DELAY_MS);
+    }
 
     #[test]
     fn a_deadline_grows_with_the_work_at_the_slowest_rate_seen() {

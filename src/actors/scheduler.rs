@@ -67,6 +67,9 @@ pub struct SchedulerActor {
     /// The wake-up armed for the next idle sequence due to leave the cells
     /// (`--idle-spill-ms`): when (unix ms), and its handle.
     idle_timer: Option<(u64, SpawnHandle)>,
+    /// The lane's resets heard of ([`LaneReset::epoch`]), sent with each
+    /// step so the lane refuses one planned against a gone worker's cells.
+    lane_epoch: u64,
 }
 
 impl SchedulerActor {
@@ -77,6 +80,7 @@ impl SchedulerActor {
             lane,
             owners: HashMap::new(),
             idle_timer: None,
+            lane_epoch: 0,
         }
     }
 
@@ -126,7 +130,10 @@ impl SchedulerActor {
         self.notify_owners(events);
         for (id, requests) in sent {
             crate::logging::stage("sch_send", &id);
-            let reply = self.lane.send(Exec(requests));
+            let reply = self.lane.send(Exec {
+                requests,
+                kv_epoch: Some(self.lane_epoch),
+            });
             ctx.spawn(
                 async move {
                     match reply.await {
@@ -215,13 +222,14 @@ impl Handler<LaneReset> for SchedulerActor {
     type Result = ();
 
     fn handle(&mut self, msg: LaneReset, ctx: &mut Context<Self>) {
-        // A step in flight fails by itself (its Exec errs); idle state is
-        // forgotten here so nothing trusts the dead worker's KV (a generation
-        // between two steps fails; one with nothing drawn runs again).
-        if self.pipeline.is_empty() {
-            let events = self.state.lane_failed(&[], &msg.0.to_string());
-            self.notify_owners(events);
-            self.kick(ctx);
-        }
+        // Nothing trusts the gone worker's KV (a generation between two
+        // steps fails; one with nothing drawn runs again): at once, or once
+        // the steps in flight have answered (see `Pipeline::lane_reset`).
+        self.lane_epoch = msg.epoch;
+        let events = self
+            .pipeline
+            .lane_reset(&mut self.state, &msg.error.to_string());
+        self.notify_owners(events);
+        self.kick(ctx);
     }
 }

@@ -112,6 +112,9 @@ pub struct Pipeline {
     depth: usize,
     in_flight: VecDeque<InFlight>,
     next_id: StepId,
+    /// The worker's cells are gone (a death, an unload) while steps were in
+    /// flight: why, until the last of them answers.
+    reset_due: Option<String>,
 }
 
 impl Pipeline {
@@ -121,12 +124,28 @@ impl Pipeline {
             depth: depth.max(1),
             in_flight: VecDeque::new(),
             next_id: 0,
+            reset_due: None,
         }
     }
 
     /// No step is in flight.
     pub fn is_empty(&self) -> bool {
         self.in_flight.is_empty()
+    }
+
+    /// The lane's worker is gone with its cells (`LaneReset`): the state
+    /// forgets them (`lane_failed`) at once when no step is in flight, else
+    /// once the last step in flight has answered (the gone worker's replies,
+    /// or refusals of steps planned against it), and no step is sent
+    /// meanwhile. A step that came back Ok before the reset was heard must
+    /// not leave the state trusting cells the next worker lacks.
+    pub fn lane_reset(&mut self, state: &mut SchedulerState, message: &str) -> Vec<GenEvent> {
+        if self.in_flight.is_empty() {
+            state.lane_failed(&[], message)
+        } else {
+            self.reset_due = Some(message.to_owned());
+            vec![]
+        }
     }
 
     /// The steps to send now, in order, and the events planning raised
@@ -141,6 +160,9 @@ impl Pipeline {
         let mut sent = Vec::new();
         let mut events = Vec::new();
         state.set_clock(now_ms);
+        if self.reset_due.is_some() {
+            return (sent, events);
+        }
         if self.in_flight.is_empty() {
             let (step, planned) = state.plan();
             events = planned;
@@ -211,6 +233,11 @@ impl Pipeline {
                 for behind in &mut self.in_flight {
                     behind.dropped = true;
                 }
+            }
+        }
+        if self.in_flight.is_empty() {
+            if let Some(message) = self.reset_due.take() {
+                events.extend(state.lane_failed(&[], &message));
             }
         }
         events

@@ -1017,6 +1017,54 @@ fn follow_waits_for_what_changes_the_batch() {
 }
 
 #[test]
+fn a_lane_reset_heard_while_a_step_is_in_flight_is_kept_until_it_answers() {
+    // The worker answered two steps (one queued behind the other), then
+    // died; the scheduler hears of the death before it reads the answers.
+    // The cells are gone all the same: once the last answer is in, the
+    // state forgets them, and nothing is sent meanwhile (a step planned on
+    // them would run on the next worker).
+    let mut s = SchedulerState::new(4096, 2, 512);
+    let mut w = FakeWorker::new(2);
+    let mut pipeline = Pipeline::new(2);
+    let gen = s.admit(admit(1, &[1, 2, 3], 100)).unwrap();
+    let (sent, _) = pipeline.kick(&mut s, 0);
+    assert_eq!(sent.len(), 2, "a step and the one following it");
+    let answers: Vec<(StepId, StepResult)> = sent
+        .into_iter()
+        .map(|(id, requests)| (id, w.run(&requests)))
+        .collect();
+    assert!(answers.iter().all(|(_, a)| a.is_ok()));
+    assert!(pipeline.lane_reset(&mut s, "the worker died").is_empty());
+    let mut answers = answers.into_iter();
+    let (id, answer) = answers.next().unwrap();
+    let mut events = pipeline.arrived(&mut s, id, answer);
+    let (sent, _) = pipeline.kick(&mut s, 0);
+    assert!(sent.is_empty(), "a step was sent before the reset");
+    let (id, answer) = answers.next().unwrap();
+    events.extend(pipeline.arrived(&mut s, id, answer));
+    assert!(!tokens_of(&events, gen).is_empty());
+    assert!(
+        events.iter().any(
+            |e| matches!(e, GenEvent::Failed { gen: g, message } if *g == gen && message == "the worker died")
+        ),
+        "{events:?}"
+    );
+    assert!(s.resident(0).is_empty() && s.resident(1).is_empty());
+    // With nothing in flight, a reset forgets the cells at once.
+    let mut s = SchedulerState::new(4096, 2, 512);
+    let mut w = FakeWorker::new(2);
+    let mut pipeline = Pipeline::new(1);
+    s.admit(admit(1, &[1, 2, 3], 1)).unwrap();
+    let (sent, _) = pipeline.kick(&mut s, 0);
+    let (id, requests) = sent.into_iter().next().unwrap();
+    let answer = w.run(&requests);
+    pipeline.arrived(&mut s, id, answer);
+    assert!(!s.resident(0).is_empty() || !s.resident(1).is_empty());
+    pipeline.lane_reset(&mut s, "unloaded");
+    assert!(s.resident(0).is_empty() && s.resident(1).is_empty());
+}
+
+#[test]
 fn nothing_follows_a_step_holding_an_image() {
     // A short prompt whose image the worker could refuse on its own: the
     // next step waits for that reply (a step queued behind a refused item

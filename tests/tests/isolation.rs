@@ -154,13 +154,18 @@ fn a_hung_worker_is_killed_past_the_step_deadline() {
     d.spawn_and_wait();
     let mut c = d.client();
     let s = d.create(&mut c);
+    // The worker decodes a first reply (so the lane knows its speed), then
+    // hangs before the next generation's first step: stopped mid-generation
+    // instead, a reply that ends before the stop lands would pass the hang by.
+    user(&mut c, s, "Name a fruit.");
+    let first = generate_in_thread(&d, s, 8).join().unwrap();
+    assert!(last_finish(&first).is_ok(), "{first:?}");
     user(&mut c, s, "Count from one to a thousand.");
-    let gen = generate_in_thread(&d, s, 2000);
-    d.until_generated(s);
     let worker = crate::generate::worker_pid(d.pid());
     // SAFETY: kill(2) on the test daemon's own worker.
     unsafe { libc::kill(worker as libc::pid_t, libc::SIGSTOP) };
     let started = Instant::now();
+    let gen = generate_in_thread(&d, s, 2000);
     // Waited for with a bound of its own, so a lane that never notices the
     // hang fails here instead of hanging the suite.
     let (tx, rx) = std::sync::mpsc::channel();
