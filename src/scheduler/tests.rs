@@ -562,6 +562,110 @@ fn admission_waits_for_room_beside_running_sequences() {
     );
 }
 
+/// Whether `events` start `gen`.
+fn started(events: &[GenEvent], gen: GenId) -> bool {
+    events
+        .iter()
+        .any(|e| matches!(e, GenEvent::Started { gen: g, .. } if *g == gen))
+}
+
+#[test]
+fn a_long_prompt_that_waits_for_room_is_not_passed_by_shorter_ones() {
+    // 64 cells; a runs on 31 of them (its prompt and its next draw).
+    let mut s = SchedulerState::new(64, 4, 512);
+    let a = s.admit(admit(1, &[1; 30], 4)).unwrap();
+    let (_, events) = step_with(&mut s, |_| 5);
+    assert!(started(&events, a));
+    // big needs 41 cells: not beside a. small needs 9: it would fit beside
+    // a, but not beside a and big's claim.
+    let big = s.admit(admit(2, &[2; 40], 1)).unwrap();
+    let small = s.admit(admit(3, &[3; 8], 1)).unwrap();
+    let mut all = vec![];
+    loop {
+        let (step, events) = step_with(&mut s, |_| 5);
+        all.extend(events.clone());
+        if started(&events, big) {
+            // a ended and left the room to big first, then the room beyond
+            // it to small, in the same step.
+            assert_eq!(finish_of(&all, a), Some(Finish::MaxTokens));
+            assert!(started(&events, small), "41 + 9 cells fit in 64");
+            break;
+        }
+        assert!(!started(&events, small), "small passed big: {all:?}");
+        assert!(step.is_some(), "big never started: {all:?}");
+    }
+    run_to_end(&mut s);
+
+    // A higher class is still admitted first: the class order comes before
+    // the claim of a waiting lower one.
+    let mut s = SchedulerState::new(64, 4, 512);
+    let a = s.admit(admit(1, &[1; 30], 4)).unwrap();
+    step_with(&mut s, |_| 5);
+    let big = s
+        .admit(Admit {
+            class: QosClass::Second,
+            ..admit(2, &[2; 40], 1)
+        })
+        .unwrap();
+    let high = s.admit(admit(3, &[3; 8], 1)).unwrap();
+    let low = s
+        .admit(Admit {
+            class: QosClass::Second,
+            ..admit(4, &[4; 8], 1)
+        })
+        .unwrap();
+    let (_, events) = step_with(&mut s, |_| 5);
+    assert!(started(&events, high), "class 0 fits beside a: {events:?}");
+    assert!(!started(&events, big) && !started(&events, low));
+    let events = run_to_end(&mut s);
+    assert_eq!(finish_of(&events, a), Some(Finish::MaxTokens));
+    let order: Vec<GenId> = events
+        .iter()
+        .filter_map(|e| match e {
+            GenEvent::Started { gen, .. } => Some(*gen),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(order, vec![big, low], "low after big, never before");
+}
+
+#[test]
+fn a_steady_stream_of_short_prompts_does_not_starve_a_long_one() {
+    // 256 cells. a holds 62 and more for its 10 draws; big needs 201, so
+    // it fits only beside at most 55 running cells.
+    let mut s = SchedulerState::new(256, 12, 512);
+    let a = s.admit(admit(1, &[1; 60], 10)).unwrap();
+    let (_, mut all) = step_with(&mut s, |_| 5);
+    let big = s.admit(admit(2, &[2; 200], 1)).unwrap();
+    let mut smalls = vec![];
+    let mut big_at = None;
+    for k in 0..40u32 {
+        // A short prompt every step, each from a session of its own: they
+        // fit beside a, and the seven or so running at once (11 to 18
+        // cells each) hold more than the 55 big can start beside.
+        let g = s
+            .admit(admit(u64::from(k) + 10, &[10 + k as Token; 10], 8))
+            .unwrap();
+        smalls.push(g);
+        let (_, events) = step_with(&mut s, |_| 5);
+        all.extend(events.clone());
+        if started(&events, big) {
+            big_at = Some(k);
+            break;
+        }
+        for &g in &smalls {
+            assert!(!started(&events, g), "a short prompt passed big at {k}");
+        }
+    }
+    // As soon as a ended (one draw before the loop, one a step), not never.
+    assert_eq!(finish_of(&all, a), Some(Finish::MaxTokens));
+    assert!(big_at.is_some_and(|k| k <= 9), "big started at {big_at:?}");
+    all.extend(run_to_end(&mut s));
+    for g in smalls {
+        assert_eq!(finish_of(&all, g), Some(Finish::MaxTokens));
+    }
+}
+
 #[test]
 fn a_lone_background_generation_runs_at_full_speed() {
     let mut s = SchedulerState::new(4096, 1, 512);
