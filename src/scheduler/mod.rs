@@ -141,8 +141,10 @@ fn check_media(prompt: &[Token], media: &[MediaSpan]) -> Result<(), SchedulerErr
 pub enum StepError {
     /// The worker's KV cache had no room for the step (it rolled the step
     /// back): the scheduler makes room, or ends a generation.
+    /// `spilled`: the step's `Spilled` replies (its KV operations ran before
+    /// the decode that found no room), which still stand.
     #[error("the worker's KV cache is full")]
-    KvFull,
+    KvFull { spilled: Vec<(u64, u64)> },
     /// The lane or the worker failed it: its generations, and every one that
     /// has drawn tokens, fail with this text; the others run again.
     #[error("{0}")]

@@ -6,7 +6,7 @@ use super::pipeline::{Pipeline, StepId, StepOutput, StepResult};
 use super::*;
 use crate::engine::exec::error::RequestError;
 use crate::engine::exec::seqs::SeqTable;
-use crate::wire::worker::{DecodeItem, Drawn, Refused};
+use crate::wire::worker::{DecodeItem, Drawn, Refused, WorkerResponse};
 
 const P: Params = Params::greedy(1);
 const EOG: Token = 2;
@@ -490,14 +490,14 @@ fn a_full_cache_evicts_idle_sequences_then_ends_the_youngest() {
     let (step, _) = s.plan();
     let step = step.unwrap();
     // The worker says its cache is full: the idle sequence goes first.
-    let events = s.step_done(&step, Err(StepError::KvFull));
+    let events = s.step_done(&step, Err(StepError::KvFull { spilled: vec![] }));
     assert!(events.is_empty());
     let (step, _) = s.plan();
     let step = step.unwrap();
     assert!(step.ops.contains(&WorkerRequest::KvClear { seq: 0 }));
     assert_eq!(step.decode.len(), 2, "both retry");
     // Full again with nothing idle: the youngest ends, the other goes on.
-    let events = s.step_done(&step, Err(StepError::KvFull));
+    let events = s.step_done(&step, Err(StepError::KvFull { spilled: vec![] }));
     assert_eq!(
         events,
         vec![GenEvent::Finished {
@@ -535,7 +535,9 @@ fn a_full_cache_evicts_idle_sequences_one_rank_at_a_time() {
     // the least recently used unpinned, the next one, the pinned one last.
     let mut order = vec![];
     for _ in 0..3 {
-        assert!(s.step_done(&step, Err(StepError::KvFull)).is_empty());
+        assert!(s
+            .step_done(&step, Err(StepError::KvFull { spilled: vec![] }))
+            .is_empty());
         let (next, _) = s.plan();
         step = next.unwrap();
         let c = cleared(&step);
@@ -808,7 +810,13 @@ impl FakeWorker {
         }
         if let Some(e) = first_err {
             self.table.forget_draws();
-            return Err(e);
+            // A full cache keeps the step's spills (StepOutput::from_replies).
+            return Err(match e {
+                StepError::KvFull { .. } => StepError::KvFull {
+                    spilled: self.spilled.clone(),
+                },
+                e => e,
+            });
         }
         Ok(StepOutput {
             drawn,
@@ -946,7 +954,7 @@ impl FakeWorker {
                                 kv.truncate(before[seq]);
                                 self.table.set_len(seq, before[seq] as u32);
                             }
-                            return Err(StepError::KvFull);
+                            return Err(StepError::KvFull { spilled: vec![] });
                         }
                         drawn.extend(self.decode(&plain).map_err(failed)?);
                     }
@@ -1248,7 +1256,7 @@ fn a_failed_step_drops_the_step_behind_it() {
     let next = s.follow(&step).unwrap();
     // The worker's cache was full for the first step: it rolls back, and the
     // step behind it has no draw to follow.
-    let events = s.step_done(&step, Err(StepError::KvFull));
+    let events = s.step_done(&step, Err(StepError::KvFull { spilled: vec![] }));
     assert!(w.run(&next.requests()).is_err());
     // The generation lived on (there was nothing idle to evict, so the
     // youngest, itself, ended) or retries: either way the state is
@@ -1270,7 +1278,7 @@ fn a_full_cache_on_a_following_step_falls_back_to_single_steps() {
     let drawn = drew(0, 100);
     assert_eq!(tokens_of(&s.step_done(&step, Ok(drawn)), g), [100]);
     // The 4 cells the following step asked for are not there: nothing ends.
-    let events = s.step_done(&next, Err(StepError::KvFull));
+    let events = s.step_done(&next, Err(StepError::KvFull { spilled: vec![] }));
     assert!(events.is_empty(), "{events:?}");
     // One token at a time now, and no following step until room is freed.
     let single = s.plan().0.unwrap();
@@ -1278,7 +1286,7 @@ fn a_full_cache_on_a_following_step_falls_back_to_single_steps() {
     assert_eq!(single.decode[0].tokens, [100]);
     assert!(s.follow(&single).is_none());
     // When even one token does not fit, the youngest generation ends.
-    let events = s.step_done(&single, Err(StepError::KvFull));
+    let events = s.step_done(&single, Err(StepError::KvFull { spilled: vec![] }));
     assert_eq!(finish_of(&events, g), Some(Finish::Error));
 }
 
@@ -1783,6 +1791,78 @@ fn restores_that_fail_together_or_beside_a_decode_only_prefill() {
             big.stats().prefilled_tokens + restored,
             "foreground {foreground} {class:?}"
         );
+    }
+}
+
+#[test]
+fn a_step_that_finds_the_cache_full_keeps_the_spills_it_made() {
+    // The worker stored the state (bytes), or could not (0).
+    for stored in [true, false] {
+        let mut s = spilling(1, 1 << 20);
+        let mut w = FakeWorker::new(1);
+        let (g1, e1) = run_one(&mut s, &mut w, admit(1, &conversation(0), 8));
+        let held = s.resident(0).to_vec();
+        // Session 2 takes the one sequence: its step spills session 1's
+        // cells first, then its decode finds no room.
+        s.admit(admit(2, &conversation(1), 8)).unwrap();
+        let mut pipeline = Pipeline::new(1);
+        let (sent, _) = pipeline.kick(&mut s, 0);
+        let [(id, requests)] = sent.as_slice() else {
+            panic!("one step: {sent:?}");
+        };
+        let (key, len) = requests
+            .iter()
+            .find_map(|r| match r {
+                WorkerRequest::KvSpill { key, len, .. } => Some((*key, *len)),
+                _ => None,
+            })
+            .expect("the step spills session 1");
+        let bytes = if stored {
+            u64::from(len) * FAKE_BYTES_PER_TOKEN
+        } else {
+            0
+        };
+        let replies = requests
+            .iter()
+            .map(|r| match r {
+                WorkerRequest::KvSpill { .. } => WorkerResponse::Spilled { key, bytes },
+                WorkerRequest::Decode { .. } => WorkerResponse::KvFull {
+                    n_ctx: FAKE_N_CTX,
+                    tokens: 41,
+                },
+                _ => WorkerResponse::Done,
+            })
+            .collect();
+        let result = StepOutput::from_replies(replies);
+        assert!(
+            matches!(result, Err(StepError::KvFull { .. })),
+            "{result:?}"
+        );
+        pipeline.arrived(&mut s, *id, result);
+        let st = s.stats();
+        if stored {
+            // The index holds the key, at the size the worker reported.
+            assert_eq!(s.spill.tokens(key), Some(&held[..]));
+            assert_eq!((st.spilled_entries, st.spilled_bytes), (1, bytes));
+        } else {
+            // Nothing was stored: the index forgets the key, and session
+            // 1's next turn prefills instead of restoring what is not there.
+            assert_eq!(s.spill.tokens(key), None);
+            assert_eq!(st.spilled_entries, 0);
+            let mut turn2 = conversation(0);
+            turn2.extend(tokens_of(&e1, g1));
+            s.admit(admit(1, &turn2, 1)).unwrap();
+            let (step, _) = s.plan();
+            let step = step.unwrap();
+            assert!(
+                !step
+                    .ops
+                    .iter()
+                    .any(|op| matches!(op, WorkerRequest::KvRestore { .. })),
+                "{:?}",
+                step.ops
+            );
+        }
     }
 }
 
