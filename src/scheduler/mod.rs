@@ -2,7 +2,13 @@
 //! which of its sequences, and what each sequence's KV holds. Plain data, no
 //! actix, no model: the scheduler actor drives it, the tests step it by hand.
 //!
-//! - Admission orders by QoS class (0 first, 3 last), then arrival.
+//! - Admission orders by QoS class (0 first, 3 last), then arrival. A
+//!   generation is admitted when its prompt fits beside what the running
+//!   sequences hold (idle ones are evicted); one that does not keeps its
+//!   claim on the room, and those after it in that order are admitted only
+//!   beside that claim too (first come, first served by room), so a long
+//!   prompt starts as soon as the running ones leave it room instead of
+//!   being passed by shorter ones forever.
 //! - Every active generation of the lane advances in one decode call per
 //!   step (continuous batching); a `batch_invariant` one runs alone, so its
 //!   batch shape never depends on what else runs.
@@ -135,8 +141,10 @@ fn check_media(prompt: &[Token], media: &[MediaSpan]) -> Result<(), SchedulerErr
 pub enum StepError {
     /// The worker's KV cache had no room for the step (it rolled the step
     /// back): the scheduler makes room, or ends a generation.
+    /// `spilled`: the step's `Spilled` replies (its KV operations ran before
+    /// the decode that found no room), which still stand.
     #[error("the worker's KV cache is full")]
-    KvFull,
+    KvFull { spilled: Vec<(u64, u64)> },
     /// The lane or the worker failed it: its generations, and every one that
     /// has drawn tokens, fail with this text; the others run again.
     #[error("{0}")]

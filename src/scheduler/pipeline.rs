@@ -43,7 +43,10 @@ impl StepOutput {
     /// Reads the worker's replies to one step's requests: the `Decoded` one,
     /// or the first failure. The worker runs every request of a step, so a
     /// restore that failed is read with all the others: every sequence left
-    /// empty, and whether the decode went through beside them.
+    /// empty, and whether the decode went through beside them. A failed
+    /// restore or a full cache keeps the step's `Spilled` replies (what the
+    /// worker exported stands); after any other failure the lane's host
+    /// memory is forgotten anyway.
     pub fn from_replies(replies: Vec<WorkerResponse>) -> StepResult {
         let mut out = StepOutput::default();
         let mut not_restored = Vec::new();
@@ -73,7 +76,7 @@ impl StepOutput {
                     failure.get_or_insert(StepError::Failed(message));
                 }
                 WorkerResponse::KvFull { .. } => {
-                    failure.get_or_insert(StepError::KvFull);
+                    failure.get_or_insert(StepError::KvFull { spilled: vec![] });
                 }
                 other => {
                     failure.get_or_insert(StepError::Failed(format!(
@@ -93,6 +96,11 @@ impl StepOutput {
             });
         }
         match failure {
+            // The spills the worker did before the decode found no room
+            // stand: the index learns them as after a step that ran.
+            Some(StepError::KvFull { .. }) => Err(StepError::KvFull {
+                spilled: out.spilled,
+            }),
             Some(e) => Err(e),
             None => Ok(out),
         }
@@ -302,6 +310,21 @@ mod tests {
             },
         ]);
         assert!(matches!(r, Err(StepError::Failed(m)) if m == "first"));
+        // A full cache keeps the spills the step's operations made.
+        let r = StepOutput::from_replies(vec![
+            Spilled { key: 3, bytes: 30 },
+            Done,
+            WorkerResponse::KvFull {
+                n_ctx: 1,
+                tokens: 2,
+            },
+        ]);
+        assert_eq!(
+            r,
+            Err(StepError::KvFull {
+                spilled: vec![(3, 30)]
+            })
+        );
         let r = StepOutput::from_replies(vec![Spilled { key: 1, bytes: 2 }, decoded()]).unwrap();
         assert_eq!((r.spilled, r.tokens), (vec![(1, 2)], 3));
     }

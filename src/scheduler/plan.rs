@@ -1,6 +1,7 @@
 //! Planning steps: admission (a sequence for each waiting generation, by
 //! class then arrival, with the longest cached prefix and LRU eviction within
-//! the KV budget), the next step (`plan`), and the step that follows one in
+//! the KV budget; one that does not fit keeps its claim on the room against
+//! those after it), the next step (`plan`), and the step that follows one in
 //! flight (`follow`).
 
 use super::{
@@ -287,7 +288,23 @@ impl SchedulerState {
             .sum()
     }
 
+    /// The cells the running sequences hold or are about to (the rest of
+    /// their prompt, and the next draw): what admission leaves them. Idle
+    /// sequences do not count; they can be evicted.
+    fn busy_cells(&self) -> u64 {
+        self.seqs
+            .iter()
+            .filter_map(|s| {
+                let claimed = self.gens.get(&s.active?).map_or(0, |g| g.tokens.len() + 1);
+                Some(s.resident.len().max(claimed) as u64)
+            })
+            .sum()
+    }
+
     /// Gives queued generations a sequence, in class then arrival order.
+    /// One that does not fit beside the running sequences keeps its claim
+    /// on the room: those after it are admitted only beside it too, so it
+    /// starts as soon as the running ones leave it room.
     fn assign(&mut self, ops: &mut Vec<WorkerRequest>, events: &mut Vec<GenEvent>) {
         let mut waiting: Vec<(QosClass, u64, GenId)> = self
             .gens
@@ -296,11 +313,30 @@ impl SchedulerState {
             .map(|(id, g)| (g.admit.class, g.arrival, *id))
             .collect();
         waiting.sort();
+        // Cells claimed by the generations before this one in that order
+        // that did not fit: a later one is admitted only beside them too, so
+        // a long prompt is not passed, again and again, by shorter ones
+        // that fit beside the running sequences (first come, first served
+        // by room). A higher class comes first in the order, so it is never
+        // held back by a lower one's claim.
+        let mut reserved = 0u64;
         for (_, _, gen) in waiting {
             let session = self.gens[&gen].admit.session;
             let prompt = self.gens[&gen].tokens.clone();
             let uncached = !self.gens[&gen].admit.media.is_empty();
             let idle = |s: &Seq| s.active.is_none();
+            // Admit only what fits beside the running sequences (idle ones
+            // can be evicted) and the earlier claims; otherwise wait for
+            // room, and claim it. (Counted before a sequence is chosen: a
+            // generation that waits changes none.)
+            let need = prompt.len() as u64 + 1;
+            if self.busy_cells() + reserved + need > self.n_ctx as u64 {
+                reserved = reserved.saturating_add(need);
+                continue;
+            }
+            // One that fits but waits for a running prefill claims no room:
+            // it needs none until that prefill is done, and then its
+            // admission is judged by room like any other.
             if self.waits(gen, &prompt) {
                 continue;
             }
@@ -361,25 +397,6 @@ impl SchedulerState {
             // The last prompt token is decoded again for its logits.
             let keep = common.min(prompt.len() - 1);
             let own_keep = shared(&self.seqs[dst], &prompt, uncached).min(prompt.len() - 1);
-            // Admit only what fits beside the running sequences (idle ones
-            // can be evicted); otherwise wait for room.
-            // What running sequences hold or are about to (their prefill).
-            let busy_cells: u64 = self
-                .seqs
-                .iter()
-                .enumerate()
-                .filter(|(i, s)| *i != dst && !idle(s))
-                .map(|(_, s)| {
-                    let claimed = s
-                        .active
-                        .and_then(|g| self.gens.get(&g))
-                        .map_or(0, |g| g.tokens.len() + 1);
-                    s.resident.len().max(claimed) as u64
-                })
-                .sum();
-            if busy_cells + prompt.len() as u64 + 1 > self.n_ctx as u64 {
-                continue;
-            }
             // The host-memory tier, when it holds more of the prompt than
             // any sequence: the state is imported instead of prefilled.
             let restore = (!uncached)

@@ -55,7 +55,10 @@ impl SchedulerState {
                     g.inflight = 0;
                 }
                 return match e {
-                    StepError::KvFull => self.kv_full(step),
+                    StepError::KvFull { spilled } => {
+                        self.note_spilled(&spilled);
+                        self.kv_full(step)
+                    }
                     StepError::Failed(message) => self.lane_failed(&step.gens, &message),
                     StepError::NotDelivered(message) => self.lane_failed(&[], &message),
                     StepError::NotRestored {

@@ -6,7 +6,7 @@ use super::pipeline::{Pipeline, StepId, StepOutput, StepResult};
 use super::*;
 use crate::engine::exec::error::RequestError;
 use crate::engine::exec::seqs::SeqTable;
-use crate::wire::worker::{DecodeItem, Drawn, Refused};
+use crate::wire::worker::{DecodeItem, Drawn, Refused, WorkerResponse};
 
 const P: Params = Params::greedy(1);
 const EOG: Token = 2;
@@ -490,14 +490,14 @@ fn a_full_cache_evicts_idle_sequences_then_ends_the_youngest() {
     let (step, _) = s.plan();
     let step = step.unwrap();
     // The worker says its cache is full: the idle sequence goes first.
-    let events = s.step_done(&step, Err(StepError::KvFull));
+    let events = s.step_done(&step, Err(StepError::KvFull { spilled: vec![] }));
     assert!(events.is_empty());
     let (step, _) = s.plan();
     let step = step.unwrap();
     assert!(step.ops.contains(&WorkerRequest::KvClear { seq: 0 }));
     assert_eq!(step.decode.len(), 2, "both retry");
     // Full again with nothing idle: the youngest ends, the other goes on.
-    let events = s.step_done(&step, Err(StepError::KvFull));
+    let events = s.step_done(&step, Err(StepError::KvFull { spilled: vec![] }));
     assert_eq!(
         events,
         vec![GenEvent::Finished {
@@ -535,7 +535,9 @@ fn a_full_cache_evicts_idle_sequences_one_rank_at_a_time() {
     // the least recently used unpinned, the next one, the pinned one last.
     let mut order = vec![];
     for _ in 0..3 {
-        assert!(s.step_done(&step, Err(StepError::KvFull)).is_empty());
+        assert!(s
+            .step_done(&step, Err(StepError::KvFull { spilled: vec![] }))
+            .is_empty());
         let (next, _) = s.plan();
         step = next.unwrap();
         let c = cleared(&step);
@@ -560,6 +562,110 @@ fn admission_waits_for_room_beside_running_sequences() {
             .any(|e| matches!(e, GenEvent::Started { gen, .. } if *gen == b)),
         "40 running + 31 would overflow 64 cells: b waits"
     );
+}
+
+/// Whether `events` start `gen`.
+fn started(events: &[GenEvent], gen: GenId) -> bool {
+    events
+        .iter()
+        .any(|e| matches!(e, GenEvent::Started { gen: g, .. } if *g == gen))
+}
+
+#[test]
+fn a_long_prompt_that_waits_for_room_is_not_passed_by_shorter_ones() {
+    // 64 cells; a runs on 31 of them (its prompt and its next draw).
+    let mut s = SchedulerState::new(64, 4, 512);
+    let a = s.admit(admit(1, &[1; 30], 4)).unwrap();
+    let (_, events) = step_with(&mut s, |_| 5);
+    assert!(started(&events, a));
+    // big needs 41 cells: not beside a. small needs 9: it would fit beside
+    // a, but not beside a and big's claim.
+    let big = s.admit(admit(2, &[2; 40], 1)).unwrap();
+    let small = s.admit(admit(3, &[3; 8], 1)).unwrap();
+    let mut all = vec![];
+    loop {
+        let (step, events) = step_with(&mut s, |_| 5);
+        all.extend(events.clone());
+        if started(&events, big) {
+            // a ended and left the room to big first, then the room beyond
+            // it to small, in the same step.
+            assert_eq!(finish_of(&all, a), Some(Finish::MaxTokens));
+            assert!(started(&events, small), "41 + 9 cells fit in 64");
+            break;
+        }
+        assert!(!started(&events, small), "small passed big: {all:?}");
+        assert!(step.is_some(), "big never started: {all:?}");
+    }
+    run_to_end(&mut s);
+
+    // A higher class is still admitted first: the class order comes before
+    // the claim of a waiting lower one.
+    let mut s = SchedulerState::new(64, 4, 512);
+    let a = s.admit(admit(1, &[1; 30], 4)).unwrap();
+    step_with(&mut s, |_| 5);
+    let big = s
+        .admit(Admit {
+            class: QosClass::Second,
+            ..admit(2, &[2; 40], 1)
+        })
+        .unwrap();
+    let high = s.admit(admit(3, &[3; 8], 1)).unwrap();
+    let low = s
+        .admit(Admit {
+            class: QosClass::Second,
+            ..admit(4, &[4; 8], 1)
+        })
+        .unwrap();
+    let (_, events) = step_with(&mut s, |_| 5);
+    assert!(started(&events, high), "class 0 fits beside a: {events:?}");
+    assert!(!started(&events, big) && !started(&events, low));
+    let events = run_to_end(&mut s);
+    assert_eq!(finish_of(&events, a), Some(Finish::MaxTokens));
+    let order: Vec<GenId> = events
+        .iter()
+        .filter_map(|e| match e {
+            GenEvent::Started { gen, .. } => Some(*gen),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(order, vec![big, low], "low after big, never before");
+}
+
+#[test]
+fn a_steady_stream_of_short_prompts_does_not_starve_a_long_one() {
+    // 256 cells. a holds 62 and more for its 10 draws; big needs 201, so
+    // it fits only beside at most 55 running cells.
+    let mut s = SchedulerState::new(256, 12, 512);
+    let a = s.admit(admit(1, &[1; 60], 10)).unwrap();
+    let (_, mut all) = step_with(&mut s, |_| 5);
+    let big = s.admit(admit(2, &[2; 200], 1)).unwrap();
+    let mut smalls = vec![];
+    let mut big_at = None;
+    for k in 0..40u32 {
+        // A short prompt every step, each from a session of its own: they
+        // fit beside a, and the seven or so running at once (11 to 18
+        // cells each) hold more than the 55 big can start beside.
+        let g = s
+            .admit(admit(u64::from(k) + 10, &[10 + k as Token; 10], 8))
+            .unwrap();
+        smalls.push(g);
+        let (_, events) = step_with(&mut s, |_| 5);
+        all.extend(events.clone());
+        if started(&events, big) {
+            big_at = Some(k);
+            break;
+        }
+        for &g in &smalls {
+            assert!(!started(&events, g), "a short prompt passed big at {k}");
+        }
+    }
+    // As soon as a ended (one draw before the loop, one a step), not never.
+    assert_eq!(finish_of(&all, a), Some(Finish::MaxTokens));
+    assert!(big_at.is_some_and(|k| k <= 9), "big started at {big_at:?}");
+    all.extend(run_to_end(&mut s));
+    for g in smalls {
+        assert_eq!(finish_of(&all, g), Some(Finish::MaxTokens));
+    }
 }
 
 #[test]
@@ -704,7 +810,13 @@ impl FakeWorker {
         }
         if let Some(e) = first_err {
             self.table.forget_draws();
-            return Err(e);
+            // A full cache keeps the step's spills (StepOutput::from_replies).
+            return Err(match e {
+                StepError::KvFull { .. } => StepError::KvFull {
+                    spilled: self.spilled.clone(),
+                },
+                e => e,
+            });
         }
         Ok(StepOutput {
             drawn,
@@ -842,7 +954,7 @@ impl FakeWorker {
                                 kv.truncate(before[seq]);
                                 self.table.set_len(seq, before[seq] as u32);
                             }
-                            return Err(StepError::KvFull);
+                            return Err(StepError::KvFull { spilled: vec![] });
                         }
                         drawn.extend(self.decode(&plain).map_err(failed)?);
                     }
@@ -1215,7 +1327,7 @@ fn a_failed_step_drops_the_step_behind_it() {
     let next = s.follow(&step).unwrap();
     // The worker's cache was full for the first step: it rolls back, and the
     // step behind it has no draw to follow.
-    let events = s.step_done(&step, Err(StepError::KvFull));
+    let events = s.step_done(&step, Err(StepError::KvFull { spilled: vec![] }));
     assert!(w.run(&next.requests()).is_err());
     // The generation lived on (there was nothing idle to evict, so the
     // youngest, itself, ended) or retries: either way the state is
@@ -1237,7 +1349,7 @@ fn a_full_cache_on_a_following_step_falls_back_to_single_steps() {
     let drawn = drew(0, 100);
     assert_eq!(tokens_of(&s.step_done(&step, Ok(drawn)), g), [100]);
     // The 4 cells the following step asked for are not there: nothing ends.
-    let events = s.step_done(&next, Err(StepError::KvFull));
+    let events = s.step_done(&next, Err(StepError::KvFull { spilled: vec![] }));
     assert!(events.is_empty(), "{events:?}");
     // One token at a time now, and no following step until room is freed.
     let single = s.plan().0.unwrap();
@@ -1245,7 +1357,7 @@ fn a_full_cache_on_a_following_step_falls_back_to_single_steps() {
     assert_eq!(single.decode[0].tokens, [100]);
     assert!(s.follow(&single).is_none());
     // When even one token does not fit, the youngest generation ends.
-    let events = s.step_done(&single, Err(StepError::KvFull));
+    let events = s.step_done(&single, Err(StepError::KvFull { spilled: vec![] }));
     assert_eq!(finish_of(&events, g), Some(Finish::Error));
 }
 
@@ -1750,6 +1862,78 @@ fn restores_that_fail_together_or_beside_a_decode_only_prefill() {
             big.stats().prefilled_tokens + restored,
             "foreground {foreground} {class:?}"
         );
+    }
+}
+
+#[test]
+fn a_step_that_finds_the_cache_full_keeps_the_spills_it_made() {
+    // The worker stored the state (bytes), or could not (0).
+    for stored in [true, false] {
+        let mut s = spilling(1, 1 << 20);
+        let mut w = FakeWorker::new(1);
+        let (g1, e1) = run_one(&mut s, &mut w, admit(1, &conversation(0), 8));
+        let held = s.resident(0).to_vec();
+        // Session 2 takes the one sequence: its step spills session 1's
+        // cells first, then its decode finds no room.
+        s.admit(admit(2, &conversation(1), 8)).unwrap();
+        let mut pipeline = Pipeline::new(1);
+        let (sent, _) = pipeline.kick(&mut s, 0);
+        let [(id, requests)] = sent.as_slice() else {
+            panic!("one step: {sent:?}");
+        };
+        let (key, len) = requests
+            .iter()
+            .find_map(|r| match r {
+                WorkerRequest::KvSpill { key, len, .. } => Some((*key, *len)),
+                _ => None,
+            })
+            .expect("the step spills session 1");
+        let bytes = if stored {
+            u64::from(len) * FAKE_BYTES_PER_TOKEN
+        } else {
+            0
+        };
+        let replies = requests
+            .iter()
+            .map(|r| match r {
+                WorkerRequest::KvSpill { .. } => WorkerResponse::Spilled { key, bytes },
+                WorkerRequest::Decode { .. } => WorkerResponse::KvFull {
+                    n_ctx: FAKE_N_CTX,
+                    tokens: 41,
+                },
+                _ => WorkerResponse::Done,
+            })
+            .collect();
+        let result = StepOutput::from_replies(replies);
+        assert!(
+            matches!(result, Err(StepError::KvFull { .. })),
+            "{result:?}"
+        );
+        pipeline.arrived(&mut s, *id, result);
+        let st = s.stats();
+        if stored {
+            // The index holds the key, at the size the worker reported.
+            assert_eq!(s.spill.tokens(key), Some(&held[..]));
+            assert_eq!((st.spilled_entries, st.spilled_bytes), (1, bytes));
+        } else {
+            // Nothing was stored: the index forgets the key, and session
+            // 1's next turn prefills instead of restoring what is not there.
+            assert_eq!(s.spill.tokens(key), None);
+            assert_eq!(st.spilled_entries, 0);
+            let mut turn2 = conversation(0);
+            turn2.extend(tokens_of(&e1, g1));
+            s.admit(admit(1, &turn2, 1)).unwrap();
+            let (step, _) = s.plan();
+            let step = step.unwrap();
+            assert!(
+                !step
+                    .ops
+                    .iter()
+                    .any(|op| matches!(op, WorkerRequest::KvRestore { .. })),
+                "{:?}",
+                step.ops
+            );
+        }
     }
 }
 
