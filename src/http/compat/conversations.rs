@@ -14,12 +14,14 @@ use serde_json::{json, Value};
 
 use super::error::{ApiError, Family, Kind};
 use super::responses::{
-    append_items, call, call_names, check_outputs, create_session, created, input_item, inspect,
-    items, not_found, page, read, Decode, Input, ListQuery, Piece,
+    append_items, call, call_names, check_fresh_items, check_outputs, create_session, created,
+    input_item, inspect, items, not_found, page, read, Decode, Input, Item, ListQuery, Piece,
 };
 use super::{accept, authorize, params};
 use crate::http::routes::WebState;
-use crate::wire::{Edit, Event, EventId, Inspection, Params, Record, Request, SessionId};
+use crate::wire::{
+    Edit, Event, EventId, Inspection, Params, PurgeMode, Record, Request, SessionId,
+};
 
 const F: Family = Family::OpenAi;
 const KEY: &str = "openai.conversation";
@@ -189,7 +191,7 @@ pub struct CreateBody {
     pub metadata: Option<Value>,
 }
 
-fn new_items(v: Option<&Value>) -> Result<Vec<super::responses::Item>, ApiError> {
+fn new_items(v: Option<&Value>) -> Result<Vec<Item>, ApiError> {
     if let Some(Value::Array(list)) = v {
         if list.len() > MAX_NEW_ITEMS {
             return Err(ApiError::invalid(
@@ -207,7 +209,11 @@ fn new_items(v: Option<&Value>) -> Result<Vec<super::responses::Item>, ApiError>
     Ok(new)
 }
 
-/// `POST /v1/conversations`.
+/// `POST /v1/conversations`: a new session holding `items`, its record
+/// set. Every check that needs no session runs before it is made (a new
+/// conversation has no open call, so an output must answer a call resent
+/// before it in the same items); a refusal once it exists purges it, so a
+/// refused create leaves no conversation behind.
 pub async fn create(
     req: HttpRequest,
     payload: web::Payload,
@@ -217,15 +223,64 @@ pub async fn create(
     let metadata = body.metadata.unwrap_or_else(|| json!({}));
     check_metadata(&metadata)?;
     let new = new_items(body.items.as_ref())?;
+    check_fresh_items(&new).map_err(|e| e.with_param("items"))?;
     let s = create_session(&state, params(None, None, None, None, None, F)?).await?;
     let id = format!("conv_{s}");
     let rec = json!({"id": id, "metadata": metadata});
-    set_record(&state, s, rec.clone()).await?;
-    append_items(&state, s, &new).await?;
-    let info = inspect(&state, s)
+    match fill(&state, s, &rec, &new).await {
+        Ok(info) => Ok(HttpResponse::Ok().json(conversation_json(&id, info.created_unix_ms, &rec))),
+        Err(e) => {
+            discard(&state, s).await;
+            Err(e)
+        }
+    }
+}
+
+/// Gives the new session `s` its conversation record `rec` and appends
+/// `items`: what it holds after.
+async fn fill(
+    state: &WebState,
+    s: SessionId,
+    rec: &Value,
+    items: &[Item],
+) -> Result<Inspection, ApiError> {
+    set_record(state, s, rec.clone()).await?;
+    append_items(state, s, items).await.map_err(|e| {
+        if e.kind == Kind::Invalid {
+            e.with_param("items")
+        } else {
+            e
+        }
+    })?;
+    inspect(state, s)
         .await?
-        .ok_or_else(|| not_found("conversation", &id))?;
-    Ok(HttpResponse::Ok().json(conversation_json(&id, info.created_unix_ms, &rec)))
+        .ok_or_else(|| not_found("conversation", &format!("conv_{s}")))
+}
+
+/// Purges session `s`, which a refused create made (nothing names it
+/// yet), as `DELETE` purges a conversation's. A failure is only logged:
+/// the create's own refusal is what the client is told.
+async fn discard(state: &WebState, s: SessionId) {
+    let purged = match inspect(state, s).await {
+        Ok(Some(info)) => call(
+            state,
+            Request::Purge {
+                session: s,
+                expected_generation: info.generation,
+                mode: PurgeMode::Reroot,
+            },
+        )
+        .await
+        .map(|_| ()),
+        Ok(None) => Ok(()),
+        Err(e) => Err(e),
+    };
+    if let Err(e) = purged {
+        log::warn!(
+            "a refused conversation create left session {s} behind: {}",
+            e.message
+        );
+    }
 }
 
 /// The conversation `id`: its session now and what it holds.
