@@ -1508,10 +1508,12 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
             (s, end)
         }
         (None, Some(conv)) => {
-            // Held until the generation is asked for (below), so the next
-            // change to this conversation sees it in progress.
-            changes = Some(super::conversations::CHANGES.lock().await);
-            super::conversations::session_for(state, conv, p, &input).await?
+            // The conversation's lock, held until the generation is asked
+            // for (below), so the next change to it sees it in progress.
+            let (s, start, guard) =
+                super::conversations::session_for(state, conv, p, &input).await?;
+            changes = Some(guard);
+            (s, start)
         }
         (None, None) => {
             input.check(state, None, &[]).await?;
