@@ -295,6 +295,39 @@ def test_bad_inputs_in_openai_shape(daemon):
     assert status == 401
 
 
+def test_a_refused_conversation_create_leaves_nothing_behind(daemon):
+    # An output whose call_id is a call id by its syntax passed the checks
+    # made before the session; create then made the session, set its record,
+    # and only the append refused the output (a new conversation has no open
+    # call): a 400, and an empty conversation left in the log.
+    c = oai(daemon)
+
+    def output(call_id):
+        return {"type": "function_call_output", "call_id": call_id, "output": "x"}
+
+    hi = {"type": "message", "role": "user", "content": "hi"}
+    resent = {"type": "function_call", "call_id": "call_1_2", "name": "get_weather",
+              "arguments": json.dumps({"city": "Paris"})}
+    sessions, size = len(daemon.client().list()), wal_size(daemon)
+    for items, call_id in (([hi, output("call_1_2")], "call_1_2"),  # names a call of no open session
+                           ([output("call_3")], "call_3"),  # the older form
+                           ([hi, resent, output("call_1_2"), output("call_9_9")], "call_9_9")):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.conversations.create(items=items, metadata={"topic": "orphans"})
+        assert e.value.body["type"] == "invalid_request_error", items
+        assert e.value.body["param"] == "items", e.value.body
+        assert call_id in e.value.body["message"] and "not a call" in e.value.body["message"], e.value.body
+        # No session, and nothing written at all.
+        assert len(daemon.client().list()) == sessions, items
+        assert wal_size(daemon) == size, items
+    # An output answering a call resent before it in the same items is taken.
+    conv = c.conversations.create(items=[hi, resent, output("call_1_2")])
+    assert len(daemon.client().list()) == sessions + 1
+    listed = c.conversations.items.list(conv.id, order="asc", limit=100).data
+    assert len(listed) == 3 and listed[-1].type == "function_call_output", listed
+    assert listed[-1].output == "x"
+
+
 def test_list_routes_check_the_caller_before_the_query(daemon):
     # A list route's query was parsed by actix before the credential, Origin
     # and Host checks ran: a bad `limit` got actix's plain-text 400 where a

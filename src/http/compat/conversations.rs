@@ -13,13 +13,16 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::error::{ApiError, Family, Kind};
+use super::locks::{KeyGuard, KeyedLocks};
 use super::responses::{
-    append_items, call, call_names, check_outputs, create_session, created, input_item, inspect,
-    items, not_found, page, read, Decode, Input, ListQuery, Piece,
+    append_items, call, call_names, check_fresh_items, check_outputs, create_session, created,
+    input_item, inspect, items, not_found, page, read, Decode, Input, Item, ListQuery, Piece,
 };
 use super::{accept, authorize, params};
 use crate::http::routes::WebState;
-use crate::wire::{Edit, Event, EventId, Inspection, Params, Record, Request, SessionId};
+use crate::wire::{
+    Edit, Event, EventId, Inspection, Params, PurgeMode, Record, Request, SessionId,
+};
 
 const F: Family = Family::OpenAi;
 const KEY: &str = "openai.conversation";
@@ -99,12 +102,67 @@ async fn set_record(state: &WebState, s: SessionId, rec: Value) -> Result<(), Ap
     Ok(())
 }
 
-/// Serializes what changes which session a conversation names, or adds to
-/// it (a response's setup up to its generation starting, items added or
-/// dropped, metadata, delete): two at once could fork the same session and
-/// one of them drop out of the conversation. Held for the few session
-/// requests each takes, never across a generation.
-pub(crate) static CHANGES: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+/// Serializes the changes to one conversation: what changes which session
+/// it names, or adds to it (a response's setup up to its generation
+/// starting, items added or dropped, metadata, delete): two at once could
+/// fork the same session and one of them drop out of the conversation.
+/// Keyed by the model and the conversation's first session, the id its
+/// record holds in every branch, so two requests naming it by different
+/// ids (a branch's `conv_` id, or the first) take the same lock, and
+/// changes to different conversations never wait on each other. Held for
+/// the few session requests each takes, never across a generation.
+static CHANGES: KeyedLocks<(usize, SessionId)> = KeyedLocks::new();
+
+/// A conversation's lock in [`CHANGES`], held until dropped.
+pub(crate) type ChangeGuard = KeyGuard<'static, (usize, SessionId)>;
+
+/// How often [`lock`] takes another lock when the conversation's record,
+/// read again under the lock, names another conversation (only a title
+/// rewritten through the session API does that).
+const MAX_RELOCKS: usize = 4;
+
+/// A conversation locked for a change, and what it holds now.
+struct Locked {
+    guard: ChangeGuard,
+    session: SessionId,
+    info: Inspection,
+    rec: Value,
+}
+
+/// The key in [`CHANGES`] of the conversation record `rec` (read through
+/// the id `id`).
+fn key_of(state: &WebState, rec: &Value, id: &str) -> Result<(usize, SessionId), ApiError> {
+    rec.get("id")
+        .and_then(Value::as_str)
+        .and_then(parse_conv)
+        .map(|first| (state.current, first))
+        .ok_or_else(|| not_found("conversation", id))
+}
+
+/// Locks conversation `id` for a change and loads it. The id is resolved
+/// again under the lock, so the session it names is the one the changes
+/// before left it on, and no other change works on it until the guard is
+/// dropped; the record read then must name the conversation whose lock was
+/// taken.
+async fn lock(state: &WebState, id: &str) -> Result<Locked, ApiError> {
+    let (_, _, rec) = load(state, id).await?;
+    let mut key = key_of(state, &rec, id)?;
+    for _ in 0..MAX_RELOCKS {
+        let guard = CHANGES.lock(key).await;
+        let (session, info, rec) = load(state, id).await?;
+        let now = key_of(state, &rec, id)?;
+        if now == key {
+            return Ok(Locked {
+                guard,
+                session,
+                info,
+                rec,
+            });
+        }
+        key = now;
+    }
+    Err(not_found("conversation", id))
+}
 
 fn in_progress(id: &str) -> ApiError {
     ApiError::invalid(
@@ -139,18 +197,25 @@ async fn move_to(
     Ok(())
 }
 
-/// Where a response on conversation `id` runs, sampling with `p`, and the
-/// event its input starts at. A session samples with the settings it was
-/// made with, so a response asking for others (a temperature, a top_p)
-/// runs on a fork of the conversation at its end, made with them, and the
+/// Where a response on conversation `id` runs, sampling with `p`, the
+/// event its input starts at, and the conversation's lock, to hold until
+/// the generation is asked for (so the next change to the conversation
+/// sees it in progress). A session samples with the settings it was made
+/// with, so a response asking for others (a temperature, a top_p) runs on
+/// a fork of the conversation at its end, made with them, and the
 /// conversation moves to that fork; the seed stays the conversation's.
 pub(crate) async fn session_for(
     state: &WebState,
     id: &str,
     p: Params,
     input: &Input<'_>,
-) -> Result<(SessionId, EventId), ApiError> {
-    let (s, info, rec) = load(state, id)
+) -> Result<(SessionId, EventId, ChangeGuard), ApiError> {
+    let Locked {
+        guard,
+        session: s,
+        info,
+        rec,
+    } = lock(state, id)
         .await
         .map_err(|e| e.with_param("conversation"))?;
     if info.generating {
@@ -163,7 +228,7 @@ pub(crate) async fn session_for(
         ..p
     };
     if wanted == info.params {
-        return Ok((s, info.events));
+        return Ok((s, info.events, guard));
     }
     let branch = created(
         state,
@@ -175,7 +240,7 @@ pub(crate) async fn session_for(
     )
     .await?;
     move_to(state, id, s, branch, &rec).await?;
-    Ok((branch, info.events))
+    Ok((branch, info.events, guard))
 }
 
 fn conversation_json(id: &str, created_ms: u64, rec: &Value) -> Value {
@@ -189,7 +254,7 @@ pub struct CreateBody {
     pub metadata: Option<Value>,
 }
 
-fn new_items(v: Option<&Value>) -> Result<Vec<super::responses::Item>, ApiError> {
+fn new_items(v: Option<&Value>) -> Result<Vec<Item>, ApiError> {
     if let Some(Value::Array(list)) = v {
         if list.len() > MAX_NEW_ITEMS {
             return Err(ApiError::invalid(
@@ -207,7 +272,11 @@ fn new_items(v: Option<&Value>) -> Result<Vec<super::responses::Item>, ApiError>
     Ok(new)
 }
 
-/// `POST /v1/conversations`.
+/// `POST /v1/conversations`: a new session holding `items`, its record
+/// set. Every check that needs no session runs before it is made (a new
+/// conversation has no open call, so an output must answer a call resent
+/// before it in the same items); a refusal once it exists purges it, so a
+/// refused create leaves no conversation behind.
 pub async fn create(
     req: HttpRequest,
     payload: web::Payload,
@@ -217,15 +286,67 @@ pub async fn create(
     let metadata = body.metadata.unwrap_or_else(|| json!({}));
     check_metadata(&metadata)?;
     let new = new_items(body.items.as_ref())?;
+    check_fresh_items(&new).map_err(|e| e.with_param("items"))?;
     let s = create_session(&state, params(None, None, None, None, None, F)?).await?;
+    // Taken before the record makes the id resolve: a change naming it
+    // (by a guessed id) waits for the items.
+    let _changes = CHANGES.lock((state.current, s)).await;
     let id = format!("conv_{s}");
     let rec = json!({"id": id, "metadata": metadata});
-    set_record(&state, s, rec.clone()).await?;
-    append_items(&state, s, &new).await?;
-    let info = inspect(&state, s)
+    match fill(&state, s, &rec, &new).await {
+        Ok(info) => Ok(HttpResponse::Ok().json(conversation_json(&id, info.created_unix_ms, &rec))),
+        Err(e) => {
+            discard(&state, s).await;
+            Err(e)
+        }
+    }
+}
+
+/// Gives the new session `s` its conversation record `rec` and appends
+/// `items`: what it holds after.
+async fn fill(
+    state: &WebState,
+    s: SessionId,
+    rec: &Value,
+    items: &[Item],
+) -> Result<Inspection, ApiError> {
+    set_record(state, s, rec.clone()).await?;
+    append_items(state, s, items).await.map_err(|e| {
+        if e.kind == Kind::Invalid {
+            e.with_param("items")
+        } else {
+            e
+        }
+    })?;
+    inspect(state, s)
         .await?
-        .ok_or_else(|| not_found("conversation", &id))?;
-    Ok(HttpResponse::Ok().json(conversation_json(&id, info.created_unix_ms, &rec)))
+        .ok_or_else(|| not_found("conversation", &format!("conv_{s}")))
+}
+
+/// Purges session `s`, which a refused create made (nothing names it
+/// yet), as `DELETE` purges a conversation's. A failure is only logged:
+/// the create's own refusal is what the client is told.
+async fn discard(state: &WebState, s: SessionId) {
+    let purged = match inspect(state, s).await {
+        Ok(Some(info)) => call(
+            state,
+            Request::Purge {
+                session: s,
+                expected_generation: info.generation,
+                mode: PurgeMode::Reroot,
+            },
+        )
+        .await
+        .map(|_| ()),
+        Ok(None) => Ok(()),
+        Err(e) => Err(e),
+    };
+    if let Err(e) = purged {
+        log::warn!(
+            "a refused conversation create left session {s} behind: {}",
+            e.message
+        );
+    }
 }
 
 /// The conversation `id`: its session now and what it holds.
@@ -263,8 +384,12 @@ pub async fn update(
 ) -> Result<HttpResponse, ApiError> {
     let body: UpdateBody = accept(&state, F, &req, payload).await?;
     check_metadata(&body.metadata)?;
-    let _changes = CHANGES.lock().await;
-    let (s, info, mut rec) = load(&state, &path).await?;
+    let Locked {
+        guard: _changes,
+        session: s,
+        info,
+        mut rec,
+    } = lock(&state, &path).await?;
     rec["metadata"] = body.metadata;
     set_record(&state, s, rec.clone()).await?;
     Ok(HttpResponse::Ok().json(conversation_json(&path, info.created_unix_ms, &rec)))
@@ -278,8 +403,12 @@ pub async fn delete(
     state: web::Data<WebState>,
 ) -> Result<HttpResponse, ApiError> {
     authorize(&state, F, &req)?;
-    let _changes = CHANGES.lock().await;
-    let (s, info, _) = load(&state, &path).await?;
+    let Locked {
+        guard: _changes,
+        session: s,
+        info,
+        ..
+    } = lock(&state, &path).await?;
     call(
         &state,
         Request::Purge {
@@ -395,8 +524,12 @@ pub async fn add_items(
 ) -> Result<HttpResponse, ApiError> {
     let body: ItemsBody = accept(&state, F, &req, payload).await?;
     let new = new_items(Some(&body.items))?;
-    let _changes = CHANGES.lock().await;
-    let (s, info, _) = load(&state, &path).await?;
+    let Locked {
+        guard: _changes,
+        session: s,
+        info,
+        ..
+    } = lock(&state, &path).await?;
     append_items(&state, s, &new).await?;
     let events = read(&state, s).await?;
     let added: Vec<Value> = all_items(&state, s, &events)
@@ -424,8 +557,12 @@ pub async fn delete_item(
 ) -> Result<HttpResponse, ApiError> {
     authorize(&state, F, &req)?;
     let (id, item_id) = path.into_inner();
-    let _changes = CHANGES.lock().await;
-    let (s, info, rec) = load(&state, &id).await?;
+    let Locked {
+        guard: _changes,
+        session: s,
+        info,
+        rec,
+    } = lock(&state, &id).await?;
     let events = read(&state, s).await?;
     let (_, from, to) = all_items(&state, s, &events)
         .await?

@@ -13,6 +13,7 @@
 //! - [`gguf`]: the served file's header metadata and identity (Ollama's
 //!   `/api/tags` and `/api/show`).
 //! - [`error`]: `ApiError`, each family's error shape and status.
+//! - [`locks`]: async locks by key (one per conversation, for its changes).
 //!
 //! Who may call: `auth::Route::Api` (the token or `--api-key`, by
 //! `Authorization: Bearer` or `x-api-key`; a listed Origin or none).
@@ -24,6 +25,7 @@ pub mod drive;
 pub mod error;
 pub mod gguf;
 pub mod images;
+pub mod locks;
 pub mod ollama;
 pub mod openai;
 pub mod responses;

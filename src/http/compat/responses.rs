@@ -475,6 +475,15 @@ pub(crate) fn check_outputs(items: &[Item]) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// `items` as the input of a new session, which has no open call: every
+/// output answers a call resent before it in the same items, and every
+/// resent call's text can be written (what [`item_requests`] checks,
+/// against an empty history). Pure, so a route can refuse such items
+/// before it makes the session.
+pub(crate) fn check_fresh_items(items: &[Item]) -> Result<(), ApiError> {
+    item_requests(0, items, &CallNames::own(0), &[]).map(|_| ())
+}
+
 /// The session requests that append `items` to session `s`, whose calls
 /// `names` names and `ledger` says how each stands, each with the call id
 /// an output answers (for its errors); every output's call checked before
@@ -1499,10 +1508,12 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
             (s, end)
         }
         (None, Some(conv)) => {
-            // Held until the generation is asked for (below), so the next
-            // change to this conversation sees it in progress.
-            changes = Some(super::conversations::CHANGES.lock().await);
-            super::conversations::session_for(state, conv, p, &input).await?
+            // The conversation's lock, held until the generation is asked
+            // for (below), so the next change to it sees it in progress.
+            let (s, start, guard) =
+                super::conversations::session_for(state, conv, p, &input).await?;
+            changes = Some(guard);
+            (s, start)
         }
         (None, None) => {
             input.check(state, None, &[]).await?;
