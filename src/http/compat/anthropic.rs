@@ -16,15 +16,15 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use super::chat::{prompt_tokens, prompt_with_images, Call, Msg, Prompt};
+use super::chat::{Call, Msg, Prompt};
 use super::drive::{self, End, Out};
 use super::error::{ApiError, Family, Kind};
 use super::images::Resolved;
 use super::{
-    accept, budget, chat_error, check_lane, check_model, event_stream, logged, markers, new_id,
-    ok_with_warm, params, pick, sse, start_all, Access, Prepared,
+    accept, budget, check_lane, check_model, event_stream, logged, markers, new_id, ok_with_warm,
+    params, pick, sse, start_all, Access, Prepared,
 };
-use super::{close_reasoning, forced_grammar};
+use super::{close_reasoning, forced_grammar, render_prompt};
 use crate::http::routes::WebState;
 use crate::session::grammar::tool_signature;
 use crate::wire::Role;
@@ -295,7 +295,7 @@ struct Rendered {
     none: bool,
 }
 
-fn render(
+async fn render(
     state: &WebState,
     system: Option<&Value>,
     messages: &[Value],
@@ -352,13 +352,7 @@ fn render(
             )))
         }
     };
-    let render = state.m().shared.render.as_ref();
-    let (prompt, media) = if conv.msgs.iter().any(|m| !m.images.is_empty()) {
-        prompt_with_images(render, &conv.msgs, &tools).map_err(|e| chat_error(F, e))?
-    } else {
-        let p = prompt_tokens(render, &conv.msgs, &tools).map_err(|e| chat_error(F, e))?;
-        (p, vec![])
-    };
+    let (prompt, media) = render_prompt(state, F, &conv.msgs, &tools).await?;
     let pin = conv
         .pin
         .and_then(|(at, ttl)| prompt.ends.get(at).map(|&end| (end, ttl)));
@@ -388,7 +382,8 @@ pub async fn count_tokens(
         r.tool_choice.as_ref(),
         None,
         &images,
-    )?;
+    )
+    .await?;
     // The assistant header is what a reply would start after; it counts.
     Ok(HttpResponse::Ok().json(json!({"input_tokens": rendered.prompt.tokens.len()})))
 }
@@ -442,7 +437,8 @@ pub async fn messages(
             r.tool_choice.as_ref(),
             r.cache_control.as_ref(),
             &images,
-        )?;
+        )
+        .await?;
         let (mut markers, in_reasoning) = markers(&state, rendered.prompt.header());
         if rendered.none {
             markers.tool_call = None;

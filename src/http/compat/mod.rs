@@ -301,6 +301,54 @@ pub(crate) fn chat_error(family: Family, e: ChatError) -> ApiError {
     ApiError::invalid(family, e.to_string()).with_param(param)
 }
 
+/// Runs `f`, whose inputs are `bytes` long, inline when that is under
+/// [`INLINE_BYTES`](crate::actors::session::INLINE_BYTES) (a few
+/// milliseconds of rendering or tokenizing at most), otherwise on a render
+/// thread, so the HTTP worker serves other requests while a long prompt
+/// renders and tokenizes.
+pub(crate) async fn off_worker<T: Send + 'static>(
+    family: Family,
+    bytes: usize,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, ApiError> {
+    if bytes < crate::actors::session::INLINE_BYTES {
+        return Ok(f());
+    }
+    crate::actors::render_pool::run(f).await.ok_or_else(|| {
+        ApiError::new(
+            family,
+            Kind::Internal,
+            "the prompt could not be rendered (no render thread)",
+        )
+    })
+}
+
+/// A request's prompt (`chat::prompt_with_images` when a message holds
+/// images, else `chat::prompt_tokens`), in the route's error shape,
+/// rendered [`off_worker`].
+pub(crate) async fn render_prompt(
+    state: &WebState,
+    family: Family,
+    msgs: &[chat::Msg],
+    tools: &[String],
+) -> Result<(chat::Prompt, Vec<crate::wire::worker::MediaSpan>), ApiError> {
+    // The caps first: they bound what is copied to the render thread.
+    chat::check(msgs, tools.len()).map_err(|e| chat_error(family, e))?;
+    let bytes: usize = msgs.iter().map(|m| m.text.len()).sum::<usize>()
+        + tools.iter().map(String::len).sum::<usize>();
+    let render = state.m().shared.render.clone();
+    let (msgs, tools) = (msgs.to_vec(), tools.to_vec());
+    off_worker(family, bytes, move || {
+        if msgs.iter().any(|m| !m.images.is_empty()) {
+            chat::prompt_with_images(render.as_ref(), &msgs, &tools)
+        } else {
+            Ok((chat::prompt_tokens(render.as_ref(), &msgs, &tools)?, vec![]))
+        }
+    })
+    .await?
+    .map_err(|e| chat_error(family, e))
+}
+
 /// A generation that did not start, as the route's error.
 pub(crate) fn drive_error(family: Family, e: DriveError) -> ApiError {
     match e {
@@ -611,4 +659,21 @@ pub(crate) fn new_id(prefix: &str) -> String {
     let mut b = [0u8; 12];
     let _ = getrandom::fill(&mut b);
     format!("{prefix}{}", hex::encode(b))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A large prompt renders on a render thread, not the HTTP worker; a
+    /// small one inline.
+    #[actix_rt::test]
+    async fn a_large_prompt_renders_off_the_http_worker() {
+        let here = std::thread::current().id();
+        let id = || std::thread::current().id();
+        let small = crate::actors::session::INLINE_BYTES - 1;
+        assert_eq!(off_worker(Family::OpenAi, small, id).await.unwrap(), here);
+        let large = crate::actors::session::INLINE_BYTES;
+        assert_ne!(off_worker(Family::OpenAi, large, id).await.unwrap(), here);
+    }
 }

@@ -16,16 +16,16 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use super::chat::{prompt_tokens, prompt_with_images, Call, Msg};
+use super::chat::{Call, Msg};
 use super::drive::{End, Out};
 use super::error::{ApiError, Family, Kind};
 use super::gguf::Identity;
 use super::images::Resolved;
 use super::{
-    accept, authorize, chat_error, check_lane, check_model, json_grammar, logged, markers,
-    ok_with_warm, params, pick, start_all, Access, Prepared,
+    accept, authorize, check_lane, check_model, json_grammar, logged, markers, ok_with_warm,
+    params, pick, start_all, Access, Prepared,
 };
-use super::{close_reasoning, forced_grammar};
+use super::{close_reasoning, forced_grammar, off_worker, render_prompt};
 use crate::actors::complete::fim_prompt;
 use crate::http::routes::WebState;
 use crate::session::grammar::tool_signature;
@@ -558,7 +558,11 @@ fn show_thinking(state: &WebState, think_v: Option<&Value>, m: &Markers) -> Resu
     }
 }
 
-fn prepare_chat(state: &WebState, r: &ChatRequest, images: &Resolved) -> Result<Job, ApiError> {
+async fn prepare_chat(
+    state: &WebState,
+    r: &ChatRequest,
+    images: &Resolved,
+) -> Result<Job, ApiError> {
     check_model(state, F, model_name(&r.model))?;
     let msgs = messages(&r.messages, images)?;
     let o = r.options.as_ref();
@@ -578,13 +582,7 @@ fn prepare_chat(state: &WebState, r: &ChatRequest, images: &Resolved) -> Result<
         .map(|t| tool_signature(t).ok_or_else(|| bad("each tool needs a function with a name")))
         .collect::<Result<_, _>>()?;
     let forced = forced_tools(choice, &sigs)?;
-    let render = state.m().shared.render.as_ref();
-    let (prompt, media) = if msgs.iter().any(|m| !m.images.is_empty()) {
-        prompt_with_images(render, &msgs, &tools).map_err(|e| chat_error(F, e))?
-    } else {
-        let p = prompt_tokens(render, &msgs, &tools).map_err(|e| chat_error(F, e))?;
-        (p, vec![])
-    };
+    let (prompt, media) = render_prompt(state, F, &msgs, &tools).await?;
     let (mut markers, in_reasoning) = markers(state, prompt.header());
     if none {
         markers.tool_call = None;
@@ -628,7 +626,7 @@ fn prepare_chat(state: &WebState, r: &ChatRequest, images: &Resolved) -> Result<
     })
 }
 
-fn prepare_generate(state: &WebState, r: &GenerateRequest) -> Result<Job, ApiError> {
+async fn prepare_generate(state: &WebState, r: &GenerateRequest) -> Result<Job, ApiError> {
     check_model(state, F, model_name(&r.model))?;
     if r.images.as_ref().is_some_and(|a| !a.is_empty()) {
         return Err(no_images());
@@ -639,32 +637,38 @@ fn prepare_generate(state: &WebState, r: &GenerateRequest) -> Result<Job, ApiErr
              prompt (send raw: true to lay the prompt out yourself)",
         ));
     }
-    let render = state.m().shared.render.as_ref();
     let text = r.prompt.clone().unwrap_or_default();
     let (prompt, markers, in_reasoning, trim_leading) = match (&r.suffix, r.raw) {
         (Some(suffix), _) => {
+            let render = state.m().shared.render.clone();
             let fim = render.fim().ok_or_else(|| {
                 bad(
                     "this model has no fill-in-the-middle tokens (its GGUF names no \
                      tokenizer.ggml.fim_pre/suf/mid_token_id), so `suffix` cannot be served",
                 )
             })?;
-            let prompt = fim_prompt(
-                fim,
-                &render.tokenize(&text),
-                &render.tokenize(suffix),
-                FimMode::Psm,
-            );
+            let suffix = suffix.clone();
+            let bytes = text.len() + suffix.len();
+            let prompt = off_worker(F, bytes, move || {
+                let (pre, suf) = (render.tokenize(&text), render.tokenize(&suffix));
+                fim_prompt(fim, &pre, &suf, FimMode::Psm)
+            })
+            .await?;
             (prompt, Markers::none(), false, false)
         }
-        (None, true) => (render.tokenize(&text), Markers::none(), false, false),
+        (None, true) => {
+            let render = state.m().shared.render.clone();
+            let bytes = text.len();
+            let prompt = off_worker(F, bytes, move || render.tokenize(&text)).await?;
+            (prompt, Markers::none(), false, false)
+        }
         (None, false) => {
             let mut msgs = Vec::new();
             if let Some(s) = r.system.as_ref().filter(|s| !s.is_empty()) {
                 msgs.push(Msg::new(Role::System, s.clone()));
             }
             msgs.push(Msg::new(Role::User, text));
-            let prompt = prompt_tokens(render, &msgs, &[]).map_err(|e| chat_error(F, e))?;
+            let (prompt, _) = render_prompt(state, F, &msgs, &[]).await?;
             let (markers, in_reasoning) = markers(state, prompt.header());
             (prompt.tokens, markers, in_reasoning, true)
         }
@@ -868,7 +872,7 @@ pub async fn chat(
         Err(e) => Err(e),
     };
     let job = match job {
-        Ok(images) => prepare_chat(&state, &r, &images),
+        Ok(images) => prepare_chat(&state, &r, &images).await,
         Err(e) => Err(e),
     };
     run(&state, job, access).await
@@ -895,7 +899,7 @@ pub async fn generate(
         return Ok(reply);
     }
     apply_keep_alive(&state, r.keep_alive.as_ref()).map_err(|e| logged(&access, e))?;
-    let job = prepare_generate(&state, &r);
+    let job = prepare_generate(&state, &r).await;
     run(&state, job, access).await
 }
 

@@ -12,7 +12,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use super::chat::{prompt_tokens, prompt_with_images, Call, Msg, MsgImage};
+use super::chat::{Call, Msg, MsgImage};
 use super::drive::{self, Collected, End, Logprob, Out};
 use super::error::{ApiError, Family, Kind};
 use super::images::Resolved;
@@ -20,7 +20,7 @@ use super::{
     accept, authorize, budget, chat_error, check_lane, check_model, event_stream, json_grammar,
     logged, markers, new_id, now_secs, ok_with_warm, params, pick, start_all, Access, Prepared,
 };
-use super::{close_reasoning, forced_grammar};
+use super::{close_reasoning, forced_grammar, render_prompt};
 use crate::actors::complete::fim_prompt;
 use crate::http::routes::WebState;
 use crate::session::grammar::tool_signature;
@@ -245,7 +245,7 @@ fn stops(v: Option<&Value>) -> Result<Vec<String>, ApiError> {
     }
 }
 
-pub(crate) fn prepare_chat(
+pub(crate) async fn prepare_chat(
     state: &WebState,
     r: &ChatRequest,
     images: &Resolved,
@@ -269,13 +269,7 @@ pub(crate) fn prepare_chat(
             })
         })
         .collect::<Result<_, _>>()?;
-    let render = state.m().shared.render.as_ref();
-    let (prompt, media) = if msgs.iter().any(|m| !m.images.is_empty()) {
-        prompt_with_images(render, &msgs, &tools).map_err(|e| chat_error(F, e))?
-    } else {
-        let p = prompt_tokens(render, &msgs, &tools).map_err(|e| chat_error(F, e))?;
-        (p, vec![])
-    };
+    let (prompt, media) = render_prompt(state, F, &msgs, &tools).await?;
     let (mut markers, in_reasoning) = markers(state, prompt.header());
     let prompt = prompt.tokens;
     if none {
@@ -493,7 +487,7 @@ pub async fn chat_completions(
         let n = choices(r.n)?;
         check_model(&state, F, &r.model)?;
         let images = resolve_images(&state, &r.messages).await?;
-        let mut p = prepare_chat(&state, &r, &images)?;
+        let mut p = prepare_chat(&state, &r, &images).await?;
         p.extras = extras(
             r.presence_penalty,
             r.frequency_penalty,
@@ -793,26 +787,32 @@ pub struct CompletionRequest {
     pub logit_bias: Option<HashMap<String, f32>>,
 }
 
-/// The prompt of a completion: a string, or token ids (one prompt only).
-fn completion_prompt(state: &WebState, r: &CompletionRequest) -> Result<Vec<Token>, ApiError> {
-    let render = &state.m().shared.render;
+/// The prompt of a completion: a string, or token ids (one prompt only);
+/// with a suffix, the fill-in-the-middle prompt. Text is tokenized
+/// [`off_worker`](super::off_worker).
+async fn completion_prompt(
+    state: &WebState,
+    r: &CompletionRequest,
+) -> Result<Vec<Token>, ApiError> {
+    let render = state.m().shared.render.clone();
     let bad = |m: &str| ApiError::invalid(F, m.to_owned()).with_param("prompt");
     let ids = |a: &[Value]| -> Option<Vec<Token>> {
         a.iter()
             .map(|t| t.as_u64().and_then(|t| Token::try_from(t).ok()))
             .collect()
     };
-    let prompt = match &r.prompt {
-        Value::String(s) => render.tokenize(s),
+    // Token ids as given, or the text to tokenize.
+    let prompt: Result<Vec<Token>, String> = match &r.prompt {
+        Value::String(s) => Err(s.clone()),
         Value::Array(a) if a.len() == 1 && a[0].is_string() => {
-            render.tokenize(a[0].as_str().unwrap_or_default())
+            Err(a[0].as_str().unwrap_or_default().to_owned())
         }
         Value::Array(a) if a.len() == 1 && a[0].is_array() => {
-            ids(a[0].as_array().map(Vec::as_slice).unwrap_or_default())
-                .ok_or_else(|| bad("a prompt of token ids must be a list of integers"))?
+            Ok(ids(a[0].as_array().map(Vec::as_slice).unwrap_or_default())
+                .ok_or_else(|| bad("a prompt of token ids must be a list of integers"))?)
         }
         Value::Array(a) if a.iter().all(Value::is_number) && !a.is_empty() => {
-            ids(a).ok_or_else(|| bad("a prompt of token ids must be a list of integers"))?
+            Ok(ids(a).ok_or_else(|| bad("a prompt of token ids must be a list of integers"))?)
         }
         Value::Array(_) => {
             return Err(bad(
@@ -821,7 +821,29 @@ fn completion_prompt(state: &WebState, r: &CompletionRequest) -> Result<Vec<Toke
         }
         _ => return Err(bad("prompt must be a string or a list of token ids")),
     };
+    let fim = match &r.suffix {
+        None => None,
+        Some(suffix) => Some((
+            render.fim().ok_or_else(|| {
+                ApiError::invalid(
+                    F,
+                    "this model has no fill-in-the-middle tokens (its GGUF names no \
+                     tokenizer.ggml.fim_pre/suf/mid_token_id), so `suffix` cannot be served",
+                )
+                .with_param("suffix")
+            })?,
+            suffix.clone(),
+        )),
+    };
+    let bytes =
+        prompt.as_ref().err().map_or(0, String::len) + fim.as_ref().map_or(0, |(_, s)| s.len());
     let n_vocab = render.n_vocab();
+    let (prompt, suffix) = super::off_worker(F, bytes, move || {
+        let prompt = prompt.unwrap_or_else(|text| render.tokenize(&text));
+        let suffix = fim.map(|(fim, s)| (fim, render.tokenize(&s)));
+        (prompt, suffix)
+    })
+    .await?;
     if let Some(t) = prompt.iter().find(|&&t| t >= n_vocab) {
         return Err(bad(&format!(
             "token id {t} is not below the vocabulary's size {n_vocab}"
@@ -830,25 +852,10 @@ fn completion_prompt(state: &WebState, r: &CompletionRequest) -> Result<Vec<Toke
     if prompt.is_empty() {
         return Err(bad("the prompt is empty"));
     }
-    match &r.suffix {
-        None => Ok(prompt),
-        Some(suffix) => {
-            let fim = render.fim().ok_or_else(|| {
-                ApiError::invalid(
-                    F,
-                    "this model has no fill-in-the-middle tokens (its GGUF names no \
-                     tokenizer.ggml.fim_pre/suf/mid_token_id), so `suffix` cannot be served",
-                )
-                .with_param("suffix")
-            })?;
-            Ok(fim_prompt(
-                fim,
-                &prompt,
-                &render.tokenize(suffix),
-                FimMode::Psm,
-            ))
-        }
-    }
+    Ok(match suffix {
+        None => prompt,
+        Some((fim, suffix)) => fim_prompt(fim, &prompt, &suffix, FimMode::Psm),
+    })
 }
 
 /// `POST /v1/completions`.
@@ -872,7 +879,7 @@ pub async fn completions(
             );
         }
         let n = choices(r.n)?;
-        let prompt = completion_prompt(&state, &r)?;
+        let prompt = completion_prompt(&state, &r).await?;
         let max_tokens = budget(
             &state,
             F,

@@ -1664,14 +1664,16 @@ async fn stateless(
     });
     let chat: ChatRequest =
         serde_json::from_value(chat).map_err(|e| ApiError::invalid(F, e.to_string()))?;
-    let prepared = prepare_chat(state, &chat, &Default::default()).map_err(|mut e| {
-        match e.param {
-            Some("messages") => e.param = Some("input"),
-            Some("response_format") => e.param = Some("text.format"),
-            _ => {}
-        }
-        e
-    })?;
+    let prepared = prepare_chat(state, &chat, &Default::default())
+        .await
+        .map_err(|mut e| {
+            match e.param {
+                Some("messages") => e.param = Some("input"),
+                Some("response_format") => e.param = Some("text.format"),
+                _ => {}
+            }
+            e
+        })?;
     let (warm, mut runs) = start_all(state, F, &prepared, 1, p, &[], true).await?;
     head.id = new_id("resp_");
     Ok(Running {
