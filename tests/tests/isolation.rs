@@ -425,8 +425,10 @@ fn a_complete_is_cancelled_when_its_client_leaves() {
     assert!(at_cancel < 1500.0, "{at_cancel}");
 }
 
-/// Item 5: a huge text (an `AppendMessage` of ~12 MB, a `Complete` of as
-/// much) is rendered and tokenized off the actor thread: while it is, another
+/// Item 5: a huge text (an `AppendMessage` of ~12 MB, the `Generate` after
+/// it, whose assistant header renders that whole conversation, a `Complete`
+/// of as much) is rendered and tokenized off the actor thread: while it is,
+/// another
 /// client's requests on another session are answered as usual. Each big
 /// request runs on a thread of its own while this one keeps reading the
 /// other session; at least three reads must land while it is in flight, none
@@ -449,6 +451,11 @@ fn a_huge_text_does_not_stall_other_clients() {
             session: target,
             role: Role::User.into(),
             text: big.clone(),
+        },
+        // Refused for the context, after its header is rendered.
+        Request::Generate {
+            session: target,
+            max_tokens: 1,
         },
         Request::Complete {
             prefix: big.clone(),

@@ -10,6 +10,7 @@ use std::collections::VecDeque;
 use actix::prelude::*;
 use tokio::sync::mpsc;
 
+use super::prepared::Answers;
 use super::{commit_event, schema_cache, BusyGuard, SessionActor};
 use crate::actors::now_ms;
 use crate::actors::scheduler::{AdmitGen, CancelGen, GenUpdate};
@@ -164,19 +165,22 @@ impl SessionActor {
         ctx: &mut Context<Self>,
     ) {
         crate::logging::stage("sess_generate", &"-");
-        self.plan_and_start(max_tokens, reply, provisional, 0, ctx);
+        self.plan_and_start(max_tokens, reply, provisional, 0, Answers::new(), ctx);
     }
 
-    /// Plans the generation with the grammars converted so far; a schema
-    /// not converted yet is converted off the actor thread (the session's
-    /// other requests wait, no other session does) and planning starts
-    /// again, at most a few times.
+    /// Plans the generation with the grammars converted and the renders
+    /// computed so far; a schema not converted yet, or a render of a large
+    /// conversation (the assistant header of a closed turn renders the
+    /// whole history, `prepared`), is computed off the actor thread (the
+    /// session's other requests wait, no other session does) and planning
+    /// starts again, at most a few times for the schemas.
     fn plan_and_start(
         &mut self,
         max_tokens: u32,
         reply: mpsc::Sender<Response>,
         provisional: bool,
         tries: u8,
+        answers: Answers,
         ctx: &mut Context<Self>,
     ) {
         let missing = std::cell::RefCell::new(None);
@@ -187,20 +191,39 @@ impl SessionActor {
                 Err(GrammarError::Pending)
             }
         };
-        let plan = self.shared.read().plan_generation(
-            self.id,
-            max_tokens,
-            self.shared.n_ctx,
-            self.shared.render.as_ref(),
-            &convert,
-            now_ms(),
-        );
+        let (id, n_ctx) = (self.id, self.shared.n_ctx);
+        let planned = answers.plan(&self.shared.read(), self.shared.render.as_ref(), |b, r| {
+            b.plan_generation(id, max_tokens, n_ctx, r, &convert, now_ms())
+        });
+        let plan =
+            match planned {
+                Ok(plan) => plan,
+                Err(renders) => {
+                    let compute = answers.compute(self.shared.render.clone(), renders);
+                    ctx.wait(compute.into_actor(self).map(
+                        move |computed, this, ctx| match computed {
+                            Ok(answers) => this.plan_and_start(
+                                max_tokens,
+                                reply,
+                                provisional,
+                                tries,
+                                answers,
+                                ctx,
+                            ),
+                            Err(e) => {
+                                let _ = reply.try_send(Response::err(e.to_string()));
+                            }
+                        },
+                    ));
+                    return;
+                }
+            };
         let plan = match (plan, missing.into_inner()) {
             (Err(SessionError::Grammar(GrammarError::Pending)), Some(schema)) if tries < 4 => {
                 let convert =
                     schema_cache::convert_off_thread(schema, schema_cache::CONVERT_BUDGET);
                 ctx.wait(convert.into_actor(self).map(move |(), this, ctx| {
-                    this.plan_and_start(max_tokens, reply, provisional, tries + 1, ctx)
+                    this.plan_and_start(max_tokens, reply, provisional, tries + 1, answers, ctx)
                 }));
                 return;
             }

@@ -263,40 +263,202 @@ impl Render for Prepared<'_> {
 /// depending on the answers before), so this only stops a runaway plan.
 const ROUNDS: usize = 4096;
 
-/// Plans with `plan`, every render call computed off the actor thread.
-pub(super) async fn plan_off_thread<T>(
-    shared: &Shared,
-    plan: impl Fn(&SessionBook, &dyn Render) -> Result<T, SessionError>,
-) -> Result<T, SessionError> {
-    let seed = RandomState::new();
-    let mut answers: HashMap<u64, Answer> = HashMap::new();
-    for _ in 0..ROUNDS {
+/// The answers computed off the actor thread for one request's planning,
+/// under keys drawn at random for it.
+pub(super) struct Answers {
+    seed: RandomState,
+    map: HashMap<u64, Answer>,
+    rounds: usize,
+}
+
+/// The render calls a plan could not answer yet.
+pub(super) struct Missing(Vec<(u64, Call)>);
+
+impl Answers {
+    pub(super) fn new() -> Answers {
+        Answers {
+            seed: RandomState::new(),
+            map: HashMap::new(),
+            rounds: 0,
+        }
+    }
+
+    /// Plans with `plan` against what is computed so far (small calls
+    /// answered inline): its result, or the calls to compute first.
+    pub(super) fn plan<T>(
+        &self,
+        book: &SessionBook,
+        render: &dyn Render,
+        plan: impl FnOnce(&SessionBook, &dyn Render) -> Result<T, SessionError>,
+    ) -> Result<Result<T, SessionError>, Missing> {
         let prepared = Prepared {
-            inner: shared.render.as_ref(),
-            seed: &seed,
-            answers: &answers,
+            inner: render,
+            seed: &self.seed,
+            answers: &self.map,
             missing: Mutex::new(Vec::new()),
         };
-        let result = plan(&shared.read(), &prepared);
+        let result = plan(book, &prepared);
         let missing = prepared
             .missing
             .into_inner()
             .unwrap_or_else(|e| e.into_inner());
         if missing.is_empty() {
-            return result;
+            Ok(result)
+        } else {
+            Err(Missing(missing))
         }
-        let render: Arc<dyn Render> = shared.render.clone();
+    }
+
+    /// Computes `missing` on a render thread and keeps the answers; at most
+    /// [`ROUNDS`] times for one request.
+    pub(super) async fn compute(
+        mut self,
+        render: Arc<dyn Render>,
+        missing: Missing,
+    ) -> Result<Answers, SessionError> {
+        if self.rounds >= ROUNDS {
+            return Err(SessionError::Render(RenderError(format!(
+                "the request needs more than {ROUNDS} renders"
+            ))));
+        }
+        self.rounds += 1;
         let computed = crate::actors::render_pool::run(move || {
             missing
+                .0
                 .into_iter()
                 .map(|(k, call)| (k, call.run(render.as_ref())))
                 .collect::<Vec<_>>()
         })
         .await
         .ok_or_else(|| SessionError::Render(RenderError("the rendering failed".into())))?;
-        answers.extend(computed);
+        self.map.extend(computed);
+        Ok(self)
     }
-    Err(SessionError::Render(RenderError(format!(
-        "the request needs more than {ROUNDS} renders"
-    ))))
+}
+
+/// Plans with `plan`, every render call computed off the actor thread.
+pub(super) async fn plan_off_thread<T>(
+    shared: &Shared,
+    plan: impl Fn(&SessionBook, &dyn Render) -> Result<T, SessionError>,
+) -> Result<T, SessionError> {
+    let mut answers = Answers::new();
+    loop {
+        let planned = answers.plan(&shared.read(), shared.render.as_ref(), &plan);
+        match planned {
+            Ok(result) => return result,
+            Err(missing) => answers = answers.compute(shared.render.clone(), missing).await?,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::thread::ThreadId;
+
+    use super::*;
+    use crate::wire::Params;
+
+    /// Tokens are bytes; records the thread each header render ran on.
+    struct Bytes(Mutex<Vec<ThreadId>>);
+
+    impl Render for Bytes {
+        fn n_vocab(&self) -> u32 {
+            256
+        }
+        fn tokenize(&self, text: &str) -> Vec<Token> {
+            text.bytes().map(u32::from).collect()
+        }
+        fn detokenize(&self, span: &[Token]) -> String {
+            span.iter().map(|&t| t as u8 as char).collect()
+        }
+        fn message_span(
+            &self,
+            _: &[ChatMessage],
+            _: &[String],
+            new: &ChatMessage,
+            _: bool,
+        ) -> Result<Vec<Token>, RenderError> {
+            Ok(self.tokenize(&new.content))
+        }
+        fn system_span(&self, _: Option<&str>, _: &[String]) -> Result<Vec<Token>, RenderError> {
+            Ok(vec![])
+        }
+        fn generation_prompt_span(
+            &self,
+            _: &[ChatMessage],
+            _: &[String],
+        ) -> Result<Vec<Token>, RenderError> {
+            self.0.lock().unwrap().push(std::thread::current().id());
+            Ok(self.tokenize("<2>"))
+        }
+        fn piece(&self, token: Token) -> Vec<u8> {
+            vec![token as u8]
+        }
+        fn is_eog(&self, token: Token) -> bool {
+            token == 0
+        }
+        fn template_source(&self) -> String {
+            String::new()
+        }
+        fn fim(&self) -> Option<[Token; 3]> {
+            None
+        }
+    }
+
+    fn book_with(text: &str, render: &dyn Render) -> SessionBook {
+        let mut book = SessionBook::new();
+        let s = book.reserve_id();
+        let r = book
+            .plan_create(s, None, Params::greedy(1), 1)
+            .unwrap()
+            .into_record();
+        book.apply(&r).unwrap();
+        let r = book
+            .plan_message(s, Role::User.into(), text.into(), render, 2)
+            .unwrap()
+            .into_record();
+        book.apply(&r).unwrap();
+        book
+    }
+
+    /// The header of a closed turn renders the whole conversation: for a
+    /// large one, the plan names the render instead of running it on the
+    /// planning (actor) thread; it runs on a render thread, and the next
+    /// plan takes its answer.
+    #[actix_rt::test]
+    async fn a_large_conversation_s_header_renders_off_the_planning_thread() {
+        let render: Arc<Bytes> = Arc::new(Bytes(Mutex::new(vec![])));
+        let no_schema = |_: &str| -> Result<String, crate::session::grammar::GrammarError> {
+            unreachable!("no schema")
+        };
+        let plan = |book: &SessionBook, r: &dyn Render| {
+            book.plan_generation(1, 8, 1 << 20, r, &no_schema, 3)
+        };
+        let here = std::thread::current().id();
+
+        // Small: inline, at once.
+        let book = book_with("hello", render.as_ref());
+        let answers = Answers::new();
+        let planned = answers.plan(&book, render.as_ref(), plan);
+        assert!(matches!(planned, Ok(Ok(_))));
+        assert_eq!(*render.0.lock().unwrap(), [here]);
+
+        // Large: not on this thread.
+        render.0.lock().unwrap().clear();
+        let book = book_with(&"x".repeat(INLINE_BYTES), render.as_ref());
+        let answers = Answers::new();
+        let Err(missing) = answers.plan(&book, render.as_ref(), plan) else {
+            panic!("planned on the planning thread");
+        };
+        assert!(render.0.lock().unwrap().is_empty());
+        let answers = answers.compute(render.clone(), missing).await.unwrap();
+        let ran = render.0.lock().unwrap().clone();
+        assert_eq!(ran.len(), 1);
+        assert_ne!(ran[0], here);
+        let Ok(Ok(p)) = answers.plan(&book, render.as_ref(), plan) else {
+            panic!("still missing after the render");
+        };
+        assert!(p.prompt.ends_with(&render.tokenize("<2>")));
+        assert_eq!(render.0.lock().unwrap().len(), 1, "rendered again");
+    }
 }
