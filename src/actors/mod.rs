@@ -124,12 +124,21 @@ impl Shared {
 
     /// Makes a record durable, then applies it to the book. Only after this
     /// returns may anyone see what the record holds.
+    /// A record registered with `SessionBook::begin` is settled either way.
     pub async fn commit(&self, record: LogRecord) -> Result<(), CommitError> {
-        let bytes = to_postcard(&record)?;
-        self.wal
-            .send(wal::Commit(bytes))
-            .await
-            .map_err(|e| CommitError::WriterGone(e.to_string()))??;
+        let written = match to_postcard(&record) {
+            Ok(bytes) => self
+                .wal
+                .send(wal::Commit(bytes))
+                .await
+                .map_err(|e| CommitError::WriterGone(e.to_string()))
+                .and_then(|r| r.map_err(CommitError::from)),
+            Err(e) => Err(e.into()),
+        };
+        if let Err(e) = written {
+            self.write().settle(&record);
+            return Err(e);
+        }
         let mut book = self.write();
         book.apply(&record)?;
         // Published with the book still locked: a subscriber registers under

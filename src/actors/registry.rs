@@ -459,7 +459,10 @@ impl Handler<Dispatch> for Registry {
                 let planned = {
                     let mut book = shared.write();
                     let id = book.reserve_id();
+                    // A child of `parent` is in flight until applied: a
+                    // purge of the parent waits for it.
                     book.plan_create(id, parent, params, now_ms())
+                        .and_then(|p| book.begin(&p).map(|()| p))
                 };
                 let reply = match planned {
                     Ok(p) => commit(&shared, p).await,

@@ -305,6 +305,11 @@ pub enum SessionError {
     Busy(u64),
     #[error("session {0} has no generation in flight")]
     NotGenerating(u64),
+    /// A Purge that would take session `0`, while a new session under it
+    /// (Create with it as parent, Fork, Trim, Rebase) is being committed:
+    /// the purge would miss it. Retrying once that commit is applied works.
+    #[error("SessionBusy: a new session under session {0} is being committed; retry the purge")]
+    Branching(u64),
     /// Making a record durable failed: the log layer's message.
     #[error("{0}")]
     Commit(String),

@@ -2,7 +2,7 @@
 //! brings back a conversation evicted beyond `--parallel` without a
 //! prefill, and the reply is the one it gets when it never left the cells.
 
-use std::time::Instant;
+use std::time::{Instant, SystemTime};
 
 use superfluid::engine::park;
 use superfluid::frontend::socket::Client;
@@ -603,14 +603,47 @@ fn park_a_trimmed_branch_restores_only_the_prefix_it_keeps() {
     assert_eq!((warm, &reply), (warm2, &reply2));
 }
 
+/// The park files of `s` (its artifact and segments) in `dir`, and the
+/// latest of their modification times (None when it has none).
+fn park_files(dir: &std::path::Path, s: SessionId) -> (Vec<String>, Option<SystemTime>) {
+    let base = format!("{s}.park");
+    let mut names = vec![];
+    let mut latest = None;
+    for e in std::fs::read_dir(dir).unwrap().filter_map(|e| e.ok()) {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let segment = name
+            .strip_prefix(&format!("{base}."))
+            .is_some_and(|k| k.parse::<u32>().is_ok());
+        if name == base || segment {
+            let t = e.metadata().unwrap().modified().unwrap();
+            latest = latest.max(Some(t));
+            names.push(name);
+        }
+    }
+    names.sort();
+    (names, latest)
+}
+
+/// Waits up to 60 s for `what` (the park writer works on its own thread).
+fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !done() {
+        assert!(t.elapsed().as_secs() < 60, "waited 60 s for {what}");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
 /// `--park-budget-gb` (fractions allowed): past it the least recently used
-/// artifact is deleted, and its session prefills (no warning: not a fault).
+/// artifact is deleted, not the oldest: A is parked first, then B, then A's
+/// artifact is used (restored for a fork's turn, which touches it and seals
+/// the fork's own artifact, not A's), and the fork's seal goes past the
+/// budget: B goes, A stays, and B's session prefills after a restart.
 #[test]
 fn the_park_budget_deletes_the_least_recently_used_artifact() {
     let mut d = park_daemon();
-    let first = parked_session(&mut d);
+    let a = parked_session(&mut d);
     let dir = d.sessions.join("park");
-    let one = std::fs::metadata(dir.join(format!("{first}.park")))
+    let one = std::fs::metadata(dir.join(format!("{a}.park")))
         .unwrap()
         .len();
     // Room for two artifacts of this size, not three.
@@ -619,21 +652,57 @@ fn the_park_budget_deletes_the_least_recently_used_artifact() {
         .extend(["--park-budget-gb".to_string(), format!("{budget:.6}")]);
     d.spawn_and_wait();
     let mut c = d.client();
-    let later: Vec<SessionId> = (10..12)
-        .map(|n| conversation(&mut c, &long_message(n)))
-        .collect();
-    let gone = Instant::now();
-    while dir.join(format!("{first}.park")).exists() {
-        assert!(
-            gone.elapsed().as_secs() < 30,
-            "the budget kept the oldest artifact"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
-    for s in &later {
-        assert!(dir.join(format!("{s}.park")).exists(), "{s}'s artifact");
-    }
-    let (warm, reply, _) = timed_turn(&mut c, first);
+    let b = conversation(&mut c, &long_message(10));
+    wait_until("B's artifact", || park_files(&dir, b).1.is_some());
+    let (a_files, a_sealed) = park_files(&dir, a);
+    assert_eq!(
+        a_files,
+        [format!("{a}.park")],
+        "A's artifact before its use"
+    );
+    let b_sealed = park_files(&dir, b).1.unwrap();
+    assert!(a_sealed.unwrap() < b_sealed, "A was parked first");
+    // Whatever the file system's timestamp granularity, A's use comes after
+    // the clock moved past B's seal.
+    wait_until("the clock to pass B's seal", || {
+        SystemTime::now() > b_sealed + std::time::Duration::from_millis(1)
+    });
+    let len = read_events(&mut c, a).len() as u64;
+    let f = created(
+        &mut c,
+        Request::Fork {
+            session: a,
+            at_event: len,
+            params: None,
+        },
+    );
+    let (warm, reply, _) = timed_turn(&mut c, f);
+    assert!(
+        warm > 250,
+        "warm_prefix {warm}: A's artifact was not restored"
+    );
+    assert!(!reply.is_empty());
+    wait_until("the budget to delete an artifact", || {
+        park_files(&dir, a).1.is_none() || park_files(&dir, b).1.is_none()
+    });
+    let (a_files, a_used) = park_files(&dir, a);
+    assert!(
+        park_files(&dir, b).1.is_none() && !a_files.is_empty(),
+        "the budget deleted A's artifact (parked first, used last), not B's"
+    );
+    assert_eq!(a_files, [format!("{a}.park")], "A's artifact, no segment");
+    assert!(
+        a_used.unwrap() > b_sealed,
+        "the restore touched A's artifact"
+    );
+    assert!(park_files(&dir, f).1.is_some(), "the fork's own artifact");
+    d.stop();
+    // After a restart B, its artifact gone, prefills (no warning: not a
+    // fault).
+    d.spawn_and_wait();
+    let mut c = d.client();
+    say(&mut c, b, "And the lightest?");
+    let (warm, reply, _) = timed_turn(&mut c, b);
     assert!(warm < 50, "warm_prefix {warm} from a deleted artifact");
     assert!(!reply.is_empty());
     d.stop();

@@ -1,7 +1,9 @@
 //! New sessions from this one: Fork, Trim (a fork keeping the parent's
 //! params) and Rebase. They run on the parent's actor, so the parent cannot
 //! grow between the plan and the commit; the new session's id is reserved
-//! first, and never reused even if the commit fails.
+//! first, and never reused even if the commit fails. A cascade purge of an
+//! ancestor runs on another actor: each plan is registered as in flight
+//! (`SessionBook::begin`) so that the two are never in flight together.
 
 use super::commit;
 use super::prepared::plan_off_thread;
@@ -19,7 +21,11 @@ pub(super) async fn fork(
     let planned = {
         let mut book = shared.write();
         let id = book.reserve_id();
-        book.plan_fork(id, session, at_event, params, now_ms())?
+        let planned = book.plan_fork(id, session, at_event, params, now_ms())?;
+        // In flight until applied: a purge of the parent (a cascade from an
+        // ancestor, planned on another actor) waits for it.
+        book.begin(&planned)?;
+        planned
     };
     commit(shared, planned).await
 }
@@ -38,5 +44,8 @@ pub(super) async fn rebase(
         book.plan_rebase(id, session, edits.clone(), params, render, now)
     })
     .await?;
+    // Planned under a read lock: `begin` checks again that no purge took the
+    // parent meanwhile.
+    shared.write().begin(&planned)?;
     commit(shared, planned).await
 }

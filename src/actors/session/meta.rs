@@ -28,9 +28,15 @@ pub(super) async fn purge(
     expected_generation: u64,
     mode: PurgeMode,
 ) -> Result<Response, SessionError> {
-    let planned = shared
-        .read()
-        .plan_purge(session, expected_generation, mode, now_ms())?;
+    // Planned and begun under one write lock: a new session filed under
+    // one of the purged sessions meanwhile would be missed
+    // (`SessionBook::begin`).
+    let planned = {
+        let mut book = shared.write();
+        let planned = book.plan_purge(session, expected_generation, mode, now_ms())?;
+        book.begin(&planned)?;
+        planned
+    };
     let reply = commit(shared, planned).await?;
     if let (Response::Purged { sessions }, Some(dir)) = (&reply, &shared.park_dir) {
         // The purge is durable: the sessions' park artifacts go (on a

@@ -38,7 +38,9 @@ pub enum ApplyError {
 impl SessionBook {
     /// Applies a committed record. An Err means the log contradicts itself
     /// (replay refuses to start on it); a live plan never produces one.
+    /// It also ends what `begin` registered for the record.
     pub fn apply(&mut self, record: &LogRecord) -> Result<(), ApplyError> {
+        self.settle(record);
         match record {
             LogRecord::Boot { epoch, .. } => {
                 self.epoch = self.epoch.max(*epoch);

@@ -6,6 +6,20 @@
 //! the record is durable, `apply` changes the book. Replay on start calls the
 //! same `apply`, so a session reads back identically after a restart.
 //!
+//! Requests of one session are planned one at a time by its actor, but those
+//! of different sessions are not, and a plan is applied only after the log's
+//! fsync. A Purge and a new session under a session it takes (a Create with
+//! it as parent, a Fork, Trim or Rebase of it, planned on another session's
+//! actor or the registry) would each be planned against a book without the
+//! other: the purge would miss the new session. So the actors register those
+//! two kinds of plans with [`SessionBook::begin`] under the same write lock
+//! as the plan, and `apply` (or [`SessionBook::settle`] when the commit
+//! fails) ends them. While a Purge is in flight its sessions refuse every
+//! write as purged; while a new session is in flight under a session, a
+//! Purge that would take that session is refused (`Branching`). Two such
+//! plans are therefore never in flight together, and the log holds them in
+//! the order they were applied: replay rebuilds the same book.
+//!
 //! - `view`: a session's view as ranges of events, shared with its parents
 //!   by reference, and reading it.
 //! - `apply`: a committed record changes the book.
@@ -148,12 +162,52 @@ impl Planned {
     }
 }
 
+/// Plans begun ([`SessionBook::begin`]) and not yet applied or settled,
+/// which later plans must not contradict. Counts, as two plans may mark the
+/// same session (two overlapping purges, two children of one parent).
+#[derive(Debug, Default)]
+struct InFlight {
+    /// Sessions a Purge in flight takes.
+    purging: BTreeMap<SessionId, u32>,
+    /// Parents of new sessions in flight (Create with a parent, Fork, Trim,
+    /// Rebase).
+    branching: BTreeMap<SessionId, u32>,
+}
+
+impl InFlight {
+    fn add(map: &mut BTreeMap<SessionId, u32>, s: SessionId) {
+        *map.entry(s).or_insert(0) += 1;
+    }
+
+    /// Removes one mark of `s`, if it has one (replay applies records that
+    /// were never begun).
+    fn remove(map: &mut BTreeMap<SessionId, u32>, s: SessionId) {
+        if let Some(n) = map.get_mut(&s) {
+            *n -= 1;
+            if *n == 0 {
+                map.remove(&s);
+            }
+        }
+    }
+}
+
+/// The parent a branch record's header files the new session under: a
+/// Create with a parent, a Fork (or Trim), a Rebase.
+fn branch_parent(events: &[Event]) -> Option<SessionId> {
+    match &events.first()?.body {
+        Record::Created { parent, .. } => *parent,
+        Record::Forked { parent, .. } | Record::Rebased { parent, .. } => Some(*parent),
+        _ => None,
+    }
+}
+
 /// Every session, as the log says.
 #[derive(Debug, Default)]
 pub struct SessionBook {
     sessions: BTreeMap<SessionId, Session>,
     next_session: SessionId,
     epoch: u64,
+    in_flight: InFlight,
 }
 
 impl SessionBook {
@@ -162,6 +216,60 @@ impl SessionBook {
             sessions: BTreeMap::new(),
             next_session: 1,
             epoch: 0,
+            in_flight: InFlight::default(),
+        }
+    }
+
+    /// Registers a Purge or a new session under a parent as in flight, from
+    /// its plan until `apply` (or `settle`, should its commit fail). Call it
+    /// under the same write lock as the plan, or it checks against a book
+    /// that may have moved: a new session whose parent is purged or being
+    /// purged is refused (`Purged`), and so is a Purge that would take a
+    /// session another new session is being filed under (`Branching`), as
+    /// it would miss that session. Other plans need no registering.
+    pub fn begin(&mut self, planned: &Planned) -> Result<(), SessionError> {
+        match planned {
+            Planned::Purge {
+                session, sessions, ..
+            } => {
+                self.writable(*session)?;
+                if let Some(s) = sessions
+                    .iter()
+                    .find(|s| self.in_flight.branching.contains_key(s))
+                {
+                    return Err(SessionError::Branching(*s));
+                }
+                for s in sessions {
+                    InFlight::add(&mut self.in_flight.purging, *s);
+                }
+            }
+            Planned::Branch { events, .. } => {
+                if let Some(p) = branch_parent(events) {
+                    self.writable(p)?;
+                    InFlight::add(&mut self.in_flight.branching, p);
+                }
+            }
+            Planned::Event(_) | Planned::Meta { .. } => {}
+        }
+        Ok(())
+    }
+
+    /// Ends what `begin` registered for `record`: `apply` calls it, and the
+    /// committer when the commit failed. A record never begun (replay)
+    /// changes nothing.
+    pub fn settle(&mut self, record: &LogRecord) {
+        match record {
+            LogRecord::Purge { sessions, .. } => {
+                for s in sessions {
+                    InFlight::remove(&mut self.in_flight.purging, *s);
+                }
+            }
+            LogRecord::Events { events, .. } => {
+                if let Some(p) = branch_parent(events) {
+                    InFlight::remove(&mut self.in_flight.branching, p);
+                }
+            }
+            LogRecord::Boot { .. } | LogRecord::Meta { .. } => {}
         }
     }
 
@@ -192,6 +300,16 @@ impl SessionBook {
     fn live(&self, s: SessionId) -> Result<&Session, SessionError> {
         let sess = self.get(s)?;
         if sess.purged {
+            return Err(SessionError::Purged(s));
+        }
+        Ok(sess)
+    }
+
+    /// `live`, and not being purged: a Purge in flight takes it, and writes
+    /// planned now would be committed after the purge (refused as purged).
+    fn writable(&self, s: SessionId) -> Result<&Session, SessionError> {
+        let sess = self.live(s)?;
+        if self.in_flight.purging.contains_key(&s) {
             return Err(SessionError::Purged(s));
         }
         Ok(sess)
@@ -244,7 +362,7 @@ impl SessionBook {
         now: u64,
         body: Record,
     ) -> Result<PlannedEvent, SessionError> {
-        let sess = self.live(s)?;
+        let sess = self.writable(s)?;
         Ok(self.planned_event(s, sess.len, now, body))
     }
 

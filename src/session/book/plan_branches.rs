@@ -3,7 +3,8 @@
 //! Ordering rule (kept by the actors): a branch record (Forked, Rebased) is
 //! planned, committed and applied while its parent's actor holds the parent,
 //! so the parent's length cannot change in between; replay sees the same
-//! order in the log.
+//! order in the log. A purge of the parent planned on another actor (a
+//! cascade from an ancestor) is kept apart by `SessionBook::begin`.
 
 use super::plan_messages::check_role;
 use super::{Planned, Render, SessionBook, SessionError};
@@ -42,7 +43,7 @@ impl SessionBook {
     ) -> Result<Planned, SessionError> {
         check_params(&params)?;
         if let Some(p) = parent {
-            self.live(p)?;
+            self.writable(p)?;
         }
         Ok(Planned::Branch {
             session: id,
@@ -59,7 +60,7 @@ impl SessionBook {
         params: Option<Params>,
         now: u64,
     ) -> Result<Planned, SessionError> {
-        let p = self.live(parent)?;
+        let p = self.writable(parent)?;
         if at_event == 0 || at_event > p.len {
             return Err(SessionError::Invalid(format!(
                 "at_event {at_event} is out of range: session {parent} has events 0 to {}, \
@@ -156,7 +157,7 @@ impl SessionBook {
         render: &dyn Render,
         now: u64,
     ) -> Result<Planned, SessionError> {
-        let p = self.live(parent)?;
+        let p = self.writable(parent)?;
         self.check_edits(parent, &edits)?;
         let params = params.unwrap_or(p.params);
         check_params(&params)?;

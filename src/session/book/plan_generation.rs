@@ -81,7 +81,7 @@ impl SessionBook {
         if max_tokens == 0 || max_tokens > n_ctx {
             return Err(SessionError::MaxTokens { n_ctx });
         }
-        let sess = self.live(s)?;
+        let sess = self.writable(s)?;
         let markers = Markers::from_template(&render.template_source());
         let think_open = markers.think.as_ref().map(|m| m.0.as_str());
         let think_close = markers.think.as_ref().map(|m| m.1.as_str());

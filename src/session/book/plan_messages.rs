@@ -22,7 +22,7 @@ impl SessionBook {
         render: &dyn Render,
         now: u64,
     ) -> Result<Planned, SessionError> {
-        self.live(s)?;
+        self.writable(s)?;
         let (text, span) = if span.is_empty() {
             let text = text.ok_or_else(|| {
                 SessionError::Invalid("Append needs a text or a non-empty span".into())
@@ -55,7 +55,7 @@ impl SessionBook {
         now: u64,
     ) -> Result<Planned, SessionError> {
         let role = check_role(role)?;
-        self.live(s)?;
+        self.writable(s)?;
         let events = self.all_events(s);
         let span = self.render_message(&events, role, &text, render)?;
         self.one_event(s, now, Record::Message { role, text, span })
@@ -88,7 +88,7 @@ impl SessionBook {
         render: &dyn Render,
         now: u64,
     ) -> Result<Planned, SessionError> {
-        self.live(s)?;
+        self.writable(s)?;
         if let Some(why) = crate::session::schema_limits::check_tools(&tools) {
             return Err(SessionError::ToolLimit(why));
         }
@@ -112,7 +112,7 @@ impl SessionBook {
         now: u64,
     ) -> Result<Planned, SessionError> {
         let role = check_role(role)?;
-        self.live(s)?;
+        self.writable(s)?;
         if kind.is_empty() {
             return Err(SessionError::Invalid("AppendBlock needs a kind".into()));
         }
@@ -146,7 +146,7 @@ impl SessionBook {
         now: u64,
     ) -> Result<Planned, SessionError> {
         let role = check_role(role)?;
-        self.live(s)?;
+        self.writable(s)?;
         let events = self.all_events(s);
         let first = events.iter().all(|e| e.body.span().is_empty());
         let span = render

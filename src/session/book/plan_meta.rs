@@ -13,7 +13,7 @@ impl SessionBook {
         archived: Option<bool>,
         now: u64,
     ) -> Result<Planned, SessionError> {
-        let sess = self.live(s)?;
+        let sess = self.writable(s)?;
         if sess.version != expected_version {
             return Err(SessionError::Version {
                 session: s,
@@ -54,7 +54,7 @@ impl SessionBook {
         mode: PurgeMode,
         now: u64,
     ) -> Result<Planned, SessionError> {
-        let sess = self.live(s)?;
+        let sess = self.writable(s)?;
         if sess.generation != expected_generation {
             return Err(SessionError::Generation {
                 session: s,

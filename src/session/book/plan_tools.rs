@@ -14,7 +14,7 @@ impl SessionBook {
         choice: String,
         now: u64,
     ) -> Result<Planned, SessionError> {
-        self.live(s)?;
+        self.writable(s)?;
         if choice != "auto" {
             let names: Vec<String> = declared_tools(&self.all_events(s))
                 .iter()
@@ -43,7 +43,7 @@ impl SessionBook {
         schema: Option<String>,
         now: u64,
     ) -> Result<Planned, SessionError> {
-        self.live(s)?;
+        self.writable(s)?;
         if let Some(text) = &schema {
             if text.len() > MAX_TOOL_BYTES {
                 return Err(SessionError::Invalid(format!(
@@ -149,7 +149,7 @@ impl SessionBook {
         granted: bool,
         now: u64,
     ) -> Result<Planned, SessionError> {
-        self.live(s)?;
+        self.writable(s)?;
         let events = self.all_events(s);
         let asked = events.iter().any(|e| {
             e.event_id == request_id && matches!(e.body, Record::PermissionRequested { .. })

@@ -490,6 +490,173 @@ fn purge_cascade_and_reroot() {
     assert_eq!(b.list(), vec![g]);
 }
 
+/// Applies `log` to a fresh book, through postcard as the log stores it.
+fn replayed(log: &[LogRecord]) -> SessionBook {
+    let mut again = SessionBook::new();
+    for rec in log {
+        let bytes = crate::wire::to_postcard(rec).unwrap();
+        let back: LogRecord = crate::wire::from_postcard(&bytes).unwrap();
+        again.apply(&back).unwrap();
+    }
+    again
+}
+
+/// The live book and its replay agree on sessions `ids`, purged or not.
+fn assert_replays(b: &SessionBook, log: &[LogRecord], ids: &[SessionId]) {
+    let again = replayed(log);
+    assert_eq!(b.list(), again.list());
+    assert_eq!(b.tree(), again.tree());
+    assert_eq!(b.summaries(true), again.summaries(true));
+    for &id in ids {
+        assert_eq!(b.inspect(id), again.inspect(id), "session {id}");
+    }
+}
+
+/// A cascade purge is committed (the log's fsync) before it is applied. A
+/// fork of a descendant planned in that window, on the descendant's actor,
+/// would see its parent live and leave a live child of a purged session: it
+/// is refused as purged, and so is every other write to the sessions the
+/// purge takes, until it is applied.
+#[test]
+fn a_fork_planned_while_a_cascade_purge_is_in_flight_is_refused() {
+    let mut b = SessionBook::new();
+    let s = b.reserve_id();
+    let mut log = vec![commit!(b, b.plan_create(s, None, P, 1))];
+    let f = b.reserve_id();
+    log.push(commit!(b, b.plan_fork(f, s, 1, None, 1)));
+    // A rebase of the descendant planned before the purge (off the actor
+    // thread, under a read lock), begun after it.
+    let r = b.reserve_id();
+    log.push(commit!(
+        b,
+        b.plan_message(f, Role::User.into(), "a".into(), &Bytes, 1)
+    ));
+    let rebase = b
+        .plan_rebase(r, f, vec![Edit::Drop { from: 1, to: 2 }], None, &Bytes, 2)
+        .unwrap();
+    let gen = b.inspect(s).unwrap().generation;
+    let purge = b.plan_purge(s, gen, PurgeMode::Cascade, 2).unwrap();
+    b.begin(&purge).unwrap();
+    // In the window: a fork (or trim) of the descendant or of the session, a
+    // child of either by Create, an append, a title, a second purge.
+    let g = b.reserve_id();
+    assert_eq!(b.plan_fork(g, f, 1, None, 3), Err(SessionError::Purged(f)));
+    assert_eq!(b.plan_fork(g, s, 1, None, 3), Err(SessionError::Purged(s)));
+    assert_eq!(
+        b.plan_create(g, Some(f), P, 3),
+        Err(SessionError::Purged(f))
+    );
+    assert_eq!(b.begin(&rebase), Err(SessionError::Purged(f)));
+    assert_eq!(
+        b.plan_message(f, Role::User.into(), "x".into(), &Bytes, 3),
+        Err(SessionError::Purged(f))
+    );
+    assert_eq!(
+        b.plan_meta(f, 0, Some("t".into()), None, 3),
+        Err(SessionError::Purged(f))
+    );
+    assert_eq!(
+        b.plan_purge(f, b.inspect(f).unwrap().generation, PurgeMode::Reroot, 3),
+        Err(SessionError::Purged(f))
+    );
+    assert!(
+        b.inspect(f).is_ok(),
+        "reads answer until the purge is applied"
+    );
+    let purge = purge.into_record();
+    b.apply(&purge).unwrap();
+    log.push(purge);
+    assert_eq!(b.list(), Vec::<SessionId>::new());
+    assert_eq!(b.plan_fork(g, f, 1, None, 4), Err(SessionError::Purged(f)));
+    assert_replays(&b, &log, &[s, f, g, r]);
+}
+
+/// The other order: a new session under a descendant is in flight when a
+/// cascade purge is planned, which would miss it. The purge is refused until
+/// the new session is applied, and then takes it.
+#[test]
+fn a_cascade_purge_planned_while_a_fork_below_is_in_flight_waits_for_it() {
+    let mut b = SessionBook::new();
+    let s = b.reserve_id();
+    let mut log = vec![commit!(b, b.plan_create(s, None, P, 1))];
+    let f = b.reserve_id();
+    log.push(commit!(b, b.plan_fork(f, s, 1, None, 1)));
+    let g = b.reserve_id();
+    let fork = b.plan_fork(g, f, 1, None, 2).unwrap();
+    b.begin(&fork).unwrap();
+    let c = b.reserve_id();
+    let child = b.plan_create(c, Some(s), P, 2).unwrap();
+    b.begin(&child).unwrap();
+    let gen = b.inspect(s).unwrap().generation;
+    let purge = b.plan_purge(s, gen, PurgeMode::Cascade, 3).unwrap();
+    assert_eq!(b.begin(&purge), Err(SessionError::Branching(s)));
+    let child = child.into_record();
+    b.apply(&child).unwrap();
+    log.push(child);
+    let purge = b.plan_purge(s, gen, PurgeMode::Cascade, 3).unwrap();
+    assert_eq!(b.begin(&purge), Err(SessionError::Branching(f)));
+    // A commit that failed settles too.
+    b.settle(&fork.clone().into_record());
+    let purge = b.plan_purge(s, gen, PurgeMode::Cascade, 3).unwrap();
+    b.begin(&purge).unwrap();
+    b.settle(&purge.into_record());
+    // The fork is applied after all (a retry): the purge planned now takes it.
+    b.begin(&fork).unwrap();
+    let fork = fork.into_record();
+    b.apply(&fork).unwrap();
+    log.push(fork);
+    let purge = b.plan_purge(s, gen, PurgeMode::Cascade, 3).unwrap();
+    b.begin(&purge).unwrap();
+    let purge = purge.into_record();
+    let LogRecord::Purge { sessions, .. } = &purge else {
+        panic!("{purge:?}");
+    };
+    let mut taken = sessions.clone();
+    taken.sort();
+    assert_eq!(taken, vec![s, f, g, c]);
+    b.apply(&purge).unwrap();
+    log.push(purge);
+    assert_eq!(b.list(), Vec::<SessionId>::new());
+    assert_replays(&b, &log, &[s, f, g, c]);
+}
+
+/// Reroot purges the session only and shows its children as roots. A child
+/// filed under it while the purge is in flight (a Create with it as parent
+/// runs on the registry, not on its actor) would be neither purged nor
+/// rerooted: a live session under a purged parent. It is refused, and a
+/// Reroot waits for a child in flight.
+#[test]
+fn a_child_planned_while_a_reroot_purge_is_in_flight_is_refused() {
+    let mut b = SessionBook::new();
+    let s = b.reserve_id();
+    let mut log = vec![commit!(b, b.plan_create(s, None, P, 1))];
+    let f = b.reserve_id();
+    let fork = b.plan_fork(f, s, 1, None, 1).unwrap();
+    b.begin(&fork).unwrap();
+    let gen = b.inspect(s).unwrap().generation;
+    let purge = b.plan_purge(s, gen, PurgeMode::Reroot, 2).unwrap();
+    assert_eq!(b.begin(&purge), Err(SessionError::Branching(s)));
+    let fork = fork.into_record();
+    b.apply(&fork).unwrap();
+    log.push(fork);
+    let purge = b.plan_purge(s, gen, PurgeMode::Reroot, 2).unwrap();
+    b.begin(&purge).unwrap();
+    let c = b.reserve_id();
+    assert_eq!(
+        b.plan_create(c, Some(s), P, 3),
+        Err(SessionError::Purged(s))
+    );
+    assert_eq!(b.plan_fork(c, s, 1, None, 3), Err(SessionError::Purged(s)));
+    // The child, not being purged, still takes writes and forks.
+    let g = b.reserve_id();
+    log.push(commit!(b, b.plan_fork(g, f, 1, None, 3)));
+    let purge = purge.into_record();
+    b.apply(&purge).unwrap();
+    log.push(purge);
+    assert_eq!(b.tree(), vec![(f, None, None), (g, Some(f), Some(1))]);
+    assert_replays(&b, &log, &[s, f, g, c]);
+}
+
 #[test]
 fn append_text_or_span_and_vocab_check() {
     let mut b = SessionBook::new();
