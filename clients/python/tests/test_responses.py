@@ -328,6 +328,28 @@ def test_a_refused_conversation_create_leaves_nothing_behind(daemon):
     assert listed[-1].output == "x"
 
 
+
+def call_output(call_id, output="x"):
+    return {"type": "function_call_output", "call_id": call_id, "output": output}
+
+
+def test_an_output_for_no_open_call_on_the_items_route_names_items(daemon):
+    # POST /v1/conversations/{id}/items reported the refusal of an output
+    # answering no open call with param "input", the responses route's
+    # field: the items route's is "items".
+    c = oai(daemon)
+    conv = c.conversations.create(items=[{"type": "message", "role": "user", "content": "hi"}])
+    before = c.conversations.items.list(conv.id, limit=100).data
+    for call_id in ("call_1_2", "call_999999_0", "call_0"):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.conversations.items.create(conv.id, items=[{"type": "message", "role": "user", "content": "x"},
+                                                         call_output(call_id)])
+        assert e.value.body["type"] == "invalid_request_error", call_id
+        assert e.value.body["param"] == "items", e.value.body
+        assert call_id in e.value.body["message"], e.value.body
+        assert c.conversations.items.list(conv.id, limit=100).data == before
+
+
 def test_list_routes_check_the_caller_before_the_query(daemon):
     # A list route's query was parsed by actix before the credential, Origin
     # and Host checks ran: a bad `limit` got actix's plain-text 400 where a

@@ -672,14 +672,18 @@ impl Input<'_> {
 }
 
 /// Appends `items` to session `s` (see [`item_requests`]): nothing is
-/// written unless every output answers an open call.
+/// written unless every output answers an open call. A refusal of the
+/// items names `param`, the request field that carried them (`input` on
+/// a response, `items` on the conversation routes).
 pub(crate) async fn append_items(
     state: &WebState,
     s: SessionId,
     items: &[Item],
+    param: &'static str,
 ) -> Result<(), ApiError> {
     let (names, ledger) = calls_of(state, s, items).await?;
-    for (request, call_id) in item_requests(s, items, &names, &ledger)? {
+    let requests = item_requests(s, items, &names, &ledger).map_err(|e| e.with_param(param))?;
+    for (request, call_id) in requests {
         call(state, request).await.map_err(|mut e| {
             if e.kind == Kind::NotFound {
                 return e;
@@ -687,7 +691,7 @@ pub(crate) async fn append_items(
             if let Some(id) = &call_id {
                 e.message = format!("function_call_output for call {id:?}: {}", e.message);
             }
-            e.with_param("input")
+            e.with_param(param)
         })?;
     }
     Ok(())
@@ -1575,7 +1579,7 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
         .await
         .map_err(|e| e.with_param("text.format"))?;
     }
-    append_items(state, s, &items).await?;
+    append_items(state, s, &items, "input").await?;
     let before = inspect(state, s)
         .await?
         .ok_or_else(|| not_found("session", &s.to_string()))?;
