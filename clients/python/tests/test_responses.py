@@ -329,6 +329,13 @@ def test_a_refused_conversation_create_leaves_nothing_behind(daemon):
 
 
 
+def resent_call(call_id, city):
+    # Arguments as a client writes them (json.dumps puts a space after each
+    # separator): they must read back as given, not re-serialised.
+    return {"type": "function_call", "call_id": call_id, "name": "get_weather",
+            "arguments": json.dumps({"city": city, "units": "metric"})}
+
+
 def call_output(call_id, output="x"):
     return {"type": "function_call_output", "call_id": call_id, "output": output}
 
@@ -349,6 +356,30 @@ def test_an_output_for_no_open_call_on_the_items_route_names_items(daemon):
         assert call_id in e.value.body["message"], e.value.body
         assert c.conversations.items.list(conv.id, limit=100).data == before
 
+
+def test_a_resent_call_is_answered_once(daemon):
+    # A call resent in the items and answered twice in the same items was
+    # taken, both outputs appended: the second is a 400 naming the call,
+    # and nothing is written.
+    c = oai(daemon)
+    hi = {"type": "message", "role": "user", "content": "hi"}
+    twice = [hi, resent_call("call_abc", "Paris"), call_output("call_abc"), call_output("call_abc", "y")]
+    conv = c.conversations.create(items=[hi])
+    before = c.conversations.items.list(conv.id, limit=100).data
+    sessions, size = len(daemon.client().list()), wal_size(daemon)
+    for make, param in ((lambda: c.conversations.create(items=twice), "items"),
+                        (lambda: c.conversations.items.create(conv.id, items=twice), "items"),
+                        (lambda: c.responses.create(model="default", input=twice, max_output_tokens=4), "input"),
+                        (lambda: c.responses.create(model="default", conversation=conv.id, input=twice,
+                                                    max_output_tokens=4), "input")):
+        with pytest.raises(openai.BadRequestError) as e:
+            make()
+        assert e.value.body["type"] == "invalid_request_error", e.value.body
+        assert e.value.body["param"] == param, e.value.body
+        assert "call_abc" in e.value.body["message"], e.value.body
+        assert len(daemon.client().list()) == sessions
+        assert wal_size(daemon) == size
+        assert c.conversations.items.list(conv.id, limit=100).data == before
 
 def test_list_routes_check_the_caller_before_the_query(daemon):
     # A list route's query was parsed by actix before the credential, Origin

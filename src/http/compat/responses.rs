@@ -497,6 +497,7 @@ fn item_requests(
     ledger: &[LedgerEntry],
 ) -> Result<Vec<(Request, Option<String>)>, ApiError> {
     let mut resent: HashSet<&str> = HashSet::new();
+    let mut answered_resent: HashSet<&str> = HashSet::new();
     let mut answered: HashSet<EventId> = HashSet::new();
     let mut out = Vec::with_capacity(items.len());
     for item in items {
@@ -520,14 +521,19 @@ fn item_requests(
                     None,
                 )
             }
-            Item::Output { call_id, output } if resent.contains(call_id.as_str()) => (
-                Request::AppendMessage {
-                    session: s,
-                    role: Role::Tool.into(),
-                    text: output.clone(),
-                },
-                None,
-            ),
+            Item::Output { call_id, output } if resent.contains(call_id.as_str()) => {
+                if !answered_resent.insert(call_id.as_str()) {
+                    return Err(answered_twice(call_id));
+                }
+                (
+                    Request::AppendMessage {
+                        session: s,
+                        role: Role::Tool.into(),
+                        text: output.clone(),
+                    },
+                    None,
+                )
+            }
             Item::Output { call_id, output } => (
                 Request::AppendToolResult {
                     session: s,
@@ -567,11 +573,16 @@ fn open_call(
         )));
     }
     if !answered.insert(entry.call_id) {
-        return Err(bad(format!(
-            "call {call_id:?} is answered by two function_call_output items"
-        )));
+        return Err(answered_twice(call_id));
     }
     Ok(entry.call_id)
+}
+
+/// The refusal of a second output for call `call_id` in the same items.
+fn answered_twice(call_id: &str) -> ApiError {
+    bad(format!(
+        "call {call_id:?} is answered by two function_call_output items"
+    ))
 }
 
 /// The call names and the ledger `items` need on session `s` (none
@@ -2373,8 +2384,16 @@ mod tests {
             name: "f".into(),
             arguments: "{}".into(),
         });
-        assert!(item_requests(0, &[call, out("c1")], &CallNames::own(0), &[]).is_ok());
+        assert!(item_requests(0, &[call.clone(), out("c1")], &CallNames::own(0), &[]).is_ok());
         assert!(item_requests(0, &[out("call_1")], &CallNames::own(0), &[]).is_err());
+        // Once: a second output for the resent call is refused.
+        let e =
+            item_requests(0, &[call, out("c1"), out("c1")], &CallNames::own(0), &[]).unwrap_err();
+        assert!(
+            e.message.contains("\"c1\" is answered by two"),
+            "{}",
+            e.message
+        );
     }
 
     #[test]
