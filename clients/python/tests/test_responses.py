@@ -328,6 +328,99 @@ def test_a_refused_conversation_create_leaves_nothing_behind(daemon):
     assert listed[-1].output == "x"
 
 
+
+def resent_call(call_id, city):
+    # Arguments as a client writes them (json.dumps puts a space after each
+    # separator): they must read back as given, not re-serialised.
+    return {"type": "function_call", "call_id": call_id, "name": "get_weather",
+            "arguments": json.dumps({"city": city, "units": "metric"})}
+
+
+def call_output(call_id, output="x"):
+    return {"type": "function_call_output", "call_id": call_id, "output": output}
+
+
+def test_resent_calls_read_back_as_the_calls_given(daemon):
+    # A function_call item was stored as the model's call text and read
+    # back as an assistant message holding that text, and the output
+    # answering it listed with call_id "": a client listing a conversation
+    # must get back the items it put in, in kind.
+    c = oai(daemon)
+    hi = {"type": "message", "role": "user", "content": "hi"}
+
+    def check(items, call_id, city, output):
+        kinds = [(i.type, getattr(i, "role", None)) for i in items]
+        assert kinds == [("function_call", None), ("function_call_output", None)], items
+        call, out = items
+        assert call.id.startswith("fc_") and out.id.startswith("fco_"), items
+        assert (call.call_id, call.name, call.arguments) == (
+            call_id, "get_weather", resent_call(call_id, city)["arguments"]), call
+        assert (out.call_id, out.output) == (call_id, output), out
+
+    conv = c.conversations.create(items=[hi, resent_call("call_abc", "Paris"), call_output("call_abc", "sunny")])
+    listed = c.conversations.items.list(conv.id, order="asc", limit=100).data
+    assert listed[0].type == "message" and listed[0].content[0].text == "hi", listed
+    check(listed[1:], "call_abc", "Paris", "sunny")
+    # Added to it: the reply lists them, and so does the conversation.
+    added = c.conversations.items.create(conv.id, items=[resent_call("fc-7", "Rome"), call_output("fc-7", "rain")])
+    check(added.data, "fc-7", "Rome", "rain")
+    listed = c.conversations.items.list(conv.id, order="asc", limit=100).data
+    check(listed[3:], "fc-7", "Rome", "rain")
+    # They read back after a restart, from the log.
+    daemon.restart()
+    c = oai(daemon)
+    again = c.conversations.items.list(conv.id, order="asc", limit=100).data
+    assert [i.model_dump() for i in again] == [i.model_dump() for i in listed]
+    # A response's input items, the same.
+    r = c.responses.create(model="default", input=[hi, resent_call("call_xyz", "Oslo"), call_output("call_xyz", "snow")],
+                           max_output_tokens=4, temperature=0)
+    got = c.responses.input_items.list(r.id, order="asc").data
+    check(got[1:], "call_xyz", "Oslo", "snow")
+    # A store: false continuation of it sees the call and its answer.
+    c.responses.create(model="default", previous_response_id=r.id, store=False, input="and?", max_output_tokens=4)
+
+
+def test_an_output_for_no_open_call_on_the_items_route_names_items(daemon):
+    # POST /v1/conversations/{id}/items reported the refusal of an output
+    # answering no open call with param "input", the responses route's
+    # field: the items route's is "items".
+    c = oai(daemon)
+    conv = c.conversations.create(items=[{"type": "message", "role": "user", "content": "hi"}])
+    before = c.conversations.items.list(conv.id, limit=100).data
+    for call_id in ("call_1_2", "call_999999_0", "call_0"):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.conversations.items.create(conv.id, items=[{"type": "message", "role": "user", "content": "x"},
+                                                         call_output(call_id)])
+        assert e.value.body["type"] == "invalid_request_error", call_id
+        assert e.value.body["param"] == "items", e.value.body
+        assert call_id in e.value.body["message"], e.value.body
+        assert c.conversations.items.list(conv.id, limit=100).data == before
+
+
+def test_a_resent_call_is_answered_once(daemon):
+    # A call resent in the items and answered twice in the same items was
+    # taken, both outputs appended: the second is a 400 naming the call,
+    # and nothing is written.
+    c = oai(daemon)
+    hi = {"type": "message", "role": "user", "content": "hi"}
+    twice = [hi, resent_call("call_abc", "Paris"), call_output("call_abc"), call_output("call_abc", "y")]
+    conv = c.conversations.create(items=[hi])
+    before = c.conversations.items.list(conv.id, limit=100).data
+    sessions, size = len(daemon.client().list()), wal_size(daemon)
+    for make, param in ((lambda: c.conversations.create(items=twice), "items"),
+                        (lambda: c.conversations.items.create(conv.id, items=twice), "items"),
+                        (lambda: c.responses.create(model="default", input=twice, max_output_tokens=4), "input"),
+                        (lambda: c.responses.create(model="default", conversation=conv.id, input=twice,
+                                                    max_output_tokens=4), "input")):
+        with pytest.raises(openai.BadRequestError) as e:
+            make()
+        assert e.value.body["type"] == "invalid_request_error", e.value.body
+        assert e.value.body["param"] == param, e.value.body
+        assert "call_abc" in e.value.body["message"], e.value.body
+        assert len(daemon.client().list()) == sessions
+        assert wal_size(daemon) == size
+        assert c.conversations.items.list(conv.id, limit=100).data == before
+
 def test_list_routes_check_the_caller_before_the_query(daemon):
     # A list route's query was parsed by actix before the credential, Origin
     # and Host checks ran: a bad `limit` got actix's plain-text 400 where a

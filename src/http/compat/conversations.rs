@@ -311,13 +311,7 @@ async fn fill(
     items: &[Item],
 ) -> Result<Inspection, ApiError> {
     set_record(state, s, rec.clone()).await?;
-    append_items(state, s, items).await.map_err(|e| {
-        if e.kind == Kind::Invalid {
-            e.with_param("items")
-        } else {
-            e
-        }
-    })?;
+    append_items(state, s, items, "items").await?;
     inspect(state, s)
         .await?
         .ok_or_else(|| not_found("conversation", &format!("conv_{s}")))
@@ -530,7 +524,7 @@ pub async fn add_items(
         info,
         ..
     } = lock(&state, &path).await?;
-    append_items(&state, s, &new).await?;
+    append_items(&state, s, &new, "items").await?;
     let events = read(&state, s).await?;
     let added: Vec<Value> = all_items(&state, s, &events)
         .await?

@@ -19,7 +19,7 @@ use std::collections::HashSet;
 
 use actix_web::web::{self, Bytes};
 use actix_web::{HttpRequest, HttpResponse};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
@@ -484,12 +484,50 @@ pub(crate) fn check_fresh_items(items: &[Item]) -> Result<(), ApiError> {
     item_requests(0, items, &CallNames::own(0), &[]).map(|_| ())
 }
 
+/// A client's item that the session holds as a message, recorded with
+/// what the message does not say: the `kind` of the `Block` it is
+/// appended as, as JSON. `AppendBlock` renders exactly as `AppendMessage`
+/// would (a message of its role, the payload its content), so the model
+/// sees the same tokens; the kind lets the items read back as the client
+/// gave them. A resent `function_call` is an assistant block holding the
+/// model's own call text, with `{"type": "function_call", "call_id",
+/// "name", "arguments"}` (the arguments as given, not re-serialised); the
+/// `function_call_output` answering it is a tool block holding the
+/// output, with `{"type": "function_call_output", "call_id"}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Resent {
+    FunctionCall {
+        call_id: String,
+        name: String,
+        arguments: String,
+    },
+    FunctionCallOutput {
+        call_id: String,
+    },
+}
+
+impl Resent {
+    /// The block's `kind`.
+    fn kind(&self) -> String {
+        // A plain enum of strings always serialises; the fallback is never
+        // taken.
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    /// What a block's `kind` records, if it is a resent item's.
+    pub fn of(kind: &str) -> Option<Resent> {
+        serde_json::from_str(kind).ok()
+    }
+}
+
 /// The session requests that append `items` to session `s`, whose calls
 /// `names` names and `ledger` says how each stands, each with the call id
 /// an output answers (for its errors); every output's call checked before
 /// anything is written. A resent call goes in as the model's own call
-/// text; an output answers a call resent in the same items (a tool
-/// message) or an open call of the session (`AppendToolResult`), once.
+/// text (a [`Resent`] block); an output answers a call resent in the same
+/// items (a tool message, a [`Resent`] block too) or an open call of the
+/// session (`AppendToolResult`), once.
 fn item_requests(
     s: SessionId,
     items: &[Item],
@@ -497,6 +535,7 @@ fn item_requests(
     ledger: &[LedgerEntry],
 ) -> Result<Vec<(Request, Option<String>)>, ApiError> {
     let mut resent: HashSet<&str> = HashSet::new();
+    let mut answered_resent: HashSet<&str> = HashSet::new();
     let mut answered: HashSet<EventId> = HashSet::new();
     let mut out = Vec::with_capacity(items.len());
     for item in items {
@@ -512,22 +551,37 @@ fn item_requests(
             Item::Call(c) => {
                 resent.insert(c.id.as_str());
                 (
-                    Request::AppendMessage {
+                    Request::AppendBlock {
                         session: s,
                         role: Role::Assistant.into(),
-                        text: call_text(c).map_err(|e| bad(e.to_string()))?,
+                        kind: Resent::FunctionCall {
+                            call_id: c.id.clone(),
+                            name: c.name.clone(),
+                            arguments: c.arguments.clone(),
+                        }
+                        .kind(),
+                        payload: call_text(c).map_err(|e| bad(e.to_string()))?,
                     },
                     None,
                 )
             }
-            Item::Output { call_id, output } if resent.contains(call_id.as_str()) => (
-                Request::AppendMessage {
-                    session: s,
-                    role: Role::Tool.into(),
-                    text: output.clone(),
-                },
-                None,
-            ),
+            Item::Output { call_id, output } if resent.contains(call_id.as_str()) => {
+                if !answered_resent.insert(call_id.as_str()) {
+                    return Err(answered_twice(call_id));
+                }
+                (
+                    Request::AppendBlock {
+                        session: s,
+                        role: Role::Tool.into(),
+                        kind: Resent::FunctionCallOutput {
+                            call_id: call_id.clone(),
+                        }
+                        .kind(),
+                        payload: output.clone(),
+                    },
+                    None,
+                )
+            }
             Item::Output { call_id, output } => (
                 Request::AppendToolResult {
                     session: s,
@@ -567,11 +621,16 @@ fn open_call(
         )));
     }
     if !answered.insert(entry.call_id) {
-        return Err(bad(format!(
-            "call {call_id:?} is answered by two function_call_output items"
-        )));
+        return Err(answered_twice(call_id));
     }
     Ok(entry.call_id)
+}
+
+/// The refusal of a second output for call `call_id` in the same items.
+fn answered_twice(call_id: &str) -> ApiError {
+    bad(format!(
+        "call {call_id:?} is answered by two function_call_output items"
+    ))
 }
 
 /// The call names and the ledger `items` need on session `s` (none
@@ -672,14 +731,18 @@ impl Input<'_> {
 }
 
 /// Appends `items` to session `s` (see [`item_requests`]): nothing is
-/// written unless every output answers an open call.
+/// written unless every output answers an open call. A refusal of the
+/// items names `param`, the request field that carried them (`input` on
+/// a response, `items` on the conversation routes).
 pub(crate) async fn append_items(
     state: &WebState,
     s: SessionId,
     items: &[Item],
+    param: &'static str,
 ) -> Result<(), ApiError> {
     let (names, ledger) = calls_of(state, s, items).await?;
-    for (request, call_id) in item_requests(s, items, &names, &ledger)? {
+    let requests = item_requests(s, items, &names, &ledger).map_err(|e| e.with_param(param))?;
+    for (request, call_id) in requests {
         call(state, request).await.map_err(|mut e| {
             if e.kind == Kind::NotFound {
                 return e;
@@ -687,7 +750,7 @@ pub(crate) async fn append_items(
             if let Some(id) = &call_id {
                 e.message = format!("function_call_output for call {id:?}: {}", e.message);
             }
-            e.with_param("input")
+            e.with_param(param)
         })?;
     }
     Ok(())
@@ -1575,7 +1638,7 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
         .await
         .map_err(|e| e.with_param("text.format"))?;
     }
-    append_items(state, s, &items).await?;
+    append_items(state, s, &items, "input").await?;
     let before = inspect(state, s)
         .await?
         .ok_or_else(|| not_found("session", &s.to_string()))?;
@@ -1725,6 +1788,25 @@ fn history(names: &CallNames, events: &[Event]) -> Vec<Value> {
                 out.push(json!({"role": "tool", "tool_call_id": names.name(*call_id),
                                 "content": content}));
             }
+            Record::Block { kind, payload, .. } => match Resent::of(kind) {
+                // A resent call opens an assistant message of its own, as
+                // its block did in the session.
+                Some(Resent::FunctionCall {
+                    call_id,
+                    name,
+                    arguments,
+                }) => {
+                    flush(&mut out, &mut text, &mut calls);
+                    calls.push(json!({"id": call_id, "type": "function",
+                                      "function": {"name": name, "arguments": arguments}}));
+                }
+                Some(Resent::FunctionCallOutput { call_id }) => {
+                    flush(&mut out, &mut text, &mut calls);
+                    out.push(json!({"role": "tool", "tool_call_id": call_id,
+                                    "content": payload}));
+                }
+                None => {}
+            },
             _ => {}
         }
     }
@@ -2018,7 +2100,8 @@ pub async fn delete(
     Ok(HttpResponse::Ok().json(json!({"id": id, "object": "response.deleted", "deleted": true})))
 }
 
-/// An input event as an item (`None` for what is not one).
+/// An input event as an item (`None` for what is not one): a message, a
+/// tool's output, or a resent call or its output ([`Resent`]).
 pub fn input_item(names: &CallNames, e: &Event) -> Option<Value> {
     let id = e.event_id;
     match &e.body {
@@ -2045,6 +2128,19 @@ pub fn input_item(names: &CallNames, e: &Event) -> Option<Value> {
                          "call_id": names.name(*call_id), "output": content,
                          "status": "completed"}),
         ),
+        Record::Block { kind, payload, .. } => match Resent::of(kind)? {
+            Resent::FunctionCall {
+                call_id,
+                name,
+                arguments,
+            } => Some(json!({"id": names.item("fc", id), "type": "function_call",
+                             "status": "completed", "call_id": call_id, "name": name,
+                             "arguments": arguments})),
+            Resent::FunctionCallOutput { call_id } => Some(
+                json!({"id": names.item("fco", id), "type": "function_call_output",
+                            "call_id": call_id, "output": payload, "status": "completed"}),
+            ),
+        },
         _ => None,
     }
 }
@@ -2371,8 +2467,82 @@ mod tests {
             name: "f".into(),
             arguments: "{}".into(),
         });
-        assert!(item_requests(0, &[call, out("c1")], &CallNames::own(0), &[]).is_ok());
+        assert!(item_requests(0, &[call.clone(), out("c1")], &CallNames::own(0), &[]).is_ok());
         assert!(item_requests(0, &[out("call_1")], &CallNames::own(0), &[]).is_err());
+        // Once: a second output for the resent call is refused.
+        let e =
+            item_requests(0, &[call, out("c1"), out("c1")], &CallNames::own(0), &[]).unwrap_err();
+        assert!(
+            e.message.contains("\"c1\" is answered by two"),
+            "{}",
+            e.message
+        );
+    }
+
+    #[test]
+    fn a_resent_call_reads_back_from_its_block() {
+        let call = Resent::FunctionCall {
+            call_id: "c1".into(),
+            name: "f".into(),
+            arguments: "{\"a\": 1}".into(),
+        };
+        assert_eq!(Resent::of(&call.kind()), Some(call.clone()));
+        // Any other block is no resent item.
+        assert_eq!(Resent::of("note"), None);
+        assert_eq!(Resent::of("{\"type\": \"message\"}"), None);
+        let block = |role, kind: String, payload: &str| Event {
+            event_id: 5,
+            epoch: 1,
+            ts_unix_ms: 0,
+            body: Record::Block {
+                role,
+                kind,
+                payload: payload.into(),
+                span: Vec::new(),
+            },
+        };
+        let names = CallNames::own(3);
+        assert_eq!(
+            input_item(&names, &block(Role::Assistant, call.kind(), "<tool_call>")),
+            Some(
+                json!({"id": "fc_3_5", "type": "function_call", "status": "completed",
+                        "call_id": "c1", "name": "f", "arguments": "{\"a\": 1}"})
+            )
+        );
+        let output = Resent::FunctionCallOutput {
+            call_id: "c1".into(),
+        };
+        assert_eq!(
+            input_item(&names, &block(Role::Tool, output.kind(), "sunny")),
+            Some(
+                json!({"id": "fco_3_5", "type": "function_call_output", "call_id": "c1",
+                        "output": "sunny", "status": "completed"})
+            )
+        );
+        assert_eq!(
+            input_item(&names, &block(Role::User, "note".into(), "x")),
+            None
+        );
+        // The requests that write them.
+        let items = [
+            Item::Call(Call {
+                id: "c1".into(),
+                name: "f".into(),
+                arguments: "{\"a\": 1}".into(),
+            }),
+            Item::Output {
+                call_id: "c1".into(),
+                output: "sunny".into(),
+            },
+        ];
+        let requests = item_requests(3, &items, &names, &[]).unwrap();
+        assert!(
+            matches!(&requests[0].0, Request::AppendBlock { kind, .. } if *kind == call.kind())
+        );
+        assert!(
+            matches!(&requests[1].0, Request::AppendBlock { kind, payload, .. }
+                     if *kind == output.kind() && payload == "sunny")
+        );
     }
 
     #[test]
