@@ -460,14 +460,15 @@ fn rpc_args(placement: &crate::engine::rpc::Placement) -> Vec<String> {
     out
 }
 
-/// Whether a request needs the model loaded: a decode, or a restore of KV
-/// kept outside the cells. The rest manage KV a worker holds.
 /// The wait before the next worker starts: [`RESPAWN_DELAY_MS`], doubled
 /// for each failure since a worker last decoded, up to
-/// [`RESPAWN_DELAY_MAX_MS`].
+/// [`RESPAWN_DELAY_MAX_MS`]; and the starts that failed in a row (a spawn
+/// that could not run the binary or make its pipes), against
+/// [`SPAWN_TRIES`].
 #[derive(Debug, Default)]
 struct Respawns {
     failures_in_a_row: u32,
+    spawns_failed_in_a_row: u32,
 }
 
 impl Respawns {
@@ -489,6 +490,8 @@ impl Respawns {
     }
 }
 
+/// Whether a request needs the model loaded: a decode, or a restore of KV
+/// kept outside the cells. The rest manage KV a worker holds.
 fn needs_model(request: &WorkerRequest) -> bool {
     matches!(
         request,
@@ -829,6 +832,7 @@ impl LaneActor {
         });
         self.to_worker = Some(tx);
         self.child = Some(child);
+        self.respawns.spawns_failed_in_a_row = 0;
     }
 
     /// The worker answered the oldest request in flight: it moves on to the
@@ -1027,7 +1031,8 @@ impl LaneActor {
             e.kind(),
             std::io::ErrorKind::NotFound | std::io::ErrorKind::PermissionDenied
         );
-        if lasting || self.respawns.failures_in_a_row + 1 >= SPAWN_TRIES {
+        self.respawns.spawns_failed_in_a_row += 1;
+        if lasting || self.respawns.spawns_failed_in_a_row >= SPAWN_TRIES {
             self.fail_held(&LaneError::CouldNotStart(why));
         } else {
             self.fail_held(&LaneError::NotDelivered(format!(

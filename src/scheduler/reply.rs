@@ -450,6 +450,17 @@ impl SchedulerState {
     /// others, of which nothing was computed for their clients, wait again
     /// and run from their prompts on the next worker; cancelled ones end.
     pub fn lane_failed(&mut self, in_step: &[GenId], message: &str) -> Vec<GenEvent> {
+        // A park not sent yet would seal cells that are gone (the worker
+        // skips it): the index must not count on its artifact.
+        let mut unsealed = Vec::new();
+        self.pending_ops.retain(|op| match op {
+            WorkerRequest::KvPark { session, .. } => {
+                unsealed.push(*session);
+                false
+            }
+            _ => true,
+        });
+        self.forget_parked(&unsealed);
         for s in &mut self.seqs {
             *s = Seq::default();
         }

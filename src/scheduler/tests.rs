@@ -2055,6 +2055,40 @@ fn a_parked_session_restores_after_a_restart_and_a_stale_artifact_prefills() {
     assert_eq!(s3.stats().restored_tokens, 0);
 }
 
+#[test]
+fn a_park_not_sent_before_the_lane_failed_is_not_counted_on() {
+    // A turn ends and its park waits for the next step; the worker dies
+    // first. The park never ran: the next turn must not plan a restore of
+    // an artifact that was not sealed.
+    let mut s = SchedulerState::new(FAKE_N_CTX, 2, 512).with_park(vec![]);
+    let w = FakeWorker::new(2);
+    let g0 = s.admit(admit(1, &conversation(0), 8)).unwrap();
+    let mut e0 = vec![];
+    while finish_of(&e0, g0).is_none() {
+        e0.extend(step_with(&mut s, |_| 100).1);
+    }
+    assert_eq!(s.stats().parks, 1);
+    assert!(s
+        .pending_ops
+        .iter()
+        .any(|op| matches!(op, WorkerRequest::KvPark { .. })));
+    s.lane_failed(&[], "the worker died");
+    assert!(w.parked.is_empty());
+    let mut turn2 = conversation(0);
+    turn2.extend(tokens_of(&e0, g0));
+    turn2.extend([7, 8]);
+    s.admit(admit(1, &turn2, 8)).unwrap();
+    let step = s.plan().0.unwrap();
+    assert!(
+        !step.ops.iter().any(|op| matches!(
+            op,
+            WorkerRequest::KvUnpark { .. } | WorkerRequest::KvPark { .. }
+        )),
+        "{:?}",
+        step.ops
+    );
+}
+
 // --- Idle sequences (`--idle-spill-ms`) ---
 
 /// Runs one generation to its end with the clock at `now_ms`.

@@ -195,34 +195,33 @@ impl SessionActor {
         let planned = answers.plan(&self.shared.read(), self.shared.render.as_ref(), |b, r| {
             b.plan_generation(id, max_tokens, n_ctx, r, &convert, now_ms())
         });
-        let plan =
-            match planned {
-                Ok(plan) => plan,
-                Err(renders) => {
-                    let compute = answers.compute(self.shared.render.clone(), renders);
-                    ctx.wait(compute.into_actor(self).map(
-                        move |computed, this, ctx| match computed {
-                            Ok(answers) => this.plan_and_start(
-                                max_tokens,
-                                reply,
-                                provisional,
-                                tries,
-                                answers,
-                                ctx,
-                            ),
-                            Err(e) => {
-                                let _ = reply.try_send(Response::err(e.to_string()));
-                            }
-                        },
-                    ));
-                    return;
-                }
-            };
+        let plan = match planned {
+            Ok(plan) => plan,
+            Err(renders) => {
+                let compute = answers.compute(self.shared.render.clone(), renders);
+                // Busy while it renders: the idle sweep must not stop
+                // this actor under a plan in progress.
+                let busy = self.busy.begin();
+                ctx.wait(compute.into_actor(self).map(move |computed, this, ctx| {
+                    match (computed, busy) {
+                        (Ok(answers), _busy) => {
+                            this.plan_and_start(max_tokens, reply, provisional, tries, answers, ctx)
+                        }
+                        (Err(e), _busy) => {
+                            let _ = reply.try_send(Response::err(e.to_string()));
+                        }
+                    }
+                }));
+                return;
+            }
+        };
         let plan = match (plan, missing.into_inner()) {
             (Err(SessionError::Grammar(GrammarError::Pending)), Some(schema)) if tries < 4 => {
                 let convert =
                     schema_cache::convert_off_thread(schema, schema_cache::CONVERT_BUDGET);
+                let busy = self.busy.begin();
                 ctx.wait(convert.into_actor(self).map(move |(), this, ctx| {
+                    let _busy = busy;
                     this.plan_and_start(max_tokens, reply, provisional, tries + 1, answers, ctx)
                 }));
                 return;

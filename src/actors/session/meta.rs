@@ -4,7 +4,7 @@
 use super::commit;
 use crate::actors::scheduler::PinSession;
 use crate::actors::{now_ms, Shared};
-use crate::session::SessionError;
+use crate::session::{Planned, SessionError};
 use crate::wire::{PurgeMode, Response, SessionId};
 
 /// `SetMeta`.
@@ -21,6 +21,25 @@ pub(super) async fn set(
     commit(shared, planned).await
 }
 
+/// The longest a Purge waits for new sessions being filed under the
+/// sessions it takes (each is one fsync away from applied).
+const PURGE_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Sessions held for a waiting purge ([`SessionBook::hold`]), released when
+/// dropped (also if the request is dropped while it waits).
+struct Hold<'a> {
+    shared: &'a Shared,
+    sessions: Vec<SessionId>,
+}
+
+impl Drop for Hold<'_> {
+    fn drop(&mut self) {
+        if !self.sessions.is_empty() {
+            self.shared.write().release(&self.sessions);
+        }
+    }
+}
+
 /// `Purge`.
 pub(super) async fn purge(
     shared: &Shared,
@@ -30,13 +49,36 @@ pub(super) async fn purge(
 ) -> Result<Response, SessionError> {
     // Planned and begun under one write lock: a new session filed under
     // one of the purged sessions meanwhile would be missed
-    // (`SessionBook::begin`).
-    let planned = {
-        let mut book = shared.write();
-        let planned = book.plan_purge(session, expected_generation, mode, now_ms())?;
-        book.begin(&planned)?;
-        planned
+    // (`SessionBook::begin`). While one is being filed, the sessions are
+    // held (nothing new starts under them) and the purge waits for it, for
+    // up to PURGE_WAIT, then plans again.
+    let deadline = std::time::Instant::now() + PURGE_WAIT;
+    let mut hold = Hold {
+        shared,
+        sessions: Vec::new(),
     };
+    let planned = loop {
+        let waiting = {
+            let mut book = shared.write();
+            book.release(&std::mem::take(&mut hold.sessions));
+            let planned = book.plan_purge(session, expected_generation, mode, now_ms())?;
+            match book.begin(&planned) {
+                Ok(()) => break planned,
+                Err(SessionError::Branching(_)) if std::time::Instant::now() < deadline => {
+                    if let Planned::Purge { sessions, .. } = &planned {
+                        book.hold(sessions);
+                        hold.sessions = sessions.clone();
+                    }
+                    true
+                }
+                Err(e) => return Err(e),
+            }
+        };
+        if waiting {
+            actix_rt::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+    };
+    drop(hold);
     let reply = commit(shared, planned).await?;
     if let (Response::Purged { sessions }, Some(dir)) = (&reply, &shared.park_dir) {
         // The purge is durable: the sessions' park artifacts go (on a

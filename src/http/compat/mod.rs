@@ -334,8 +334,20 @@ pub(crate) async fn render_prompt(
 ) -> Result<(chat::Prompt, Vec<crate::wire::worker::MediaSpan>), ApiError> {
     // The caps first: they bound what is copied to the render thread.
     chat::check(msgs, tools.len()).map_err(|e| chat_error(family, e))?;
-    let bytes: usize = msgs.iter().map(|m| m.text.len()).sum::<usize>()
+    // Everything the template renders: texts, calls (an agent's history
+    // can be all arguments), tools; a message with images renders the
+    // conversation twice, so it always goes off the worker.
+    let calls = |m: &chat::Msg| -> usize {
+        m.calls
+            .iter()
+            .map(|c| c.id.len() + c.name.len() + c.arguments.len())
+            .sum()
+    };
+    let mut bytes: usize = msgs.iter().map(|m| m.text.len() + calls(m)).sum::<usize>()
         + tools.iter().map(String::len).sum::<usize>();
+    if msgs.iter().any(|m| !m.images.is_empty()) {
+        bytes = bytes.max(crate::actors::session::INLINE_BYTES);
+    }
     let render = state.m().shared.render.clone();
     let (msgs, tools) = (msgs.to_vec(), tools.to_vec());
     off_worker(family, bytes, move || {

@@ -821,6 +821,18 @@ async fn completion_prompt(
         }
         _ => return Err(bad("prompt must be a string or a list of token ids")),
     };
+    // The prompt's own errors before the suffix's.
+    let n_vocab = render.n_vocab();
+    if let Ok(ids) = &prompt {
+        if let Some(t) = ids.iter().find(|&&t| t >= n_vocab) {
+            return Err(bad(&format!(
+                "token id {t} is not below the vocabulary's size {n_vocab}"
+            )));
+        }
+    }
+    if prompt.as_ref().map_or_else(String::is_empty, Vec::is_empty) {
+        return Err(bad("the prompt is empty"));
+    }
     let fim = match &r.suffix {
         None => None,
         Some(suffix) => Some((
@@ -837,18 +849,12 @@ async fn completion_prompt(
     };
     let bytes =
         prompt.as_ref().err().map_or(0, String::len) + fim.as_ref().map_or(0, |(_, s)| s.len());
-    let n_vocab = render.n_vocab();
     let (prompt, suffix) = super::off_worker(F, bytes, move || {
         let prompt = prompt.unwrap_or_else(|text| render.tokenize(&text));
         let suffix = fim.map(|(fim, s)| (fim, render.tokenize(&s)));
         (prompt, suffix)
     })
     .await?;
-    if let Some(t) = prompt.iter().find(|&&t| t >= n_vocab) {
-        return Err(bad(&format!(
-            "token id {t} is not below the vocabulary's size {n_vocab}"
-        )));
-    }
     if prompt.is_empty() {
         return Err(bad("the prompt is empty"));
     }

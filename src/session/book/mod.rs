@@ -254,6 +254,24 @@ impl SessionBook {
         Ok(())
     }
 
+    /// Holds `sessions` for a Purge that waits for new sessions being filed
+    /// under them (`Branching`): until [`release`](Self::release), writes
+    /// to them and new sessions under them are refused as for a purge in
+    /// flight, so the ones in flight drain and no more start (a busy tree
+    /// cannot keep the purge waiting forever).
+    pub fn hold(&mut self, sessions: &[SessionId]) {
+        for s in sessions {
+            InFlight::add(&mut self.in_flight.purging, *s);
+        }
+    }
+
+    /// Ends a [`hold`](Self::hold).
+    pub fn release(&mut self, sessions: &[SessionId]) {
+        for s in sessions {
+            InFlight::remove(&mut self.in_flight.purging, *s);
+        }
+    }
+
     /// Ends what `begin` registered for `record`: `apply` calls it, and the
     /// committer when the commit failed. A record never begun (replay)
     /// changes nothing.

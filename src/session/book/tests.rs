@@ -620,6 +620,62 @@ fn a_cascade_purge_planned_while_a_fork_below_is_in_flight_waits_for_it() {
     assert_replays(&b, &log, &[s, f, g, c]);
 }
 
+/// A purge waiting for a fork below to be filed holds the sessions it would
+/// take: no new session starts under them meanwhile (a busy tree cannot
+/// keep it waiting forever), and once released they take new ones again.
+#[test]
+fn a_purge_waiting_for_a_fork_holds_the_tree() {
+    let mut b = SessionBook::new();
+    let s = b.reserve_id();
+    commit!(b, b.plan_create(s, None, P, 1));
+    let f = b.reserve_id();
+    commit!(b, b.plan_fork(f, s, 1, None, 1));
+    let g = b.reserve_id();
+    let fork = b.plan_fork(g, f, 1, None, 2).unwrap();
+    b.begin(&fork).unwrap();
+    let gen = b.inspect(s).unwrap().generation;
+    let purge = b.plan_purge(s, gen, PurgeMode::Cascade, 3).unwrap();
+    assert_eq!(b.begin(&purge), Err(SessionError::Branching(f)));
+    let Planned::Purge { sessions, .. } = &purge else {
+        panic!("{purge:?}");
+    };
+    b.hold(sessions);
+    // Held: another fork below, a child and an append are refused.
+    let h = b.reserve_id();
+    assert!(matches!(
+        b.plan_fork(h, f, 1, None, 3),
+        Err(SessionError::Purged(_))
+    ));
+    let c = b.reserve_id();
+    assert!(matches!(
+        b.plan_create(c, Some(s), P, 3),
+        Err(SessionError::Purged(_))
+    ));
+    assert!(matches!(
+        b.plan_message(f, Role::User.into(), "x".into(), &Bytes, 3),
+        Err(SessionError::Purged(_))
+    ));
+    // The fork in flight lands; released, the purge plans again and takes it.
+    b.apply(&fork.into_record()).unwrap();
+    b.release(sessions);
+    let purge = b.plan_purge(s, gen, PurgeMode::Cascade, 4).unwrap();
+    b.begin(&purge).unwrap();
+    let LogRecord::Purge { sessions, .. } = purge.into_record() else {
+        panic!();
+    };
+    assert_eq!(sessions.len(), 3);
+    // Released without purging (a purge that gave up): writable again.
+    b.settle(&LogRecord::Purge {
+        session: s,
+        mode: PurgeMode::Cascade,
+        sessions,
+        ts_unix_ms: 4,
+    });
+    assert!(b
+        .plan_message(f, Role::User.into(), "x".into(), &Bytes, 5)
+        .is_ok());
+}
+
 /// Reroot purges the session only and shows its children as roots. A child
 /// filed under it while the purge is in flight (a Create with it as parent
 /// runs on the registry, not on its actor) would be neither purged nor
