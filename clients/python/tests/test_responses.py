@@ -421,6 +421,86 @@ def test_a_resent_call_is_answered_once(daemon):
         assert wal_size(daemon) == size
         assert c.conversations.items.list(conv.id, limit=100).data == before
 
+
+def session_of(id_):
+    """The session a conv_ or resp_ id names (before any move)."""
+    return int(id_.split("_")[1])
+
+
+def input_tokens(sf, session, through_prompt=False):
+    """The tokens session's events put on the model's input, up to its
+    first generation's assistant header (included when through_prompt)."""
+    _, payload = sf.call("Read", {"session": session, "cursor": 0})
+    out = []
+    for e in payload["events"]:
+        if not isinstance(e["body"], dict):  # a unit record (EpochBump)
+            continue
+        (kind, body), = e["body"].items()
+        if kind == "GenerationPrompt" and not through_prompt:
+            break
+        out.extend(body.get("span", []) if isinstance(body, dict) else [])
+        if kind == "GenerationPrompt":
+            break
+    return out
+
+
+def test_a_resent_call_is_answered_in_a_later_request(daemon, sf):
+    # A call resent in one request and answered in a later one was a 400
+    # ("which no earlier item or response made"): the later request's
+    # output had only the session's own calls to answer. OpenAI takes it.
+    c = oai(daemon)
+    hi = {"type": "message", "role": "user", "content": "hi"}
+
+    def shape(items):
+        return [(i.type, getattr(i, "call_id", None), getattr(i, "output", None)) for i in items]
+
+    # The call and its answer in one request: what the model must see.
+    whole = c.conversations.create(items=[hi, resent_call("call_abc", "Paris"), call_output("call_abc", "sunny")])
+    later = c.conversations.create(items=[hi, resent_call("call_abc", "Paris")])
+    added = c.conversations.items.create(later.id, items=[call_output("call_abc", "sunny")])
+    assert shape(added.data) == [("function_call_output", "call_abc", "sunny")], added.data
+    assert added.data[0].id.startswith("fco_")
+    listed = c.conversations.items.list(later.id, order="asc", limit=100).data
+    assert shape(listed) == shape(c.conversations.items.list(whole.id, order="asc", limit=100).data)
+    # The model sees the answer as a tool result, token for token as when
+    # it came with the call.
+    assert input_tokens(sf, session_of(later.id)) == input_tokens(sf, session_of(whole.id))
+    # Answered once: a second answer is a 400 naming the call, nothing written.
+    size = wal_size(daemon)
+    for items in ([call_output("call_abc", "again")], [hi, call_output("call_abc", "again")]):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.conversations.items.create(later.id, items=items)
+        assert e.value.body["param"] == "items", e.value.body
+        assert "call_abc" in e.value.body["message"], e.value.body
+        assert wal_size(daemon) == size
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.create(model="default", conversation=later.id, input=[call_output("call_abc")],
+                           max_output_tokens=4)
+    assert e.value.body["param"] == "input" and "call_abc" in e.value.body["message"], e.value.body
+    assert c.conversations.items.list(later.id, order="asc", limit=100).data == listed
+    # A response on the conversation whose input answers the call: the
+    # same prompt as a response given the call and its answer at once.
+    conv = c.conversations.create(items=[hi, resent_call("call_q", "Rome")])
+    r = c.responses.create(model="default", conversation=conv.id, input=[call_output("call_q", "rain")],
+                           max_output_tokens=4, temperature=0)
+    assert shape(c.responses.input_items.list(r.id, order="asc").data) == [
+        ("function_call_output", "call_q", "rain")]
+    at_once = c.responses.create(model="default", input=[hi, resent_call("call_q", "Rome"), call_output("call_q", "rain")],
+                                 max_output_tokens=4, temperature=0)
+    assert r.usage.input_tokens == at_once.usage.input_tokens
+    assert input_tokens(sf, session_of(r.id), True) == input_tokens(sf, session_of(at_once.id), True)
+    # A previous_response_id chain, the same; answered once along it.
+    r1 = c.responses.create(model="default", input=[hi, resent_call("call_z", "Oslo")], max_output_tokens=4,
+                            temperature=0)
+    r2 = c.responses.create(model="default", previous_response_id=r1.id, input=[call_output("call_z", "snow")],
+                            max_output_tokens=4, temperature=0)
+    assert shape(c.responses.input_items.list(r2.id).data) == [("function_call_output", "call_z", "snow")]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.create(model="default", previous_response_id=r2.id, input=[call_output("call_z")],
+                           max_output_tokens=4)
+    assert e.value.body["param"] == "input" and "call_z" in e.value.body["message"], e.value.body
+
+
 def test_list_routes_check_the_caller_before_the_query(daemon):
     # A list route's query was parsed by actix before the credential, Origin
     # and Host checks ran: a bad `limit` got actix's plain-text 400 where a

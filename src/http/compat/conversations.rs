@@ -15,8 +15,8 @@ use serde_json::{json, Value};
 use super::error::{ApiError, Family, Kind};
 use super::locks::{KeyGuard, KeyedLocks};
 use super::responses::{
-    append_items, call, call_names, check_fresh_items, check_outputs, create_session, created,
-    input_item, inspect, items, not_found, page, read, Decode, Input, Item, ListQuery, Piece,
+    append_items, call, call_names, check_fresh_items, create_session, created, input_item,
+    inspect, items, not_found, page, read, Decode, Input, Item, ListQuery, Piece,
 };
 use super::{accept, authorize, params};
 use crate::http::routes::WebState;
@@ -267,9 +267,7 @@ fn new_items(v: Option<&Value>) -> Result<Vec<Item>, ApiError> {
             .with_param("items"));
         }
     }
-    let new = items(v).map_err(|e| e.with_param("items"))?;
-    check_outputs(&new).map_err(|e| e.with_param("items"))?;
-    Ok(new)
+    items(v).map_err(|e| e.with_param("items"))
 }
 
 /// `POST /v1/conversations`: a new session holding `items`, its record
