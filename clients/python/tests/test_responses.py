@@ -501,6 +501,41 @@ def test_a_resent_call_is_answered_in_a_later_request(daemon, sf):
     assert e.value.body["param"] == "input" and "call_z" in e.value.body["message"], e.value.body
 
 
+def test_a_call_id_is_resent_once(daemon):
+    # Two function_call items with one call_id (in the same items, or one
+    # already resent earlier in the conversation or chain) were taken:
+    # OpenAI refuses a duplicate call id. A 400 naming it, nothing written.
+    c = oai(daemon)
+    hi = {"type": "message", "role": "user", "content": "hi"}
+    twice = [hi, resent_call("call_dup", "Paris"), resent_call("call_dup", "Rome"), call_output("call_dup")]
+    conv = c.conversations.create(items=[hi, resent_call("call_dup", "Paris"), call_output("call_dup")])
+    chain = c.responses.create(model="default", input=[hi, resent_call("call_dup", "Paris"), call_output("call_dup")],
+                               max_output_tokens=4)
+    before = c.conversations.items.list(conv.id, limit=100).data
+    again = [resent_call("call_dup", "Rome"), call_output("call_dup")]
+    sessions, size = len(daemon.client().list()), wal_size(daemon)
+    for make, param in ((lambda: c.conversations.create(items=twice), "items"),
+                        (lambda: c.conversations.items.create(conv.id, items=twice), "items"),
+                        (lambda: c.responses.create(model="default", input=twice, max_output_tokens=4), "input"),
+                        (lambda: c.responses.create(model="default", conversation=conv.id, input=twice,
+                                                    max_output_tokens=4), "input"),
+                        # Already resent earlier in the conversation or chain.
+                        (lambda: c.conversations.items.create(conv.id, items=again), "items"),
+                        (lambda: c.conversations.items.create(conv.id, items=again[:1]), "items"),
+                        (lambda: c.responses.create(model="default", conversation=conv.id, input=again,
+                                                    max_output_tokens=4), "input"),
+                        (lambda: c.responses.create(model="default", previous_response_id=chain.id, input=again,
+                                                    max_output_tokens=4), "input")):
+        with pytest.raises(openai.BadRequestError) as e:
+            make()
+        assert e.value.body["type"] == "invalid_request_error", e.value.body
+        assert e.value.body["param"] == param, e.value.body
+        assert "call_dup" in e.value.body["message"], e.value.body
+        assert len(daemon.client().list()) == sessions
+        assert wal_size(daemon) == size
+        assert c.conversations.items.list(conv.id, limit=100).data == before
+
+
 def test_list_routes_check_the_caller_before_the_query(daemon):
     # A list route's query was parsed by actix before the credential, Origin
     # and Host checks ran: a bad `limit` got actix's plain-text 400 where a

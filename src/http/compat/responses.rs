@@ -538,7 +538,8 @@ impl Resents {
 /// resent the calls `history` holds, each with the call id an output
 /// answers (for its errors); every output's call checked before anything
 /// is written. A resent call goes in as the model's own call text (a
-/// [`Resent`] block); an output answers a call resent in the same items or
+/// [`Resent`] block), its `call_id` used by no call resent before it (in
+/// the same items or the history); an output answers a call resent in the same items or
 /// an unanswered one resent earlier in the history (a tool message, a
 /// [`Resent`] block too), or an open call of the session
 /// (`AppendToolResult`; it is taken first when a resent call has the name
@@ -565,7 +566,13 @@ fn item_requests(
                 None,
             ),
             Item::Call(c) => {
-                resent.insert(c.id.as_str());
+                if !resent.insert(c.id.as_str()) || history.answered(&c.id).is_some() {
+                    return Err(bad(format!(
+                        "function_call call_id {:?} is used by an earlier function_call item; \
+                         call ids must be unique",
+                        c.id
+                    )));
+                }
                 (
                     Request::AppendBlock {
                         session: s,
@@ -676,9 +683,12 @@ fn answered_twice(call_id: &str) -> ApiError {
 }
 
 /// Whether `items` need the calls of the history they follow: an output
-/// may answer one of them.
+/// may answer one of them, and a resent call may not reuse the id of one
+/// resent before.
 fn need_calls(items: &[Item]) -> bool {
-    items.iter().any(|i| matches!(i, Item::Output { .. }))
+    items
+        .iter()
+        .any(|i| matches!(i, Item::Output { .. } | Item::Call(_)))
 }
 
 /// The call names, the ledger and the resent calls `items` need on session
@@ -2586,7 +2596,20 @@ mod tests {
             requests[1],
             (Request::AppendToolResult { call_id: 4, .. }, Some(_))
         ));
+        let again = |id: &str| {
+            Item::Call(Call {
+                id: id.into(),
+                name: "f".into(),
+                arguments: "{}".into(),
+            })
+        };
         for (items, why) in [
+            (vec![again("c8")], "\"c8\" is used by an earlier"),
+            (vec![again("c9"), out("c9")], "\"c9\" is used by an earlier"),
+            (
+                vec![again("c1"), out("c1"), again("c1")],
+                "\"c1\" is used by an earlier",
+            ),
             (vec![out("c8")], "already answered"),
             (vec![out("c9"), out("c9")], "two function_call_output"),
             (vec![out("c7")], "not a call"),
