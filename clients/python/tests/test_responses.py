@@ -6,6 +6,9 @@ back after a restart, and bad inputs in OpenAI's error shape."""
 
 import json
 import os
+import socket
+import struct
+import time
 
 import openai
 import pytest
@@ -534,6 +537,54 @@ def test_a_call_id_is_resent_once(daemon):
         assert len(daemon.client().list()) == sessions
         assert wal_size(daemon) == size
         assert c.conversations.items.list(conv.id, limit=100).data == before
+
+
+def reset_after(daemon, method, path, body, delay):
+    """Sends one request and resets the connection (RST, not FIN) `delay`
+    seconds after, without reading the reply: a client that goes away
+    mid-request. A FIN is taken as a half-close and the request runs on;
+    a reset makes actix drop the handler's future where it waits."""
+    data = json.dumps(body).encode()
+    s = socket.create_connection(("127.0.0.1", daemon.port))
+    s.sendall("{} {} HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nAuthorization: Bearer {}\r\n"
+              "Content-Type: application/json\r\nContent-Length: {}\r\n\r\n"
+              .format(method, path, daemon.port, KEY, len(data)).encode() + data)
+    time.sleep(delay)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    s.close()
+
+
+def test_a_create_dropped_by_its_client_leaves_no_half_made_conversation(daemon):
+    # POST /v1/conversations makes a session, sets its record, then appends
+    # the items, one request each. actix drops a handler's future when its
+    # client resets the connection, and a drop between those steps left a
+    # session without its record or with part of its items, for good.
+    c = oai(daemon)
+    n = 20
+    items = [{"type": "message", "role": "user", "content": "item {}".format(i)} for i in range(n)]
+    known = set(daemon.client().list())
+
+    def settled():
+        # Every new session is a whole conversation: its record and all
+        # its items (a create still running is not yet).
+        for s in set(daemon.client().list()) - known:
+            try:
+                listed = c.conversations.items.list("conv_{}".format(s), limit=100).data
+            except openai.NotFoundError:
+                return False
+            if len(listed) != n:
+                return False
+        return True
+
+    for delay in (0.0, 0.002, 0.005, 0.01, 0.02, 0.04, 0.08):
+        reset_after(daemon, "POST", "/v1/conversations", {"items": items}, delay)
+        deadline = time.monotonic() + 20
+        while not settled():
+            assert time.monotonic() < deadline, (
+                "a half-made conversation after a reset at {} s: sessions {}".format(
+                    delay, sorted(set(daemon.client().list()) - known)))
+            time.sleep(0.05)
+        known = set(daemon.client().list())
 
 
 def test_list_routes_check_the_caller_before_the_query(daemon):

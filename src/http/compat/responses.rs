@@ -400,6 +400,26 @@ pub(crate) async fn call(state: &WebState, request: Request) -> Result<Response,
     }
 }
 
+/// Runs `write`, a sequence of session requests that must not stop
+/// half-way (a session made and then filled, items appended one by one, a
+/// branch made and then named), on a task of its own, and waits for it.
+/// actix drops a handler's future where it waits when its client resets
+/// the connection: run in the handler, such a sequence would stop between
+/// two requests and leave a half-made session or a half-written input
+/// behind. The task runs to its end (its own clean-up included) whatever
+/// the client does; what it answers is dropped if no one waits for it.
+pub(crate) async fn to_the_end<T: 'static>(
+    write: impl std::future::Future<Output = Result<T, ApiError>> + 'static,
+) -> Result<T, ApiError> {
+    actix_rt::spawn(write).await.map_err(|e| {
+        ApiError::new(
+            F,
+            Kind::Internal,
+            format!("a request's writes did not finish: {e}"),
+        )
+    })?
+}
+
 fn unexpected(r: Response) -> ApiError {
     ApiError::new(F, Kind::Internal, format!("unexpected reply {r:?}"))
 }
@@ -1409,12 +1429,15 @@ pub async fn create(
     let r: CreateRequest = accept(&state, F, &req, payload).await?;
     let mut access = Access::new("/v1/responses", &r.model, started);
     let state = pick(&state, F, &r.model).map_err(|e| super::logged(&access, e))?;
-    let running = prepare(&state, &r)
+    // Its writes (a session or fork made, the input appended, the
+    // generation asked for) run to their end if the client goes away.
+    let stream_it = r.stream;
+    let running = to_the_end(async move { prepare(&state, &r).await })
         .await
         .map_err(|e| super::logged(&access, e))?;
     access.prompt = running.input_tokens as usize;
     access.cached = running.warm;
-    if r.stream {
+    if stream_it {
         Ok(stream(running, access))
     } else {
         let Running {
