@@ -6,6 +6,9 @@ back after a restart, and bad inputs in OpenAI's error shape."""
 
 import json
 import os
+import socket
+import struct
+import time
 
 import openai
 import pytest
@@ -420,6 +423,169 @@ def test_a_resent_call_is_answered_once(daemon):
         assert len(daemon.client().list()) == sessions
         assert wal_size(daemon) == size
         assert c.conversations.items.list(conv.id, limit=100).data == before
+
+
+def session_of(id_):
+    """The session a conv_ or resp_ id names (before any move)."""
+    return int(id_.split("_")[1])
+
+
+def input_tokens(sf, session, through_prompt=False):
+    """The tokens session's events put on the model's input, up to its
+    first generation's assistant header (included when through_prompt)."""
+    _, payload = sf.call("Read", {"session": session, "cursor": 0})
+    out = []
+    for e in payload["events"]:
+        if not isinstance(e["body"], dict):  # a unit record (EpochBump)
+            continue
+        (kind, body), = e["body"].items()
+        if kind == "GenerationPrompt" and not through_prompt:
+            break
+        out.extend(body.get("span", []) if isinstance(body, dict) else [])
+        if kind == "GenerationPrompt":
+            break
+    return out
+
+
+def test_a_resent_call_is_answered_in_a_later_request(daemon, sf):
+    # A call resent in one request and answered in a later one was a 400
+    # ("which no earlier item or response made"): the later request's
+    # output had only the session's own calls to answer. OpenAI takes it.
+    c = oai(daemon)
+    hi = {"type": "message", "role": "user", "content": "hi"}
+
+    def shape(items):
+        return [(i.type, getattr(i, "call_id", None), getattr(i, "output", None)) for i in items]
+
+    # The call and its answer in one request: what the model must see.
+    whole = c.conversations.create(items=[hi, resent_call("call_abc", "Paris"), call_output("call_abc", "sunny")])
+    later = c.conversations.create(items=[hi, resent_call("call_abc", "Paris")])
+    added = c.conversations.items.create(later.id, items=[call_output("call_abc", "sunny")])
+    assert shape(added.data) == [("function_call_output", "call_abc", "sunny")], added.data
+    assert added.data[0].id.startswith("fco_")
+    listed = c.conversations.items.list(later.id, order="asc", limit=100).data
+    assert shape(listed) == shape(c.conversations.items.list(whole.id, order="asc", limit=100).data)
+    # The model sees the answer as a tool result, token for token as when
+    # it came with the call.
+    assert input_tokens(sf, session_of(later.id)) == input_tokens(sf, session_of(whole.id))
+    # Answered once: a second answer is a 400 naming the call, nothing written.
+    size = wal_size(daemon)
+    for items in ([call_output("call_abc", "again")], [hi, call_output("call_abc", "again")]):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.conversations.items.create(later.id, items=items)
+        assert e.value.body["param"] == "items", e.value.body
+        assert "call_abc" in e.value.body["message"], e.value.body
+        assert wal_size(daemon) == size
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.create(model="default", conversation=later.id, input=[call_output("call_abc")],
+                           max_output_tokens=4)
+    assert e.value.body["param"] == "input" and "call_abc" in e.value.body["message"], e.value.body
+    assert c.conversations.items.list(later.id, order="asc", limit=100).data == listed
+    # A response on the conversation whose input answers the call: the
+    # same prompt as a response given the call and its answer at once.
+    conv = c.conversations.create(items=[hi, resent_call("call_q", "Rome")])
+    r = c.responses.create(model="default", conversation=conv.id, input=[call_output("call_q", "rain")],
+                           max_output_tokens=4, temperature=0)
+    assert shape(c.responses.input_items.list(r.id, order="asc").data) == [
+        ("function_call_output", "call_q", "rain")]
+    at_once = c.responses.create(model="default", input=[hi, resent_call("call_q", "Rome"), call_output("call_q", "rain")],
+                                 max_output_tokens=4, temperature=0)
+    assert r.usage.input_tokens == at_once.usage.input_tokens
+    assert input_tokens(sf, session_of(r.id), True) == input_tokens(sf, session_of(at_once.id), True)
+    # A previous_response_id chain, the same; answered once along it.
+    r1 = c.responses.create(model="default", input=[hi, resent_call("call_z", "Oslo")], max_output_tokens=4,
+                            temperature=0)
+    r2 = c.responses.create(model="default", previous_response_id=r1.id, input=[call_output("call_z", "snow")],
+                            max_output_tokens=4, temperature=0)
+    assert shape(c.responses.input_items.list(r2.id).data) == [("function_call_output", "call_z", "snow")]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.create(model="default", previous_response_id=r2.id, input=[call_output("call_z")],
+                           max_output_tokens=4)
+    assert e.value.body["param"] == "input" and "call_z" in e.value.body["message"], e.value.body
+
+
+def test_a_call_id_is_resent_once(daemon):
+    # Two function_call items with one call_id (in the same items, or one
+    # already resent earlier in the conversation or chain) were taken:
+    # OpenAI refuses a duplicate call id. A 400 naming it, nothing written.
+    c = oai(daemon)
+    hi = {"type": "message", "role": "user", "content": "hi"}
+    twice = [hi, resent_call("call_dup", "Paris"), resent_call("call_dup", "Rome"), call_output("call_dup")]
+    conv = c.conversations.create(items=[hi, resent_call("call_dup", "Paris"), call_output("call_dup")])
+    chain = c.responses.create(model="default", input=[hi, resent_call("call_dup", "Paris"), call_output("call_dup")],
+                               max_output_tokens=4)
+    before = c.conversations.items.list(conv.id, limit=100).data
+    again = [resent_call("call_dup", "Rome"), call_output("call_dup")]
+    sessions, size = len(daemon.client().list()), wal_size(daemon)
+    for make, param in ((lambda: c.conversations.create(items=twice), "items"),
+                        (lambda: c.conversations.items.create(conv.id, items=twice), "items"),
+                        (lambda: c.responses.create(model="default", input=twice, max_output_tokens=4), "input"),
+                        (lambda: c.responses.create(model="default", conversation=conv.id, input=twice,
+                                                    max_output_tokens=4), "input"),
+                        # Already resent earlier in the conversation or chain.
+                        (lambda: c.conversations.items.create(conv.id, items=again), "items"),
+                        (lambda: c.conversations.items.create(conv.id, items=again[:1]), "items"),
+                        (lambda: c.responses.create(model="default", conversation=conv.id, input=again,
+                                                    max_output_tokens=4), "input"),
+                        (lambda: c.responses.create(model="default", previous_response_id=chain.id, input=again,
+                                                    max_output_tokens=4), "input")):
+        with pytest.raises(openai.BadRequestError) as e:
+            make()
+        assert e.value.body["type"] == "invalid_request_error", e.value.body
+        assert e.value.body["param"] == param, e.value.body
+        assert "call_dup" in e.value.body["message"], e.value.body
+        assert len(daemon.client().list()) == sessions
+        assert wal_size(daemon) == size
+        assert c.conversations.items.list(conv.id, limit=100).data == before
+
+
+def reset_after(daemon, method, path, body, delay):
+    """Sends one request and resets the connection (RST, not FIN) `delay`
+    seconds after, without reading the reply: a client that goes away
+    mid-request. A FIN is taken as a half-close and the request runs on;
+    a reset makes actix drop the handler's future where it waits."""
+    data = json.dumps(body).encode()
+    s = socket.create_connection(("127.0.0.1", daemon.port))
+    s.sendall("{} {} HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nAuthorization: Bearer {}\r\n"
+              "Content-Type: application/json\r\nContent-Length: {}\r\n\r\n"
+              .format(method, path, daemon.port, KEY, len(data)).encode() + data)
+    time.sleep(delay)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    s.close()
+
+
+def test_a_create_dropped_by_its_client_leaves_no_half_made_conversation(daemon):
+    # POST /v1/conversations makes a session, sets its record, then appends
+    # the items, one request each. actix drops a handler's future when its
+    # client resets the connection, and a drop between those steps left a
+    # session without its record or with part of its items, for good.
+    c = oai(daemon)
+    n = 20
+    items = [{"type": "message", "role": "user", "content": "item {}".format(i)} for i in range(n)]
+    known = set(daemon.client().list())
+
+    def settled():
+        # Every new session is a whole conversation: its record and all
+        # its items (a create still running is not yet).
+        for s in set(daemon.client().list()) - known:
+            try:
+                listed = c.conversations.items.list("conv_{}".format(s), limit=100).data
+            except openai.NotFoundError:
+                return False
+            if len(listed) != n:
+                return False
+        return True
+
+    for delay in (0.0, 0.002, 0.005, 0.01, 0.02, 0.04, 0.08):
+        reset_after(daemon, "POST", "/v1/conversations", {"items": items}, delay)
+        deadline = time.monotonic() + 20
+        while not settled():
+            assert time.monotonic() < deadline, (
+                "a half-made conversation after a reset at {} s: sessions {}".format(
+                    delay, sorted(set(daemon.client().list()) - known)))
+            time.sleep(0.05)
+        known = set(daemon.client().list())
+
 
 def test_list_routes_check_the_caller_before_the_query(daemon):
     # A list route's query was parsed by actix before the credential, Origin

@@ -15,8 +15,8 @@ use serde_json::{json, Value};
 use super::error::{ApiError, Family, Kind};
 use super::locks::{KeyGuard, KeyedLocks};
 use super::responses::{
-    append_items, call, call_names, check_fresh_items, check_outputs, create_session, created,
-    input_item, inspect, items, not_found, page, read, Decode, Input, Item, ListQuery, Piece,
+    append_items, call, call_names, check_fresh_items, create_session, created, input_item,
+    inspect, items, not_found, page, read, to_the_end, Decode, Input, Item, ListQuery, Piece,
 };
 use super::{accept, authorize, params};
 use crate::http::routes::WebState;
@@ -267,16 +267,16 @@ fn new_items(v: Option<&Value>) -> Result<Vec<Item>, ApiError> {
             .with_param("items"));
         }
     }
-    let new = items(v).map_err(|e| e.with_param("items"))?;
-    check_outputs(&new).map_err(|e| e.with_param("items"))?;
-    Ok(new)
+    items(v).map_err(|e| e.with_param("items"))
 }
 
 /// `POST /v1/conversations`: a new session holding `items`, its record
 /// set. Every check that needs no session runs before it is made (a new
 /// conversation has no open call, so an output must answer a call resent
 /// before it in the same items); a refusal once it exists purges it, so a
-/// refused create leaves no conversation behind.
+/// refused create leaves no conversation behind. The session is made and
+/// filled on a task of its own ([`to_the_end`]): a client that goes away
+/// leaves a whole conversation or none.
 pub async fn create(
     req: HttpRequest,
     payload: web::Payload,
@@ -287,19 +287,25 @@ pub async fn create(
     check_metadata(&metadata)?;
     let new = new_items(body.items.as_ref())?;
     check_fresh_items(&new).map_err(|e| e.with_param("items"))?;
-    let s = create_session(&state, params(None, None, None, None, None, F)?).await?;
-    // Taken before the record makes the id resolve: a change naming it
-    // (by a guessed id) waits for the items.
-    let _changes = CHANGES.lock((state.current, s)).await;
-    let id = format!("conv_{s}");
-    let rec = json!({"id": id, "metadata": metadata});
-    match fill(&state, s, &rec, &new).await {
-        Ok(info) => Ok(HttpResponse::Ok().json(conversation_json(&id, info.created_unix_ms, &rec))),
-        Err(e) => {
-            discard(&state, s).await;
-            Err(e)
+    let p = params(None, None, None, None, None, F)?;
+    to_the_end(async move {
+        let s = create_session(&state, p).await?;
+        // Taken before the record makes the id resolve: a change naming it
+        // (by a guessed id) waits for the items.
+        let _changes = CHANGES.lock((state.current, s)).await;
+        let id = format!("conv_{s}");
+        let rec = json!({"id": id, "metadata": metadata});
+        match fill(&state, s, &rec, &new).await {
+            Ok(info) => {
+                Ok(HttpResponse::Ok().json(conversation_json(&id, info.created_unix_ms, &rec)))
+            }
+            Err(e) => {
+                discard(&state, s).await;
+                Err(e)
+            }
         }
-    }
+    })
+    .await
 }
 
 /// Gives the new session `s` its conversation record `rec` and appends
@@ -509,7 +515,8 @@ pub struct ItemsBody {
     pub items: Value,
 }
 
-/// `POST /v1/conversations/{id}/items`: appends items.
+/// `POST /v1/conversations/{id}/items`: appends items, all of them
+/// whatever the client does ([`to_the_end`]).
 pub async fn add_items(
     req: HttpRequest,
     path: web::Path<String>,
@@ -518,13 +525,20 @@ pub async fn add_items(
 ) -> Result<HttpResponse, ApiError> {
     let body: ItemsBody = accept(&state, F, &req, payload).await?;
     let new = new_items(Some(&body.items))?;
-    let Locked {
-        guard: _changes,
-        session: s,
-        info,
-        ..
-    } = lock(&state, &path).await?;
-    append_items(&state, s, &new, "items").await?;
+    let (s, info) = to_the_end({
+        let (state, id) = (state.clone(), path.clone());
+        async move {
+            let Locked {
+                guard: _changes,
+                session: s,
+                info,
+                ..
+            } = lock(&state, &id).await?;
+            append_items(&state, s, &new, "items").await?;
+            Ok((s, info))
+        }
+    })
+    .await?;
     let events = read(&state, s).await?;
     let added: Vec<Value> = all_items(&state, s, &events)
         .await?
@@ -543,7 +557,9 @@ pub async fn add_items(
 
 /// `DELETE /v1/conversations/{id}/items/{item_id}`: a rebase that drops the
 /// item's events into a new branch (the old one is kept); the conversation
-/// id names the new branch from then on.
+/// id names the new branch from then on. The branch is made and named on
+/// a task of its own ([`to_the_end`]), so a client that goes away leaves
+/// no branch unnamed.
 pub async fn delete_item(
     req: HttpRequest,
     path: web::Path<(String, String)>,
@@ -551,6 +567,15 @@ pub async fn delete_item(
 ) -> Result<HttpResponse, ApiError> {
     authorize(&state, F, &req)?;
     let (id, item_id) = path.into_inner();
+    to_the_end(drop_item(state, id, item_id)).await
+}
+
+/// The rebase and moves of [`delete_item`].
+async fn drop_item(
+    state: web::Data<WebState>,
+    id: String,
+    item_id: String,
+) -> Result<HttpResponse, ApiError> {
     let Locked {
         guard: _changes,
         session: s,

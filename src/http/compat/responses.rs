@@ -15,7 +15,7 @@
 //! object and the streamed semantic events, so both always agree; resume.rs
 //! replays and follows a stored response's stream with it.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use actix_web::web::{self, Bytes};
 use actix_web::{HttpRequest, HttpResponse};
@@ -400,6 +400,26 @@ pub(crate) async fn call(state: &WebState, request: Request) -> Result<Response,
     }
 }
 
+/// Runs `write`, a sequence of session requests that must not stop
+/// half-way (a session made and then filled, items appended one by one, a
+/// branch made and then named), on a task of its own, and waits for it.
+/// actix drops a handler's future where it waits when its client resets
+/// the connection: run in the handler, such a sequence would stop between
+/// two requests and leave a half-made session or a half-written input
+/// behind. The task runs to its end (its own clean-up included) whatever
+/// the client does; what it answers is dropped if no one waits for it.
+pub(crate) async fn to_the_end<T: 'static>(
+    write: impl std::future::Future<Output = Result<T, ApiError>> + 'static,
+) -> Result<T, ApiError> {
+    actix_rt::spawn(write).await.map_err(|e| {
+        ApiError::new(
+            F,
+            Kind::Internal,
+            format!("a request's writes did not finish: {e}"),
+        )
+    })?
+}
+
 fn unexpected(r: Response) -> ApiError {
     ApiError::new(F, Kind::Internal, format!("unexpected reply {r:?}"))
 }
@@ -450,38 +470,13 @@ pub(crate) async fn create_session(state: &WebState, p: Params) -> Result<Sessio
     .await
 }
 
-/// Each output answers a call resent before it or names a call
-/// (`call_<session>_<event>`, or the older `call_<event>`): the syntax,
-/// checked before anything is written (`item_requests` checks the calls
-/// against the session).
-pub(crate) fn check_outputs(items: &[Item]) -> Result<(), ApiError> {
-    let mut resent = HashSet::new();
-    for item in items {
-        match item {
-            Item::Call(c) => {
-                resent.insert(c.id.as_str());
-            }
-            Item::Output { call_id, .. }
-                if !resent.contains(call_id.as_str()) && parse_call(call_id).is_none() =>
-            {
-                return Err(bad(format!(
-                    "function_call_output answers call {call_id:?}, which no earlier item or \
-                     response made"
-                )))
-            }
-            _ => {}
-        }
-    }
-    Ok(())
-}
-
 /// `items` as the input of a new session, which has no open call: every
 /// output answers a call resent before it in the same items, and every
 /// resent call's text can be written (what [`item_requests`] checks,
 /// against an empty history). Pure, so a route can refuse such items
 /// before it makes the session.
 pub(crate) fn check_fresh_items(items: &[Item]) -> Result<(), ApiError> {
-    item_requests(0, items, &CallNames::own(0), &[]).map(|_| ())
+    item_requests(0, items, &CallNames::own(0), &[], &Resents::default()).map(|_| ())
 }
 
 /// A client's item that the session holds as a message, recorded with
@@ -521,18 +516,60 @@ impl Resent {
     }
 }
 
+/// The calls a client resent in a session's history (its [`Resent`]
+/// blocks), by call id: whether each has been answered (by a
+/// `function_call_output` block for its id after it). An unanswered one is
+/// an open call a later request's output may answer, once, as a session's
+/// own open call is.
+#[derive(Debug, Default)]
+pub(crate) struct Resents(HashMap<String, bool>);
+
+impl Resents {
+    /// The resent calls of a session with `events`.
+    pub(crate) fn of(events: &[Event]) -> Resents {
+        let mut calls = HashMap::new();
+        for e in events {
+            if let Record::Block { kind, .. } = &e.body {
+                match Resent::of(kind) {
+                    Some(Resent::FunctionCall { call_id, .. }) => {
+                        calls.insert(call_id, false);
+                    }
+                    Some(Resent::FunctionCallOutput { call_id }) => {
+                        if let Some(answered) = calls.get_mut(&call_id) {
+                            *answered = true;
+                        }
+                    }
+                    None => {}
+                }
+            }
+        }
+        Resents(calls)
+    }
+
+    /// Whether call `call_id` was resent, and if so whether it has been
+    /// answered.
+    fn answered(&self, call_id: &str) -> Option<bool> {
+        self.0.get(call_id).copied()
+    }
+}
+
 /// The session requests that append `items` to session `s`, whose calls
-/// `names` names and `ledger` says how each stands, each with the call id
-/// an output answers (for its errors); every output's call checked before
-/// anything is written. A resent call goes in as the model's own call
-/// text (a [`Resent`] block); an output answers a call resent in the same
-/// items (a tool message, a [`Resent`] block too) or an open call of the
-/// session (`AppendToolResult`), once.
+/// `names` names and `ledger` says how each stands and whose history
+/// resent the calls `history` holds, each with the call id an output
+/// answers (for its errors); every output's call checked before anything
+/// is written. A resent call goes in as the model's own call text (a
+/// [`Resent`] block), its `call_id` used by no call resent before it (in
+/// the same items or the history); an output answers a call resent in the same items or
+/// an unanswered one resent earlier in the history (a tool message, a
+/// [`Resent`] block too), or an open call of the session
+/// (`AppendToolResult`; it is taken first when a resent call has the name
+/// of one), once.
 fn item_requests(
     s: SessionId,
     items: &[Item],
     names: &CallNames,
     ledger: &[LedgerEntry],
+    history: &Resents,
 ) -> Result<Vec<(Request, Option<String>)>, ApiError> {
     let mut resent: HashSet<&str> = HashSet::new();
     let mut answered_resent: HashSet<&str> = HashSet::new();
@@ -549,7 +586,13 @@ fn item_requests(
                 None,
             ),
             Item::Call(c) => {
-                resent.insert(c.id.as_str());
+                if !resent.insert(c.id.as_str()) || history.answered(&c.id).is_some() {
+                    return Err(bad(format!(
+                        "function_call call_id {:?} is used by an earlier function_call item; \
+                         call ids must be unique",
+                        c.id
+                    )));
+                }
                 (
                     Request::AppendBlock {
                         session: s,
@@ -565,7 +608,10 @@ fn item_requests(
                     None,
                 )
             }
-            Item::Output { call_id, output } if resent.contains(call_id.as_str()) => {
+            Item::Output { call_id, output }
+                if resent.contains(call_id.as_str())
+                    || open_resent(call_id, names, ledger, history)? =>
+            {
                 if !answered_resent.insert(call_id.as_str()) {
                     return Err(answered_twice(call_id));
                 }
@@ -593,6 +639,29 @@ fn item_requests(
         });
     }
     Ok(out)
+}
+
+/// Whether `call_id` answers a call resent earlier in the history
+/// (`history`) rather than an open call of the session's own: it names no
+/// call the session holds, and a resent call has that id. One already
+/// answered is refused.
+fn open_resent(
+    call_id: &str,
+    names: &CallNames,
+    ledger: &[LedgerEntry],
+    history: &Resents,
+) -> Result<bool, ApiError> {
+    let own = names
+        .event(call_id)
+        .is_some_and(|e| ledger.iter().any(|x| x.call_id == e));
+    match history.answered(call_id) {
+        _ if own => Ok(false),
+        Some(true) => Err(bad(format!(
+            "function_call_output answers call {call_id:?}, which was already answered"
+        ))),
+        Some(false) => Ok(true),
+        None => Ok(false),
+    }
 }
 
 /// The event of the open call `call_id` names, not answered before in the
@@ -633,21 +702,31 @@ fn answered_twice(call_id: &str) -> ApiError {
     ))
 }
 
-/// The call names and the ledger `items` need on session `s` (none
-/// without an output).
+/// Whether `items` need the calls of the history they follow: an output
+/// may answer one of them, and a resent call may not reuse the id of one
+/// resent before.
+fn need_calls(items: &[Item]) -> bool {
+    items
+        .iter()
+        .any(|i| matches!(i, Item::Output { .. } | Item::Call(_)))
+}
+
+/// The call names, the ledger and the resent calls `items` need on session
+/// `s` (none unless [`need_calls`]).
 async fn calls_of(
     state: &WebState,
     s: SessionId,
     items: &[Item],
-) -> Result<(CallNames, Vec<LedgerEntry>), ApiError> {
-    if !items.iter().any(|i| matches!(i, Item::Output { .. })) {
-        return Ok((CallNames::own(s), Vec::new()));
+) -> Result<(CallNames, Vec<LedgerEntry>, Resents), ApiError> {
+    if !need_calls(items) {
+        return Ok((CallNames::own(s), Vec::new(), Resents::default()));
     }
     let names = call_names(state, s).await?;
-    match call(state, Request::Ledger { session: s }).await? {
-        Response::Ledger { entries } => Ok((names, entries)),
-        other => Err(unexpected(other)),
-    }
+    let ledger = match call(state, Request::Ledger { session: s }).await? {
+        Response::Ledger { entries } => entries,
+        other => return Err(unexpected(other)),
+    };
+    Ok((names, ledger, Resents::of(&read(state, s).await?)))
 }
 
 /// What a stored response puts on its session's input, checked against
@@ -673,12 +752,18 @@ impl Input<'_> {
         s: Option<SessionId>,
         events: &[Event],
     ) -> Result<(), ApiError> {
-        if self.items.iter().any(|i| matches!(i, Item::Output { .. })) {
+        if need_calls(self.items) {
             let names = match s {
                 Some(s) => call_names(state, s).await?,
                 None => CallNames::own(0),
             };
-            item_requests(names.session(), self.items, &names, &ledger_of(events))?;
+            item_requests(
+                names.session(),
+                self.items,
+                &names,
+                &ledger_of(events),
+                &Resents::of(events),
+            )?;
         }
         self.check_fit(state, events).await
     }
@@ -740,8 +825,9 @@ pub(crate) async fn append_items(
     items: &[Item],
     param: &'static str,
 ) -> Result<(), ApiError> {
-    let (names, ledger) = calls_of(state, s, items).await?;
-    let requests = item_requests(s, items, &names, &ledger).map_err(|e| e.with_param(param))?;
+    let (names, ledger, history) = calls_of(state, s, items).await?;
+    let requests =
+        item_requests(s, items, &names, &ledger, &history).map_err(|e| e.with_param(param))?;
     for (request, call_id) in requests {
         call(state, request).await.map_err(|mut e| {
             if e.kind == Kind::NotFound {
@@ -1343,12 +1429,15 @@ pub async fn create(
     let r: CreateRequest = accept(&state, F, &req, payload).await?;
     let mut access = Access::new("/v1/responses", &r.model, started);
     let state = pick(&state, F, &r.model).map_err(|e| super::logged(&access, e))?;
-    let running = prepare(&state, &r)
+    // Its writes (a session or fork made, the input appended, the
+    // generation asked for) run to their end if the client goes away.
+    let stream_it = r.stream;
+    let running = to_the_end(async move { prepare(&state, &r).await })
         .await
         .map_err(|e| super::logged(&access, e))?;
     access.prompt = running.input_tokens as usize;
     access.cached = running.warm;
-    if r.stream {
+    if stream_it {
         Ok(stream(running, access))
     } else {
         let Running {
@@ -1537,7 +1626,6 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
     if items.is_empty() {
         return Err(bad("input must hold at least one item"));
     }
-    check_outputs(&items)?;
     let tool_texts: Vec<String> = chat_tools.iter().map(Value::to_string).collect();
     let input = Input {
         items: &items,
@@ -2428,6 +2516,7 @@ mod tests {
         };
         let ledger = [entry(4, None), entry(6, Some(7))];
         let names = CallNames::own(3);
+        let none = Resents::default();
         let hi = Item::Message {
             role: Role::User,
             text: "hi".into(),
@@ -2436,13 +2525,14 @@ mod tests {
             call_id: id.into(),
             output: "x".into(),
         };
-        let requests = item_requests(3, &[hi.clone(), out("call_3_4")], &names, &ledger).unwrap();
+        let requests =
+            item_requests(3, &[hi.clone(), out("call_3_4")], &names, &ledger, &none).unwrap();
         assert!(matches!(
             requests[1],
             (Request::AppendToolResult { call_id: 4, .. }, Some(_))
         ));
         assert_eq!(
-            item_requests(3, &[out("call_4")], &names, &ledger)
+            item_requests(3, &[out("call_4")], &names, &ledger, &none)
                 .unwrap()
                 .len(),
             1
@@ -2457,7 +2547,7 @@ mod tests {
                 "two function_call_output",
             ),
         ] {
-            let e = item_requests(3, &items, &names, &ledger).unwrap_err();
+            let e = item_requests(3, &items, &names, &ledger, &none).unwrap_err();
             assert!(e.message.contains(why), "{items:?}: {}", e.message);
             assert_eq!(e.param, Some("input"));
         }
@@ -2467,16 +2557,89 @@ mod tests {
             name: "f".into(),
             arguments: "{}".into(),
         });
-        assert!(item_requests(0, &[call.clone(), out("c1")], &CallNames::own(0), &[]).is_ok());
-        assert!(item_requests(0, &[out("call_1")], &CallNames::own(0), &[]).is_err());
+        assert!(item_requests(
+            0,
+            &[call.clone(), out("c1")],
+            &CallNames::own(0),
+            &[],
+            &none
+        )
+        .is_ok());
+        assert!(item_requests(0, &[out("call_1")], &CallNames::own(0), &[], &none).is_err());
         // Once: a second output for the resent call is refused.
-        let e =
-            item_requests(0, &[call, out("c1"), out("c1")], &CallNames::own(0), &[]).unwrap_err();
+        let e = item_requests(
+            0,
+            &[call, out("c1"), out("c1")],
+            &CallNames::own(0),
+            &[],
+            &none,
+        )
+        .unwrap_err();
         assert!(
             e.message.contains("\"c1\" is answered by two"),
             "{}",
             e.message
         );
+        // A call resent in an earlier request: open until answered, once.
+        let block = |event_id, role, kind: Resent| Event {
+            event_id,
+            epoch: 1,
+            ts_unix_ms: 0,
+            body: Record::Block {
+                role,
+                kind: kind.kind(),
+                payload: "p".into(),
+                span: Vec::new(),
+            },
+        };
+        let resent = |call_id: &str| Resent::FunctionCall {
+            call_id: call_id.into(),
+            name: "f".into(),
+            arguments: "{}".into(),
+        };
+        let answer = |call_id: &str| Resent::FunctionCallOutput {
+            call_id: call_id.into(),
+        };
+        let history = Resents::of(&[
+            block(1, Role::Assistant, resent("c8")),
+            block(2, Role::Tool, answer("c8")),
+            block(3, Role::Assistant, resent("c9")),
+            // Named as session 3's open call at 4: that call is answered.
+            block(5, Role::Assistant, resent("call_3_4")),
+        ]);
+        assert_eq!(history.answered("c8"), Some(true));
+        assert_eq!(history.answered("c9"), Some(false));
+        assert_eq!(history.answered("c7"), None);
+        let requests =
+            item_requests(3, &[out("c9"), out("call_3_4")], &names, &ledger, &history).unwrap();
+        assert!(
+            matches!(&requests[0].0, Request::AppendBlock { kind, .. } if *kind == answer("c9").kind())
+        );
+        assert!(matches!(
+            requests[1],
+            (Request::AppendToolResult { call_id: 4, .. }, Some(_))
+        ));
+        let again = |id: &str| {
+            Item::Call(Call {
+                id: id.into(),
+                name: "f".into(),
+                arguments: "{}".into(),
+            })
+        };
+        for (items, why) in [
+            (vec![again("c8")], "\"c8\" is used by an earlier"),
+            (vec![again("c9"), out("c9")], "\"c9\" is used by an earlier"),
+            (
+                vec![again("c1"), out("c1"), again("c1")],
+                "\"c1\" is used by an earlier",
+            ),
+            (vec![out("c8")], "already answered"),
+            (vec![out("c9"), out("c9")], "two function_call_output"),
+            (vec![out("c7")], "not a call"),
+        ] {
+            let e = item_requests(3, &items, &names, &ledger, &history).unwrap_err();
+            assert!(e.message.contains(why), "{items:?}: {}", e.message);
+        }
     }
 
     #[test]
@@ -2535,7 +2698,7 @@ mod tests {
                 output: "sunny".into(),
             },
         ];
-        let requests = item_requests(3, &items, &names, &[]).unwrap();
+        let requests = item_requests(3, &items, &names, &[], &Resents::default()).unwrap();
         assert!(
             matches!(&requests[0].0, Request::AppendBlock { kind, .. } if *kind == call.kind())
         );
