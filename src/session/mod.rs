@@ -17,6 +17,8 @@
 //! template renders this same type).
 
 mod book;
+#[cfg(test)]
+pub(crate) mod fake_render;
 pub mod grammar;
 pub mod output;
 pub mod schema_limits;

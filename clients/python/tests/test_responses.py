@@ -408,18 +408,26 @@ def test_a_resent_call_is_answered_once(daemon):
     hi = {"type": "message", "role": "user", "content": "hi"}
     twice = [hi, resent_call("call_abc", "Paris"), call_output("call_abc"), call_output("call_abc", "y")]
     conv = c.conversations.create(items=[hi])
+    refused_writing_nothing(daemon, c, conv, "call_abc", (
+        (lambda: c.conversations.create(items=twice), "items"),
+        (lambda: c.conversations.items.create(conv.id, items=twice), "items"),
+        (lambda: c.responses.create(model="default", input=twice, max_output_tokens=4), "input"),
+        (lambda: c.responses.create(model="default", conversation=conv.id, input=twice,
+                                    max_output_tokens=4), "input")))
+
+
+def refused_writing_nothing(daemon, c, conv, call_id, cases):
+    """Each (make, param) of `cases` is a 400 invalid_request_error on
+    `param` naming `call_id`, and writes nothing: the sessions, wal.log's
+    size and `conv`'s items are as before."""
     before = c.conversations.items.list(conv.id, limit=100).data
     sessions, size = len(daemon.client().list()), wal_size(daemon)
-    for make, param in ((lambda: c.conversations.create(items=twice), "items"),
-                        (lambda: c.conversations.items.create(conv.id, items=twice), "items"),
-                        (lambda: c.responses.create(model="default", input=twice, max_output_tokens=4), "input"),
-                        (lambda: c.responses.create(model="default", conversation=conv.id, input=twice,
-                                                    max_output_tokens=4), "input")):
+    for make, param in cases:
         with pytest.raises(openai.BadRequestError) as e:
             make()
         assert e.value.body["type"] == "invalid_request_error", e.value.body
         assert e.value.body["param"] == param, e.value.body
-        assert "call_abc" in e.value.body["message"], e.value.body
+        assert call_id in e.value.body["message"], e.value.body
         assert len(daemon.client().list()) == sessions
         assert wal_size(daemon) == size
         assert c.conversations.items.list(conv.id, limit=100).data == before
@@ -514,29 +522,20 @@ def test_a_call_id_is_resent_once(daemon):
     conv = c.conversations.create(items=[hi, resent_call("call_dup", "Paris"), call_output("call_dup")])
     chain = c.responses.create(model="default", input=[hi, resent_call("call_dup", "Paris"), call_output("call_dup")],
                                max_output_tokens=4)
-    before = c.conversations.items.list(conv.id, limit=100).data
     again = [resent_call("call_dup", "Rome"), call_output("call_dup")]
-    sessions, size = len(daemon.client().list()), wal_size(daemon)
-    for make, param in ((lambda: c.conversations.create(items=twice), "items"),
-                        (lambda: c.conversations.items.create(conv.id, items=twice), "items"),
-                        (lambda: c.responses.create(model="default", input=twice, max_output_tokens=4), "input"),
-                        (lambda: c.responses.create(model="default", conversation=conv.id, input=twice,
-                                                    max_output_tokens=4), "input"),
-                        # Already resent earlier in the conversation or chain.
-                        (lambda: c.conversations.items.create(conv.id, items=again), "items"),
-                        (lambda: c.conversations.items.create(conv.id, items=again[:1]), "items"),
-                        (lambda: c.responses.create(model="default", conversation=conv.id, input=again,
-                                                    max_output_tokens=4), "input"),
-                        (lambda: c.responses.create(model="default", previous_response_id=chain.id, input=again,
-                                                    max_output_tokens=4), "input")):
-        with pytest.raises(openai.BadRequestError) as e:
-            make()
-        assert e.value.body["type"] == "invalid_request_error", e.value.body
-        assert e.value.body["param"] == param, e.value.body
-        assert "call_dup" in e.value.body["message"], e.value.body
-        assert len(daemon.client().list()) == sessions
-        assert wal_size(daemon) == size
-        assert c.conversations.items.list(conv.id, limit=100).data == before
+    refused_writing_nothing(daemon, c, conv, "call_dup", (
+        (lambda: c.conversations.create(items=twice), "items"),
+        (lambda: c.conversations.items.create(conv.id, items=twice), "items"),
+        (lambda: c.responses.create(model="default", input=twice, max_output_tokens=4), "input"),
+        (lambda: c.responses.create(model="default", conversation=conv.id, input=twice,
+                                    max_output_tokens=4), "input"),
+        # Already resent earlier in the conversation or chain.
+        (lambda: c.conversations.items.create(conv.id, items=again), "items"),
+        (lambda: c.conversations.items.create(conv.id, items=again[:1]), "items"),
+        (lambda: c.responses.create(model="default", conversation=conv.id, input=again,
+                                    max_output_tokens=4), "input"),
+        (lambda: c.responses.create(model="default", previous_response_id=chain.id, input=again,
+                                    max_output_tokens=4), "input")))
 
 
 def reset_after(daemon, method, path, body, delay):
