@@ -586,6 +586,31 @@ def test_a_create_dropped_by_its_client_leaves_no_half_made_conversation(daemon)
         known = set(daemon.client().list())
 
 
+def test_an_items_append_dropped_by_its_client_is_whole_or_absent(daemon):
+    # POST /v1/conversations/{id}/items appends each item as a session
+    # request of its own: a client that resets the connection between two
+    # of them must not leave part of its items in the conversation.
+    c = oai(daemon)
+    n = 20
+    conv = c.conversations.create(items=[{"type": "message", "role": "user", "content": "hi"}])
+    items = [{"type": "message", "role": "user", "content": "item {}".format(i)} for i in range(n)]
+    delays = (0.0, 0.002, 0.005, 0.01)  # at most 1 + 4 * 20 items: one page
+
+    def added():
+        return len(c.conversations.items.list(conv.id, limit=100).data) - 1
+
+    for delay in delays:
+        reset_after(daemon, "POST", "/v1/conversations/{}/items".format(conv.id), {"items": items}, delay)
+    # Settled: the same count three polls in a row. Whole appends only, so
+    # a multiple of n; a part left behind never becomes one.
+    deadline = time.monotonic() + 30
+    seen = []
+    while len(seen) < 3 or len(set(seen[-3:])) != 1 or seen[-1] % n != 0:
+        assert time.monotonic() < deadline, "part of an append after a reset: {} items added".format(seen[-1])
+        seen.append(added())
+        time.sleep(0.1)
+
+
 def test_list_routes_check_the_caller_before_the_query(daemon):
     # A list route's query was parsed by actix before the credential, Origin
     # and Host checks ran: a bad `limit` got actix's plain-text 400 where a
