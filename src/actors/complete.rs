@@ -7,7 +7,6 @@
 //! prompt tokens that came from the KV, `expired` the cached tokens this
 //! request dropped (cells that no longer matched, sequences cleared for room).
 
-use super::session::INLINE_BYTES;
 use super::stateless::StatelessGen;
 use super::Shared;
 use crate::scheduler::GenEvent;
@@ -73,18 +72,14 @@ pub async fn complete(
         return Response::err(BadFimMode(mode).to_string());
     };
     // Large texts are tokenized off the actor thread.
-    let (prefix, suffix) = if prefix.len() + suffix.len() < INLINE_BYTES {
-        (render.tokenize(&prefix), render.tokenize(&suffix))
-    } else {
-        let tokenizer = render.clone();
-        let tokenized = super::render_pool::run(move || {
-            (tokenizer.tokenize(&prefix), tokenizer.tokenize(&suffix))
-        })
-        .await;
-        let Some(tokens) = tokenized else {
-            return Response::err("tokenizing the completion's texts failed");
-        };
-        tokens
+    let bytes = prefix.len() + suffix.len();
+    let tokenizer = render.clone();
+    let tokenized = super::render_pool::run_sized(bytes, move || {
+        (tokenizer.tokenize(&prefix), tokenizer.tokenize(&suffix))
+    })
+    .await;
+    let Some((prefix, suffix)) = tokenized else {
+        return Response::err("tokenizing the completion's texts failed");
     };
     let prompt = fim_prompt(fim, &prefix, &suffix, mode);
     let generation = StatelessGen {

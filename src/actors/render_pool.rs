@@ -44,6 +44,24 @@ fn queue() -> &'static Mutex<mpsc::Sender<Job>> {
     })
 }
 
+/// Work on inputs smaller than this runs inline: a few milliseconds at
+/// most, cheaper than a trip to a render thread, and allocation stays on
+/// the caller's thread (the 10-minute soak's memory grew twice as fast when
+/// every call went to the render threads).
+pub const INLINE_BYTES: usize = 64 << 10;
+
+/// Runs `f`, whose inputs are `bytes` long, inline under [`INLINE_BYTES`],
+/// else on a render thread ([`run`]); `None` if it could not run there.
+pub async fn run_sized<T: Send + 'static>(
+    bytes: usize,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Option<T> {
+    if bytes < INLINE_BYTES {
+        return Some(f());
+    }
+    run(f).await
+}
+
 /// Runs `f` on a render thread; `None` if it could not run (no thread, or
 /// it panicked).
 pub async fn run<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Option<T> {

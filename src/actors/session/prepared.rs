@@ -101,11 +101,8 @@ fn pending() -> RenderError {
 }
 
 /// Calls whose inputs (texts and tool definitions together) are smaller
-/// than this render inline: a few milliseconds at most, cheaper than a trip
-/// to a render thread, and allocation stays on the actor thread (the
-/// 10-minute soak's memory grew twice as fast when every call went to the
-/// render threads).
-pub const INLINE_BYTES: usize = 64 << 10;
+/// than this render inline (`render_pool::INLINE_BYTES`).
+pub use crate::actors::render_pool::INLINE_BYTES;
 
 fn messages_bytes(m: &[ChatMessage]) -> usize {
     m.iter().map(|m| m.content.len()).sum()

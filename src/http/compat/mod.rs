@@ -301,26 +301,24 @@ pub(crate) fn chat_error(family: Family, e: ChatError) -> ApiError {
     ApiError::invalid(family, e.to_string()).with_param(param)
 }
 
-/// Runs `f`, whose inputs are `bytes` long, inline when that is under
-/// [`INLINE_BYTES`](crate::actors::session::INLINE_BYTES) (a few
-/// milliseconds of rendering or tokenizing at most), otherwise on a render
-/// thread, so the HTTP worker serves other requests while a long prompt
-/// renders and tokenizes.
+/// Runs `f`, whose inputs are `bytes` long, inline when that is small, on a
+/// render thread otherwise (`render_pool::run_sized`), so the HTTP worker
+/// serves other requests while a long prompt renders and tokenizes; in the
+/// route's error shape.
 pub(crate) async fn off_worker<T: Send + 'static>(
     family: Family,
     bytes: usize,
     f: impl FnOnce() -> T + Send + 'static,
 ) -> Result<T, ApiError> {
-    if bytes < crate::actors::session::INLINE_BYTES {
-        return Ok(f());
-    }
-    crate::actors::render_pool::run(f).await.ok_or_else(|| {
-        ApiError::new(
-            family,
-            Kind::Internal,
-            "the prompt could not be rendered (no render thread)",
-        )
-    })
+    crate::actors::render_pool::run_sized(bytes, f)
+        .await
+        .ok_or_else(|| {
+            ApiError::new(
+                family,
+                Kind::Internal,
+                "the prompt could not be rendered (no render thread)",
+            )
+        })
 }
 
 /// A request's prompt (`chat::prompt_with_images` when a message holds
@@ -346,7 +344,7 @@ pub(crate) async fn render_prompt(
     let mut bytes: usize = msgs.iter().map(|m| m.text.len() + calls(m)).sum::<usize>()
         + tools.iter().map(String::len).sum::<usize>();
     if msgs.iter().any(|m| !m.images.is_empty()) {
-        bytes = bytes.max(crate::actors::session::INLINE_BYTES);
+        bytes = bytes.max(crate::actors::render_pool::INLINE_BYTES);
     }
     let render = state.m().shared.render.clone();
     let (msgs, tools) = (msgs.to_vec(), tools.to_vec());
@@ -683,9 +681,9 @@ mod tests {
     async fn a_large_prompt_renders_off_the_http_worker() {
         let here = std::thread::current().id();
         let id = || std::thread::current().id();
-        let small = crate::actors::session::INLINE_BYTES - 1;
+        let small = crate::actors::render_pool::INLINE_BYTES - 1;
         assert_eq!(off_worker(Family::OpenAi, small, id).await.unwrap(), here);
-        let large = crate::actors::session::INLINE_BYTES;
+        let large = crate::actors::render_pool::INLINE_BYTES;
         assert_ne!(off_worker(Family::OpenAi, large, id).await.unwrap(), here);
     }
 }
