@@ -365,17 +365,8 @@ fn a_killed_worker_fails_only_what_it_was_running() {
 /// file back brings the lane back.
 #[test]
 fn a_worker_on_a_swapped_model_file_is_refused() {
-    let mut d = TestDaemon::new();
-    let model = d.path().join("model.gguf");
-    std::fs::copy(crate::util::model_path(), &model).unwrap();
-    d.model = model.clone();
-    d.spawn_and_wait();
-    let mut c = d.client();
-    let s = asked(&mut c, sampled(5), QUESTION);
-    assert!(matches!(
-        generate(&mut c, s, 4).1,
-        Response::Generated { .. }
-    ));
+    let (d, model) = with_copy(crate::util::model_path(), "model.gguf", |d, p| d.model = p);
+    let (mut c, s) = one_reply(&d);
     let swap = |from: &std::path::Path| {
         let part = d.path().join("model.part");
         std::fs::copy(from, &part).unwrap();
@@ -973,17 +964,8 @@ fn the_worker_reads_the_model_onto_huge_pages_unless_mmap() {
 /// generations waiting for it, saying why, instead of holding them forever.
 #[test]
 fn a_worker_that_cannot_be_respawned_fails_what_waits_for_it() {
-    let mut d = TestDaemon::new();
-    let exe = d.path().join("superfluid-copy");
-    std::fs::copy(crate::util::bin(), &exe).unwrap();
-    d.binary = exe.clone();
-    d.spawn_and_wait();
-    let mut c = d.client();
-    let s = asked(&mut c, sampled(5), QUESTION);
-    assert!(matches!(
-        generate(&mut c, s, 4).1,
-        Response::Generated { .. }
-    ));
+    let (d, exe) = with_copy(crate::util::bin(), "superfluid-copy", |d, p| d.binary = p);
+    let (_, s) = one_reply(&d);
     std::fs::remove_file(&exe).unwrap();
     unsafe { libc::kill(worker_pid(d.pid()) as i32, libc::SIGKILL) };
     // Until the lane has seen the death a request can meet the dead worker
@@ -999,6 +981,32 @@ fn a_worker_that_cannot_be_respawned_fails_what_waits_for_it() {
             .expect("a Generate waited 30 s for a worker that cannot start")
     });
     assert!(message.contains("superfluid-copy"), "{message}");
+}
+
+/// A daemon started on a copy of `file` in its own directory, named `name`
+/// (`set` points the daemon at it), and the copy's path.
+fn with_copy(
+    file: impl AsRef<std::path::Path>,
+    name: &str,
+    set: impl FnOnce(&mut TestDaemon, std::path::PathBuf),
+) -> (TestDaemon, std::path::PathBuf) {
+    let mut d = TestDaemon::new();
+    let copy = d.path().join(name);
+    std::fs::copy(file, &copy).unwrap();
+    set(&mut d, copy.clone());
+    d.spawn_and_wait();
+    (d, copy)
+}
+
+/// A client and a session asked `QUESTION` that has generated once.
+fn one_reply(d: &TestDaemon) -> (Client, SessionId) {
+    let mut c = d.client();
+    let s = asked(&mut c, sampled(5), QUESTION);
+    assert!(matches!(
+        generate(&mut c, s, 4).1,
+        Response::Generated { .. }
+    ));
+    (c, s)
 }
 
 /// Runs `attempt` (a Generate) until it answers an `Err` containing `want`,

@@ -687,13 +687,18 @@ def key(e):
     return (e.type, e.sequence_number, getattr(e, "delta", None))
 
 
+def digits_stream(c, n):
+    """A streamed response kept long by DIGITS: the stream, its iterator and
+    its first `n` events."""
+    s = c.responses.create(model="default", input="Write digits.", max_output_tokens=3000, temperature=0,
+                           stream=True, text={"format": {"type": "json_schema", "name": "digits", "schema": DIGITS}})
+    it = iter(s)
+    return s, it, [next(it) for _ in range(n)]
+
+
 def test_dropped_stream_resumed_with_starting_after_then_cancelled(daemon):
     c = oai(daemon)
-    fmt = {"format": {"type": "json_schema", "name": "digits", "schema": DIGITS}}
-    s = c.responses.create(model="default", input="Write digits.", text=fmt, max_output_tokens=3000,
-                           temperature=0, stream=True)
-    it = iter(s)
-    seen = [next(it) for _ in range(6)]
+    s, it, seen = digits_stream(c, 6)
     s.close()  # the client drops the stream
     rid = seen[0].response.id
     # The drop did not cancel the stored response: it is still being written.
@@ -726,11 +731,7 @@ def test_dropped_stream_resumed_with_starting_after_then_cancelled(daemon):
 
 def test_a_response_cut_by_sigkill_reads_back_cancelled_not_in_progress(daemon):
     c = oai(daemon)
-    fmt = {"format": {"type": "json_schema", "name": "digits", "schema": DIGITS}}
-    s = c.responses.create(model="default", input="Write digits.", text=fmt, max_output_tokens=3000,
-                           temperature=0, stream=True)
-    it = iter(s)
-    seen = [next(it) for _ in range(8)]
+    s, it, seen = digits_stream(c, 8)
     rid = seen[0].response.id
     assert c.responses.retrieve(rid).status == "in_progress"
     daemon.restart()  # SIGKILL mid-generation, then start on the same dir

@@ -83,6 +83,12 @@ def answer(call):
     return [{"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}]
 
 
+def answered(c, conv, call, max_output_tokens):
+    """The response on conversation `conv` to `call`'s answer."""
+    return c.responses.create(model="default", conversation=conv.id, tools=[WEATHER, TIME],
+                              input=answer(call), max_output_tokens=max_output_tokens, temperature=0)
+
+
 def test_call_ids_are_unique_across_sessions_and_kept_along_a_chain(daemon):
     c = oai(daemon)
     # The same request twice: two sessions, the call at the same event of each.
@@ -123,11 +129,9 @@ def test_conversation_items_keep_call_ids_across_a_rebase(daemon, sf):
     c = oai(daemon)
     conv = c.conversations.create()
     _, a = forced_call(c, conversation=conv.id, input="What is the weather in Paris?")
-    reply = c.responses.create(model="default", conversation=conv.id, tools=[WEATHER, TIME],
-                               input=answer(a), max_output_tokens=24, temperature=0)
+    reply = answered(c, conv, a, 24)
     _, d = forced_call(c, conversation=conv.id, input="And in Rome?")
-    last = c.responses.create(model="default", conversation=conv.id, tools=[WEATHER, TIME],
-                              input=answer(d), max_output_tokens=4, temperature=0)
+    last = answered(c, conv, d, 4)
     before = tool_use_ids(sf, last.id)
 
     def pairs():
@@ -169,8 +173,7 @@ def test_an_output_for_no_open_call_writes_nothing(daemon):
     c = oai(daemon)
     conv = c.conversations.create()
     _, a = forced_call(c, conversation=conv.id, input="What is the weather in Paris?")
-    answered = c.responses.create(model="default", conversation=conv.id, tools=[WEATHER, TIME],
-                                  input=answer(a), max_output_tokens=4, temperature=0)
+    first = answered(c, conv, a, 4)
     last, d = forced_call(c, conversation=conv.id, input="And in Rome?")
     own = last.id.split("_")[1]
     headers = {"Authorization": "Bearer " + KEY}
@@ -203,7 +206,7 @@ def test_an_output_for_no_open_call_writes_nothing(daemon):
             assert items() == before, (new, where)
             assert len(daemon.client().list()) == sessions, (new, where)
     try:
-        c.responses.create(model="default", previous_response_id=answered.id, input=[hi, output(a.call_id)],
+        c.responses.create(model="default", previous_response_id=first.id, input=[hi, output(a.call_id)],
                            max_output_tokens=4)
         raise AssertionError("answered a call twice down a chain")
     except openai.BadRequestError as e:
