@@ -97,6 +97,8 @@ pub enum StartError {
     },
     #[error("cannot start the web listener: {0}")]
     Server(std::io::Error),
+    #[error(transparent)]
+    ResponseKey(#[from] compat::response_ids::KeyError),
 }
 
 /// Refuses a non-loopback address. Checked before anything starts.
@@ -147,6 +149,7 @@ pub fn start(
         source,
     })?;
     let page_url = page::url(addr, &token);
+    let ids = compat::response_ids::ResponseIds::open(sessions)?;
     let models = served
         .all()
         .iter()
@@ -167,6 +170,7 @@ pub fn start(
         ws: Listener::new(served),
         models: Arc::new(models),
         current: 0,
+        ids: Arc::new(ids),
     });
     let server = HttpServer::new(move || {
         App::new()

@@ -52,6 +52,9 @@ pub struct WebState {
     pub models: Arc<Vec<ModelView>>,
     /// The one this state looks at.
     pub current: usize,
+    /// Tags the response ids the compatible routes issue
+    /// (`compat::response_ids`).
+    pub ids: Arc<super::compat::response_ids::ResponseIds>,
 }
 
 impl WebState {

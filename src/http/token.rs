@@ -25,8 +25,14 @@ pub fn mint() -> Result<String, getrandom::Error> {
 /// Writes the token to `<dir>/web-token`, mode 0600: a temp file renamed
 /// over the old one, so a reader never sees half a token.
 pub fn write(dir: &Path, token: &str) -> std::io::Result<PathBuf> {
-    let path = dir.join(TOKEN_FILE);
-    let tmp = dir.join(format!("{TOKEN_FILE}.tmp"));
+    write_secret(dir, TOKEN_FILE, token)
+}
+
+/// Writes `secret` to `<dir>/<name>` as [`write`] does the token: mode
+/// 0600, through a temp file synced and renamed over the old one.
+pub fn write_secret(dir: &Path, name: &str, secret: &str) -> std::io::Result<PathBuf> {
+    let path = dir.join(name);
+    let tmp = dir.join(format!("{name}.tmp"));
     let _ = std::fs::remove_file(&tmp);
     let mut file = std::fs::OpenOptions::new()
         .write(true)
@@ -34,9 +40,12 @@ pub fn write(dir: &Path, token: &str) -> std::io::Result<PathBuf> {
         .mode(0o600)
         .open(&tmp)?;
     file.set_permissions(std::fs::Permissions::from_mode(0o600))?;
-    file.write_all(token.as_bytes())?;
+    file.write_all(secret.as_bytes())?;
     file.sync_all()?;
     std::fs::rename(&tmp, &path)?;
+    // The rename itself, durable: a key kept across restarts must not
+    // come back as the old file (or none) after a power loss.
+    std::fs::File::open(dir)?.sync_all()?;
     Ok(path)
 }
 

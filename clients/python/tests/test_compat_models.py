@@ -150,3 +150,43 @@ def test_each_model_keeps_its_own_sessions(daemon):
     with pytest.raises(SuperfluidError) as e:
         Client(daemon.url, sessions_dir=daemon.sessions, model="nope").list()
     assert SECOND in str(e.value)
+
+
+def test_a_stored_response_is_found_in_the_log_of_the_model_that_made_it(daemon):
+    # Session numbers are per model (above): resp_<session>_<event> alone
+    # named a session of the default model's log, so a response the second
+    # model made was read back from whichever default-model session had its
+    # number. The id's tag names the log.
+    c = oai(daemon)
+    # The same session number in both logs, holding different things: line
+    # up the logs' next numbers, then make one response on each.
+    first = daemon.client()
+    second = Client(daemon.url, sessions_dir=daemon.sessions, model=SECOND)
+    n1, n2 = max(first.list(), default=0), max(second.list(), default=0)
+    while n1 < n2:
+        n1 = first.session().id
+    while n2 < n1:
+        n2 = second.session().id
+    a = c.responses.create(model="default", input="Name a fruit.", max_output_tokens=4, temperature=0)
+    b = c.responses.create(model=SECOND, input="Name a country.", max_output_tokens=6, temperature=0)
+    assert a.id.split("_")[1] == b.id.split("_")[1], (a.id, b.id)
+    got = c.responses.retrieve(b.id)
+    assert (got.model, got.output_text) == (SECOND, b.output_text)
+    assert [i.content[0].text for i in c.responses.input_items.list(b.id).data] == ["Name a country."]
+    streamed = [e for e in c.responses.retrieve(b.id, stream=True)]
+    assert streamed[-1].response.output_text == b.output_text
+    assert c.responses.retrieve(a.id).output_text == a.output_text
+    # A continuation names its model; the other model's id is not one of its responses.
+    b2 = c.responses.create(model=SECOND, previous_response_id=b.id, input="Another.",
+                            max_output_tokens=4, temperature=0)
+    assert b2.previous_response_id == b.id
+    assert c.responses.retrieve(b2.id).previous_response_id == b.id
+    for model, prev in (("default", b.id), (SECOND, a.id)):
+        with pytest.raises(openai.NotFoundError):
+            c.responses.create(model=model, previous_response_id=prev, input="x", max_output_tokens=2)
+    # Delete purges the second model's session, not the first's.
+    c.responses.delete(b2.id)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(b2.id)
+    assert c.responses.retrieve(b.id).output_text == b.output_text
+    assert c.responses.retrieve(a.id).output_text == a.output_text

@@ -28,6 +28,7 @@ pub mod images;
 pub mod locks;
 pub mod ollama;
 pub mod openai;
+pub mod response_ids;
 pub mod responses;
 pub mod resume;
 

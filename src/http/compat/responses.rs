@@ -6,7 +6,8 @@
 //! session: its input items are appended to a session (a new one, a fork of
 //! the previous response's session at that response's end, or a
 //! conversation's), the session generates, and the response's id,
-//! `resp_<session>_<first event>`, names where its events begin. Everything
+//! `resp_<session>_<first event>_<tag>`, names where its events begin (the
+//! tag: only ids the daemon issued resolve, response_ids.rs). Everything
 //! the routes return (output items, input items, the chain) is read back
 //! from the log, so it survives a restart. `store: false` runs statelessly
 //! on the chat route's machinery and leaves nothing in the log.
@@ -27,6 +28,7 @@ use super::chat::{call_text, Call, MAX_MESSAGES, MAX_TOOLS};
 use super::drive::{End, Out};
 use super::error::{ApiError, Family, Kind};
 use super::openai::{prepare_chat, ChatRequest};
+pub(crate) use super::response_ids::{owner, parse_response_id, response_id};
 use super::{
     accept, authorize, check_lane, check_model, event_stream, new_id, now_secs, ok_with_warm,
     params, pick, sse, start_all, Access,
@@ -271,19 +273,9 @@ fn chat_choice(c: &Value) -> Result<Value, ApiError> {
 
 // ---------------------------------------------------------------- ids
 
-/// `resp_<session>_<event>`: the session and the first event of the
-/// response's input.
-pub fn response_id(s: SessionId, start: EventId) -> String {
-    format!("resp_{s}_{start}")
-}
-
 fn parse_pair(id: &str, prefix: &str) -> Option<(u64, u64)> {
     let (a, b) = id.strip_prefix(prefix)?.split_once('_')?;
     Some((a.parse().ok()?, b.parse().ok()?))
-}
-
-pub fn parse_response_id(id: &str) -> Option<(SessionId, EventId)> {
-    parse_pair(id, "resp_")
 }
 
 /// A call id's parts: `call_<session>_<event>` names the `ToolUse` event by
@@ -1637,7 +1629,7 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
     let mut changes = None;
     let (s, start) = match (&r.previous_response_id, &conversation) {
         (Some(prev), _) => {
-            let (ps, pstart) = parse_response_id(prev)
+            let (ps, pstart) = parse_response_id(state, prev)
                 .ok_or_else(|| not_found("response", prev).with_param("previous_response_id"))?;
             let events = read_live(state, ps, prev).await?;
             let end = Stored::locate(&events, pstart)
@@ -1749,7 +1741,7 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
     drop(changes);
     let (markers, _) = super::markers(state, &[]);
     let mut head = head;
-    head.id = response_id(s, start);
+    head.id = response_id(state, s, start);
     // The assistant header the session commits first counts as input.
     Ok(Running {
         head,
@@ -1772,7 +1764,7 @@ async fn stateless(
     let mut messages = Vec::new();
     let mut names_of_chain = None;
     if let Some(prev) = &r.previous_response_id {
-        let (ps, pstart) = parse_response_id(prev)
+        let (ps, pstart) = parse_response_id(state, prev)
             .ok_or_else(|| not_found("response", prev).with_param("previous_response_id"))?;
         let events = read_live(state, ps, prev).await?;
         let end = Stored::locate(&events, pstart)
@@ -1987,7 +1979,7 @@ pub(crate) struct StoredResponse {
 /// The stored response `id`, read from the log: what it echoes and where
 /// its output lies.
 pub(crate) async fn open_stored(state: &WebState, id: &str) -> Result<StoredResponse, ApiError> {
-    let (s, start) = parse_response_id(id).ok_or_else(|| not_found("response", id))?;
+    let (s, start) = parse_response_id(state, id).ok_or_else(|| not_found("response", id))?;
     let info = inspect(state, s)
         .await?
         .ok_or_else(|| not_found("response", id))?;
@@ -2029,7 +2021,7 @@ pub(crate) async fn open_stored(state: &WebState, id: &str) -> Result<StoredResp
                 let pe = &pe[..*fork_at as usize];
                 pe.iter()
                     .rposition(|e| matches!(e.body, Record::GenerationPrompt { .. }))
-                    .map(|gp| response_id(*parent, start_of(pe, gp) as EventId))
+                    .map(|gp| response_id(state, *parent, start_of(pe, gp) as EventId))
             }
             _ => None,
         },
@@ -2157,8 +2149,9 @@ pub async fn delete(
 ) -> Result<HttpResponse, ApiError> {
     authorize(&state, F, &req)?;
     let id = path.into_inner();
+    let state = owner(&state, &id).ok_or_else(|| not_found("response", &id))?;
     let (_, events, st) = load(&state, &id).await?;
-    let (s, start) = parse_response_id(&id).ok_or_else(|| not_found("response", &id))?;
+    let (s, start) = parse_response_id(&state, &id).ok_or_else(|| not_found("response", &id))?;
     let info = inspect(&state, s)
         .await?
         .ok_or_else(|| not_found("response", &id))?;
@@ -2301,8 +2294,9 @@ pub async fn input_items(
     authorize(&state, F, &req)?;
     let query = ListQuery::of(&req)?;
     let id = path.into_inner();
+    let state = owner(&state, &id).ok_or_else(|| not_found("response", &id))?;
     let (_, events, st) = load(&state, &id).await?;
-    let (s, start) = parse_response_id(&id).ok_or_else(|| not_found("response", &id))?;
+    let (s, start) = parse_response_id(&state, &id).ok_or_else(|| not_found("response", &id))?;
     let events = &events[start as usize..st.prompt];
     let names = call_names(&state, s).await?;
     let items = events
@@ -2445,10 +2439,7 @@ mod tests {
     }
 
     #[test]
-    fn ids_round_trip() {
-        assert_eq!(parse_response_id(&response_id(7, 12)), Some((7, 12)));
-        assert_eq!(parse_response_id("resp_x_1"), None);
-        assert_eq!(parse_response_id("resp_1"), None);
+    fn call_ids_parse() {
         assert_eq!(parse_call("call_3_5"), Some((Some(3), 5)));
         assert_eq!(parse_call("call_5"), Some((None, 5)));
         assert_eq!(parse_call("call_abc"), None);
