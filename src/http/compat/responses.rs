@@ -468,7 +468,27 @@ pub(crate) async fn create_session(state: &WebState, p: Params) -> Result<Sessio
 /// against an empty history). Pure, so a route can refuse such items
 /// before it makes the session.
 pub(crate) fn check_fresh_items(items: &[Item]) -> Result<(), ApiError> {
-    item_requests(0, items, &CallNames::own(0), &[], &Resents::default()).map(|_| ())
+    requests_after(items, &CallNames::own(0), &[]).map(|_| ())
+}
+
+/// The requests that append `items` after `events`, the history of the
+/// session whose calls `names` names (see [`item_requests`]), the calls
+/// and resent calls of the history read from `events`: the one check of a
+/// stored response's input before its session is made or forked, of a
+/// new conversation's items and of a `store: false` continuation's input
+/// (which names its outputs' calls by what they answer here).
+fn requests_after(
+    items: &[Item],
+    names: &CallNames,
+    events: &[Event],
+) -> Result<Vec<(Request, Option<String>)>, ApiError> {
+    item_requests(
+        names.session(),
+        items,
+        names,
+        &ledger_of(events),
+        &Resents::of(events),
+    )
 }
 
 /// A client's item that the session holds as a message, recorded with
@@ -551,7 +571,8 @@ impl Resents {
 /// answers (for its errors); every output's call checked before anything
 /// is written. A resent call goes in as the model's own call text (a
 /// [`Resent`] block), its `call_id` used by no call resent before it (in
-/// the same items or the history); an output answers a call resent in the same items or
+/// the same items or the history) and naming no call of the model's the
+/// session holds; an output answers a call resent in the same items or
 /// an unanswered one resent earlier in the history (a tool message, a
 /// [`Resent`] block too), or an open call of the session
 /// (`AppendToolResult`; it is taken first when a resent call has the name
@@ -578,6 +599,13 @@ fn item_requests(
                 None,
             ),
             Item::Call(c) => {
+                if own_call(&c.id, names, ledger) {
+                    return Err(bad(format!(
+                        "function_call call_id {:?} names a call the model made in this \
+                         response chain or conversation; call ids must be unique",
+                        c.id
+                    )));
+                }
                 if !resent.insert(c.id.as_str()) || history.answered(&c.id).is_some() {
                     return Err(bad(format!(
                         "function_call call_id {:?} is used by an earlier function_call item; \
@@ -643,17 +671,22 @@ fn open_resent(
     ledger: &[LedgerEntry],
     history: &Resents,
 ) -> Result<bool, ApiError> {
-    let own = names
-        .event(call_id)
-        .is_some_and(|e| ledger.iter().any(|x| x.call_id == e));
     match history.answered(call_id) {
-        _ if own => Ok(false),
+        _ if own_call(call_id, names, ledger) => Ok(false),
         Some(true) => Err(bad(format!(
             "function_call_output answers call {call_id:?}, which was already answered"
         ))),
         Some(false) => Ok(true),
         None => Ok(false),
     }
+}
+
+/// Whether `call_id` names a call the model made that the session holds
+/// (open or not), in either form.
+fn own_call(call_id: &str, names: &CallNames, ledger: &[LedgerEntry]) -> bool {
+    names
+        .event(call_id)
+        .is_some_and(|e| ledger.iter().any(|x| x.call_id == e))
 }
 
 /// The event of the open call `call_id` names, not answered before in the
@@ -749,13 +782,7 @@ impl Input<'_> {
                 Some(s) => call_names(state, s).await?,
                 None => CallNames::own(0),
             };
-            item_requests(
-                names.session(),
-                self.items,
-                &names,
-                &ledger_of(events),
-                &Resents::of(events),
-            )?;
+            requests_after(self.items, &names, events)?;
         }
         self.check_fit(state, events).await
     }
@@ -1762,36 +1789,48 @@ async fn stateless(
 ) -> Result<Running, ApiError> {
     let (_, schema) = text_format(r.text.as_ref())?;
     let mut messages = Vec::new();
-    let mut names_of_chain = None;
-    if let Some(prev) = &r.previous_response_id {
-        let (ps, pstart) = parse_response_id(state, prev)
-            .ok_or_else(|| not_found("response", prev).with_param("previous_response_id"))?;
-        let events = read_live(state, ps, prev).await?;
-        let end = Stored::locate(&events, pstart)
-            .ok_or_else(|| not_found("response", prev).with_param("previous_response_id"))?
-            .end;
-        let events = &events[..end as usize];
-        let names = call_names(state, ps).await?;
-        messages.extend(history(&names, events));
-        names_of_chain = Some(names);
-    } else if let Some(i) = &r.instructions {
-        messages.push(json!({"role": "system", "content": i}));
-    }
+    // The chain's history (none without a previous response), and who made
+    // its calls.
+    let (names, events) = match &r.previous_response_id {
+        Some(prev) => {
+            let (ps, pstart) = parse_response_id(state, prev)
+                .ok_or_else(|| not_found("response", prev).with_param("previous_response_id"))?;
+            let mut events = read_live(state, ps, prev).await?;
+            let end = Stored::locate(&events, pstart)
+                .ok_or_else(|| not_found("response", prev).with_param("previous_response_id"))?
+                .end;
+            events.truncate(end as usize);
+            let names = call_names(state, ps).await?;
+            messages.extend(history(&names, &events));
+            (names, events)
+        }
+        None => {
+            if let Some(i) = &r.instructions {
+                messages.push(json!({"role": "system", "content": i}));
+            }
+            (CallNames::own(0), Vec::new())
+        }
+    };
     if items.is_empty() {
         return Err(bad("input must hold at least one item"));
     }
-    for item in &items {
+    // Checked as a stored continuation's input is: every output answers an
+    // open call of the chain once, every resent call's id is new to it.
+    let requests = requests_after(&items, &names, &events)?;
+    for (item, (request, _)) in items.iter().zip(&requests) {
         messages.push(match item {
             Item::Message { role, text } => json!({"role": role_name(*role), "content": text}),
             Item::Call(c) => json!({"role": "assistant", "content": null, "tool_calls": [
                 {"id": c.id, "type": "function",
                  "function": {"name": c.name, "arguments": c.arguments}}]}),
             Item::Output { call_id, output } => {
-                // A call of the chain, in any form, as the history names it.
-                let id = names_of_chain
-                    .as_ref()
-                    .and_then(|n: &CallNames| n.event(call_id).map(|e| n.name(e)))
-                    .unwrap_or_else(|| call_id.clone());
+                // The call it answers as the history names it: a call of
+                // the model's (in any form) by its maker, a resent one by
+                // the client's id.
+                let id = match request {
+                    Request::AppendToolResult { call_id: e, .. } => names.name(*e),
+                    _ => call_id.clone(),
+                };
                 json!({"role": "tool", "tool_call_id": id, "content": output})
             }
         });
@@ -2627,10 +2666,119 @@ mod tests {
             (vec![out("c8")], "already answered"),
             (vec![out("c9"), out("c9")], "two function_call_output"),
             (vec![out("c7")], "not a call"),
+            // The name of one of the model's calls, open or answered, in
+            // either form.
+            (
+                vec![again("call_3_4")],
+                "\"call_3_4\" names a call the model made",
+            ),
+            (
+                vec![again("call_4")],
+                "\"call_4\" names a call the model made",
+            ),
+            (
+                vec![again("call_3_6")],
+                "\"call_3_6\" names a call the model made",
+            ),
         ] {
             let e = item_requests(3, &items, &names, &ledger, &history).unwrap_err();
             assert!(e.message.contains(why), "{items:?}: {}", e.message);
+            assert_eq!(e.param, Some("input"));
         }
+        // An id naming no call the session holds is the client's to use.
+        assert!(item_requests(
+            3,
+            &[again("call_3_5"), again("call_9_4")],
+            &names,
+            &ledger,
+            &history
+        )
+        .is_ok());
+    }
+
+    #[test]
+    fn the_history_gives_the_calls_an_input_is_checked_against() {
+        // Session 3's history: the model's call at 1, answered at 2, its
+        // call at 3, open, and a call the client resent at 4, open.
+        let event = |event_id, body| Event {
+            event_id,
+            epoch: 1,
+            ts_unix_ms: 0,
+            body,
+        };
+        let events = [
+            event(
+                1,
+                Record::ToolUse {
+                    name: "f".into(),
+                    arguments: "{}".into(),
+                },
+            ),
+            event(
+                2,
+                Record::ToolResult {
+                    call_id: 1,
+                    content: "x".into(),
+                    span: Vec::new(),
+                },
+            ),
+            event(
+                3,
+                Record::ToolUse {
+                    name: "f".into(),
+                    arguments: "{}".into(),
+                },
+            ),
+            event(
+                4,
+                Record::Block {
+                    role: Role::Assistant,
+                    kind: Resent::FunctionCall {
+                        call_id: "c1".into(),
+                        name: "f".into(),
+                        arguments: "{}".into(),
+                    }
+                    .kind(),
+                    payload: "p".into(),
+                    span: Vec::new(),
+                },
+            ),
+        ];
+        let names = CallNames::own(3);
+        let out = |id: &str| Item::Output {
+            call_id: id.into(),
+            output: "x".into(),
+        };
+        let call = |id: &str| {
+            Item::Call(Call {
+                id: id.into(),
+                name: "f".into(),
+                arguments: "{}".into(),
+            })
+        };
+        let requests = requests_after(&[out("call_3_3"), out("c1")], &names, &events).unwrap();
+        assert!(matches!(
+            requests[0].0,
+            Request::AppendToolResult { call_id: 3, .. }
+        ));
+        assert!(matches!(requests[1].0, Request::AppendBlock { .. }));
+        for (items, why) in [
+            (vec![out("call_3_1")], "already answered"),
+            (vec![out("call_3_9")], "not a call"),
+            (vec![out("c2")], "not a call"),
+            (vec![out("c1"), out("c1")], "two function_call_output"),
+            (vec![call("c1")], "used by an earlier"),
+            (vec![call("call_3_3")], "names a call the model made"),
+            (vec![call("call_1")], "names a call the model made"),
+        ] {
+            let e = requests_after(&items, &names, &events).unwrap_err();
+            assert!(e.message.contains(why), "{items:?}: {}", e.message);
+            assert_eq!(e.param, Some("input"));
+        }
+        // Without a history, every output answers a call resent before it.
+        assert!(check_fresh_items(&[call("c1"), out("c1")]).is_ok());
+        assert!(check_fresh_items(&[out("c1")]).is_err());
+        assert!(check_fresh_items(&[call("c1"), call("c1")]).is_err());
     }
 
     #[test]
