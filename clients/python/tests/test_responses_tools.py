@@ -141,9 +141,10 @@ def test_conversation_items_keep_call_ids_across_a_rebase(daemon, sf):
 
     calls, outputs, items = pairs()
     assert calls == [a.call_id, d.call_id] and outputs == calls
-    # Deleting the first reply (greedy, so the same text every run: several
-    # events) rebases the conversation onto a new session that shares the
-    # rest, the second call and its output moved up: they keep their ids.
+    # Deleting the first reply rebases the conversation onto a new session
+    # that shares the rest, the second call and its output moved up by the
+    # reply's events (one or more: how many text events a reply is
+    # committed as depends on how fast it was decoded): they keep their ids.
     texts = [i for i in items if i.type == "message" and i.role == "assistant"]
     assert [t.id for t in texts][:1] == [o.id for o in reply.output if o.type == "message"]
     c.conversations.items.delete(texts[0].id, conversation_id=conv.id)
@@ -154,7 +155,7 @@ def test_conversation_items_keep_call_ids_across_a_rebase(daemon, sf):
     branch = c.responses.create(model="default", conversation=conv.id, input="Thanks.",
                                 max_output_tokens=2, temperature=0)
     after = tool_use_ids(sf, branch.id)
-    assert after[0] == before[0] and after[1] < before[1] - 1, (before, after)
+    assert after[0] == before[0] and after[1] < before[1], (before, after)
     # The id still names the second call on the new branch: answering it
     # again is refused as such, not as an unknown call.
     try:
