@@ -190,3 +190,19 @@ def test_a_stored_response_is_found_in_the_log_of_the_model_that_made_it(daemon)
         c.responses.retrieve(b2.id)
     assert c.responses.retrieve(b.id).output_text == b.output_text
     assert c.responses.retrieve(a.id).output_text == a.output_text
+
+
+def test_a_conversation_is_the_default_models(daemon):
+    # POST /v1/conversations names no model: the conversation is a session
+    # of the default model's log, and a response on it with the second
+    # model is a 400 naming the model to ask for (it was a 404 "no
+    # conversation", the second model's log holding none).
+    c = oai(daemon)
+    conv = c.conversations.create(items=[{"type": "message", "role": "user", "content": "Hi."}])
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.create(model=SECOND, conversation=conv.id, input="Name a colour.", max_output_tokens=2)
+    assert e.value.body["param"] == "model" and first_id(daemon) in e.value.body["message"], e.value.body
+    assert len(c.conversations.items.list(conv.id).data) == 1, "nothing was added"
+    r = c.responses.create(model="default", conversation=conv.id, input="Name a colour.",
+                           max_output_tokens=2, temperature=0)
+    assert len(c.conversations.items.list(conv.id).data) == 1 + 1 + len(r.output)

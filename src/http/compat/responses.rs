@@ -1616,6 +1616,19 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
         )
         .with_param("conversation"));
     }
+    // Conversations are made on the default model's log (POST
+    // /v1/conversations names no model), and a session is its model's.
+    if let (Some(id), true) = (&conversation, state.current != 0) {
+        return Err(ApiError::invalid(
+            F,
+            format!(
+                "conversation {id} is kept by the default model {:?}; a response on it must ask                  for that model (or \"default\"), not {:?}",
+                state.models[0].model.id,
+                state.m().model.id
+            ),
+        )
+        .with_param("model"));
+    }
     let store = r.store.unwrap_or(true);
     let head = Head {
         id: String::new(),
