@@ -2,8 +2,11 @@
 test daemon, its Prometheus metrics, and raw HTTP for what an SDK will not
 send (malformed JSON, a foreign Origin, a huge body)."""
 
+import hashlib
+import hmac
 import http.client
 import json
+import os
 import re
 
 import anthropic
@@ -63,3 +66,30 @@ def number(pattern, text):
     m = re.search(pattern, text)
     assert m, (pattern, text)
     return int(m.group(1))
+
+
+# Two function tools for the Responses tests on the tools-think test model.
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}}, "required": ["city"]}
+WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
+           "parameters": CITY}
+TIME = {"type": "function", "name": "get_time", "description": "Current time in a city", "parameters": CITY}
+
+
+def forced_call(c, **kw):
+    r = c.responses.create(model="default", tools=[WEATHER, TIME], tool_choice="required",
+                           max_output_tokens=160, temperature=0, **kw)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert len(calls) == 1, r.output
+    return r, calls[0]
+
+
+def issued_id(daemon, session, start, log=""):
+    """The id the daemon issues for the response whose input starts at event
+    `start` of `session` (docs/responses.md): the tag is HMAC-SHA256 keyed by
+    <sessions>/response-key over the log's name ("" for the default model's),
+    the session and the event, cut to 128 bits. For a test that finds a
+    response through the session API, whose client never got its id."""
+    with open(os.path.join(daemon.sessions, "response-key")) as f:
+        key = bytes.fromhex(f.read().strip())
+    msg = "{}\0{}\0{}".format(log, session, start).encode()
+    return "resp_{}_{}_{}".format(session, start, hmac.new(key, msg, hashlib.sha256).hexdigest()[:32])

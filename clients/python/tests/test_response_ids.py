@@ -11,7 +11,7 @@ import json
 import openai
 import pytest
 
-from compat import KEY, oai, raw
+from compat import KEY, issued_id, oai, raw
 
 EXTRA_ARGS = ["--api-key", KEY]
 
@@ -51,6 +51,8 @@ def test_a_session_the_socket_made_is_not_reachable_by_a_response_id(daemon, sf)
     mine = c.responses.create(model="default", input="Say hi.", max_output_tokens=4, temperature=0)
     tag = mine.id.rsplit("_", 1)[1]
     assert mine.id.count("_") == 3 and len(tag) == 32, mine.id
+    # The tag is what docs/responses.md says it is.
+    assert issued_id(daemon, *map(int, mine.id.split("_")[1:3])) == mine.id
     sessions = sorted(daemon.client().list())
     for forged in forgeries(other.id, len(before) + 1, tag):
         refused_everywhere(daemon, forged)

@@ -9,7 +9,7 @@ import time
 
 import openai
 
-from compat import KEY, oai
+from compat import KEY, issued_id, oai
 from test_responses import reset_after
 
 EXTRA_ARGS = ["--api-key", KEY]
@@ -181,7 +181,7 @@ def test_a_continuation_dropped_during_its_setup_is_a_whole_response(daemon):
                 daemon.client().get(s).inspect()["events"] for s, _ in forks]
         _, forks, counts = settle(probe, done=lambda p: p[0])
         for (s, at), events in zip(forks, counts):
-            rid = "resp_{}_{}".format(s, at)
+            rid = issued_id(daemon, s, at)
             try:
                 status = c.responses.retrieve(rid).status
             except openai.NotFoundError:

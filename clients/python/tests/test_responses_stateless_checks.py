@@ -13,24 +13,12 @@ import time
 import openai
 import pytest
 
-from compat import KEY, metrics, oai
+from compat import KEY, TIME, WEATHER, forced_call, metrics, oai
 
 MODEL = "SmolLM2-135M-tools-think.gguf"
 EXTRA_ARGS = ["--api-key", KEY]
 
-CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}}, "required": ["city"]}
-WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
-           "parameters": CITY}
-TIME = {"type": "function", "name": "get_time", "description": "Current time in a city", "parameters": CITY}
 HI = {"type": "message", "role": "user", "content": "hi"}
-
-
-def forced_call(c, **kw):
-    r = c.responses.create(model="default", tools=[WEATHER, TIME], tool_choice="required",
-                           max_output_tokens=160, temperature=0, **kw)
-    calls = [o for o in r.output if o.type == "function_call"]
-    assert len(calls) == 1, r.output
-    return r, calls[0]
 
 
 def output(call_id, text="sunny, 21 C"):

@@ -8,15 +8,11 @@ import json
 
 import openai
 
-from compat import KEY, oai, raw
+from compat import KEY, TIME, WEATHER, forced_call, oai, raw
 
 MODEL = "SmolLM2-135M-tools-think.gguf"
 EXTRA_ARGS = ["--api-key", KEY]
 
-CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}}, "required": ["city"]}
-WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
-           "parameters": CITY}
-TIME = {"type": "function", "name": "get_time", "description": "Current time in a city", "parameters": CITY}
 
 
 def test_function_call_round_trip(daemon):
@@ -69,14 +65,6 @@ def test_named_call_streamed_with_argument_events(daemon):
     assert [o.name for o in calls] == ["get_time"]
     assert json.loads(calls[0].arguments) == json.loads(done.arguments)
     assert final.tool_choice.type == "function" and final.tool_choice.name == "get_time"
-
-
-def forced_call(c, **kw):
-    r = c.responses.create(model="default", tools=[WEATHER, TIME], tool_choice="required",
-                           max_output_tokens=160, temperature=0, **kw)
-    calls = [o for o in r.output if o.type == "function_call"]
-    assert len(calls) == 1, r.output
-    return r, calls[0]
 
 
 def answer(call):
