@@ -353,6 +353,19 @@ async fn ws(
     state: web::Data<WebState>,
 ) -> Result<HttpResponse, WebError> {
     check(&state, Route::Ws, &req)?;
+    // The spec's route is "a WebSocket with the superfluid.v1 subprotocol":
+    // a client that does not offer it speaks something else.
+    let offered = req
+        .headers()
+        .get_all(header::SEC_WEBSOCKET_PROTOCOL)
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|p| p.trim() == PROTOCOL);
+    if !offered {
+        return Err(WebError::Handshake(format!(
+            "/web/ws speaks the {PROTOCOL} subprotocol: offer it in Sec-WebSocket-Protocol"
+        )));
+    }
     let model = model_of(&state, &req)?.current;
     let (response, session, messages) = actix_ws::handle_with_protocols(&req, payload, &[PROTOCOL])
         .map_err(|e| WebError::Handshake(e.to_string()))?;

@@ -332,6 +332,21 @@ fn web_auth_matrix() {
     )
     .map(|_| ());
     assert_eq!(wrong_protocol, Err(401));
+    // The spec's subprotocol must be offered: the token alone as one, another
+    // protocol, or an empty list is a 400.
+    let token_only = format!("superfluid.token.{t}");
+    for offered in [token_only.as_str(), "chat", ""] {
+        let refused = Ws::connect(
+            port,
+            &[
+                ("Origin", ORIGIN),
+                ("Authorization", &bearer),
+                ("Sec-WebSocket-Protocol", offered),
+            ],
+        )
+        .map(|_| ());
+        assert_eq!(refused, Err(400), "offered {offered:?}");
+    }
     // /web/health: no token (a foreign Host: see surface_more).
     let health = request(port, "GET", "/web/health", &[], b"");
     assert_eq!(health.status, 200);
