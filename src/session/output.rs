@@ -81,6 +81,15 @@ impl Markers {
         .then(|| owned(TOOL_CALL_MARKERS));
         Markers { think, tool_call }
     }
+
+    /// These markers for a generation forced to call a tool: the forced-call
+    /// grammar writes a Hermes `<tool_call>` block, which is parsed as a call
+    /// even where the template names no tool-call marker of its own.
+    pub fn forcing_a_call(mut self) -> Markers {
+        self.tool_call
+            .get_or_insert_with(|| owned(TOOL_CALL_MARKERS));
+        self
+    }
 }
 
 fn owned((open, close): (&str, &str)) -> (String, String) {

@@ -443,6 +443,9 @@ pub async fn messages(
         if rendered.none {
             markers.tool_call = None;
         }
+        if rendered.forced.is_some() {
+            markers = markers.forcing_a_call();
+        }
         let close = close_reasoning(&markers, in_reasoning);
         let grammar = match &rendered.forced {
             Some(tools) => Some(forced_grammar(F, tools, close.as_deref())?),

@@ -592,7 +592,10 @@ async fn prepare_chat(
     let in_reasoning = skip_thinking(state, r.think.as_ref(), &markers, in_reasoning, &mut prompt)?;
     let close = close_reasoning(&markers, in_reasoning);
     let grammar = match forced {
-        Some(tools) => Some(forced_grammar(F, &tools, close.as_deref())?),
+        Some(tools) => {
+            markers = markers.forcing_a_call();
+            Some(forced_grammar(F, &tools, close.as_deref())?)
+        }
         None => format_grammar(r.format.as_ref(), close.as_deref())?,
     };
     let max = max_tokens(

@@ -307,7 +307,10 @@ pub(crate) async fn prepare_chat(
         }
     };
     let grammar = match (forced, &r.response_format) {
-        (Some(tools), _) => Some(forced_grammar(F, &tools, close.as_deref())?),
+        (Some(tools), _) => {
+            markers = markers.forcing_a_call();
+            Some(forced_grammar(F, &tools, close.as_deref())?)
+        }
         (None, Some(format)) => response_grammar(format, close.as_deref())?,
         (None, None) => None,
     };

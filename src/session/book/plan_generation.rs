@@ -82,10 +82,14 @@ impl SessionBook {
             return Err(SessionError::MaxTokens { n_ctx });
         }
         let sess = self.writable(s)?;
-        let markers = Markers::from_template(&render.template_source());
+        let events = self.all_events(s);
+        let forced_tools = forced_tools_of(&events);
+        let mut markers = Markers::from_template(&render.template_source());
+        if forced_tools.is_some() {
+            markers = markers.forcing_a_call();
+        }
         let think_open = markers.think.as_ref().map(|m| m.0.as_str());
         let think_close = markers.think.as_ref().map(|m| m.1.as_str());
-        let events = self.all_events(s);
         let state = TurnState::of(&events, think_close);
         let mut prompt = input_of(&events);
         let media = media_of(&events);
@@ -141,7 +145,6 @@ impl SessionBook {
         let (grammar_from, header) = header.unwrap_or((prompt.len(), Vec::new()));
         let opened_in_reasoning =
             think_open.is_some_and(|m| render.detokenize(&header).trim_end().ends_with(m));
-        let forced_tools = forced_tools_of(&events);
         let close = think_close.filter(|_| opened_in_reasoning);
         let grammar = match (&forced_tools, output_format_of(&events)) {
             (Some(tools), _) => Some(forced_call(tools, close, convert)?),

@@ -1370,10 +1370,13 @@ fn generation_of_a_turn_opened_in_reasoning() {
     commit!(b, b.plan_tool_choice(s, "f".into(), 1));
     let p = plan(&b, s, &Thinking);
     assert!(p.opened_in_reasoning);
+    // A forced call's block is parsed as a call, though this template
+    // names no tool-call marker.
     assert_eq!(
         p.markers,
-        crate::session::output::Markers::from_template("<think>")
+        crate::session::output::Markers::from_template("<think>").forcing_a_call()
     );
+    assert!(p.markers.tool_call.is_some());
     let grammar = p.grammar.clone().expect("a grammar");
     assert!(
         grammar.starts_with("root ::= \"</think>\\n\\n\" \"<tool_call>"),
