@@ -83,13 +83,17 @@ def forced_call(c, **kw):
     return r, calls[0]
 
 
-def issued_id(daemon, session, start, log=""):
+def issued_id(daemon, session, start, log="", made_ms=None):
     """The id the daemon issues for the response whose input starts at event
     `start` of `session` (docs/responses.md): the tag is HMAC-SHA256 keyed by
     <sessions>/response-key over the log's name ("" for the default model's),
-    the session and the event, cut to 128 bits. For a test that finds a
-    response through the session API, whose client never got its id."""
+    the session, when it was made (its `created_unix_ms`, read through the
+    session API unless given) and the event, cut to 128 bits. For a test
+    that finds a response through the session API, whose client never got
+    its id, or that names a point a response could have."""
+    if made_ms is None:
+        made_ms = daemon.client().get(session).inspect()["created_unix_ms"]
     with open(os.path.join(daemon.sessions, "response-key")) as f:
         key = bytes.fromhex(f.read().strip())
-    msg = "{}\0{}\0{}".format(log, session, start).encode()
+    msg = "{}\0{}\0{}\0{}".format(log, session, made_ms, start).encode()
     return "resp_{}_{}_{}".format(session, start, hmac.new(key, msg, hashlib.sha256).hexdigest()[:32])

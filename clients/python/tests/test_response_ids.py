@@ -101,3 +101,28 @@ def test_ids_outlive_a_restart_and_untagged_ones_need_a_daemon_without_api_key(d
     finally:
         daemon.extra_args = list(EXTRA_ARGS)
         daemon.restart()
+
+
+def test_an_id_does_not_name_the_session_that_took_its_number_in_a_new_log(daemon, sf):
+    # --sessions-cache starts a fresh log at every start: session numbers
+    # begin again at 1, so without the making time in the tag an old id
+    # named whatever session took its number next, made by anyone.
+    c = oai(daemon)
+    r = c.responses.create(model="default", input="Name a lake.", max_output_tokens=4, temperature=0)
+    number = int(r.id.split("_")[1])
+    daemon.extra_args = list(EXTRA_ARGS) + ["--sessions-cache"]
+    try:
+        daemon.restart()
+        client = daemon.client()
+        while True:  # someone else's sessions, up to the old id's number
+            s = client.session()
+            s.user("The code word is heliotrope.")
+            if s.id >= number:
+                break
+        assert s.id == number
+        s.generate(max_tokens=4)
+        refused_everywhere(daemon, r.id)
+        assert len(s.events()) > 2, "the session that took the number is untouched"
+    finally:
+        daemon.extra_args = list(EXTRA_ARGS)
+        daemon.restart()

@@ -13,7 +13,7 @@ import time
 import openai
 import pytest
 
-from compat import KEY, oai, raw
+from compat import KEY, issued_id, oai, raw
 
 EXTRA_ARGS = ["--api-key", KEY]
 
@@ -51,6 +51,7 @@ def test_chain_survives_sigkill_and_reads_back(daemon):
         assert texts(a) == texts(orig) == texts(b)
         assert a.output_text == orig.output_text
         assert a.usage.input_tokens == orig.usage.input_tokens
+        assert a.usage.output_tokens == orig.usage.output_tokens
         assert a.previous_response_id == orig.previous_response_id
     assert after[0].instructions == "You are terse."
     r3 = c.responses.create(model="default", previous_response_id=r2.id, input="And a third.",
@@ -59,6 +60,27 @@ def test_chain_survives_sigkill_and_reads_back(daemon):
     items = c.responses.input_items.list(r3.id, order="asc")
     assert [i.content[0].text for i in items.data] == ["And a third."]
     assert c.responses.retrieve(r3.id).output_text == r3.output_text
+
+
+def test_usage_counts_the_prompt_as_the_chat_route_does(daemon):
+    # The assistant header a response's turn opens with is prompt: it was
+    # counted as output (5 output tokens asked, 9 reported; a repeat's
+    # cached_tokens above its input_tokens).
+    c = oai(daemon)
+    ask = dict(instructions="You are terse.", input="Name a mountain.", max_output_tokens=5, temperature=0)
+    chat = c.chat.completions.create(model="default", max_tokens=5, temperature=0, messages=[
+        {"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a mountain."}])
+    for _ in range(3):
+        r = c.responses.create(model="default", **ask)
+        u = r.usage
+        assert u.input_tokens == chat.usage.prompt_tokens, (u, chat.usage)
+        assert 0 < u.output_tokens <= 5, u
+        assert u.input_tokens_details.cached_tokens <= u.input_tokens, u
+        assert u.total_tokens == u.input_tokens + u.output_tokens, u
+        back = c.responses.retrieve(r.id).usage
+        assert (back.input_tokens, back.output_tokens) == (u.input_tokens, u.output_tokens), (back, u)
+        streamed = [e for e in c.responses.create(model="default", stream=True, **ask)][-1].response.usage
+        assert (streamed.input_tokens, streamed.output_tokens) == (u.input_tokens, u.output_tokens), streamed
 
 
 def test_two_branches_from_one_response(daemon):
@@ -254,6 +276,9 @@ def test_bad_inputs_in_openai_shape(daemon):
     c = oai(daemon)
     cases = [
         (dict(previous_response_id="resp_999999_0", input="x"), openai.NotFoundError, "previous_response_id"),
+        # Tagged as the daemon tags, for a session that does not exist.
+        (dict(previous_response_id=issued_id(daemon, 999999, 0, made_ms=0), input="x"), openai.NotFoundError,
+         "previous_response_id"),
         (dict(previous_response_id="nonsense", input="x"), openai.NotFoundError, "previous_response_id"),
         (dict(conversation="conv_424242", input="x"), openai.NotFoundError, "conversation"),
         (dict(input=[{"type": "message", "role": "robot", "content": "x"}]), openai.BadRequestError, "input"),
@@ -278,9 +303,18 @@ def test_bad_inputs_in_openai_shape(daemon):
         assert e.value.body["param"] == param, (kwargs, e.value.body)
     with pytest.raises(openai.NotFoundError):
         c.responses.create(model="nope", input="x")
-    for missing in ("resp_5_999", "resp_x", "resp_999_0"):
+    # Ids that pass the tag check but name no response: a session that does
+    # not exist, and an event past a real session's end.
+    real = c.responses.create(model="default", input="Say hi.", max_output_tokens=2)
+    sessions += 1
+    tagged = [issued_id(daemon, 999999, 0, made_ms=0), issued_id(daemon, session_of(real.id), 999)]
+    for missing in ["resp_5_999", "resp_x", "resp_999_0"] + tagged:
         with pytest.raises(openai.NotFoundError):
             c.responses.retrieve(missing)
+        with pytest.raises(openai.NotFoundError):
+            c.responses.input_items.list(missing)
+        with pytest.raises(openai.NotFoundError):
+            c.responses.create(model="default", previous_response_id=missing, input="x", max_output_tokens=2)
     with pytest.raises(openai.NotFoundError):
         c.conversations.retrieve("conv_999999")
     # Too many items is refused before anything runs.
@@ -725,8 +759,9 @@ def test_dropped_stream_resumed_with_starting_after_then_cancelled(daemon):
     again = list(c.responses.retrieve(rid, stream=True, starting_after=got[cut - 1].sequence_number))
     assert [key(e) for e in again] == [key(e) for e in got[cut:]]
     assert [key(e) for e in c.responses.retrieve(rid, stream=True)] == [key(e) for e in got]
-    with pytest.raises(openai.NotFoundError):
-        list(c.responses.retrieve("resp_999999_0", stream=True))
+    for missing in ("resp_999999_0", issued_id(daemon, 999999, 0, made_ms=0), issued_id(daemon, session_of(rid), 999)):
+        with pytest.raises(openai.NotFoundError):
+            list(c.responses.retrieve(missing, stream=True))
 
 
 def test_a_response_cut_by_sigkill_reads_back_cancelled_not_in_progress(daemon):

@@ -427,6 +427,15 @@ pub(crate) async fn inspect(
     }
 }
 
+/// When session `s` was made (its header record's time), purged or not:
+/// what its responses' ids are tagged with.
+async fn made_ms(state: &WebState, s: SessionId) -> Option<u64> {
+    match dispatch(&state.m().registry, Request::Inspect { session: s }).await {
+        Response::Inspection { inspection } => Some(inspection.created_unix_ms),
+        _ => None,
+    }
+}
+
 pub(crate) async fn read(state: &WebState, s: SessionId) -> Result<Vec<Event>, ApiError> {
     match call(
         state,
@@ -1360,7 +1369,15 @@ impl Source {
         match self {
             Source::Session(rx, decode) => match rx.recv().await {
                 Some(Response::Delta { event }) => {
-                    totals.1 += event.body.span().len() as u64;
+                    // The assistant header a new turn opens with is input
+                    // (as a retrieve and the chat route count it); the
+                    // rest is output.
+                    let n = event.body.span().len() as u64;
+                    if matches!(event.body, Record::GenerationPrompt { .. }) {
+                        totals.0 += n;
+                    } else {
+                        totals.1 += n;
+                    }
                     match decode.piece(&event) {
                         Some(p) => Step::Piece(p),
                         None => Step::Skip,
@@ -1622,7 +1639,8 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
         return Err(ApiError::invalid(
             F,
             format!(
-                "conversation {id} is kept by the default model {:?}; a response on it must ask                  for that model (or \"default\"), not {:?}",
+                "conversation {id} is kept by the default model {:?}; a response on it must ask \
+                 for that model (or \"default\"), not {:?}",
                 state.models[0].model.id,
                 state.m().model.id
             ),
@@ -1670,6 +1688,7 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
     let (s, start) = match (&r.previous_response_id, &conversation) {
         (Some(prev), _) => {
             let (ps, pstart) = parse_response_id(state, prev)
+                .await
                 .ok_or_else(|| not_found("response", prev).with_param("previous_response_id"))?;
             let events = read_live(state, ps, prev).await?;
             let end = Stored::locate(&events, pstart)
@@ -1781,8 +1800,9 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
     drop(changes);
     let (markers, _) = super::markers(state, &[]);
     let mut head = head;
-    head.id = response_id(state, s, start);
-    // The assistant header the session commits first counts as input.
+    head.id = response_id(state, s, before.created_unix_ms, start);
+    // The assistant header the session commits first counts as input
+    // (added when its Delta arrives, `Source::next`).
     Ok(Running {
         head,
         source: Source::Session(rx, Decode::new(s, &markers)),
@@ -1807,6 +1827,7 @@ async fn stateless(
     let (names, events) = match &r.previous_response_id {
         Some(prev) => {
             let (ps, pstart) = parse_response_id(state, prev)
+                .await
                 .ok_or_else(|| not_found("response", prev).with_param("previous_response_id"))?;
             let mut events = read_live(state, ps, prev).await?;
             let end = Stored::locate(&events, pstart)
@@ -2031,7 +2052,9 @@ pub(crate) struct StoredResponse {
 /// The stored response `id`, read from the log: what it echoes and where
 /// its output lies.
 pub(crate) async fn open_stored(state: &WebState, id: &str) -> Result<StoredResponse, ApiError> {
-    let (s, start) = parse_response_id(state, id).ok_or_else(|| not_found("response", id))?;
+    let (s, start) = parse_response_id(state, id)
+        .await
+        .ok_or_else(|| not_found("response", id))?;
     let info = inspect(state, s)
         .await?
         .ok_or_else(|| not_found("response", id))?;
@@ -2068,15 +2091,17 @@ pub(crate) async fn open_stored(state: &WebState, id: &str) -> Result<StoredResp
     let previous = match &events[start as usize].body {
         Record::Forked {
             parent, fork_at, ..
-        } if conversation.is_none() => match read(state, *parent).await {
-            Ok(pe) if (*fork_at as usize) <= pe.len() => {
-                let pe = &pe[..*fork_at as usize];
-                pe.iter()
-                    .rposition(|e| matches!(e.body, Record::GenerationPrompt { .. }))
-                    .map(|gp| response_id(state, *parent, start_of(pe, gp) as EventId))
+        } if conversation.is_none() => {
+            match (read(state, *parent).await, made_ms(state, *parent).await) {
+                (Ok(pe), Some(made)) if (*fork_at as usize) <= pe.len() => {
+                    let pe = &pe[..*fork_at as usize];
+                    pe.iter()
+                        .rposition(|e| matches!(e.body, Record::GenerationPrompt { .. }))
+                        .map(|gp| response_id(state, *parent, made, start_of(pe, gp) as EventId))
+                }
+                _ => None,
             }
-            _ => None,
-        },
+        }
         _ => None,
     };
     let head = Head {
@@ -2126,7 +2151,8 @@ impl Replay {
             decode: Decode::new(sr.session, &markers),
             finish: Finish::Open,
             called: false,
-            input_tokens: sr.events[..sr.st.prompt]
+            // The history and the assistant header: the prompt.
+            input_tokens: sr.events[..=sr.st.prompt]
                 .iter()
                 .map(|e| e.body.span().len() as u64)
                 .sum(),
@@ -2201,9 +2227,13 @@ pub async fn delete(
 ) -> Result<HttpResponse, ApiError> {
     authorize(&state, F, &req)?;
     let id = path.into_inner();
-    let state = owner(&state, &id).ok_or_else(|| not_found("response", &id))?;
+    let state = owner(&state, &id)
+        .await
+        .ok_or_else(|| not_found("response", &id))?;
     let (_, events, st) = load(&state, &id).await?;
-    let (s, start) = parse_response_id(&state, &id).ok_or_else(|| not_found("response", &id))?;
+    let (s, start) = parse_response_id(&state, &id)
+        .await
+        .ok_or_else(|| not_found("response", &id))?;
     let info = inspect(&state, s)
         .await?
         .ok_or_else(|| not_found("response", &id))?;
@@ -2346,9 +2376,13 @@ pub async fn input_items(
     authorize(&state, F, &req)?;
     let query = ListQuery::of(&req)?;
     let id = path.into_inner();
-    let state = owner(&state, &id).ok_or_else(|| not_found("response", &id))?;
+    let state = owner(&state, &id)
+        .await
+        .ok_or_else(|| not_found("response", &id))?;
     let (_, events, st) = load(&state, &id).await?;
-    let (s, start) = parse_response_id(&state, &id).ok_or_else(|| not_found("response", &id))?;
+    let (s, start) = parse_response_id(&state, &id)
+        .await
+        .ok_or_else(|| not_found("response", &id))?;
     let events = &events[start as usize..st.prompt];
     let names = call_names(&state, s).await?;
     let items = events

@@ -154,7 +154,9 @@ async fn open_followed(
     state: &WebState,
     id: &str,
 ) -> Result<(Subscriber, StoredResponse), ApiError> {
-    let (s, _) = parse_response_id(state, id).ok_or_else(|| not_found("response", id))?;
+    let (s, _) = parse_response_id(state, id)
+        .await
+        .ok_or_else(|| not_found("response", id))?;
     let sub = state.m().shared.bus.subscribe(s, false);
     Ok((sub, open_stored(state, id).await?))
 }
@@ -201,7 +203,9 @@ pub async fn retrieve(
 ) -> Result<HttpResponse, ApiError> {
     authorize(&state, F, &req)?;
     let id = path.into_inner();
-    let state = owner(&state, &id).ok_or_else(|| not_found("response", &id))?;
+    let state = owner(&state, &id)
+        .await
+        .ok_or_else(|| not_found("response", &id))?;
     let query = web::Query::<RetrieveQuery>::from_query(req.query_string())
         .map_err(|e| ApiError::invalid(F, format!("bad query: {e}")))?;
     if !query.stream {
@@ -231,7 +235,9 @@ pub async fn cancel(
 ) -> Result<HttpResponse, ApiError> {
     authorize(&state, F, &req)?;
     let id = path.into_inner();
-    let state = owner(&state, &id).ok_or_else(|| not_found("response", &id))?;
+    let state = owner(&state, &id)
+        .await
+        .ok_or_else(|| not_found("response", &id))?;
     let (sub, sr) = open_followed(&state, &id).await?;
     if !sr.in_flight {
         return Err(ApiError::invalid(
