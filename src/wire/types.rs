@@ -516,7 +516,8 @@ pub struct Inspection {
     pub events: u64,
     /// Tokens on the model's input: the sum of every event's span.
     pub tokens: u64,
-    /// Bumped by every committed event: `Purge`'s `expected_generation`.
+    /// Bumped by every committed event and every `SetMeta`: `Purge`'s
+    /// `expected_generation`.
     pub generation: u64,
     /// Bumped by every `SetMeta`: its `expected_version`.
     pub version: u64,

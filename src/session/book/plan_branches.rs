@@ -63,8 +63,8 @@ impl SessionBook {
         let p = self.writable(parent)?;
         if at_event == 0 || at_event > p.len {
             return Err(SessionError::Invalid(format!(
-                "at_event {at_event} is out of range: session {parent} has events 0 to {}, \
-                 so a fork holds 1 to {} of them",
+                "event {at_event} is out of range (Fork's at_event, Trim's to_event): session \
+                 {parent} has events 0 to {}, so a fork or trim keeps 1 to {} of them",
                 p.len - 1,
                 p.len
             )));
