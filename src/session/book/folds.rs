@@ -168,6 +168,66 @@ pub(super) fn chat_messages(events: &[Event]) -> Vec<ChatMessage> {
     out
 }
 
+/// The template's text that closes the generated turn `events` end with,
+/// as far as the model's own tokens did not write it: what the chat
+/// template puts after an assistant message's content (ChatML's
+/// `<|im_end|>\n`), less the end-of-turn token the turn ended with when
+/// that is where the template's text starts. A turn that ended with its
+/// end-of-turn token lacks the rest (ChatML's newline); one cut by
+/// `max_tokens`, a cancel or a grammar's end lacks all of it. Put before
+/// whatever templated input comes next (a message, block, image, tool
+/// result or the next assistant header), so the session's input is what
+/// the template renders for the same conversation, as the HTTP routes
+/// send it. Nothing when the session does not end with a generated turn
+/// (a raw `Append` after one is outside the template), or when the
+/// template's closing cannot be told apart: the assistant header is not
+/// a prefix of an empty assistant message's rendering (a template that
+/// opens a thinking block in the header), or it does not render.
+pub(super) fn turn_closing(events: &[Event], render: &dyn Render) -> Vec<Token> {
+    let Some(last) = events.iter().rev().find(|e| is_input(&e.body)) else {
+        return Vec::new();
+    };
+    if !matches!(
+        last.body,
+        Record::Generated { .. } | Record::ToolUse { .. } | Record::ToolParseFailure { .. }
+    ) {
+        return Vec::new();
+    }
+    // The turn's last token: of its last chunk that holds one.
+    let end = events
+        .iter()
+        .rev()
+        .take_while(|e| !matches!(e.body, Record::GenerationPrompt { .. }))
+        .find_map(|e| match &e.body {
+            Record::Generated { span, .. } => span.last().copied(),
+            _ => None,
+        });
+    let messages = chat_messages(events);
+    let Some((turn, before)) = messages.split_last() else {
+        return Vec::new();
+    };
+    if turn.role != Role::Assistant {
+        return Vec::new();
+    }
+    let tools = declared_tools(events);
+    let empty = ChatMessage::new(Role::Assistant, "");
+    // Errors are no closing: a render the plan is still waiting for
+    // (`prepared`) throws the plan away anyway.
+    let (Ok(whole), Ok(header)) = (
+        render.message_span(before, &tools, &empty, false),
+        render.generation_prompt_span(before, &tools),
+    ) else {
+        return Vec::new();
+    };
+    let Some(tail) = whole.strip_prefix(header.as_slice()) else {
+        return Vec::new();
+    };
+    match (end, tail.split_first()) {
+        (Some(t), Some((&first, rest))) if t == first && render.is_eog(t) => rest.to_vec(),
+        _ => tail.to_vec(),
+    }
+}
+
 /// True when a record is input to the model (or a call it made): anything
 /// but a session header, a QoS change or an epoch bump.
 pub(super) fn is_input(r: &Record) -> bool {
@@ -268,6 +328,8 @@ pub fn input_after(
     render: &dyn Render,
 ) -> Result<usize, RenderError> {
     let mut tokens = events.iter().map(|e| e.body.span().len()).sum::<usize>();
+    // Whatever comes next opens with the closing of a generated turn.
+    tokens += turn_closing(events, render).len();
     let mut history = chat_messages(events);
     let mut tools = declared_tools(events);
     if let Some((text, declared)) = system.filter(|_| tokens == 0) {

@@ -7,6 +7,7 @@ use serde_json::Value;
 
 use super::folds::{
     chat_messages, declared_tools, forced_tools_of, input_of, media_of, output_format_of, qos_of,
+    turn_closing,
 };
 use super::{PlannedEvent, SessionBook, TurnState};
 use crate::session::grammar::{forced_call, json_format, SchemaToGrammar};
@@ -122,9 +123,13 @@ impl SessionBook {
                 stale.then(|| self.planned_event(s, sess.len, now, Record::EpochBump))
             }
             TurnState::Closed => {
-                let span = render
-                    .generation_prompt_span(&chat_messages(&events), &declared_tools(&events))
-                    .map_err(SessionError::Render)?;
+                // After a generated turn (a Generate again), its closing first.
+                let mut span = turn_closing(&events, render);
+                span.extend(
+                    render
+                        .generation_prompt_span(&chat_messages(&events), &declared_tools(&events))
+                        .map_err(SessionError::Render)?,
+                );
                 prompt.extend_from_slice(&span);
                 header = Some((prompt.len(), span.clone()));
                 Some(self.planned_event(s, sess.len, now, Record::GenerationPrompt { span }))

@@ -1,7 +1,7 @@
 //! Plans of the appends: raw text or tokens, chat messages, the opening
 //! system turn, blocks.
 
-use super::folds::{chat_messages, declared_tools, is_input};
+use super::folds::{chat_messages, declared_tools, is_input, turn_closing};
 use super::{ChatMessage, Planned, Render, SessionBook, SessionError};
 use crate::wire::{Event, Record, Role, SessionId, Token};
 
@@ -73,9 +73,13 @@ impl SessionBook {
             role,
             content: text.to_string(),
         };
-        render
-            .message_span(&chat_messages(events), &declared_tools(events), &new, first)
-            .map_err(SessionError::Render)
+        let mut span = turn_closing(events, render);
+        span.extend(
+            render
+                .message_span(&chat_messages(events), &declared_tools(events), &new, first)
+                .map_err(SessionError::Render)?,
+        );
+        Ok(span)
     }
 
     /// `AppendSystem`: the opening system turn declaring tools. Refused once
@@ -149,16 +153,19 @@ impl SessionBook {
         self.writable(s)?;
         let events = self.all_events(s);
         let first = events.iter().all(|e| e.body.span().is_empty());
-        let span = render
-            .image_span(
-                &chat_messages(&events),
-                &declared_tools(&events),
-                role,
-                &[pre_text.clone(), post_text.clone()],
-                &[layout.to_vec()],
-                first,
-            )
-            .map_err(SessionError::Render)?;
+        let mut span = turn_closing(&events, render);
+        span.extend(
+            render
+                .image_span(
+                    &chat_messages(&events),
+                    &declared_tools(&events),
+                    role,
+                    &[pre_text.clone(), post_text.clone()],
+                    &[layout.to_vec()],
+                    first,
+                )
+                .map_err(SessionError::Render)?,
+        );
         let image_at = crate::session::locate_images(&span, std::slice::from_ref(&layout.to_vec()))
             .map_err(SessionError::Render)?[0];
         self.one_event(

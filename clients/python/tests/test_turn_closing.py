@@ -1,0 +1,56 @@
+"""What follows a generated turn opens with the template's closing of that
+turn, as far as the model's tokens did not write it, so a session's input
+is what the chat template renders for the same conversation (what the HTTP
+routes send). On SmolLM2's ChatML template an assistant message renders as
+`<|im_start|>assistant\\n...<|im_end|>\\n`: a turn that ended with its
+`<|im_end|>` lacked the newline (the next `<|im_start|>` followed it
+directly), and a turn cut by max_tokens was never closed at all (the next
+user turn followed the cut text)."""
+
+from compat import KEY, oai
+
+EXTRA_ARGS = ["--api-key", KEY]
+
+# SmolLM2's tokens: <|im_start|>, <|im_end|>, "\n".
+IM_START, IM_END, NL = 1, 2, 198
+
+
+def test_a_message_after_a_finished_turn_opens_with_the_newline_the_template_puts_there(daemon, sf):
+    s = sf.session()
+    s.user("Name a colour.")
+    reply = s.generate(max_tokens=60)
+    assert reply.finish == 1 and reply.events[-1].data["span"][-1] == IM_END, reply
+    m = s.user("Another one.")
+    assert m.data["span"][:2] == [NL, IM_START], m.data["span"][:8]
+    # The session holds what the chat route renders for the same messages
+    # (the reply's text tokenized again comes to the same count here).
+    chat = oai(daemon).chat.completions.create(model="default", max_tokens=1, temperature=0, messages=[
+        {"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": reply.text},
+        {"role": "user", "content": "Another one."}])
+    header = 4  # <|im_start|>assistant\n, counted by the chat route
+    assert s.inspect()["tokens"] + header == chat.usage.prompt_tokens
+
+
+def test_a_message_after_a_cut_turn_closes_it_first(daemon, sf):
+    s = sf.session()
+    s.user("Count from one to fifty, in words.")
+    reply = s.generate(max_tokens=3)
+    assert reply.finish == 2, reply
+    m = s.user("Stop there.")
+    assert m.data["span"][:3] == [IM_END, NL, IM_START], m.data["span"][:8]
+    # The next generation is a new turn, not the cut one continued.
+    after = s.generate(max_tokens=4)
+    kinds = [e.kind for e in s.events()]
+    assert kinds.count("GenerationPrompt") == 2, kinds
+    assert after.tokens > 0
+
+
+def test_a_generate_after_a_finished_turn_closes_it_before_the_next_header(daemon, sf):
+    s = sf.session()
+    s.user("Say hi.")
+    first = s.generate(max_tokens=60)
+    assert first.finish == 1, first
+    s.generate(max_tokens=2)
+    headers = [e.data["span"] for e in s.events() if e.kind == "GenerationPrompt"]
+    assert len(headers) == 2 and headers[1][:2] == [NL, IM_START], headers
+    assert headers[1][1:] == headers[0], "the same header, after the closing"
