@@ -177,16 +177,32 @@ fn conversation(d: &mut TestDaemon) -> Vec<String> {
 }
 
 /// The `--rpc` the daemon's worker was started with.
+/// The `--rpc` argument of the daemon's worker. The worker is spawned
+/// beside the daemon's start, not before it answers: looked for until it
+/// is there (a worker without the argument is `None` once it is).
 fn worker_rpc_arg(d: &TestDaemon) -> Option<String> {
-    children_of(d.pid()).into_iter().find_map(|pid| {
-        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
-        let args: Vec<String> = cmd
-            .split(|b| *b == 0)
-            .map(|a| String::from_utf8_lossy(a).into_owned())
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let workers: Vec<Vec<String>> = children_of(d.pid())
+            .into_iter()
+            .filter_map(|pid| {
+                let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+                let args: Vec<String> = cmd
+                    .split(|b| *b == 0)
+                    .map(|a| String::from_utf8_lossy(a).into_owned())
+                    .collect();
+                args.iter().any(|a| a == "worker").then_some(args)
+            })
             .collect();
-        let i = args.iter().position(|a| a == "--rpc")?;
-        args.get(i + 1).cloned()
-    })
+        if let Some(args) = workers.first() {
+            let i = args.iter().position(|a| a == "--rpc")?;
+            return args.get(i + 1).cloned();
+        }
+        if std::time::Instant::now() > deadline {
+            return None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
 }
 
 fn metrics(d: &TestDaemon) -> String {
