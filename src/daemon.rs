@@ -376,6 +376,16 @@ impl Render for ModelRender {
             .generation_prompt_span(history, &tools(tool_list)?)
             .map_err(|e| RenderError(e.to_string()))
     }
+    fn turn_tail(
+        &self,
+        history: &[ChatMessage],
+        tool_list: &[String],
+    ) -> Result<Vec<Token>, RenderError> {
+        self.renderer
+            .turn_tail(history, &tools(tool_list)?)
+            .map(Option::unwrap_or_default)
+            .map_err(|e| RenderError(e.to_string()))
+    }
     fn conversation(
         &self,
         messages: &[ChatMessage],

@@ -207,6 +207,34 @@ impl Renderer {
         Ok((tokens, at))
     }
 
+    /// The template's text after the last message's content in the rendering of `history`
+    /// (without the generation prompt): what closes that message, e.g. ChatML's
+    /// `<|im_end|>\n`, tokenized with special tokens parsed. `None` when the template does not
+    /// keep that content as given (the placeholder standing for it is not found exactly once).
+    pub fn turn_tail(
+        &self,
+        history: &[ChatMessage],
+        tools: &[Json],
+    ) -> Result<Option<Vec<Token>>, EngineError> {
+        let Some((last, before)) = history.split_last() else {
+            return Ok(None);
+        };
+        let mut shield = Shield::new(&self.vocab);
+        let mut masked = shield.cover_messages(before).into_owned();
+        masked.push(ChatMessage {
+            role: last.role,
+            content: self.placeholder.clone(),
+        });
+        let tools = shield.cover_tools(tools);
+        let text = self.template.render(&masked, &tools, false)?;
+        if text.matches(&self.placeholder).count() != 1 {
+            return Ok(None);
+        }
+        Ok(text
+            .split_once(&self.placeholder)
+            .map(|(_, tail)| shield.tokenize(tail)))
+    }
+
     /// The tokens that prompt the model to answer after `history`: the rendering with
     /// `add_generation_prompt = true` minus the one without (e.g. `<|im_start|>assistant\n`).
     pub fn generation_prompt_span(

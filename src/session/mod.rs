@@ -47,26 +47,37 @@ impl ChatMessage {
     }
 }
 
-/// The tokens a user message's span opens with after an assistant turn:
-/// what a session's next turn most likely starts with (the scheduler
-/// decodes them ahead, `SchedulerState::with_turn_opening`). The part two
-/// different messages' spans share; empty when the template renders none.
+/// The tokens a user message's span opens with after an assistant turn
+/// that ended with its end-of-turn token: what a session's next turn most
+/// likely starts with (the scheduler decodes them ahead after that token,
+/// `SchedulerState::with_turn_opening`). The rest of the template's
+/// closing of the turn (ChatML's newline after `<|im_end|>`, which the
+/// book puts at the start of the next span: `folds::turn_closing`), then
+/// the part two different messages' spans share; empty when the template
+/// renders none.
 pub fn turn_opening(render: &dyn Render) -> Vec<Token> {
     let history = [
         ChatMessage::new(Role::User, "Hello."),
         ChatMessage::new(Role::Assistant, "Hi."),
     ];
+    let mut opening = match render.turn_tail(&history, &[]) {
+        Ok(tail) => match tail.split_first() {
+            Some((&eot, rest)) if render.is_eog(eot) => rest.to_vec(),
+            _ => tail,
+        },
+        Err(_) => Vec::new(),
+    };
     let span =
         |text: &str| render.message_span(&history, &[], &ChatMessage::new(Role::User, text), false);
-    match (span("A"), span("Z")) {
-        (Ok(a), Ok(b)) => a
-            .iter()
-            .zip(&b)
-            .take_while(|(x, y)| x == y)
-            .map(|(x, _)| *x)
-            .collect(),
-        _ => Vec::new(),
+    if let (Ok(a), Ok(b)) = (span("A"), span("Z")) {
+        opening.extend(
+            a.iter()
+                .zip(&b)
+                .take_while(|(x, y)| x == y)
+                .map(|(x, _)| *x),
+        );
     }
+    opening
 }
 
 /// A whole conversation's tokens and where its parts are
@@ -190,6 +201,18 @@ pub trait Render: Send + Sync {
             }
         }
         Ok(out)
+    }
+    /// The template's text after the last message's content in the
+    /// rendering of `history` (what closes it: ChatML's `<|im_end|>\n`);
+    /// empty when the template does not keep that content as given, and
+    /// for renderers without a template (this default).
+    fn turn_tail(
+        &self,
+        history: &[ChatMessage],
+        tools: &[String],
+    ) -> Result<Vec<Token>, RenderError> {
+        let _ = (history, tools);
+        Ok(Vec::new())
     }
     /// The opening system turn declaring `tools`.
     fn system_span(&self, text: Option<&str>, tools: &[String]) -> Result<Vec<Token>, RenderError>;

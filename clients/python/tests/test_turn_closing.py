@@ -54,3 +54,50 @@ def test_a_generate_after_a_finished_turn_closes_it_before_the_next_header(daemo
     headers = [e.data["span"] for e in s.events() if e.kind == "GenerationPrompt"]
     assert len(headers) == 2 and headers[1][:2] == [NL, IM_START], headers
     assert headers[1][1:] == headers[0], "the same header, after the closing"
+
+
+def test_a_tool_result_after_a_permission_still_closes_the_call_turn(daemon, sf):
+    # Records that put nothing on the input (a permission asked and given)
+    # between the call and its result do not hide the turn: the result
+    # still opens with its closing (the part the turn's tokens did not
+    # write).
+    s = sf.session()
+    s.declare(system="You answer with tools.", tools=[{"type": "function", "function": {
+        "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}])
+    s.set_tool_choice("required")
+    s.user("Weather in Paris?")
+    reply = s.generate(max_tokens=80)
+    assert reply.finish == 3 and reply.tool_calls, reply
+    call = reply.tool_calls[0].id
+    _, asked = sf.call("RequestPermission", {"session": s.id, "call_id": call, "text": "May I?"})
+    sf.call("RespondPermission", {"session": s.id, "request_id": asked["event"]["event_id"], "granted": True})
+    result = s.tool_result(call, "sunny")
+    last = [t for e in reply.events if e.kind == "Generated" for t in e.data["span"]][-1]
+    closing = [NL] if last == IM_END else [IM_END, NL]
+    assert result.data["span"][:len(closing) + 1] == closing + [IM_START], (last, result.data["span"][:8])
+
+
+def test_the_specs_rebase_of_a_turn_into_one_message_keeps_the_template_form(daemon, sf):
+    # "To give the model a past turn in the template's form, rebase its
+    # Generated events into one assistant message holding the text." The
+    # next message kept its span, which opened with the closing of the
+    # generated turn (a newline) that the replacing message already ends
+    # with: it is rendered again, and the record lists it as a Replace.
+    from superfluid_client import replace
+    s = sf.session()
+    s.user("Name a colour.")
+    reply = s.generate(max_tokens=60)
+    assert reply.finish == 1, reply
+    q2 = s.user("Another one.")
+    assert q2.data["span"][:2] == [NL, IM_START]
+    header = next(e for e in s.events() if e.kind == "GenerationPrompt")
+    b = s.rebase([replace(header.id, q2.id, "assistant", reply.text)])
+    events = b.events()
+    again = [e for e in events if e.kind == "Message" and e.data["text"] == "Another one."]
+    assert again and again[0].data["span"][:2] == [IM_START, 4093], again[0].data["span"][:8]
+    rebased = next(e for e in events if e.kind == "Rebased")
+    assert len(rebased.data["edits"]) == 2, rebased.data["edits"]
+    chat = oai(daemon).chat.completions.create(model="default", max_tokens=1, temperature=0, messages=[
+        {"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": reply.text},
+        {"role": "user", "content": "Another one."}])
+    assert b.inspect()["tokens"] + 4 == chat.usage.prompt_tokens

@@ -39,6 +39,10 @@ enum Call {
         history: Vec<ChatMessage>,
         tools: Vec<String>,
     },
+    Tail {
+        history: Vec<ChatMessage>,
+        tools: Vec<String>,
+    },
     Image {
         history: Vec<ChatMessage>,
         tools: Vec<String>,
@@ -64,6 +68,7 @@ impl Call {
             } => render.message_span(history, tools, new, *first),
             Call::System { text, tools } => render.system_span(text.as_deref(), tools),
             Call::Prompt { history, tools } => render.generation_prompt_span(history, tools),
+            Call::Tail { history, tools } => render.turn_tail(history, tools),
             Call::Image {
                 history,
                 tools,
@@ -229,6 +234,21 @@ impl Render for Prepared<'_> {
             || key(self.seed, 3, |h| (history, tools).hash(h)),
             || self.inner.generation_prompt_span(history, tools),
             || Call::Prompt {
+                history: history.to_vec(),
+                tools: tools.to_vec(),
+            },
+        )
+    }
+    fn turn_tail(
+        &self,
+        history: &[ChatMessage],
+        tools: &[String],
+    ) -> Result<Vec<Token>, RenderError> {
+        self.answer(
+            messages_bytes(history) + tools_bytes(tools),
+            || key(self.seed, 5, |h| (history, tools).hash(h)),
+            || self.inner.turn_tail(history, tools),
+            || Call::Tail {
                 history: history.to_vec(),
                 tools: tools.to_vec(),
             },

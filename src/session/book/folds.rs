@@ -171,26 +171,36 @@ pub(super) fn chat_messages(events: &[Event]) -> Vec<ChatMessage> {
 /// The template's text that closes the generated turn `events` end with,
 /// as far as the model's own tokens did not write it: what the chat
 /// template puts after an assistant message's content (ChatML's
-/// `<|im_end|>\n`), less the end-of-turn token the turn ended with when
-/// that is where the template's text starts. A turn that ended with its
-/// end-of-turn token lacks the rest (ChatML's newline); one cut by
-/// `max_tokens`, a cancel or a grammar's end lacks all of it. Put before
-/// whatever templated input comes next (a message, block, image, tool
-/// result or the next assistant header), so the session's input is what
-/// the template renders for the same conversation, as the HTTP routes
-/// send it. Nothing when the session does not end with a generated turn
-/// (a raw `Append` after one is outside the template), or when the
-/// template's closing cannot be told apart: the assistant header is not
-/// a prefix of an empty assistant message's rendering (a template that
-/// opens a thinking block in the header), or it does not render.
+/// `<|im_end|>\n`, Render::turn_tail), less the end-of-turn token the
+/// turn ended with when that is where the template's text starts. A turn
+/// that ended with its end-of-turn token lacks the rest (ChatML's
+/// newline); one cut by `max_tokens`, a cancel or a grammar's end lacks
+/// all of it. Put before whatever templated input comes next (a message,
+/// block, image, tool result or the next assistant header), so the
+/// session's input is what the template renders for the same
+/// conversation, as the HTTP routes send it. Nothing when the session does
+/// not end with a generated turn (records that put nothing on the input,
+/// a permission or an outcome, do not count; a raw `Append` after one is
+/// outside the template), or when the template does not keep an assistant
+/// message's content as given.
 pub(super) fn turn_closing(events: &[Event], render: &dyn Render) -> Vec<Token> {
-    let Some(last) = events.iter().rev().find(|e| is_input(&e.body)) else {
+    let generated = |r: &Record| {
+        matches!(
+            r,
+            Record::GenerationPrompt { .. }
+                | Record::Generated { .. }
+                | Record::ToolUse { .. }
+                | Record::ToolParseFailure { .. }
+        )
+    };
+    let Some(last) = events
+        .iter()
+        .rev()
+        .find(|e| generated(&e.body) || !e.body.span().is_empty())
+    else {
         return Vec::new();
     };
-    if !matches!(
-        last.body,
-        Record::Generated { .. } | Record::ToolUse { .. } | Record::ToolParseFailure { .. }
-    ) {
+    if !generated(&last.body) {
         return Vec::new();
     }
     // The turn's last token: of its last chunk that holds one.
@@ -203,28 +213,17 @@ pub(super) fn turn_closing(events: &[Event], render: &dyn Render) -> Vec<Token> 
             _ => None,
         });
     let messages = chat_messages(events);
-    let Some((turn, before)) = messages.split_last() else {
-        return Vec::new();
-    };
-    if turn.role != Role::Assistant {
+    if messages.last().is_none_or(|m| m.role != Role::Assistant) {
         return Vec::new();
     }
-    let tools = declared_tools(events);
-    let empty = ChatMessage::new(Role::Assistant, "");
-    // Errors are no closing: a render the plan is still waiting for
+    // An error is no closing: a render the plan still waits for
     // (`prepared`) throws the plan away anyway.
-    let (Ok(whole), Ok(header)) = (
-        render.message_span(before, &tools, &empty, false),
-        render.generation_prompt_span(before, &tools),
-    ) else {
-        return Vec::new();
-    };
-    let Some(tail) = whole.strip_prefix(header.as_slice()) else {
+    let Ok(tail) = render.turn_tail(&messages, &declared_tools(events)) else {
         return Vec::new();
     };
     match (end, tail.split_first()) {
         (Some(t), Some((&first, rest))) if t == first && render.is_eog(t) => rest.to_vec(),
-        _ => tail.to_vec(),
+        _ => tail,
     }
 }
 

@@ -6,10 +6,11 @@
 //! order in the log. A purge of the parent planned on another actor (a
 //! cascade from an ancestor) is kept apart by `SessionBook::begin`.
 
+use super::folds::turn_closing;
 use super::plan_messages::check_role;
 use super::{Planned, Render, SessionBook, SessionError};
 use crate::session::{EditError, MAX_EDITS};
-use crate::wire::{Edit, EventId, Params, Record, SessionId};
+use crate::wire::{Edit, Event, EventId, Params, Record, Role, SessionId};
 
 /// A planned range of a rebased view, before it has event ids: kept from
 /// the parent, or one replacing message.
@@ -147,6 +148,35 @@ impl SessionBook {
         out
     }
 
+    /// The role and text of `parent`'s event `at`, a message kept right
+    /// after a rebase's edit, when the turn closing its span opens with
+    /// (`folds::turn_closing`, after the parent's events before it) is not
+    /// the one the new branch's `history` calls for: a message that
+    /// followed a generated turn now follows a replacement (the spec's
+    /// "rebase its Generated events into one assistant message"), or the
+    /// other way round. Such a message is rendered again. Other kinds of
+    /// record keep their span (only a message can be a Replace).
+    fn closing_changed(
+        &self,
+        parent: SessionId,
+        at: u64,
+        history: &[Event],
+        render: &dyn Render,
+    ) -> Option<(Role, String)> {
+        let mut kept = Vec::new();
+        self.collect(parent, at, at + 1, &mut kept);
+        let Some(Event {
+            body: Record::Message { role, text, .. },
+            ..
+        }) = kept.pop()
+        else {
+            return None;
+        };
+        let mut before = Vec::new();
+        self.collect(parent, 0, at, &mut before);
+        (turn_closing(&before, render) != turn_closing(history, render)).then_some((role, text))
+    }
+
     /// `Rebase`: a new branch with events dropped or replaced.
     pub fn plan_rebase(
         &self,
@@ -177,11 +207,27 @@ impl SessionBook {
         );
         history.push(header.clone());
         let mut events = vec![header];
+        // Messages kept right after an edit whose turn closing the edit
+        // changed, rendered again as a Replace of themselves.
+        let mut reclosed = Vec::new();
         for range in Self::rebase_ranges(&edits, p.len) {
-            match range {
-                RebaseRange::Keep(a, b) => self.collect(parent, a, b, &mut history),
-                RebaseRange::Replace(role, text) => {
-                    let role = check_role(role)?;
+            let (role, text) = match range {
+                RebaseRange::Keep(a, b) => {
+                    let Some((role, text)) = self.closing_changed(parent, a, &history, render)
+                    else {
+                        self.collect(parent, a, b, &mut history);
+                        continue;
+                    };
+                    if edits.len() + reclosed.len() >= MAX_EDITS {
+                        self.collect(parent, a, b, &mut history);
+                        continue;
+                    }
+                    reclosed.push(Edit::Replace {
+                        from: a,
+                        to: a + 1,
+                        role: role.into(),
+                        text: text.clone(),
+                    });
                     let span = self.render_message(&history, role, &text, render)?;
                     let e = self.event(
                         id,
@@ -191,7 +237,27 @@ impl SessionBook {
                     );
                     history.push(e.clone());
                     events.push(e);
+                    self.collect(parent, a + 1, b, &mut history);
+                    continue;
                 }
+                RebaseRange::Replace(role, text) => (check_role(role)?, text),
+            };
+            let span = self.render_message(&history, role, &text, render)?;
+            let e = self.event(
+                id,
+                now,
+                history.len() as u64,
+                Record::Message { role, text, span },
+            );
+            history.push(e.clone());
+            events.push(e);
+        }
+        if !reclosed.is_empty() {
+            let mut all = edits;
+            all.extend(reclosed);
+            all.sort_by_key(|e| e.range().0);
+            if let Record::Rebased { edits, .. } = &mut events[0].body {
+                *edits = all;
             }
         }
         Ok(Planned::Branch {
