@@ -195,10 +195,27 @@ fn worker_rpc_arg(d: &TestDaemon) -> Option<String> {
             })
             .collect();
         if let Some(args) = workers.first() {
-            let i = args.iter().position(|a| a == "--rpc")?;
-            return args.get(i + 1).cloned();
+            let arg = args
+                .iter()
+                .position(|a| a == "--rpc")
+                .and_then(|i| args.get(i + 1).cloned());
+            if arg.is_none() {
+                eprintln!("a worker without --rpc: {args:?}");
+            }
+            return arg;
         }
         if std::time::Instant::now() > deadline {
+            eprintln!(
+                "no worker after 30 s; the daemon's children: {:?}",
+                children_of(d.pid())
+                    .iter()
+                    .map(
+                        |pid| std::fs::read_to_string(format!("/proc/{pid}/cmdline"))
+                            .unwrap_or_default()
+                            .replace('\0', " ")
+                    )
+                    .collect::<Vec<_>>()
+            );
             return None;
         }
         std::thread::sleep(std::time::Duration::from_millis(20));

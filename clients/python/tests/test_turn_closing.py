@@ -13,31 +13,46 @@ EXTRA_ARGS = ["--api-key", KEY]
 
 # SmolLM2's tokens: <|im_start|>, <|im_end|>, "\n".
 IM_START, IM_END, NL = 1, 2, 198
+HEADER = 4  # <|im_start|>assistant\n, counted by the chat route
+
+
+def asked(sf, question, max_tokens):
+    """A new session asked `question`, and its reply."""
+    s = sf.session()
+    s.user(question)
+    return s, s.generate(max_tokens=max_tokens)
+
+
+def chat_prompt_tokens(daemon, *texts):
+    """The chat route's prompt tokens for `texts` as user and assistant turns
+    in turn."""
+    roles = ["user", "assistant"]
+    return oai(daemon).chat.completions.create(model="default", max_tokens=1, temperature=0, messages=[
+        {"role": roles[i % 2], "content": t} for i, t in enumerate(texts)]).usage.prompt_tokens
+
+
+def cut_then_user(sf):
+    """A turn cut by max_tokens, then a user message: the message closes the
+    turn first. The session."""
+    s, reply = asked(sf, "Count from one to fifty, in words.", 3)
+    assert reply.finish == 2, reply
+    m = s.user("Stop there.")
+    assert m.data["span"][:3] == [IM_END, NL, IM_START], m.data["span"][:8]
+    return s
 
 
 def test_a_message_after_a_finished_turn_opens_with_the_newline_the_template_puts_there(daemon, sf):
-    s = sf.session()
-    s.user("Name a colour.")
-    reply = s.generate(max_tokens=60)
+    s, reply = asked(sf, "Name a colour.", 60)
     assert reply.finish == 1 and reply.events[-1].data["span"][-1] == IM_END, reply
     m = s.user("Another one.")
     assert m.data["span"][:2] == [NL, IM_START], m.data["span"][:8]
     # The session holds what the chat route renders for the same messages
     # (the reply's text tokenized again comes to the same count here).
-    chat = oai(daemon).chat.completions.create(model="default", max_tokens=1, temperature=0, messages=[
-        {"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": reply.text},
-        {"role": "user", "content": "Another one."}])
-    header = 4  # <|im_start|>assistant\n, counted by the chat route
-    assert s.inspect()["tokens"] + header == chat.usage.prompt_tokens
+    assert s.inspect()["tokens"] + HEADER == chat_prompt_tokens(daemon, "Name a colour.", reply.text, "Another one.")
 
 
 def test_a_message_after_a_cut_turn_closes_it_first(daemon, sf):
-    s = sf.session()
-    s.user("Count from one to fifty, in words.")
-    reply = s.generate(max_tokens=3)
-    assert reply.finish == 2, reply
-    m = s.user("Stop there.")
-    assert m.data["span"][:3] == [IM_END, NL, IM_START], m.data["span"][:8]
+    s = cut_then_user(sf)
     # The next generation is a new turn, not the cut one continued.
     after = s.generate(max_tokens=4)
     kinds = [e.kind for e in s.events()]
@@ -46,9 +61,7 @@ def test_a_message_after_a_cut_turn_closes_it_first(daemon, sf):
 
 
 def test_a_generate_after_a_finished_turn_closes_it_before_the_next_header(daemon, sf):
-    s = sf.session()
-    s.user("Say hi.")
-    first = s.generate(max_tokens=60)
+    s, first = asked(sf, "Say hi.", 60)
     assert first.finish == 1, first
     s.generate(max_tokens=2)
     headers = [e.data["span"] for e in s.events() if e.kind == "GenerationPrompt"]
@@ -84,9 +97,7 @@ def test_the_specs_rebase_of_a_turn_into_one_message_keeps_the_template_form(dae
     # generated turn (a newline) that the replacing message already ends
     # with: it is rendered again, and the record lists it as a Replace.
     from superfluid_client import replace
-    s = sf.session()
-    s.user("Name a colour.")
-    reply = s.generate(max_tokens=60)
+    s, reply = asked(sf, "Name a colour.", 60)
     assert reply.finish == 1, reply
     q2 = s.user("Another one.")
     assert q2.data["span"][:2] == [NL, IM_START]
@@ -97,7 +108,4 @@ def test_the_specs_rebase_of_a_turn_into_one_message_keeps_the_template_form(dae
     assert again and again[0].data["span"][:2] == [IM_START, 4093], again[0].data["span"][:8]
     rebased = next(e for e in events if e.kind == "Rebased")
     assert len(rebased.data["edits"]) == 2, rebased.data["edits"]
-    chat = oai(daemon).chat.completions.create(model="default", max_tokens=1, temperature=0, messages=[
-        {"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": reply.text},
-        {"role": "user", "content": "Another one."}])
-    assert b.inspect()["tokens"] + 4 == chat.usage.prompt_tokens
+    assert b.inspect()["tokens"] + HEADER == chat_prompt_tokens(daemon, "Name a colour.", reply.text, "Another one.")

@@ -207,42 +207,13 @@ impl SessionBook {
         );
         history.push(header.clone());
         let mut events = vec![header];
-        // Messages kept right after an edit whose turn closing the edit
-        // changed, rendered again as a Replace of themselves.
-        let mut reclosed = Vec::new();
-        for range in Self::rebase_ranges(&edits, p.len) {
-            let (role, text) = match range {
-                RebaseRange::Keep(a, b) => {
-                    let Some((role, text)) = self.closing_changed(parent, a, &history, render)
-                    else {
-                        self.collect(parent, a, b, &mut history);
-                        continue;
-                    };
-                    if edits.len() + reclosed.len() >= MAX_EDITS {
-                        self.collect(parent, a, b, &mut history);
-                        continue;
-                    }
-                    reclosed.push(Edit::Replace {
-                        from: a,
-                        to: a + 1,
-                        role: role.into(),
-                        text: text.clone(),
-                    });
-                    let span = self.render_message(&history, role, &text, render)?;
-                    let e = self.event(
-                        id,
-                        now,
-                        history.len() as u64,
-                        Record::Message { role, text, span },
-                    );
-                    history.push(e.clone());
-                    events.push(e);
-                    self.collect(parent, a + 1, b, &mut history);
-                    continue;
-                }
-                RebaseRange::Replace(role, text) => (check_role(role)?, text),
-            };
-            let span = self.render_message(&history, role, &text, render)?;
+        // A message of the new branch, rendered after its history so far.
+        let message = |history: &mut Vec<Event>,
+                       events: &mut Vec<Event>,
+                       role: Role,
+                       text: String|
+         -> Result<(), SessionError> {
+            let span = self.render_message(history, role, &text, render)?;
             let e = self.event(
                 id,
                 now,
@@ -251,6 +222,36 @@ impl SessionBook {
             );
             history.push(e.clone());
             events.push(e);
+            Ok(())
+        };
+        // Messages kept right after an edit whose turn closing the edit
+        // changed, rendered again as a Replace of themselves.
+        let mut reclosed = Vec::new();
+        for range in Self::rebase_ranges(&edits, p.len) {
+            match range {
+                RebaseRange::Keep(a, b) => {
+                    let again = self
+                        .closing_changed(parent, a, &history, render)
+                        .filter(|_| edits.len() + reclosed.len() < MAX_EDITS);
+                    let from = match again {
+                        Some((role, text)) => {
+                            reclosed.push(Edit::Replace {
+                                from: a,
+                                to: a + 1,
+                                role: role.into(),
+                                text: text.clone(),
+                            });
+                            message(&mut history, &mut events, role, text)?;
+                            a + 1
+                        }
+                        None => a,
+                    };
+                    self.collect(parent, from, b, &mut history);
+                }
+                RebaseRange::Replace(role, text) => {
+                    message(&mut history, &mut events, check_role(role)?, text)?
+                }
+            }
         }
         if !reclosed.is_empty() {
             let mut all = edits;
