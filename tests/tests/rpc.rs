@@ -216,6 +216,7 @@ fn worker_rpc_arg(d: &TestDaemon) -> Option<String> {
                     )
                     .collect::<Vec<_>>()
             );
+            eprintln!("the daemon's stderr:\n{}", d.stderr());
             return None;
         }
         std::thread::sleep(std::time::Duration::from_millis(20));
