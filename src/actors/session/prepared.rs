@@ -144,6 +144,27 @@ impl Prepared<'_> {
     }
 }
 
+impl Prepared<'_> {
+    /// A call that renders `history` with `tools` (kind `kind` in the
+    /// keys): `render` on the real renderer inline, or `call` off the
+    /// thread.
+    fn on_history(
+        &self,
+        kind: u8,
+        history: &[ChatMessage],
+        tools: &[String],
+        render: fn(&dyn Render, &[ChatMessage], &[String]) -> Answer,
+        call: fn(Vec<ChatMessage>, Vec<String>) -> Call,
+    ) -> Answer {
+        self.answer(
+            messages_bytes(history) + tools_bytes(tools),
+            || key(self.seed, kind, |h| (history, tools).hash(h)),
+            || render(self.inner, history, tools),
+            || call(history.to_vec(), tools.to_vec()),
+        )
+    }
+}
+
 impl Render for Prepared<'_> {
     fn n_vocab(&self) -> u32 {
         self.inner.n_vocab()
@@ -229,14 +250,12 @@ impl Render for Prepared<'_> {
         history: &[ChatMessage],
         tools: &[String],
     ) -> Result<Vec<Token>, RenderError> {
-        self.answer(
-            messages_bytes(history) + tools_bytes(tools),
-            || key(self.seed, 3, |h| (history, tools).hash(h)),
-            || self.inner.generation_prompt_span(history, tools),
-            || Call::Prompt {
-                history: history.to_vec(),
-                tools: tools.to_vec(),
-            },
+        self.on_history(
+            3,
+            history,
+            tools,
+            |r: &dyn Render, h: &[ChatMessage], t: &[String]| r.generation_prompt_span(h, t),
+            |history, tools| Call::Prompt { history, tools },
         )
     }
     fn turn_tail(
@@ -244,14 +263,12 @@ impl Render for Prepared<'_> {
         history: &[ChatMessage],
         tools: &[String],
     ) -> Result<Vec<Token>, RenderError> {
-        self.answer(
-            messages_bytes(history) + tools_bytes(tools),
-            || key(self.seed, 5, |h| (history, tools).hash(h)),
-            || self.inner.turn_tail(history, tools),
-            || Call::Tail {
-                history: history.to_vec(),
-                tools: tools.to_vec(),
-            },
+        self.on_history(
+            5,
+            history,
+            tools,
+            |r: &dyn Render, h: &[ChatMessage], t: &[String]| r.turn_tail(h, t),
+            |history, tools| Call::Tail { history, tools },
         )
     }
     fn conversation(

@@ -32,7 +32,7 @@ use sha2::Sha256;
 
 use crate::http::routes::WebState;
 use crate::http::token;
-use crate::wire::{EventId, SessionId};
+use crate::wire::{EventId, Inspection, SessionId};
 
 /// The key's file name in the sessions directory.
 pub const KEY_FILE: &str = "response-key";
@@ -219,10 +219,20 @@ pub fn response_id(state: &WebState, s: SessionId, made_ms: u64, start: EventId)
     state.ids.name(log_of(state), s, made_ms, start)
 }
 
+/// A response id resolved: the state looking at the model whose log holds
+/// it, the session, the response's first event, and the session as its
+/// tag was checked against.
+pub struct Resolved {
+    pub state: WebState,
+    pub session: SessionId,
+    pub start: EventId,
+    pub info: Inspection,
+}
+
 /// What `id` names in the log of the model `state` looks at, if it names
 /// a response issued there: a session of that log whose tag matches (an
 /// untagged id where allowed, on the default model only).
-pub async fn parse_response_id(state: &WebState, id: &str) -> Option<(SessionId, EventId)> {
+pub async fn resolve(state: &WebState, id: &str) -> Option<Resolved> {
     let parsed = split(id)?;
     if parsed.2.is_none() && state.current != 0 {
         return None;
@@ -236,16 +246,25 @@ pub async fn parse_response_id(state: &WebState, id: &str) -> Option<(SessionId,
             info.created_unix_ms,
             untagged_ok(state),
         )
-        .then_some((parsed.0, parsed.1))
+        .then(|| Resolved {
+            state: state.clone(),
+            session: parsed.0,
+            start: parsed.1,
+            info,
+        })
 }
 
-/// The state looking at the model whose log `id` names: the one whose tag
-/// it carries (an untagged id names the default model's, where allowed).
-pub async fn owner(state: &WebState, id: &str) -> Option<WebState> {
+/// [`resolve`]'s session and event.
+pub async fn parse_response_id(state: &WebState, id: &str) -> Option<(SessionId, EventId)> {
+    resolve(state, id).await.map(|r| (r.session, r.start))
+}
+
+/// `id` resolved in the log of the model whose tag it carries (an untagged
+/// id names the default model's, where allowed).
+pub async fn owner(state: &WebState, id: &str) -> Option<Resolved> {
     for i in 0..state.models.len() {
-        let m = state.at(i);
-        if parse_response_id(&m, id).await.is_some() {
-            return Some(m);
+        if let Some(r) = resolve(&state.at(i), id).await {
+            return Some(r);
         }
     }
     None

@@ -28,7 +28,7 @@ use super::chat::{call_text, Call, MAX_MESSAGES, MAX_TOOLS};
 use super::drive::{End, Out};
 use super::error::{ApiError, Family, Kind};
 use super::openai::{prepare_chat, ChatRequest};
-pub(crate) use super::response_ids::{owner, parse_response_id, response_id};
+pub(crate) use super::response_ids::{owner, parse_response_id, response_id, Resolved};
 use super::{
     accept, authorize, check_lane, check_model, event_stream, new_id, now_secs, ok_with_warm,
     params, pick, sse, start_all, Access,
@@ -2051,13 +2051,8 @@ pub(crate) struct StoredResponse {
 
 /// The stored response `id`, read from the log: what it echoes and where
 /// its output lies.
-pub(crate) async fn open_stored(state: &WebState, id: &str) -> Result<StoredResponse, ApiError> {
-    let (s, start) = parse_response_id(state, id)
-        .await
-        .ok_or_else(|| not_found("response", id))?;
-    let info = inspect(state, s)
-        .await?
-        .ok_or_else(|| not_found("response", id))?;
+pub(crate) async fn open_stored(r: &Resolved, id: &str) -> Result<StoredResponse, ApiError> {
+    let (state, s, start, info) = (&r.state, r.session, r.start, &r.info);
     let events = read(state, s)
         .await
         .map_err(|_| not_found("response", id))?;
@@ -2085,7 +2080,7 @@ pub(crate) async fn open_stored(state: &WebState, id: &str) -> Result<StoredResp
                                "description": null, "strict": false}),
         None => json!({"type": "text"}),
     };
-    let conversation = super::conversations::conversation_of(&info);
+    let conversation = super::conversations::conversation_of(info);
     // A conversation's branch forks for a response's sampling settings, not
     // for a previous_response_id.
     let previous = match &events[start as usize].body {
@@ -2206,11 +2201,11 @@ impl Replay {
 
 /// The stored response `id`, read back from the log.
 pub(crate) async fn load(
-    state: &WebState,
+    r: &Resolved,
     id: &str,
 ) -> Result<(Emitter, Vec<Event>, Stored), ApiError> {
-    let sr = open_stored(state, id).await?;
-    let mut replay = Replay::new(state, &sr);
+    let sr = open_stored(r, id).await?;
+    let mut replay = Replay::new(&r.state, &sr);
     for e in Replay::logged(&sr) {
         replay.take(e);
     }
@@ -2227,16 +2222,11 @@ pub async fn delete(
 ) -> Result<HttpResponse, ApiError> {
     authorize(&state, F, &req)?;
     let id = path.into_inner();
-    let state = owner(&state, &id)
+    let r = owner(&state, &id)
         .await
         .ok_or_else(|| not_found("response", &id))?;
-    let (_, events, st) = load(&state, &id).await?;
-    let (s, start) = parse_response_id(&state, &id)
-        .await
-        .ok_or_else(|| not_found("response", &id))?;
-    let info = inspect(&state, s)
-        .await?
-        .ok_or_else(|| not_found("response", &id))?;
+    let (_, events, st) = load(&r, &id).await?;
+    let (state, s, start, info) = (r.state, r.session, r.start, r.info);
     // A conversation's branch (forked for a response's sampling settings)
     // is the conversation's, not the response's.
     let own = matches!(
@@ -2376,13 +2366,11 @@ pub async fn input_items(
     authorize(&state, F, &req)?;
     let query = ListQuery::of(&req)?;
     let id = path.into_inner();
-    let state = owner(&state, &id)
+    let r = owner(&state, &id)
         .await
         .ok_or_else(|| not_found("response", &id))?;
-    let (_, events, st) = load(&state, &id).await?;
-    let (s, start) = parse_response_id(&state, &id)
-        .await
-        .ok_or_else(|| not_found("response", &id))?;
+    let (_, events, st) = load(&r, &id).await?;
+    let (state, s, start) = (r.state, r.session, r.start);
     let events = &events[start as usize..st.prompt];
     let names = call_names(&state, s).await?;
     let items = events

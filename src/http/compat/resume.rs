@@ -23,7 +23,7 @@ use tokio::sync::mpsc;
 
 use super::error::{ApiError, Family, Kind};
 use super::responses::{
-    call, inspect, is_output, load, not_found, open_stored, owner, parse_response_id, read, Replay,
+    call, inspect, is_output, load, not_found, open_stored, owner, read, Replay, Resolved,
     StoredResponse,
 };
 use super::{authorize, event_stream, sse};
@@ -150,15 +150,9 @@ impl Sink {
 
 /// The response `id` as the log holds it, and a subscription to its
 /// session made before the read, so nothing committed in between is missed.
-async fn open_followed(
-    state: &WebState,
-    id: &str,
-) -> Result<(Subscriber, StoredResponse), ApiError> {
-    let (s, _) = parse_response_id(state, id)
-        .await
-        .ok_or_else(|| not_found("response", id))?;
-    let sub = state.m().shared.bus.subscribe(s, false);
-    Ok((sub, open_stored(state, id).await?))
+async fn open_followed(r: &Resolved, id: &str) -> Result<(Subscriber, StoredResponse), ApiError> {
+    let sub = r.state.m().shared.bus.subscribe(r.session, false);
+    Ok((sub, open_stored(r, id).await?))
 }
 
 /// Follows a stored response to its end, its stream's events (sequence
@@ -203,17 +197,18 @@ pub async fn retrieve(
 ) -> Result<HttpResponse, ApiError> {
     authorize(&state, F, &req)?;
     let id = path.into_inner();
-    let state = owner(&state, &id)
+    let r = owner(&state, &id)
         .await
         .ok_or_else(|| not_found("response", &id))?;
     let query = web::Query::<RetrieveQuery>::from_query(req.query_string())
         .map_err(|e| ApiError::invalid(F, format!("bad query: {e}")))?;
     if !query.stream {
-        let (em, _, _) = load(&state, &id).await?;
+        let (em, _, _) = load(&r, &id).await?;
         return Ok(HttpResponse::Ok().json(em.response()));
     }
     // Unknown ids are a 404 before the stream starts.
-    let (sub, sr) = open_followed(&state, &id).await?;
+    let (sub, sr) = open_followed(&r, &id).await?;
+    let state = r.state;
     let (tx, rx) = mpsc::channel(64);
     let sink = Sink::Stream {
         tx,
@@ -235,10 +230,11 @@ pub async fn cancel(
 ) -> Result<HttpResponse, ApiError> {
     authorize(&state, F, &req)?;
     let id = path.into_inner();
-    let state = owner(&state, &id)
+    let r = owner(&state, &id)
         .await
         .ok_or_else(|| not_found("response", &id))?;
-    let (sub, sr) = open_followed(&state, &id).await?;
+    let (sub, sr) = open_followed(&r, &id).await?;
+    let state = r.state;
     if !sr.in_flight {
         return Err(ApiError::invalid(
             F,
