@@ -18,6 +18,12 @@ use superfluid::wire::{Request, Response, SessionId};
 
 use crate::util::{children_of, commit, created, generate_text, params, web_health, TestDaemon};
 
+/// The two tests run one at a time: run together, a server of the lost-server
+/// test died under its worker's load within a second of its start (2 of 9
+/// runs under load, "Remote RPC server crashed"), never with the test alone
+/// (5 of 5).
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// One `ggml-rpc-server` on a loopback port, killed when dropped.
 struct RpcServer {
     port: u16,
@@ -239,6 +245,7 @@ fn metrics(d: &TestDaemon) -> String {
 
 #[test]
 fn a_model_across_two_rpc_servers_answers_as_it_does_here() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let mut here = daemon(&[]);
     let expected = conversation(&mut here);
     drop(here);
@@ -287,6 +294,7 @@ fn a_model_across_two_rpc_servers_answers_as_it_does_here() {
 
 #[test]
 fn a_lost_rpc_server_fails_the_generation_then_the_model_refuses_until_it_is_back() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tempfile::tempdir().unwrap();
     let (mut a, b) = (RpcServer::start(dir.path()), RpcServer::start(dir.path()));
     let d = daemon(&[
