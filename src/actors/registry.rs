@@ -461,8 +461,13 @@ impl Handler<Dispatch> for Registry {
                     let id = book.reserve_id();
                     // A child of `parent` is in flight until applied: a
                     // purge of the parent waits for it.
-                    book.plan_create(id, parent, params, now_ms())
-                        .and_then(|p| book.begin(&p).map(|()| p))
+                    let planned = book
+                        .plan_create(id, parent, params, now_ms())
+                        .and_then(|p| book.begin(&p).map(|()| p));
+                    if planned.is_err() {
+                        book.release_id(id);
+                    }
+                    planned
                 };
                 let reply = match planned {
                     Ok(p) => commit(&shared, p).await,

@@ -142,6 +142,59 @@ fn fork_at_event_out_of_range() {
     );
 }
 
+/// A refused Create, Fork, Trim or Rebase writes nothing and does not use
+/// up a session id: the next session made takes the number after the last
+/// one made (the shared daemon is held by this test, so no other test
+/// makes a session in between).
+#[test]
+fn a_refused_branch_uses_no_session_id() {
+    let d = shared_daemon();
+    let (mut c, s) = fixture(&d);
+    let mut bad = crate::util::params(1);
+    bad.top_p = 2.0;
+    for req in [
+        Request::Create {
+            parent: None,
+            params: bad,
+        },
+        Request::Create {
+            parent: Some(UNKNOWN),
+            params: crate::util::params(1),
+        },
+        Request::Fork {
+            session: s,
+            at_event: 0,
+            params: None,
+        },
+        Request::Fork {
+            session: s,
+            at_event: 2,
+            params: Some(bad),
+        },
+        Request::Trim {
+            session: s,
+            to_event: 4,
+        },
+        rebase(
+            s,
+            vec![Edit::Drop { from: 1, to: 3 }, Edit::Drop { from: 2, to: 3 }],
+        ),
+    ] {
+        expect_err(&mut c, &req);
+    }
+    let next = d.create(&mut c);
+    assert_eq!(next, s + 1, "refused requests used up session ids");
+    let fork = crate::util::created(
+        &mut c,
+        Request::Fork {
+            session: s,
+            at_event: 2,
+            params: None,
+        },
+    );
+    assert_eq!(fork, next + 1);
+}
+
 fn rebase(session: SessionId, edits: Vec<Edit>) -> Request {
     Request::Rebase {
         session,

@@ -1,7 +1,8 @@
 //! New sessions from this one: Fork, Trim (a fork keeping the parent's
 //! params) and Rebase. They run on the parent's actor, so the parent cannot
 //! grow between the plan and the commit; the new session's id is reserved
-//! first, and never reused even if the commit fails. A cascade purge of an
+//! first, given back if the plan is refused (when no id was reserved after
+//! it), and never reused once a commit was tried, even if it fails. A cascade purge of an
 //! ancestor runs on another actor: each plan is registered as in flight
 //! (`SessionBook::begin`) so that the two are never in flight together.
 
@@ -21,11 +22,18 @@ pub(super) async fn fork(
     let planned = {
         let mut book = shared.write();
         let id = book.reserve_id();
-        let planned = book.plan_fork(id, session, at_event, params, now_ms())?;
         // In flight until applied: a purge of the parent (a cascade from an
         // ancestor, planned on another actor) waits for it.
-        book.begin(&planned)?;
-        planned
+        match book
+            .plan_fork(id, session, at_event, params, now_ms())
+            .and_then(|p| book.begin(&p).map(|()| p))
+        {
+            Ok(planned) => planned,
+            Err(e) => {
+                book.release_id(id);
+                return Err(e);
+            }
+        }
     };
     commit(shared, planned).await
 }
@@ -43,9 +51,16 @@ pub(super) async fn rebase(
     let planned = plan_off_thread(shared, |book, render| {
         book.plan_rebase(id, session, edits.clone(), params, render, now)
     })
-    .await?;
+    .await
     // Planned under a read lock: `begin` checks again that no purge took the
     // parent meanwhile.
-    shared.write().begin(&planned)?;
-    commit(shared, planned).await
+    .and_then(|p| shared.write().begin(&p).map(|()| p));
+    match planned {
+        Ok(planned) => commit(shared, planned).await,
+        Err(e) => {
+            // Given back only if no other session reserved one meanwhile.
+            shared.write().release_id(id);
+            Err(e)
+        }
+    }
 }

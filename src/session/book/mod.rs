@@ -311,6 +311,16 @@ impl SessionBook {
         id
     }
 
+    /// Gives back `id`, reserved for a plan that was refused (nothing was
+    /// written under it), when no id was reserved after it: a refused
+    /// Create, Fork, Trim or Rebase does not use up a session id. An id a
+    /// commit was attempted for is never given back.
+    pub fn release_id(&mut self, id: SessionId) {
+        if self.next_session == id + 1 {
+            self.next_session = id;
+        }
+    }
+
     fn get(&self, s: SessionId) -> Result<&Session, SessionError> {
         self.sessions.get(&s).ok_or(SessionError::Unknown(s))
     }
