@@ -166,10 +166,28 @@ pub fn resolve_with(reference: &ModelRef, progress: ProgressFactory) -> Result<R
             progress,
         )?);
     }
-    assemble(&name, &chosen, files)
+    assemble(&name, repo, &chosen, files)
 }
 
-fn assemble(reference: &str, chosen: &Chosen, files: Vec<PathBuf>) -> Result<Resolved, HubError> {
+/// The resolved reference, once each of its files is found to lie in
+/// `repo`'s folder of the cache, links followed ([`contained`]).
+fn assemble(
+    reference: &str,
+    repo: &str,
+    chosen: &Chosen,
+    files: Vec<PathBuf>,
+) -> Result<Resolved, HubError> {
+    let root = repo_root(repo);
+    if let Some(outside) = files.iter().find(|f| contained(f, &root).is_none()) {
+        return Err(HubError::Other {
+            reference: reference.to_owned(),
+            reason: format!(
+                "{} is missing or leads outside {}",
+                outside.display(),
+                root.display()
+            ),
+        });
+    }
     let mmproj = chosen.mmproj.as_ref().and_then(|_| files.last().cloned());
     let model = files.first().cloned().ok_or_else(|| HubError::Other {
         reference: reference.to_owned(),
@@ -201,8 +219,18 @@ fn listing(remote: &ApiRepo) -> Result<Vec<Listed>, ApiError> {
         .map(|s| {
             s.iter()
                 .filter_map(|f| {
+                    let name = f["rfilename"].as_str()?;
+                    // A file name is a path inside the repo: nothing that
+                    // climbs out of it or starts at the root.
+                    let plain = std::path::Path::new(name)
+                        .components()
+                        .all(|c| matches!(c, std::path::Component::Normal(_)));
+                    if !plain {
+                        log::warn!("the hub listed a file named {name:?}; it is left out");
+                        return None;
+                    }
                     Some(Listed {
-                        name: f["rfilename"].as_str()?.to_owned(),
+                        name: name.to_owned(),
                         sha256: f["lfs"]["sha256"].as_str().map(str::to_ascii_lowercase),
                     })
                 })
@@ -294,17 +322,41 @@ fn sha256_of(path: &Path) -> std::io::Result<String> {
     Ok(hex::encode(h.finalize()))
 }
 
-/// The snapshot directory `refs/main` points at, for `repo`.
-fn snapshot(repo: &str) -> Option<PathBuf> {
-    let root = cache()
+/// `repo`'s folder in the cache (`models--owner--name`).
+fn repo_root(repo: &str) -> PathBuf {
+    cache()
         .path()
-        .join(Repo::model(repo.to_owned()).folder_name());
-    let commit = std::fs::read_to_string(root.join("refs").join("main")).ok()?;
-    let dir = root.join("snapshots").join(commit.trim());
-    dir.is_dir().then_some(dir)
+        .join(Repo::model(repo.to_owned()).folder_name())
 }
 
-/// Every file under `dir`, as paths relative to it.
+/// `path` resolved (links followed), when that lies inside `within`
+/// (resolved too). A snapshot's pointers lead to the repo's blobs; one a
+/// link leads elsewhere is never opened nor removed.
+fn contained(path: &Path, within: &Path) -> Option<PathBuf> {
+    let within = std::fs::canonicalize(within).ok()?;
+    let resolved = std::fs::canonicalize(path).ok()?;
+    resolved.starts_with(&within).then_some(resolved)
+}
+
+/// The snapshot directory `refs/main` points at, for `repo`: a commit id
+/// (letters and digits only, so no path), its directory inside the repo's
+/// `snapshots/` once resolved.
+fn snapshot(repo: &str) -> Option<PathBuf> {
+    let root = repo_root(repo);
+    let commit = std::fs::read_to_string(root.join("refs").join("main")).ok()?;
+    let commit = commit.trim();
+    if commit.is_empty() || !commit.bytes().all(|b| b.is_ascii_alphanumeric()) {
+        log::warn!("{}: refs/main is not a commit id", root.display());
+        return None;
+    }
+    let dir = root.join("snapshots").join(commit);
+    contained(&dir, &root.join("snapshots"))
+        .filter(|d| d.is_dir())
+        .map(|_| dir)
+}
+
+/// Every file under `dir`, as paths relative to it. A linked directory is
+/// not walked into (a snapshot holds links to files, its blobs, only).
 fn files_under(dir: &Path) -> Vec<String> {
     fn walk(base: &Path, dir: &Path, out: &mut Vec<String>) {
         let Ok(entries) = std::fs::read_dir(dir) else {
@@ -312,8 +364,13 @@ fn files_under(dir: &Path) -> Vec<String> {
         };
         for e in entries.flatten() {
             let p = e.path();
-            if p.is_dir() {
+            let Ok(kind) = e.file_type() else {
+                continue;
+            };
+            if kind.is_dir() {
                 walk(base, &p, out);
+            } else if p.is_dir() {
+                continue;
             } else if let Ok(rel) = p.strip_prefix(base) {
                 out.push(rel.to_string_lossy().into_owned());
             }
@@ -344,7 +401,7 @@ fn cached(reference: &str, repo: &str, pick: &Pick) -> Result<Resolved, HubError
             reason: format!("{} is not in the cache", missing.display()),
         });
     }
-    assemble(reference, &chosen, files)
+    assemble(reference, repo, &chosen, files)
 }
 
 /// A hub reference's files as the cache holds them (no request).
@@ -420,7 +477,7 @@ pub fn remove(reference: &ModelRef) -> Result<Vec<PathBuf>, HubError> {
     };
     let name = reference.to_string();
     let resolved = cached(&name, repo, pick)?;
-    let root = cache().path().join(Repo::model(repo.clone()).folder_name());
+    let root = repo_root(repo);
     let mut doomed: Vec<PathBuf> = resolved
         .files
         .iter()
@@ -430,7 +487,9 @@ pub fn remove(reference: &ModelRef) -> Result<Vec<PathBuf>, HubError> {
     let mut removed = Vec::new();
     let unlink = |pointers: &[PathBuf], removed: &mut Vec<PathBuf>| {
         for pointer in pointers {
-            let blob = std::fs::canonicalize(pointer).ok();
+            // Only a blob of this repo is removed; `cached` refused any
+            // file that leads outside the repo's folder.
+            let blob = contained(pointer, &root.join("blobs"));
             if std::fs::remove_file(pointer).is_ok() {
                 removed.push(pointer.clone());
             }

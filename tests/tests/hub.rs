@@ -558,3 +558,66 @@ fn serve_takes_a_reference() {
         d.stderr()
     );
 }
+
+/// `rm` (and `DELETE /api/delete`, which calls the same code) removes only
+/// what lies in the repo's folder of the cache: a snapshot pointer that
+/// links outside it, a linked directory in a snapshot, and a `refs/main`
+/// that climbs out of `snapshots/` lead to files that stay. Offline, on a
+/// cache laid out by hand.
+#[test]
+fn rm_never_removes_a_file_outside_the_cache() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = tmp.path().join("cache");
+    let outside = tmp.path().join("outside");
+    std::fs::create_dir_all(outside.join("dir")).unwrap();
+    std::fs::create_dir_all(outside.join("dir3")).unwrap();
+    let victims = [
+        outside.join("victim-Q4_0.gguf"),
+        outside.join("dir").join("x-Q8_0.gguf"),
+        outside.join("dir3").join("e-Q5_0.gguf"),
+    ];
+    for v in &victims {
+        std::fs::write(v, b"GGUF not yours").unwrap();
+    }
+    let repo = |name: &str, commit: &str| {
+        let root = cache.join(format!("models--o--{name}"));
+        std::fs::create_dir_all(root.join("refs")).unwrap();
+        std::fs::write(root.join("refs").join("main"), commit).unwrap();
+        std::fs::create_dir_all(root.join("snapshots").join("c0")).unwrap();
+        root
+    };
+    // A pointer to a file outside the cache.
+    let a = repo("a", "c0");
+    std::os::unix::fs::symlink(&victims[0], a.join("snapshots/c0/a-Q4_0.gguf")).unwrap();
+    // A linked directory inside the snapshot.
+    let b = repo("b", "c0");
+    std::os::unix::fs::symlink(outside.join("dir"), b.join("snapshots/c0/sub")).unwrap();
+    // refs/main naming a path out of snapshots/.
+    repo("c", "../../../outside/dir3");
+    for (reference, victim) in [
+        ("o/a:Q4_0", &victims[0]),
+        ("o/b:Q8_0", &victims[1]),
+        ("o/c:Q5_0", &victims[2]),
+    ] {
+        let out = run(
+            "http://127.0.0.1:9",
+            &cache,
+            &[("HF_HUB_OFFLINE", "1")],
+            &["rm", reference],
+        );
+        assert!(
+            !out.status.success(),
+            "{reference}: rm succeeded: {}",
+            text(&out.stdout)
+        );
+        assert!(
+            victim.exists(),
+            "{reference}: {} was removed",
+            victim.display()
+        );
+    }
+    // Nothing outside was touched.
+    for v in &victims {
+        assert_eq!(std::fs::read(v).unwrap(), b"GGUF not yours");
+    }
+}
