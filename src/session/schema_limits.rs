@@ -24,6 +24,14 @@ pub const MAX_DEPTH: usize = 16;
 /// `maxItems`, `minProperties`, `maxProperties`, `{n}` in a `pattern`).
 /// llama.cpp's grammar parser refuses repetitions past 2000.
 pub const MAX_REPETITION: u64 = 1000;
+/// The longest key (a property's or a definition's name) and `$ref`, in
+/// bytes. llama.cpp's converter makes rule names of them through a
+/// `std::regex_replace` that recurses once per character: a 10,000-byte
+/// property name overflowed the daemon's stack and killed it.
+pub const MAX_NAME_BYTES: usize = 256;
+/// The longest `pattern`, in bytes (the converter parses it by hand and
+/// logs it whole when it refuses it).
+pub const MAX_PATTERN_BYTES: usize = 4096;
 
 const REPETITION_KEYS: [&str; 6] = [
     "minLength",
@@ -68,10 +76,17 @@ pub fn check_tools(tools: &[String]) -> Option<String> {
     None
 }
 
-/// The first limit one schema (or a whole tool object) breaks.
+/// The first limit one schema (or a whole tool object) breaks: the limits
+/// above, and [`MAX_TOOL_BYTES`] for the whole of it (a `response_format`
+/// as much as a tool).
 pub fn check_schema(value: &Value) -> Option<String> {
     let mut count = Count::default();
-    walk(value, 1, &mut count)
+    if let Some(why) = walk(value, 1, &mut count) {
+        return Some(why);
+    }
+    let bytes = value.to_string().len();
+    (bytes > MAX_TOOL_BYTES)
+        .then(|| format!("it takes {bytes} bytes, over the limit of {MAX_TOOL_BYTES} bytes"))
 }
 
 #[derive(Default)]
@@ -92,6 +107,20 @@ fn walk(value: &Value, depth: usize, count: &mut Count) -> Option<String> {
     }
     match value {
         Value::Object(map) => {
+            if let Some(key) = map.keys().find(|k| k.len() > MAX_NAME_BYTES) {
+                return Some(format!(
+                    "a key of {} bytes, over the limit of {MAX_NAME_BYTES} bytes a name",
+                    key.len()
+                ));
+            }
+            if let Some(Value::String(r)) = map.get("$ref") {
+                if r.len() > MAX_NAME_BYTES {
+                    return Some(format!(
+                        "a \"$ref\" of {} bytes, over the limit of {MAX_NAME_BYTES} bytes a name",
+                        r.len()
+                    ));
+                }
+            }
             if let Some(Value::Object(props)) = map.get("properties") {
                 count.properties += props.len();
                 if count.properties > MAX_PROPERTIES {
@@ -108,6 +137,12 @@ fn walk(value: &Value, depth: usize, count: &mut Count) -> Option<String> {
                 }
             }
             if let Some(Value::String(p)) = map.get("pattern") {
+                if p.len() > MAX_PATTERN_BYTES {
+                    return Some(format!(
+                        "a \"pattern\" of {} bytes, over the limit of {MAX_PATTERN_BYTES} bytes",
+                        p.len()
+                    ));
+                }
                 if let Some(n) = largest_braced_number(p).filter(|&n| n > MAX_REPETITION) {
                     return Some(format!(
                         "a \"pattern\" repeats {{{n}}}, over the limit of {MAX_REPETITION} for a repetition bound"
@@ -199,6 +234,22 @@ mod tests {
         assert!(why.contains("16 levels"), "{why}");
         let many = vec![tool(json!({})); 200];
         assert!(check_tools(&many).unwrap().contains("128 tools"));
+        // Names, $ref and patterns: long ones overflowed the converter's
+        // stack; each is refused before it gets there.
+        let long = "_".repeat(MAX_NAME_BYTES + 1);
+        let why = check_schema(&json!({"properties": {long.clone(): {}}})).unwrap();
+        assert!(why.contains("a key of 257 bytes"), "{why}");
+        let why = check_schema(&json!({"$defs": {long.clone(): {}}})).unwrap();
+        assert!(why.contains("a key of 257 bytes"), "{why}");
+        let why = check_schema(&json!({"$ref": format!("#/$defs/{long}")})).unwrap();
+        assert!(why.contains("\"$ref\" of 265 bytes"), "{why}");
+        let why = check_schema(&json!({"pattern": "a".repeat(MAX_PATTERN_BYTES + 1)})).unwrap();
+        assert!(why.contains("4097 bytes"), "{why}");
+        let fine = "_".repeat(MAX_NAME_BYTES);
+        assert_eq!(check_schema(&json!({"properties": {fine: {}}})), None);
+        // A schema over a tool's bytes, in few values (a long description).
+        let why = check_schema(&json!({"description": "x".repeat(MAX_TOOL_BYTES)})).unwrap();
+        assert!(why.contains("over the limit of 65536 bytes"), "{why}");
     }
 
     #[test]

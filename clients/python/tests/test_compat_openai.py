@@ -137,6 +137,23 @@ def test_json_schema_output_parses(daemon):
     assert isinstance(json.loads(r.choices[0].message.content), dict)
 
 
+def test_a_schema_past_the_limits_is_a_400_and_the_daemon_lives(daemon):
+    """A 10,000-byte property name overflowed the stack of llama.cpp's schema
+    converter and killed the daemon; a 1 MB description passed a route that
+    did not count a response_format's bytes. Both are 400s naming the limit."""
+    c = oai(daemon)
+    for schema, said in [
+        ({"type": "object", "properties": {"_" * 10000: {"type": "string"}}}, "a key of 10000 bytes"),
+        ({"type": "object", "$defs": {"d" * 300: {"type": "string"}}}, "a key of 300 bytes"),
+        ({"type": "object", "description": "x" * (1 << 20)}, "over the limit of 65536 bytes"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            chat(c, "x", max_tokens=4, response_format={
+                "type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+        assert said in str(e.value) and e.value.param == "response_format", str(e.value)
+    assert chat(c, "Still there?", max_tokens=3).usage.completion_tokens == 3
+
+
 def test_completions_models_and_metrics(daemon):
     c = oai(daemon)
     r = c.completions.create(model="default", prompt="The capital of France is", max_tokens=5, **GREEDY)
