@@ -96,3 +96,29 @@ def test_at_the_caps_the_requests_are_taken(daemon):
                           {"model": "default", "messages": turns(1), "max_tokens": 1,
                            "tools": [oai_tool(i) for i in range(128)]}, AUTH)
     assert status == 200, body[:300]
+
+
+def test_a_refused_response_leaves_its_conversation_as_it_was(daemon):
+    """A response on a conversation refused for its text.format (over a
+    schema's 64 KiB) or its tools (a schema past the caps) commits nothing:
+    its instructions, tools and tool choice were set on the conversation's
+    session before the format was refused, for good."""
+    status, _, body = raw(daemon, "POST", "/v1/conversations", {}, AUTH)
+    assert status == 200, body[:300]
+    conv = json.loads(body)["id"]
+    tool = {"type": "function", "name": "t", "parameters": {"type": "object"}}
+    big = {"type": "json_schema", "name": "x",
+           "schema": {"type": "object", "description": "d" * (70 << 10)}}
+    long_name = {"type": "function", "name": "u",
+                 "parameters": {"type": "object", "properties": {"p" * 300: {}}}}
+    for extra, param in [({"tools": [tool], "tool_choice": "required", "text": {"format": big}},
+                          "text.format"),
+                         ({"tools": [tool, long_name]}, "tools")]:
+        before = wal_size(daemon)
+        status, _, raw_body = raw(daemon, "POST", "/v1/responses", dict(
+            {"model": "default", "conversation": conv, "instructions": "X", "input": "hi",
+             "max_output_tokens": 4}, **extra), AUTH)
+        assert status == 400, (status, raw_body[:300])
+        err = json.loads(raw_body)["error"]
+        assert err["param"] == param and "bytes" in err["message"], err
+        assert wal_size(daemon) == before, "a refused response changed its conversation"
