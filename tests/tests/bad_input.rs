@@ -142,6 +142,21 @@ fn fork_at_event_out_of_range() {
     );
 }
 
+#[test]
+fn a_title_over_the_cap() {
+    refused(
+        |s| {
+            vec![Request::SetMeta {
+                session: s,
+                expected_version: 0,
+                title: Some("t".repeat(1025)),
+                archived: None,
+            }]
+        },
+        "over the limit of 1024 bytes",
+    );
+}
+
 /// A refused Create, Fork, Trim or Rebase writes nothing and does not use
 /// up a session id: the next session made takes the number after the last
 /// one made (the shared daemon is held by this test, so no other test

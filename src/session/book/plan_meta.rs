@@ -3,6 +3,12 @@
 use super::{Planned, SessionBook, SessionError};
 use crate::wire::{PurgeMode, QosClass, Record, SessionId};
 
+/// The longest title `SetMeta` takes, in bytes. Titles travel in every
+/// listing of sessions (`superfluid session ls`, the page's tree), whose
+/// reply is one frame: five 15 MiB titles put it past the 64 MiB frame cap
+/// for every client.
+pub const MAX_TITLE_BYTES: usize = 1024;
+
 impl SessionBook {
     /// `SetMeta`.
     pub fn plan_meta(
@@ -14,6 +20,12 @@ impl SessionBook {
         now: u64,
     ) -> Result<Planned, SessionError> {
         let sess = self.writable(s)?;
+        if let Some(t) = title.as_ref().filter(|t| t.len() > MAX_TITLE_BYTES) {
+            return Err(SessionError::Invalid(format!(
+                "a title of {} bytes, over the limit of {MAX_TITLE_BYTES} bytes",
+                t.len()
+            )));
+        }
         if sess.version != expected_version {
             return Err(SessionError::Version {
                 session: s,

@@ -350,6 +350,14 @@ fn meta_and_purge_guards() {
         b.plan_meta(s, 1, None, None, 1),
         Err(SessionError::Version { .. })
     ));
+    let long = "t".repeat(super::plan_meta::MAX_TITLE_BYTES + 1);
+    let refused = b.plan_meta(s, 0, Some(long), None, 1);
+    assert!(
+        matches!(&refused, Err(SessionError::Invalid(m)) if m.contains("1025 bytes")),
+        "{refused:?}"
+    );
+    let longest = "t".repeat(super::plan_meta::MAX_TITLE_BYTES);
+    assert!(b.plan_meta(s, 0, Some(longest), None, 1).is_ok());
     commit!(b, b.plan_meta(s, 0, Some("t".into()), None, 1));
     commit!(b, b.plan_meta(s, 1, None, Some(true), 1));
     let i = b.inspect(s).unwrap();
