@@ -10,6 +10,12 @@ pub(super) fn check_role(r: u8) -> Result<Role, SessionError> {
     Ok(Role::try_from(r)?)
 }
 
+/// The most tokens one `Append` carries as a span. Its text, when not
+/// given, is detokenized where the Append is planned (the session's actor):
+/// this bounds that work (about 10 ms) before it starts, and keeps a 16 MiB
+/// body of one-byte tokens from growing into a record several times its size.
+pub const MAX_APPEND_TOKENS: usize = 128 << 10;
+
 impl SessionBook {
     /// `Append`: raw text or raw tokens, outside the chat template. A span,
     /// when given, is what goes on the input (its text is the given text or,
@@ -33,6 +39,12 @@ impl SessionBook {
             let span = render.tokenize(&text);
             (text, span)
         } else {
+            if span.len() > MAX_APPEND_TOKENS {
+                return Err(SessionError::Invalid(format!(
+                    "a span of {} tokens, over the limit of {MAX_APPEND_TOKENS} tokens an Append",
+                    span.len()
+                )));
+            }
             let n = render.n_vocab();
             if let Some(bad) = span.iter().find(|&&t| t >= n) {
                 return Err(SessionError::Invalid(format!(

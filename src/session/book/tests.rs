@@ -690,6 +690,14 @@ fn append_text_or_span_and_vocab_check() {
     assert_eq!(ev[1].body, ev[0].body);
     assert!(b.plan_append(s, None, vec![256], &Bytes, 1).is_err());
     assert!(b.plan_append(s, None, vec![], &Bytes, 1).is_err());
+    // A span over the cap is refused before it is checked or detokenized.
+    let cap = super::plan_messages::MAX_APPEND_TOKENS;
+    let refused = b.plan_append(s, None, vec![104; cap + 1], &Bytes, 1);
+    assert!(
+        matches!(&refused, Err(SessionError::Invalid(m)) if m.contains("131073 tokens")),
+        "{refused:?}"
+    );
+    assert!(b.plan_append(s, None, vec![104; cap], &Bytes, 1).is_ok());
     assert!(b.plan_message(s, 4, "x".into(), &Bytes, 1).is_err());
 }
 
