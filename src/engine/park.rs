@@ -37,6 +37,7 @@
 
 use std::fs::File;
 use std::io::{Read, Write};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
@@ -291,14 +292,30 @@ pub fn encode_segment_head(
     Ok(frame(SEG_MAGIC, SEG_VERSION, &archive))
 }
 
+/// Makes `dir` (and its parents) when missing, the last one 0700, as the
+/// sessions directory the daemon makes is: what is parked there holds the
+/// conversations' tokens.
+fn private_dir(dir: &Path) -> std::io::Result<()> {
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+}
+
 /// Writes `head` then `state` crash-safely: temp file, fsync, rename, dir
 /// fsync.
 fn write_file(path: &Path, head: &[u8], state: &[u8]) -> std::io::Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir)?;
+    private_dir(dir)?;
     let tmp = tmp_of(path);
     let written = (|| {
-        let mut f = File::create(&tmp)?;
+        // The artifact holds the conversation's tokens: the owner's only.
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)?;
         f.write_all(head)?;
         f.write_all(state)?;
         f.sync_all()?;
@@ -880,13 +897,18 @@ impl Parker {
     ) -> std::io::Result<Parker> {
         // Only an f16 cache's rows are stored as Q8_0.
         let lossy = lossy && cache == KV_TYPE_F16;
-        std::fs::create_dir_all(&dir)?;
+        private_dir(&dir)?;
+        // A directory and artifacts an older daemon made with the umask's
+        // modes (0755, 0644) become the owner's only.
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
         // Temp files a killed writer left: never in use, removed.
         for e in std::fs::read_dir(&dir)?.filter_map(|e| e.ok()) {
             let name = e.file_name();
             let name = name.to_string_lossy();
             if name.ends_with(".tmp") && name.contains(".park") {
                 let _ = std::fs::remove_file(e.path());
+            } else if name.contains(".park") {
+                let _ = std::fs::set_permissions(e.path(), std::fs::Permissions::from_mode(0o600));
             }
         }
         let model = model_identity(gguf)?;

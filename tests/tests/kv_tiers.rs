@@ -176,6 +176,30 @@ fn park_daemon() -> TestDaemon {
     d
 }
 
+/// Parked state holds the conversation's tokens: the park directory is the
+/// owner's only (0700) and so is each artifact (0600), also in a sessions
+/// directory the user made readable by others beforehand (0755), where the
+/// umask's modes (0755, 0644) left them readable.
+#[test]
+fn parked_state_is_the_owners_only() {
+    use std::os::unix::fs::PermissionsExt;
+    let mut d = park_daemon();
+    std::fs::create_dir_all(&d.sessions).unwrap();
+    std::fs::set_permissions(&d.sessions, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let s = parked_session(&mut d);
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    let dir = d.sessions.join("park");
+    assert_eq!(mode(&dir), 0o700, "the park directory");
+    let artifact = dir.join(format!("{s}.park"));
+    assert_eq!(mode(&artifact), 0o600, "{}", artifact.display());
+    // One an older daemon left readable is made the owner's only at start.
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::set_permissions(&artifact, std::fs::Permissions::from_mode(0o644)).unwrap();
+    d.spawn_and_wait();
+    d.stop();
+    assert_eq!((mode(&dir), mode(&artifact)), (0o700, 0o600));
+}
+
 #[test]
 fn park_lossy_artifacts_are_about_half_the_size_and_the_session_still_answers() {
     let mut full = park_daemon();
