@@ -91,6 +91,47 @@ fn lines(path: &Path) -> Vec<Value> {
         .collect()
 }
 
+/// An export over a file others can read leaves it the owner's only; over
+/// a symbolic link it is refused, and the link's target is untouched.
+#[test]
+fn an_export_is_private_over_an_old_file_and_refused_through_a_link() {
+    let d = shared_daemon();
+    let (s, f, _) = session_and_fork(&d);
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("exports");
+    let run = |id: SessionId| {
+        export(
+            &d,
+            &[
+                &id.to_string(),
+                "--format",
+                "jsonl",
+                "--out",
+                out.to_str().unwrap(),
+            ],
+        )
+    };
+    ok(&run(f));
+    let path = out.join(format!("session-{f}.jsonl"));
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+    ok(&run(f));
+    assert_eq!(
+        std::fs::metadata(&path).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+    let target = dir.path().join("elsewhere");
+    std::fs::write(&target, "not an export").unwrap();
+    std::os::unix::fs::symlink(&target, out.join(format!("session-{s}.jsonl"))).unwrap();
+    let again = run(s);
+    assert!(!again.status.success());
+    assert!(
+        String::from_utf8_lossy(&again.stderr).contains("symbolic link"),
+        "{}",
+        String::from_utf8_lossy(&again.stderr)
+    );
+    assert_eq!(std::fs::read_to_string(&target).unwrap(), "not an export");
+}
+
 #[test]
 fn jsonl_of_a_fork_marks_inherited_events_and_leaves_content_out() {
     let d = shared_daemon();
