@@ -1,6 +1,6 @@
 //! The `superfluid` command: a thin shell over the library.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use clap::{Parser, Subcommand};
 
@@ -21,7 +21,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Serve a GGUF model: sessions over the unix socket.
-    Serve(Serve),
+    Serve(Box<Serve>),
     /// Look at and script sessions through a running daemon's socket.
     Session(cli::SessionArgs),
     /// Print the URL of a running daemon's page (`serve --web`), token
@@ -190,7 +190,9 @@ struct Serve {
     web_origin: Vec<String>,
     /// A stable key the OpenAI and Anthropic routes and /metrics accept
     /// besides the web token (which changes at every start), as
-    /// `Authorization: Bearer KEY` or `x-api-key: KEY`.
+    /// `Authorization: Bearer KEY` or `x-api-key: KEY`. Prefer the
+    /// SUPERFLUID_API_KEY variable or --api-key-file: other users can read
+    /// a process's command line.
     #[arg(
         long,
         value_name = "KEY",
@@ -198,6 +200,10 @@ struct Serve {
         hide_env_values = true
     )]
     api_key: Option<String>,
+    /// --api-key read from a file (its first line), which must be readable
+    /// by its owner only (0600 or 0400).
+    #[arg(long, value_name = "PATH", conflicts_with = "api_key")]
+    api_key_file: Option<PathBuf>,
     /// Events a subscription may have queued towards a slow client before
     /// it is ended as lagged.
     #[arg(long, value_name = "EVENTS", default_value_t = superfluid::actors::bus::SUB_BUFFER_EVENTS)]
@@ -371,6 +377,35 @@ fn main() {
     }
 }
 
+/// Whether `--api-key` was given as an argument (not through its variable).
+fn key_on_command_line() -> bool {
+    std::env::args().any(|a| a == "--api-key" || a.starts_with("--api-key="))
+}
+
+/// The key in `path`'s first line, once the file is found to be its
+/// owner's only.
+fn read_key_file(path: &Path) -> anyhow::Result<String> {
+    use std::os::unix::fs::PermissionsExt;
+    let what = |e: std::io::Error| anyhow::anyhow!("--api-key-file {}: {e}", path.display());
+    let mode = std::fs::metadata(path).map_err(what)?.permissions().mode();
+    if mode & 0o077 != 0 {
+        anyhow::bail!(
+            "--api-key-file {}: readable by others (mode {:o}); make it 0600",
+            path.display(),
+            mode & 0o777
+        );
+    }
+    let text = std::fs::read_to_string(path).map_err(what)?;
+    let key = text.lines().next().unwrap_or("").trim().to_owned();
+    if key.is_empty() {
+        anyhow::bail!(
+            "--api-key-file {}: no key on its first line",
+            path.display()
+        );
+    }
+    Ok(key)
+}
+
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Serve(s) if s.park_lossy && s.kv_bits == 8 => anyhow::bail!(
@@ -378,6 +413,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
              16); it cannot be combined with --kv-bits 8"
         ),
         Command::Serve(s) => {
+            let s = *s;
             let (model, fetched) = resolve_model(&s.model)?;
             let more: Vec<(PathBuf, Option<PathBuf>)> = s
                 .more_models
@@ -386,6 +422,16 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 .collect::<anyhow::Result<_>>()?;
             if let Some(p) = s.mmproj.as_ref().filter(|p| !p.is_file()) {
                 anyhow::bail!("--mmproj {}: no such file", p.display());
+            }
+            let api_key = match &s.api_key_file {
+                Some(path) => Some(read_key_file(path)?),
+                None => s.api_key,
+            };
+            if api_key.is_some() && key_on_command_line() {
+                log::warn!(
+                    "--api-key on the command line can be read by other users (ps, \
+                     /proc/PID/cmdline); prefer SUPERFLUID_API_KEY or --api-key-file"
+                );
             }
             daemon::serve(ServeConfig {
                 model,
@@ -404,7 +450,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 web: s.web.map(|addr| superfluid::http::WebConfig {
                     addr,
                     origins: s.web_origin,
-                    api_key: s.api_key,
+                    api_key,
                     max_connections: s.max_connections as usize,
                 }),
                 sub_buffer: s.sub_buffer,

@@ -967,3 +967,56 @@ fn web_connections_are_capped_and_idle_ones_closed() {
         assert!(got.is_empty() || text.starts_with("HTTP/1.1 408"), "{text}");
     }
 }
+
+/// `--api-key-file`: a key file others can read stops the start with a
+/// message naming it; one that is the owner's only gives the key the
+/// compatible routes take. `--api-key` on the command line (readable by
+/// other users in the process list) is warned about.
+#[test]
+fn an_api_key_from_a_private_file_and_a_warning_for_one_on_the_command_line() {
+    let mut d = TestDaemon::new();
+    let file = d.path().join("key");
+    std::fs::write(&file, "file-key-123\n").unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let args: Vec<String> = ["--web", "127.0.0.1:0", "--api-key-file"]
+        .iter()
+        .map(|s| s.to_string())
+        .chain([file.to_string_lossy().into_owned()])
+        .collect();
+    let failed = d.start_expect_exit(&args);
+    assert!(
+        failed.stderr.contains("readable by others (mode 644)"),
+        "{}",
+        failed.stderr
+    );
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    d.extra_args = args;
+    d.spawn_and_wait();
+    let web = web_of(&d);
+    let models = |key: &str| {
+        let auth = format!("Bearer {key}");
+        request(
+            web.port,
+            "GET",
+            "/v1/models",
+            &[("Authorization", &auth)],
+            b"",
+        )
+        .status
+    };
+    assert_eq!(models("file-key-123"), 200);
+    assert_eq!(models("file-key-12"), 401);
+    assert!(!d.stderr().contains("can be read by other users"));
+    d.stop();
+    d.extra_args = ["--web", "127.0.0.1:0", "--api-key", "argv-key"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    d.spawn_and_wait();
+    assert!(
+        d.stderr()
+            .contains("--api-key on the command line can be read by other users"),
+        "{}",
+        d.stderr()
+    );
+}
