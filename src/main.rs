@@ -563,6 +563,34 @@ fn resolve_model(model: &str) -> anyhow::Result<(PathBuf, Option<PathBuf>)> {
     Ok((resolved.model, resolved.mmproj))
 }
 
+/// The page `superfluid open` hands the browser, in the sessions directory.
+const OPEN_FILE: &str = "open.html";
+
+/// Writes a page that sends the browser on to `url` (which holds the web
+/// token), readable by its owner only.
+fn write_redirect(path: &Path, url: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)?;
+    f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+    // The URL is the daemon's loopback address, a path and a hex token:
+    // nothing in it needs escaping in an attribute or a string.
+    write!(
+        f,
+        "<!doctype html><meta charset=\"utf-8\"><title>superfluid</title>\
+         <meta http-equiv=\"refresh\" content=\"0;url={url}\">\
+         <script>location.replace({url:?})</script>\
+         <p><a href=\"{url}\">Open superfluid</a></p>\n"
+    )?;
+    f.sync_all()
+}
+
 /// `superfluid open`: the page's URL from the files `serve --web` wrote.
 fn open(sessions: &std::path::Path, browser: bool) -> anyhow::Result<()> {
     use superfluid::http::{page, token};
@@ -583,9 +611,16 @@ fn open(sessions: &std::path::Path, browser: bool) -> anyhow::Result<()> {
     let url = page::url(addr, &read(token::TOKEN_FILE)?);
     println!("{url}");
     if browser {
+        // The browser is given a file of the owner's only that sends it on
+        // to the page: the URL holds the token, and a command line
+        // (xdg-open's, the browser's) can be read by other users.
+        let redirect = sessions.join(OPEN_FILE);
+        write_redirect(&redirect, &url)
+            .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", redirect.display()))?;
+        let target = format!("file://{}", redirect.display());
         // Fire and forget; without xdg-open the printed URL is the answer.
         if let Err(e) = std::process::Command::new("xdg-open")
-            .arg(&url)
+            .arg(&target)
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())

@@ -147,6 +147,33 @@ def test_superfluid_open_prints_the_url(daemon):
     assert out.strip() == page_url(daemon)
 
 
+def test_superfluid_open_hands_the_browser_a_private_file_not_the_token(daemon, browser, tmp_path):
+    """The token is not put on xdg-open's (or the browser's) command line,
+    which other users can read: the browser gets a 0600 file in the sessions
+    directory that sends it on to the page, and Chromium, opening that file,
+    lands on the connected page."""
+    stub = tmp_path / "xdg-open"
+    args = tmp_path / "args"
+    stub.write_text('#!/bin/sh\nprintf "%s" "$@" > "{}"\n'.format(args))
+    stub.chmod(0o755)
+    env = dict(os.environ, PATH="{}:{}".format(tmp_path, os.environ.get("PATH", "")))
+    subprocess.run([daemon.binary, "open", "--sessions", daemon.sessions], env=env,
+                   capture_output=True, text=True, check=True)
+    for _ in range(100):
+        if args.exists() and args.read_text():
+            break
+        __import__("time").sleep(0.05)
+    given = args.read_text()
+    assert given.startswith("file://") and daemon.token() not in given, given
+    path = given[len("file://"):]
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert page_url(daemon) in open(path).read()
+    p = Page(browser, given)
+    p.page.wait_for_url(page_url(daemon))
+    p.connected()
+    p.close()
+
+
 # ---- the page ------------------------------------------------------------------
 
 
