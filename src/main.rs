@@ -581,12 +581,12 @@ fn write_redirect(path: &Path, url: &str) -> std::io::Result<()> {
     f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
     // The URL is the daemon's loopback address, a path and a hex token:
     // nothing in it needs escaping in an attribute or a string.
-    write!(
+    writeln!(
         f,
         "<!doctype html><meta charset=\"utf-8\"><title>superfluid</title>\
          <meta http-equiv=\"refresh\" content=\"0;url={url}\">\
          <script>location.replace({url:?})</script>\
-         <p><a href=\"{url}\">Open superfluid</a></p>\n"
+         <p><a href=\"{url}\">Open superfluid</a></p>"
     )?;
     f.sync_all()
 }
