@@ -154,6 +154,45 @@ def test_a_schema_past_the_limits_is_a_400_and_the_daemon_lives(daemon):
     assert chat(c, "Still there?", max_tokens=3).usage.completion_tokens == 3
 
 
+def nested_alternatives(depth):
+    """A 3 KB schema whose grammar's parse stacks double with every "[" the
+    model writes: each level an array of one or of up to two of the next."""
+    defs = {}
+    for i in range(depth):
+        item = {"$ref": "#/$defs/l{}".format(i + 1)}
+        defs["l{}".format(i)] = {"anyOf": [
+            {"type": "array", "items": item, "minItems": 1, "maxItems": 1},
+            {"type": "array", "items": item, "minItems": 1, "maxItems": 2}]}
+    defs["l{}".format(depth)] = {"type": "integer"}
+    return {"$defs": defs, "$ref": "#/$defs/l0"}
+
+
+def test_a_grammar_that_grows_too_costly_is_stopped_alone(daemon):
+    """A grammar whose cost doubles with each token held every other
+    sequence's step (one token per step of it, gaps of 12 s) and the hang
+    guard, which allows for the slowest rate seen, never fired. Past 500 ms
+    for one token the generation is refused, naming the limit; a request
+    beside it is served."""
+    c = oai(daemon)
+    box = {}
+
+    def costly():
+        try:
+            chat(c, "Write nested arrays.", max_tokens=64, response_format={
+                "type": "json_schema", "json_schema": {"name": "n", "schema": nested_alternatives(16)}})
+        except openai.APIError as e:
+            box["error"] = str(e)
+
+    t = __import__("threading").Thread(target=costly)
+    t.start()
+    beside = chat(c, "Name a river.", max_tokens=8)
+    t.join(timeout=300)
+    assert not t.is_alive()
+    assert "500 ms a token" in box.get("error", ""), box
+    assert beside.usage.completion_tokens == 8
+    assert chat(c, "Still there?", max_tokens=3).usage.completion_tokens == 3
+
+
 def test_completions_models_and_metrics(daemon):
     c = oai(daemon)
     r = c.completions.create(model="default", prompt="The capital of France is", max_tokens=5, **GREEDY)

@@ -52,6 +52,12 @@ pub enum RequestError {
     GrammarDeadEnd { seq: u32, pos: u64 },
     #[error("grammar rejected token {token}: {reason}")]
     GrammarRejected { token: u32, reason: String },
+    #[error(
+        "the grammar took {ms} ms to constrain the token at position {pos}, over the limit of \
+         {limit} ms a token (a schema whose alternatives multiply as the output grows): the \
+         generation is stopped so that it does not hold up the others"
+    )]
+    GrammarTooCostly { pos: u64, ms: u64, limit: u64 },
     #[error("sampling extras: {0}")]
     Extras(#[from] crate::wire::ExtrasError),
     #[error(

@@ -80,6 +80,15 @@ use spill::SpillStore;
 /// llama.cpp's `LLAMA_MAX_SEQ`: more sequences make context creation fail.
 pub const MAX_SEQ: u32 = 256;
 
+/// The most time a grammar may take to constrain one token (its allowed
+/// tokens, then the drawn one accepted). A JSON schema's grammar takes
+/// milliseconds; one whose alternatives multiply as the output grows (a
+/// small schema of nested `$ref`s can double llama.cpp's parse stacks with
+/// every `[`) takes twice as long with each token, and every other
+/// sequence's step waits for it. Past this the generation is refused with
+/// `GrammarTooCostly`, and only it.
+pub const GRAMMAR_TOKEN_LIMIT: std::time::Duration = std::time::Duration::from_millis(500);
+
 /// What a decode brought: the draws, the tokens decoded, and the time
 /// llama.cpp's decode calls took.
 #[derive(Debug, Default)]
@@ -1112,6 +1121,7 @@ impl WorkerEngine {
         };
         let token = match self.grammars.get_mut(item.seq as usize) {
             Some(g) if sample.grammar.is_some() => {
+                let started = Instant::now();
                 if !g.allowed(row, &mut self.mask) {
                     return Err(RequestError::GrammarDeadEnd {
                         seq: item.seq,
@@ -1123,6 +1133,14 @@ impl WorkerEngine {
                 let token = sample::draw(row, &sample.params, sample.draw_pos, Some(&allowed));
                 let eog = self.model.vocab().is_eog(LlamaToken(token as i32));
                 g.accept(token, eog)?;
+                let took = started.elapsed();
+                if took > GRAMMAR_TOKEN_LIMIT {
+                    return Err(RequestError::GrammarTooCostly {
+                        pos: sample.draw_pos,
+                        ms: took.as_millis() as u64,
+                        limit: GRAMMAR_TOKEN_LIMIT.as_millis() as u64,
+                    });
+                }
                 token
             }
             _ => sample::draw(row, &sample.params, sample.draw_pos, None),
