@@ -70,17 +70,31 @@ impl ModelRef {
     /// Parses a reference. An existing file, or anything that looks like a
     /// path (starts with `/`, `.` or `~`, or has no `/`), is a path.
     pub fn parse(s: &str) -> Result<ModelRef, RefError> {
+        if Self::looks_like_path(s) || Path::new(s).exists() {
+            return Ok(ModelRef::Path(PathBuf::from(s)));
+        }
+        Self::parse_hub(s)
+    }
+
+    /// Whether `s` is taken for a path whatever the disk holds.
+    fn looks_like_path(s: &str) -> bool {
         // `dir/file.gguf` (one `/`) is a path too, never sent to the hub.
         let one_slash_gguf =
             s.matches('/').count() == 1 && s.to_ascii_lowercase().ends_with(".gguf");
-        let looks_like_path = s.starts_with('/')
+        s.starts_with('/')
             || s.starts_with('.')
             || s.starts_with('~')
             || !s.contains('/')
             || one_slash_gguf
-            || Path::new(s).exists();
-        if looks_like_path {
-            return Ok(ModelRef::Path(PathBuf::from(s)));
+    }
+
+    /// Parses a hub reference only, never looking at the disk: what a
+    /// request names (Ollama's `/api/pull` and `/api/delete`), so that no
+    /// client learns which paths exist on the daemon's machine by how its
+    /// request is answered. Anything shaped like a path is `NotARef`.
+    pub fn parse_hub(s: &str) -> Result<ModelRef, RefError> {
+        if Self::looks_like_path(s) {
+            return Err(RefError::NotARef(s.to_owned()));
         }
         let bad = || RefError::NotARef(s.to_owned());
         let (owner, rest) = s.split_once('/').ok_or_else(bad)?;
@@ -320,6 +334,25 @@ mod tests {
             repo: repo.into(),
             pick,
         }
+    }
+
+    #[test]
+    fn a_hub_reference_from_a_request_never_looks_at_the_disk() {
+        // `parse_hub` reads the string only (no file system call): path
+        // shapes are refused, references parse as `parse` parses them.
+        for path in [
+            "/etc/passwd",
+            "./x.gguf",
+            "~/m.gguf",
+            "default",
+            "dir/m.gguf",
+        ] {
+            assert!(ModelRef::parse_hub(path).is_err(), "{path}");
+        }
+        assert_eq!(
+            ModelRef::parse_hub("owner/repo:Q4_0").unwrap(),
+            ModelRef::parse("owner/repo:Q4_0").unwrap()
+        );
     }
 
     #[test]

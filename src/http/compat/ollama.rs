@@ -1166,14 +1166,13 @@ pub async fn pull(
 ) -> Result<HttpResponse, ApiError> {
     let r: PullRequest = accept(&state, F, &req, payload).await?;
     let name = model_field(r.model, r.name)?;
-    let reference = match crate::models::ModelRef::parse(&name) {
-        Ok(m @ crate::models::ModelRef::Hub { .. }) => m,
-        Ok(_) => {
+    let reference = match crate::models::ModelRef::parse_hub(&name) {
+        Ok(m) => m,
+        Err(_) => {
             return Err(bad(format!(
                 "{name:?} is not a model reference: pull takes owner/repo:QUANT or owner/repo/FILE.gguf"
             )))
         }
-        Err(e) => return Err(bad(e.to_string())),
     };
     let (tx, mut rx) = mpsc::channel::<Bytes>(64);
     let streaming = r.stream.unwrap_or(true);
@@ -1236,7 +1235,10 @@ pub async fn delete(
 ) -> Result<HttpResponse, ApiError> {
     let r: ShowRequest = accept(&state, F, &req, payload).await?;
     let name = model_field(r.model, r.name)?;
-    let reference = crate::models::ModelRef::parse(&name).map_err(|e| bad(e.to_string()))?;
+    // Never a path: whether one exists is not the client's to learn (a 404
+    // as for any model not in the cache).
+    let reference = crate::models::ModelRef::parse_hub(&name)
+        .map_err(|e| ApiError::new(F, Kind::NotFound, e.to_string()))?;
     let served: Vec<_> = state
         .models
         .iter()
