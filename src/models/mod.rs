@@ -70,10 +70,22 @@ impl ModelRef {
     /// Parses a reference. An existing file, or anything that looks like a
     /// path (starts with `/`, `.` or `~`, or has no `/`), is a path.
     pub fn parse(s: &str) -> Result<ModelRef, RefError> {
-        if Self::looks_like_path(s) || Path::new(s).exists() {
+        if Self::looks_like_path(s) || Path::new(s).exists() || Self::under_a_local_dir(s) {
             return Ok(ModelRef::Path(PathBuf::from(s)));
         }
         Self::parse_hub(s)
+    }
+
+    /// `models/llama/m.gguf`, missing, where `models/` is a directory here:
+    /// a path mistyped (or not made yet), whose name must not go to the hub
+    /// as a request; it fails as a missing file. A hub owner rarely names a
+    /// directory of the working directory.
+    fn under_a_local_dir(s: &str) -> bool {
+        let file_ref = s.matches('/').count() >= 2 && s.to_ascii_lowercase().ends_with(".gguf");
+        file_ref
+            && s.split('/')
+                .next()
+                .is_some_and(|first| Path::new(first).is_dir())
     }
 
     /// Whether `s` is taken for a path whatever the disk holds.
@@ -349,6 +361,13 @@ mod tests {
         ] {
             assert!(ModelRef::parse_hub(path).is_err(), "{path}");
         }
+        // A missing `src/...gguf` (src/ is a directory here, the crate's
+        // root when tests run) is a path, never a hub request.
+        assert_eq!(
+            ModelRef::parse("src/models/missing.gguf").unwrap(),
+            ModelRef::Path("src/models/missing.gguf".into())
+        );
+        assert!(ModelRef::parse_hub("src/models/missing.gguf").is_ok());
         assert_eq!(
             ModelRef::parse_hub("owner/repo:Q4_0").unwrap(),
             ModelRef::parse("owner/repo:Q4_0").unwrap()
