@@ -202,7 +202,9 @@ struct Serve {
     api_key: Option<String>,
     /// --api-key read from a file (its first line), which must be readable
     /// by its owner only (0600 or 0400).
-    #[arg(long, value_name = "PATH", conflicts_with = "api_key")]
+    /// It wins over SUPERFLUID_API_KEY; with --api-key as well, the start is
+    /// refused.
+    #[arg(long, value_name = "PATH")]
     api_key_file: Option<PathBuf>,
     /// Events a subscription may have queued towards a slow client before
     /// it is ended as lagged.
@@ -424,6 +426,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 anyhow::bail!("--mmproj {}: no such file", p.display());
             }
             let api_key = match &s.api_key_file {
+                Some(_) if key_on_command_line() => {
+                    anyhow::bail!("--api-key and --api-key-file: give one of the two")
+                }
                 Some(path) => Some(read_key_file(path)?),
                 None => s.api_key,
             };
@@ -617,7 +622,13 @@ fn open(sessions: &std::path::Path, browser: bool) -> anyhow::Result<()> {
         let redirect = sessions.join(OPEN_FILE);
         write_redirect(&redirect, &url)
             .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", redirect.display()))?;
-        let target = format!("file://{}", redirect.display());
+        // Absolute and percent-encoded (a relative --sessions, a `#` or a
+        // space in a folder's name).
+        let target = std::fs::canonicalize(&redirect)
+            .ok()
+            .and_then(|p| url::Url::from_file_path(p).ok())
+            .ok_or_else(|| anyhow::anyhow!("{}: no file URL", redirect.display()))?
+            .to_string();
         // Fire and forget; without xdg-open the printed URL is the answer.
         if let Err(e) = std::process::Command::new("xdg-open")
             .arg(&target)

@@ -83,29 +83,31 @@ fn session_ids(client: &mut Client, args: &ExportArgs) -> anyhow::Result<Vec<Ses
     }
 }
 
-/// Creates (or truncates) `path` readable by its owner only: an export
-/// may hold every conversation's text. A file there already is set to 0600
-/// too (the mode given at open applies only to a new one), and a link
-/// there is refused, not followed (in a shared directory, another user's
-/// link would send the export to a file of their choosing).
+/// Creates `path` readable by its owner only: an export may hold every
+/// conversation's text. A file there already is replaced by a new one (not
+/// truncated: whoever had the old one open, readable by others, would read
+/// the export through it), and a link there is refused, not followed (in a
+/// shared directory, another user's link would send the export to a file
+/// of their choosing).
 fn create_private(path: &Path) -> std::io::Result<std::fs::File> {
-    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
-    let f = std::fs::OpenOptions::new()
+    use std::os::unix::fs::OpenOptionsExt;
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_symlink() => {
+            return Err(std::io::Error::other(format!(
+                "{} is a symbolic link; an export is not written through one",
+                path.display()
+            )))
+        }
+        Ok(_) => std::fs::remove_file(path)?,
+        Err(_) => {}
+    }
+    // create_new: a file or link made there meanwhile fails the export.
+    std::fs::OpenOptions::new()
         .write(true)
-        .create(true)
-        .truncate(true)
+        .create_new(true)
         .mode(0o600)
         .custom_flags(libc::O_NOFOLLOW)
         .open(path)
-        .map_err(|e| match e.raw_os_error() {
-            Some(libc::ELOOP) => std::io::Error::other(format!(
-                "{} is a symbolic link; an export is not written through one",
-                path.display()
-            )),
-            _ => e,
-        })?;
-    f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
-    Ok(f)
 }
 
 pub fn run(client: &mut Client, args: ExportArgs) -> anyhow::Result<()> {

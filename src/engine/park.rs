@@ -900,7 +900,12 @@ impl Parker {
         private_dir(&dir)?;
         // A directory and artifacts an older daemon made with the umask's
         // modes (0755, 0644) become the owner's only.
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
+        if let Err(e) = std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)) {
+            log::warn!(
+                "{}: cannot make it the owner's only ({e}); its artifacts are 0600",
+                dir.display()
+            );
+        }
         // Temp files a killed writer left: never in use, removed.
         for e in std::fs::read_dir(&dir)?.filter_map(|e| e.ok()) {
             let name = e.file_name();

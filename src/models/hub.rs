@@ -274,6 +274,18 @@ fn fetch(
 ) -> Result<PathBuf, HubError> {
     // Already in the cache, its blob named by the digest the hub gives now.
     if let Some(path) = cache().model(repo.to_owned()).get(file) {
+        // A pointer that leads outside the repo's folder is never used, nor
+        // written through (hf-hub keeps a pointer that exists).
+        if contained(&path, &repo_root(repo)).is_none() {
+            return Err(HubError::Other {
+                reference: reference.to_owned(),
+                reason: format!(
+                    "{} leads outside {}",
+                    path.display(),
+                    repo_root(repo).display()
+                ),
+            });
+        }
         let blob = std::fs::canonicalize(&path).ok();
         let named = blob
             .as_ref()
@@ -292,8 +304,9 @@ fn fetch(
             reason: format!("reading {}: {e}", path.display()),
         })?;
         if got != want {
-            // Neither the pointer nor the blob may be used again.
-            if let Ok(blob) = std::fs::canonicalize(&path) {
+            // Neither the pointer nor the blob may be used again (a blob of
+            // this repo only: nothing a link leads to elsewhere).
+            if let Some(blob) = contained(&path, &repo_root(repo).join("blobs")) {
                 let _ = std::fs::remove_file(blob);
             }
             let _ = std::fs::remove_file(&path);

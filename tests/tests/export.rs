@@ -114,10 +114,21 @@ fn an_export_is_private_over_an_old_file_and_refused_through_a_link() {
     ok(&run(f));
     let path = out.join(format!("session-{f}.jsonl"));
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+    // Someone who could read the old file holds it open.
+    let mut held = std::fs::File::open(&path).unwrap();
     ok(&run(f));
     assert_eq!(
         std::fs::metadata(&path).unwrap().permissions().mode() & 0o777,
         0o600
+    );
+    // The export is a new file: the old one, as held, is as it was.
+    let mut old = String::new();
+    held.read_to_string(&mut old).unwrap();
+    assert_eq!(old, std::fs::read_to_string(&path).unwrap());
+    let target_of_old = std::fs::metadata(&path).unwrap();
+    assert_ne!(
+        std::os::unix::fs::MetadataExt::ino(&held.metadata().unwrap()),
+        std::os::unix::fs::MetadataExt::ino(&target_of_old)
     );
     let target = dir.path().join("elsewhere");
     std::fs::write(&target, "not an export").unwrap();

@@ -621,3 +621,34 @@ fn rm_never_removes_a_file_outside_the_cache() {
         assert_eq!(std::fs::read(v).unwrap(), b"GGUF not yours");
     }
 }
+
+/// An online pull over a cache whose snapshot pointer links outside it is
+/// refused before anything is downloaded or removed: the pointer is not
+/// written through, nor is its target removed as a wrong digest.
+#[test]
+fn pull_never_writes_or_removes_through_a_pointer_outside_the_cache() {
+    let hub = FakeHub::start(repos());
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("hub");
+    let victim = dir.path().join("victim.gguf");
+    std::fs::write(&victim, b"not yours").unwrap();
+    let root = cache.join("models--fake--SmolLM2-GGUF");
+    let snap = root.join("snapshots").join(COMMIT);
+    std::fs::create_dir_all(&snap).unwrap();
+    std::fs::create_dir_all(root.join("refs")).unwrap();
+    std::fs::write(root.join("refs").join("main"), COMMIT).unwrap();
+    std::os::unix::fs::symlink(&victim, snap.join("SmolLM2-135M-Instruct.Q4_1.gguf")).unwrap();
+    let out = run(
+        &hub.endpoint(),
+        &cache,
+        &[],
+        &["pull", "fake/SmolLM2-GGUF:q4_1"],
+    );
+    assert!(!out.status.success(), "{}", text(&out.stdout));
+    assert!(
+        text(&out.stderr).contains("leads outside"),
+        "{}",
+        text(&out.stderr)
+    );
+    assert_eq!(std::fs::read(&victim).unwrap(), b"not yours");
+}

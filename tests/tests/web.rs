@@ -1019,4 +1019,26 @@ fn an_api_key_from_a_private_file_and_a_warning_for_one_on_the_command_line() {
         "{}",
         d.stderr()
     );
+    // The file wins over SUPERFLUID_API_KEY (clap refused the pair).
+    d.stop();
+    d.env.push(("SUPERFLUID_API_KEY".into(), "env-key".into()));
+    d.extra_args = ["--web", "127.0.0.1:0", "--api-key-file"]
+        .iter()
+        .map(|s| s.to_string())
+        .chain([file.to_string_lossy().into_owned()])
+        .collect();
+    d.spawn_and_wait();
+    let web = web_of(&d);
+    let models = |key: &str| {
+        let auth = format!("Bearer {key}");
+        request(
+            web.port,
+            "GET",
+            "/v1/models",
+            &[("Authorization", &auth)],
+            b"",
+        )
+        .status
+    };
+    assert_eq!((models("file-key-123"), models("env-key")), (200, 401));
 }

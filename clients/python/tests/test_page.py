@@ -172,6 +172,24 @@ def test_superfluid_open_hands_the_browser_a_private_file_not_the_token(daemon, 
     p.page.wait_for_url(page_url(daemon))
     p.connected()
     p.close()
+    # A relative --sessions, and a folder whose name needs encoding in a URL.
+    odd = tmp_path / "a b#c"
+    odd.mkdir()
+    for name in ("web-addr", "web-token"):
+        (odd / name).write_text(open(os.path.join(daemon.sessions, name)).read())
+    args.unlink()
+    subprocess.run([daemon.binary, "open", "--sessions", "a b#c"], env=env, cwd=tmp_path,
+                   capture_output=True, text=True, check=True)
+    for _ in range(100):
+        if args.exists() and args.read_text():
+            break
+        __import__("time").sleep(0.05)
+    given = args.read_text()
+    assert given.startswith("file:///") and "a%20b%23c/open.html" in given, given
+    p = Page(browser, given)
+    p.page.wait_for_url(page_url(daemon))
+    p.connected()
+    p.close()
 
 
 # ---- the page ------------------------------------------------------------------
