@@ -122,3 +122,23 @@ def test_a_refused_response_leaves_its_conversation_as_it_was(daemon):
         err = json.loads(raw_body)["error"]
         assert err["param"] == param and "bytes" in err["message"], err
         assert wal_size(daemon) == before, "a refused response changed its conversation"
+
+
+def test_chat_caps_come_before_the_images_and_the_render(daemon):
+    """On /v1/chat/completions the stop and logit_bias caps are checked
+    before any work: a request that would also fail in its render (an image
+    for a model without a projector) is refused for the cap, not after the
+    render for the image."""
+    image = [{"type": "text", "text": "what is this?"},
+             {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]
+    base = {"model": "default", "messages": [{"role": "user", "content": image}], "max_tokens": 2}
+    status, _, body = raw(daemon, "POST", "/v1/chat/completions", base, AUTH)
+    assert status == 400 and "projector" in json.loads(body)["error"]["message"], body[:300]
+    for extra, param, said in [
+        ({"stop": ["s%d" % i for i in range(17)]}, "stop", "16 stop sequences"),
+        ({"stop": ["x" * 257]}, "stop", "256 bytes"),
+        ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias", "logit_bias has more than"),
+    ]:
+        status, _, body = raw(daemon, "POST", "/v1/chat/completions", dict(base, **extra), AUTH)
+        err = json.loads(body)["error"]
+        assert status == 400 and err["param"] == param and said in err["message"], err

@@ -12,7 +12,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use super::chat::{Call, Msg, MsgImage};
+use super::chat::{Call, Msg, MsgImage, StopMatcher, MAX_STOPS, MAX_STOP_BYTES};
 use super::drive::{self, Collected, End, Logprob, Out};
 use super::error::{ApiError, Family, Kind};
 use super::images::Resolved;
@@ -237,6 +237,12 @@ fn stops(v: Option<&Value>) -> Result<Vec<String>, ApiError> {
     match v {
         None | Some(Value::Null) => Ok(Vec::new()),
         Some(Value::String(s)) => Ok(vec![s.clone()]),
+        // Counted before anything is copied (`StopMatcher` checks the rest).
+        Some(Value::Array(a)) if a.len() > MAX_STOPS => Err(ApiError::invalid(
+            F,
+            format!("at most {MAX_STOPS} stop sequences of at most {MAX_STOP_BYTES} bytes each"),
+        )
+        .with_param("stop")),
         Some(Value::Array(a)) => a
             .iter()
             .map(|s| s.as_str().map(str::to_owned).ok_or_else(bad))
@@ -489,9 +495,9 @@ pub async fn chat_completions(
         check_lane(&state, F)?;
         let n = choices(r.n)?;
         check_model(&state, F, &r.model)?;
-        let images = resolve_images(&state, &r.messages).await?;
-        let mut p = prepare_chat(&state, &r, &images).await?;
-        p.extras = extras(
+        // Every cap and setting is checked before the images, the render
+        // and the grammar: a request over one does no work.
+        let extras = extras(
             r.presence_penalty,
             r.frequency_penalty,
             r.logit_bias.as_ref(),
@@ -499,6 +505,10 @@ pub async fn chat_completions(
         )?;
         let params = params(r.temperature, r.top_p, r.top_k, r.min_p, r.seed, F)?;
         let stop = stops(r.stop.as_ref())?;
+        StopMatcher::new(stop.clone()).map_err(|e| super::chat_error(F, e))?;
+        let images = resolve_images(&state, &r.messages).await?;
+        let mut p = prepare_chat(&state, &r, &images).await?;
+        p.extras = extras;
         let (warm, runs) = start_all(&state, F, &p, n, params, &stop, true).await?;
         Ok::<_, ApiError>((p, warm, runs))
     };
