@@ -192,10 +192,12 @@ fn parked_state_is_the_owners_only() {
     assert_eq!(mode(&dir), 0o700, "the park directory");
     let artifact = dir.join(format!("{s}.park"));
     assert_eq!(mode(&artifact), 0o600, "{}", artifact.display());
-    // One an older daemon left readable is made the owner's only at start.
+    // One an older daemon left readable is made the owner's only when the
+    // worker opens it: a turn (which needs the worker) before looking.
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
     std::fs::set_permissions(&artifact, std::fs::Permissions::from_mode(0o644)).unwrap();
     d.spawn_and_wait();
+    timed_turn(&mut d.client(), s);
     d.stop();
     assert_eq!((mode(&dir), mode(&artifact)), (0o700, 0o600));
 }
