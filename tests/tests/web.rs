@@ -968,6 +968,12 @@ fn web_connections_are_capped_and_idle_ones_closed() {
     }
 }
 
+/// The status of `GET /v1/models` with `key` as the bearer.
+fn models_status(port: u16, key: &str) -> u16 {
+    let auth = format!("Bearer {key}");
+    request(port, "GET", "/v1/models", &[("Authorization", &auth)], b"").status
+}
+
 /// `--api-key-file`: a key file others can read stops the start with a
 /// message naming it; one that is the owner's only gives the key the
 /// compatible routes take. `--api-key` on the command line (readable by
@@ -993,17 +999,7 @@ fn an_api_key_from_a_private_file_and_a_warning_for_one_on_the_command_line() {
     d.extra_args = args;
     d.spawn_and_wait();
     let web = web_of(&d);
-    let models = |key: &str| {
-        let auth = format!("Bearer {key}");
-        request(
-            web.port,
-            "GET",
-            "/v1/models",
-            &[("Authorization", &auth)],
-            b"",
-        )
-        .status
-    };
+    let models = |key: &str| models_status(web.port, key);
     assert_eq!(models("file-key-123"), 200);
     assert_eq!(models("file-key-12"), 401);
     assert!(!d.stderr().contains("can be read by other users"));
@@ -1029,16 +1025,6 @@ fn an_api_key_from_a_private_file_and_a_warning_for_one_on_the_command_line() {
         .collect();
     d.spawn_and_wait();
     let web = web_of(&d);
-    let models = |key: &str| {
-        let auth = format!("Bearer {key}");
-        request(
-            web.port,
-            "GET",
-            "/v1/models",
-            &[("Authorization", &auth)],
-            b"",
-        )
-        .status
-    };
+    let models = |key: &str| models_status(web.port, key);
     assert_eq!((models("file-key-123"), models("env-key")), (200, 401));
 }

@@ -147,6 +147,22 @@ def test_superfluid_open_prints_the_url(daemon):
     assert out.strip() == page_url(daemon)
 
 
+def launched(args, timeout=20):
+    """What the stub xdg-open (started without waiting) was given."""
+    deadline = __import__("time").monotonic() + timeout
+    while not (args.exists() and args.read_text()):
+        assert __import__("time").monotonic() < deadline, "xdg-open was not started"
+        __import__("time").sleep(0.05)
+    return args.read_text()
+
+
+def lands_on_the_page(browser, url, daemon):
+    p = Page(browser, url)
+    p.page.wait_for_url(page_url(daemon))
+    p.connected()
+    p.close()
+
+
 def test_superfluid_open_hands_the_browser_a_private_file_not_the_token(daemon, browser, tmp_path):
     """The token is not put on xdg-open's (or the browser's) command line,
     which other users can read: the browser gets a 0600 file in the sessions
@@ -159,19 +175,12 @@ def test_superfluid_open_hands_the_browser_a_private_file_not_the_token(daemon, 
     env = dict(os.environ, PATH="{}:{}".format(tmp_path, os.environ.get("PATH", "")))
     subprocess.run([daemon.binary, "open", "--sessions", daemon.sessions], env=env,
                    capture_output=True, text=True, check=True)
-    for _ in range(100):
-        if args.exists() and args.read_text():
-            break
-        __import__("time").sleep(0.05)
-    given = args.read_text()
+    given = launched(args)
     assert given.startswith("file://") and daemon.token() not in given, given
     path = given[len("file://"):]
     assert os.stat(path).st_mode & 0o777 == 0o600
     assert page_url(daemon) in open(path).read()
-    p = Page(browser, given)
-    p.page.wait_for_url(page_url(daemon))
-    p.connected()
-    p.close()
+    lands_on_the_page(browser, given, daemon)
     # A relative --sessions, and a folder whose name needs encoding in a URL.
     odd = tmp_path / "a b#c"
     odd.mkdir()
@@ -180,16 +189,9 @@ def test_superfluid_open_hands_the_browser_a_private_file_not_the_token(daemon, 
     args.unlink()
     subprocess.run([daemon.binary, "open", "--sessions", "a b#c"], env=env, cwd=tmp_path,
                    capture_output=True, text=True, check=True)
-    for _ in range(100):
-        if args.exists() and args.read_text():
-            break
-        __import__("time").sleep(0.05)
-    given = args.read_text()
+    given = launched(args)
     assert given.startswith("file:///") and "a%20b%23c/open.html" in given, given
-    p = Page(browser, given)
-    p.page.wait_for_url(page_url(daemon))
-    p.connected()
-    p.close()
+    lands_on_the_page(browser, given, daemon)
 
 
 # ---- the page ------------------------------------------------------------------
