@@ -338,6 +338,14 @@ fn counters(stats: crate::scheduler::Stats) -> String {
     );
     metric(
         &mut out,
+        "superfluid_grammar_rested_steps_total",
+        "counter",
+        "Steps a generation sat out while others ran because its grammar took longer to \
+         constrain its last token than the step's decode (summed over generations).",
+        stats.grammar_rested_steps,
+    );
+    metric(
+        &mut out,
         "superfluid_prefill_tokens_total",
         "counter",
         "Prompt tokens the worker decoded (prefill), drawn tokens not counted.",

@@ -13,6 +13,12 @@
 //!   step (continuous batching); a `batch_invariant` one runs alone, so its
 //!   batch shape never depends on what else runs.
 //! - Class 3 (background) advances only every `background_divisor`-th step.
+//! - A generation whose grammar took longer to constrain its last token
+//!   than the step's decode took sits out as many steps as that is longer
+//!   (at most [`MAX_GRAMMAR_REST`]) while others run: every sequence waits
+//!   for a grammar in the step it runs in, so one that costs 50 steps a
+//!   token would otherwise slow every other stream 50 times; resting, it
+//!   costs them at most about half their speed. Alone it is not rested.
 //! - A session's tokens stay resident in its sequence after its turn, so the
 //!   next turn prefills only what is new; a new generation whose prompt
 //!   shares a prefix with another sequence (a fork and its parent) starts
@@ -77,6 +83,10 @@ pub const NO_SESSION: SessionId = 0;
 /// tokens from a running generation's prefill than the KV holds now waits
 /// for that prefill instead of computing them too.
 pub const WAIT_MIN_SHARED: usize = 1024;
+
+/// The most steps a generation sits out for its grammar's cost: a grammar
+/// may take `GRAMMAR_TOKEN_LIMIT` (500 ms) a token, a step a millisecond.
+pub const MAX_GRAMMAR_REST: u32 = 1000;
 
 /// Identifies one generation within a lane.
 pub type GenId = u64;
@@ -300,6 +310,9 @@ struct Gen {
     inflight: u32,
     cancelled: bool,
     arrival: u64,
+    /// Steps it sits out while others run: its grammar took longer to
+    /// constrain its last token than the step's decode (see `rest_for`).
+    rest: u32,
 }
 
 impl Gen {
@@ -323,6 +336,9 @@ pub struct Stats {
     pub max_seqs_per_step: u64,
     /// Tokens drawn.
     pub drawn: u64,
+    /// Steps a generation sat out because its grammar cost more than a
+    /// step (summed over generations).
+    pub grammar_rested_steps: u64,
     /// Prompt tokens taken from the KV instead of a prefill.
     pub warm_tokens: u64,
     /// Prompt tokens the worker decoded (prefill; drawn tokens fed back
@@ -373,6 +389,9 @@ pub struct SchedulerState {
     /// eviction, the background divisor and the batch-invariant turns.
     steps_planned: u64,
     background_divisor: u32,
+    /// The time the last step's decode calls took (`note_decode`): what a
+    /// grammar's cost is weighed against.
+    last_decode_us: u64,
     /// Alternates batch-invariant generations with the shared batch.
     invariant_turn: bool,
     /// Batch-invariant steps planned: which invariant generation runs next
@@ -438,6 +457,7 @@ impl SchedulerState {
             next_gen: 1,
             steps_planned: 0,
             background_divisor: 1,
+            last_decode_us: 0,
             invariant_turn: false,
             invariant_picks: 0,
             dirty: false,
@@ -597,6 +617,7 @@ impl SchedulerState {
                 inflight: 0,
                 cancelled: false,
                 arrival: gen,
+                rest: 0,
             },
         );
         Ok(gen)
@@ -609,6 +630,9 @@ impl SchedulerState {
             return vec![];
         };
         g.cancelled = true;
+        // A resting generation is not in the next step: wake it, so it
+        // finishes with the step after the one in flight like the others.
+        g.rest = 0;
         if g.seq.is_none() {
             self.gens.remove(&gen);
             return vec![GenEvent::Finished {

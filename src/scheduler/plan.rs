@@ -539,6 +539,19 @@ impl SchedulerState {
             })
             .map(|(id, g)| (g.admit.class, g.arrival, *id))
             .collect();
+        // Generations resting for their grammar's cost sit this step out
+        // while any other runs.
+        if running.iter().any(|(_, _, id)| self.gens[id].rest == 0) {
+            running.retain(|(_, _, id)| {
+                let g = self.gens.get_mut(id).expect("running");
+                if g.rest == 0 {
+                    return true;
+                }
+                g.rest -= 1;
+                self.stats.grammar_rested_steps += 1;
+                false
+            });
+        }
         running.sort();
         // Batch-invariant generations run alone, taking turns with the rest.
         let invariant: Vec<GenId> = running

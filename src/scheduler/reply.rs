@@ -22,6 +22,17 @@ impl SchedulerState {
     pub fn note_decode(&mut self, tokens: u64, decode_us: u64) {
         self.stats.decoded_tokens += tokens;
         self.stats.decode_us += decode_us;
+        self.last_decode_us = decode_us;
+    }
+
+    /// Steps a generation sits out after a draw whose grammar took
+    /// `grammar_us`: as many as the grammar took longer than the step's
+    /// decode (none when it took less, or the decode time is unknown).
+    fn rest_for(&self, grammar_us: u32) -> u32 {
+        if self.last_decode_us == 0 {
+            return 0;
+        }
+        (u64::from(grammar_us) / self.last_decode_us).min(u64::from(super::MAX_GRAMMAR_REST)) as u32
     }
 
     /// Takes a step's result.
@@ -129,8 +140,10 @@ impl SchedulerState {
             }
             let d = drawn.iter().find(|d| d.seq == item.seq).cloned();
             self.seqs[seq].last_draw = d.clone();
+            let rest = d.as_ref().map_or(0, |d| self.rest_for(d.grammar_us));
             if let Some(g) = self.gens.get_mut(gen) {
                 g.inflight = g.inflight.saturating_sub(1);
+                g.rest = rest;
             }
             events.extend(self.take_draws(*gen, d.as_slice()));
         }

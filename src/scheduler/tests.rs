@@ -34,6 +34,7 @@ fn drew(seq: u32, token: Token) -> Vec<Drawn> {
         token,
         eog: token == EOG,
         logprob: None,
+        grammar_us: 0,
     }]
 }
 
@@ -52,6 +53,7 @@ fn step_with(s: &mut SchedulerState, draw: impl Fn(u32) -> Token) -> (Option<Ste
                     token,
                     eog: token == EOG,
                     logprob: None,
+                    grammar_us: 0,
                 }
             })
             .collect();
@@ -275,6 +277,7 @@ fn a_refused_item_fails_only_its_generation() {
         token: 100,
         eog: false,
         logprob: None,
+        grammar_us: 0,
     }];
     let refused = [Refused {
         seq: seq_b,
@@ -331,6 +334,7 @@ fn a_step_the_dead_worker_never_got_runs_again() {
         token: 9,
         eog: false,
         logprob: None,
+        grammar_us: 0,
     }];
     s.step_done(&step.unwrap(), Ok(drawn));
     let (step, _) = s.plan();
@@ -749,6 +753,7 @@ impl FakeWorker {
             token,
             eog: token == EOG,
             logprob: None,
+            grammar_us: 0,
         }
     }
 
@@ -1635,12 +1640,14 @@ fn extras_reach_every_draw_and_logprobs_come_back() {
             token: 100,
             eog: false,
             logprob: Some(lp.clone()),
+            grammar_us: 0,
         },
         Drawn {
             seq: 1,
             token: 100,
             eog: false,
             logprob: None,
+            grammar_us: 0,
         },
     ];
     let events = s.step_done(&step, Ok(drawn));
@@ -2421,4 +2428,66 @@ fn run_to_end_drawing(s: &mut SchedulerState, token: Token) {
             break;
         }
     }
+}
+
+/// A generation whose grammar took longer to constrain its token than the
+/// step's decode sits out that many times a step while the others run, then
+/// runs again; alone it is not rested, and a cancel wakes it.
+#[test]
+fn a_costly_grammar_rests_while_the_others_run() {
+    let mut s = SchedulerState::new(4096, 3, 512);
+    let mut costly = admit(1, &[1, 2, 3], 100);
+    costly.grammar = Some("root ::= [a-z]*".into());
+    let slow = s.admit(costly).unwrap();
+    let fast = s.admit(admit(2, &[4, 5, 6], 100)).unwrap();
+    // Each step: 10 ms of decode; the grammar took 35 ms for its token.
+    let step_of = |s: &mut SchedulerState| {
+        let (step, _) = s.plan();
+        let step = step.expect("a step");
+        let seqs: Vec<u32> = step.decode.iter().map(|i| i.seq).collect();
+        let drawn = step
+            .decode
+            .iter()
+            .filter(|i| i.sample.is_some())
+            .map(|i| Drawn {
+                seq: i.seq,
+                token: 100,
+                eog: false,
+                logprob: None,
+                grammar_us: if i.sample.as_ref().unwrap().grammar.is_some() {
+                    35_000
+                } else {
+                    0
+                },
+            })
+            .collect();
+        s.note_decode(1, 10_000);
+        s.step_done(&step, Ok(drawn));
+        seqs
+    };
+    let first = step_of(&mut s);
+    assert_eq!(first.len(), 2, "both prefill in the first step");
+    // 35 / 10: three steps without it, then it runs again.
+    for _ in 0..3 {
+        assert_eq!(step_of(&mut s).len(), 1);
+    }
+    assert_eq!(step_of(&mut s).len(), 2);
+    assert_eq!(s.stats().grammar_rested_steps, 3);
+    let produced = |s: &SchedulerState, g: GenId| s.gens[&g].produced;
+    assert_eq!((produced(&s, slow), produced(&s, fast)), (2, 5));
+    // A cancel wakes it: it is in the very next step.
+    s.cancel(slow);
+    assert_eq!(step_of(&mut s).len(), 2);
+    assert!(!s.gens.contains_key(&slow));
+    // Alone, a costly grammar is never rested.
+    s.cancel(fast);
+    step_of(&mut s);
+    let mut costly = admit(3, &[7, 8, 9], 100);
+    costly.grammar = Some("root ::= [a-z]*".into());
+    let alone = s.admit(costly).unwrap();
+    for _ in 0..4 {
+        assert_eq!(step_of(&mut s).len(), 1);
+    }
+    assert_eq!(produced(&s, alone), 4);
+    assert_eq!(s.stats().grammar_rested_steps, 3);
 }

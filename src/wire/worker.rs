@@ -116,6 +116,12 @@ pub struct Drawn {
     /// Its log-probability and the most likely alternatives, when the draw's
     /// extras asked for `logprobs`.
     pub logprob: Option<TokenLogprob>,
+    /// Microseconds the draw's grammar took to constrain it (its allowed
+    /// tokens, then the drawn one accepted); 0 without a grammar. The
+    /// scheduler rests a generation whose grammar costs the others more
+    /// than a step ([`crate::scheduler`]).
+    #[serde(default)]
+    pub grammar_us: u32,
 }
 
 /// One sequence of a `Decode` that failed on its own, and why.
@@ -360,6 +366,7 @@ mod check_tests {
             token,
             eog: false,
             logprob: None,
+            grammar_us: 0,
         }
     }
 

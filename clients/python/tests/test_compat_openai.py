@@ -4,6 +4,7 @@ prefill, stop sequences, JSON schema output, completions, models, metrics,
 every error case, and a client that goes away mid-stream."""
 
 import json
+import threading
 import time
 
 import openai
@@ -191,6 +192,42 @@ def test_a_grammar_that_grows_too_costly_is_stopped_alone(daemon):
     assert "500 ms a token" in box.get("error", ""), box
     assert beside.usage.completion_tokens == 8
     assert chat(c, "Still there?", max_tokens=3).usage.completion_tokens == 3
+
+
+def test_a_costly_grammar_rests_while_a_stream_beside_it_runs(daemon):
+    """Every sequence of a step waits for a grammar run in it: a schema whose
+    grammar takes 80-300 ms a token (depth 8 of nested alternatives, inside
+    the 500 ms limit) held a stream beside it to one token per grammar
+    token. Now the costly generation sits out as many steps as its grammar
+    takes longer than a step: a 24-token stream started beside it finishes
+    while the costly one draws only a few tokens."""
+    c = oai(daemon)
+    seen = {"n": 0}
+    deep = threading.Event()
+    done = {}
+
+    def costly():
+        stream = chat(c, "Write nested arrays.", max_tokens=40, stream=True, response_format={
+            "type": "json_schema", "json_schema": {"name": "n", "schema": nested_alternatives(8)}})
+        for ch in stream:
+            if ch.choices and ch.choices[0].delta.content:
+                seen["n"] += 1
+                if seen["n"] == 18:
+                    deep.set()
+        done["n"] = seen["n"]
+
+    rested = metrics(daemon).get("superfluid_grammar_rested_steps_total", 0)
+    t = threading.Thread(target=costly)
+    t.start()
+    assert deep.wait(120), "the costly stream never reached its 18th token"
+    before = seen["n"]
+    beside = chat(c, "Name a river and describe it.", max_tokens=24)
+    during = seen["n"] - before
+    t.join(timeout=300)
+    assert not t.is_alive() and done["n"] > 20, done
+    assert beside.usage.completion_tokens == 24
+    assert during <= 12, f"the costly generation drew {during} tokens while the stream beside drew 24"
+    assert metrics(daemon)["superfluid_grammar_rested_steps_total"] > rested
 
 
 def test_completions_models_and_metrics(daemon):

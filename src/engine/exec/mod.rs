@@ -1119,6 +1119,7 @@ impl WorkerEngine {
                 &self.row
             }
         };
+        let mut grammar_us = 0u32;
         let token = match self.grammars.get_mut(item.seq as usize) {
             Some(g) if sample.grammar.is_some() => {
                 let started = Instant::now();
@@ -1141,6 +1142,7 @@ impl WorkerEngine {
                         limit: GRAMMAR_TOKEN_LIMIT.as_millis() as u64,
                     });
                 }
+                grammar_us = took.as_micros().min(u32::MAX as u128) as u32;
                 token
             }
             _ => sample::draw(row, &sample.params, sample.draw_pos, None),
@@ -1159,6 +1161,7 @@ impl WorkerEngine {
             token,
             eog: self.is_eog(token),
             logprob,
+            grammar_us,
         })
     }
 }
@@ -1426,6 +1429,7 @@ mod tests {
                 token: 2,
                 eog: true,
                 logprob: None,
+                grammar_us: 0,
             }),
         );
         assert!(matches!(
@@ -1440,6 +1444,7 @@ mod tests {
                 token: 300,
                 eog: false,
                 logprob: None,
+                grammar_us: 0,
             }),
         );
         assert!(matches!(e.handle(&next(99)), WorkerResponse::Err { .. }));

@@ -325,6 +325,7 @@ mod tests {
             token: 7,
             eog: false,
             logprob: None,
+            grammar_us: 0,
         };
         t.decoded(&items, std::slice::from_ref(&d));
         assert_eq!((t.len(0), t.next_input(0)), (Some(2), Some(d.clone())));
