@@ -449,6 +449,10 @@ pub fn serve(config: ServeConfig) -> Result<(), DaemonError> {
         crate::http::check_addr(web.addr)?;
     }
     let _lock = DirLock::acquire(&config.sessions)?;
+    // Every model's log directory is locked too: another daemon started on
+    // an additional model's <sessions>/models/<id>/ would write the same
+    // log (both found it corrupt at their next start).
+    let mut _model_locks = Vec::new();
     let listener = crate::frontend::socket::bind(&config.socket)?;
     // Removed on every way out, and only while it is still the one bound here.
     let _socket = SocketGuard {
@@ -476,7 +480,9 @@ pub fn serve(config: ServeConfig) -> Result<(), DaemonError> {
         let dir = if i == 0 {
             config.sessions.clone()
         } else {
-            model_dir(&config.sessions, &id)
+            let dir = model_dir(&config.sessions, &id);
+            _model_locks.push(DirLock::acquire(&dir)?);
+            dir
         };
         let render = Arc::new(ModelRender::load(path)?);
         let (file, book) = replay(&dir, mode)?;

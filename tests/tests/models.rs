@@ -300,3 +300,32 @@ fn two_models_with_one_id_are_refused_at_start() {
     assert!(!failed.status.success());
     assert!(failed.stderr.contains("have the id"), "{}", failed.stderr);
 }
+
+/// Each model's log directory is locked with the daemon's: a second daemon
+/// started on an additional model's `<sessions>/models/<id>/` wrote the
+/// same log beside the first (both took session id 1), and the first then
+/// refused to start on the log they had made together.
+#[test]
+fn another_daemon_on_a_model_log_directory_is_refused() {
+    let second = derived_model(LLAMA3);
+    let mut d = daemon_with(std::slice::from_ref(&second), &[]);
+    let pid = d.pid();
+    let dir = d.sessions.join("models").join(id_of(&second));
+    let wal = std::fs::read(dir.join("wal.log")).unwrap();
+    let other_socket = d.path().join("other.sock");
+    let failed = d.start_other_expect_exit(&dir, &other_socket, &[]);
+    assert!(!failed.status.success());
+    assert!(
+        failed
+            .stderr
+            .contains("in use by another superfluid daemon")
+            && failed.stderr.contains(&format!("pid {pid}")),
+        "{}",
+        failed.stderr
+    );
+    assert_eq!(std::fs::read(dir.join("wal.log")).unwrap(), wal);
+    // The first daemon still serves that model.
+    let mut c = d.client();
+    use_model(&mut c, &id_of(&second));
+    session_with_message(&mut c, "Still mine.");
+}
