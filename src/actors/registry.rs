@@ -36,6 +36,9 @@ pub struct DispatchStream {
     pub reply: tokio::sync::mpsc::Sender<Response>,
     /// Generate only: also stream provisional text (see `SessionStream`).
     pub provisional: bool,
+    /// Generate only: told the prompt tokens taken from the cache once the
+    /// scheduler starts the generation (see `SessionStream`).
+    pub started: Option<tokio::sync::oneshot::Sender<u64>>,
 }
 
 /// `Complete` from a frontend that can tell when its client leaves: the
@@ -420,6 +423,7 @@ impl Handler<DispatchStream> for Registry {
             request: msg.request,
             reply: msg.reply,
             provisional: msg.provisional,
+            started: msg.started,
         });
     }
 }

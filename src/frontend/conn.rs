@@ -134,6 +134,7 @@ impl Connection {
                     request,
                     reply: tx,
                     provisional: false,
+                    started: None,
                 });
                 while let Some(response) = rx.recv().await {
                     self.reply(response).await?;

@@ -330,6 +330,7 @@ async fn stream(
                 },
                 reply: tx,
                 provisional: b.provisional,
+                started: None,
             });
             sse_events(rx).boxed_local()
         }

@@ -121,6 +121,30 @@ def test_streaming_events_and_retrieve(daemon):
     assert texts(got) == texts(final)
 
 
+def test_a_streamed_stored_response_sends_its_warm_prefix_in_the_header(daemon):
+    """The x-superfluid-warm header of a streamed stored response was always
+    0 (it went out before the session's generation started) while its usage
+    and the access log counted the cached tokens. Now the header waits for
+    the start and agrees with cached_tokens, fresh and chained."""
+    c = oai(daemon)
+    prompt = "Describe the sea in one sentence. " + " ".join("wave{}".format(i) for i in range(60))
+
+    def streamed(**kw):
+        with c.responses.with_streaming_response.create(
+                model="default", input=prompt, max_output_tokens=8, temperature=0, stream=True, **kw) as r:
+            warm = int(r.headers["x-superfluid-warm"])
+            events = list(r.parse())
+        final = events[-1].response
+        return warm, final.usage.input_tokens_details.cached_tokens, final
+
+    streamed()
+    warm, cached, final = streamed()
+    assert warm == cached and cached > 50, (warm, cached)
+    # A chained response: the previous turn's whole input is in the cache.
+    warm, cached, _ = streamed(previous_response_id=final.id)
+    assert warm == cached and cached > final.usage.input_tokens, (warm, cached)
+
+
 def test_store_false_leaves_no_trace(daemon):
     c = oai(daemon)
     sessions = len(daemon.client().list())

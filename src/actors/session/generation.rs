@@ -41,8 +41,17 @@ pub(super) struct ActiveGeneration {
     cancel_requested: bool,
     /// The client also wants provisional text.
     provisional: bool,
+    /// Told the warm prefix when the scheduler starts it (the first time).
+    started: Option<tokio::sync::oneshot::Sender<u64>>,
     /// Keeps the actor from being stopped as idle while it runs.
     _busy: BusyGuard,
+}
+
+/// What the generating client asks beside the replies (`SessionStream`).
+#[derive(Default)]
+pub(crate) struct Asks {
+    pub provisional: bool,
+    pub started: Option<tokio::sync::oneshot::Sender<u64>>,
 }
 
 impl SessionActor {
@@ -161,11 +170,11 @@ impl SessionActor {
         &mut self,
         max_tokens: u32,
         reply: mpsc::Sender<Response>,
-        provisional: bool,
+        asks: Asks,
         ctx: &mut Context<Self>,
     ) {
         crate::logging::stage("sess_generate", &"-");
-        self.plan_and_start(max_tokens, reply, provisional, 0, Answers::new(), ctx);
+        self.plan_and_start(max_tokens, reply, asks, 0, Answers::new(), ctx);
     }
 
     /// Plans the generation with the grammars converted and the renders
@@ -178,7 +187,7 @@ impl SessionActor {
         &mut self,
         max_tokens: u32,
         reply: mpsc::Sender<Response>,
-        provisional: bool,
+        asks: Asks,
         tries: u8,
         answers: Answers,
         ctx: &mut Context<Self>,
@@ -205,7 +214,7 @@ impl SessionActor {
                 ctx.wait(compute.into_actor(self).map(move |computed, this, ctx| {
                     match (computed, busy) {
                         (Ok(answers), _busy) => {
-                            this.plan_and_start(max_tokens, reply, provisional, tries, answers, ctx)
+                            this.plan_and_start(max_tokens, reply, asks, tries, answers, ctx)
                         }
                         (Err(e), _busy) => {
                             let _ = reply.try_send(Response::err(e.to_string()));
@@ -222,7 +231,7 @@ impl SessionActor {
                 let busy = self.busy.begin();
                 ctx.wait(convert.into_actor(self).map(move |(), this, ctx| {
                     let _busy = busy;
-                    this.plan_and_start(max_tokens, reply, provisional, tries + 1, answers, ctx)
+                    this.plan_and_start(max_tokens, reply, asks, tries + 1, answers, ctx)
                 }));
                 return;
             }
@@ -245,7 +254,8 @@ impl SessionActor {
             warm_prefix: 0,
             failed: None,
             cancel_requested: false,
-            provisional,
+            provisional: asks.provisional,
+            started: asks.started,
             _busy: self.busy.begin(),
         });
         if plan.opening.is_some() && matches!(plan.state, TurnState::Open { .. }) {
@@ -331,7 +341,12 @@ impl Handler<GenUpdate> for SessionActor {
         }
         crate::logging::stage("sess_update", &gen);
         match msg.0 {
-            GenEvent::Started { warm_prefix, .. } => g.warm_prefix = warm_prefix,
+            GenEvent::Started { warm_prefix, .. } => {
+                g.warm_prefix = warm_prefix;
+                if let Some(tx) = g.started.take() {
+                    let _ = tx.send(warm_prefix);
+                }
+            }
             GenEvent::Token { token, .. } => {
                 let eog = render.is_eog(token);
                 let piece = if eog { Vec::new() } else { render.piece(token) };

@@ -56,6 +56,10 @@ pub struct SessionStream {
     /// `SubProvisional { sub: 0, channel, text }` (the browser transport's
     /// `provisional` events).
     pub provisional: bool,
+    /// Told the prompt tokens taken from the cache (the scheduler's
+    /// `warm_prefix`) when the generation starts: the HTTP routes send it
+    /// in a header before the stream. Dropped unsent if it never starts.
+    pub started: Option<tokio::sync::oneshot::Sender<u64>>,
 }
 
 /// Replies a generation may queue for its client before it is judged gone:
@@ -193,7 +197,11 @@ impl Handler<SessionStream> for SessionActor {
                     let _ = msg.reply.try_send(err(SessionError::Busy(session)));
                     return;
                 }
-                self.start_generation(max_tokens, msg.reply, msg.provisional, ctx);
+                let asks = generation::Asks {
+                    provisional: msg.provisional,
+                    started: msg.started,
+                };
+                self.start_generation(max_tokens, msg.reply, asks, ctx);
             }
             other => {
                 let e = SessionError::DoesNotStream(name(&other));

@@ -1453,6 +1453,9 @@ struct Running {
     source: Source,
     input_tokens: u64,
     warm: u64,
+    /// A stored response's warm prefix, told when its generation starts
+    /// (the session reports it only at its end otherwise).
+    started: Option<tokio::sync::oneshot::Receiver<u64>>,
 }
 
 /// `POST /v1/responses`.
@@ -1472,15 +1475,24 @@ pub async fn create(
         .await
         .map_err(|e| super::logged(&access, e))?;
     access.prompt = running.input_tokens as usize;
-    access.cached = running.warm;
     if stream_it {
+        // The x-superfluid-warm header goes out before the stream: a stored
+        // response's is known once its generation starts (not started, it
+        // failed, which the stream tells).
+        let mut running = running;
+        if let Some(started) = running.started.take() {
+            running.warm = started.await.unwrap_or(0);
+        }
+        access.cached = running.warm;
         Ok(stream(running, access))
     } else {
+        access.cached = running.warm;
         let Running {
             head,
             mut source,
             input_tokens,
             warm,
+            ..
         } = running;
         let mut em = Emitter::new(head);
         let mut totals = (input_tokens, 0);
@@ -1520,6 +1532,7 @@ fn stream(running: Running, mut access: Access) -> HttpResponse {
         mut source,
         input_tokens,
         warm,
+        ..
     } = running;
     let (tx, rx) = mpsc::channel::<Bytes>(64);
     actix_rt::spawn(async move {
@@ -1787,6 +1800,7 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
         .unwrap_or(n_ctx)
         .min(n_ctx.saturating_sub(before.tokens as u32).max(1));
     let (tx, rx) = mpsc::channel(STREAM_REPLY_CAPACITY);
+    let (started, warm) = tokio::sync::oneshot::channel();
     state.m().registry.do_send(DispatchStream {
         request: Request::Generate {
             session: s,
@@ -1794,6 +1808,7 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
         },
         reply: tx,
         provisional: false,
+        started: Some(started),
     });
     // The session takes the Generate before any later request: the next
     // change to the conversation finds it generating.
@@ -1808,6 +1823,7 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
         source: Source::Session(rx, Decode::new(s, &markers)),
         input_tokens: before.tokens,
         warm: 0,
+        started: Some(warm),
     })
 }
 
@@ -1897,6 +1913,7 @@ async fn stateless(
         source: Source::Stateless(runs.remove(0)),
         input_tokens: prepared.prompt.len() as u64,
         warm,
+        started: None,
     })
 }
 
