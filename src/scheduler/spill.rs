@@ -19,15 +19,21 @@ use std::collections::BTreeMap;
 
 use crate::wire::Token;
 
-/// Sequences shorter than this are not worth spilling (their prefill is
-/// cheap, and each stored state carries a fixed overhead).
-pub const SPILL_MIN_TOKENS: usize = 32;
-
 /// A restore from host memory is worth it for this many tokens past what
 /// the cells hold: the worker imports only the cells restored (a copy of
 /// some kilobytes a token), where a prefill computes each token through
 /// the whole model.
 pub const RESTORE_MIN_TOKENS: usize = 4;
+
+/// Sequences shorter than this are not spilled: no restore of them could
+/// gain [`RESTORE_MIN_TOKENS`]. Every prefix that could come back is kept
+/// (the spec: a prefix that leaves the pool is kept in host memory until
+/// that room is full); a 28-token prompt was not, at 32.
+pub const SPILL_MIN_TOKENS: usize = RESTORE_MIN_TOKENS;
+
+/// A park artifact is read whole from disk and checked before a restore:
+/// worth it for at least this many tokens past what the cells hold.
+pub const PARK_RESTORE_MIN_TOKENS: usize = 32;
 
 #[derive(Debug, Clone)]
 struct Entry {
@@ -167,7 +173,7 @@ impl SpillIndex {
     /// Whether restoring `n` tokens of `key` beats a prefill from `keep`:
     /// from host memory, at least [`RESTORE_MIN_TOKENS`] more than the
     /// cells hold; from a park artifact (read whole from disk), at least
-    /// `min_tokens` more and at least half of it.
+    /// [`PARK_RESTORE_MIN_TOKENS`] more and at least half of it.
     pub fn worth_restoring(&self, key: u64, n: usize, keep: usize) -> bool {
         let Some(e) = self.entries.get(&key) else {
             return false;
@@ -175,7 +181,7 @@ impl SpillIndex {
         let more = n.saturating_sub(keep);
         match e.disk {
             None => more >= RESTORE_MIN_TOKENS.min(self.min_tokens),
-            Some(_) => more >= self.min_tokens && 2 * n >= e.tokens.len(),
+            Some(_) => more >= PARK_RESTORE_MIN_TOKENS && 2 * n >= e.tokens.len(),
         }
     }
 

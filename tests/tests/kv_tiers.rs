@@ -993,3 +993,57 @@ fn an_idle_session_leaves_the_cells_and_its_next_turn_comes_back_warm() {
     assert_eq!(restored0, 0.0);
     assert_eq!((warm, &reply), (warm0, &reply0));
 }
+
+/// A conversation shorter than 32 tokens, evicted by another on the only
+/// sequence, comes back from host memory too (the spec: a prefix that
+/// leaves the pool is kept there until that room is full); below 32 tokens
+/// nothing was kept, and its next turn was prefilled whole.
+#[test]
+fn a_short_conversation_evicted_comes_back_from_host_memory() {
+    let mut d = TestDaemon::new();
+    d.extra_args = [
+        "--parallel",
+        "1",
+        "--ctx-size",
+        "2048",
+        "--cache-ram-mb",
+        "64",
+    ]
+    .iter()
+    .map(|a| a.to_string())
+    .collect();
+    d.spawn_and_wait();
+    let mut c = d.client();
+    let s = created(
+        &mut c,
+        Request::Create {
+            parent: None,
+            params: params(1),
+        },
+    );
+    commit(
+        &mut c,
+        Request::AppendSystem {
+            session: s,
+            text: Some("Be brief.".into()),
+            tools: vec![],
+        },
+    );
+    say(&mut c, s, "Hi.");
+    let (_, first, _) = generate(&mut c, s, 3);
+    let held: usize = read_events(&mut c, s)
+        .iter()
+        .map(|e| e.body.span().len())
+        .sum();
+    assert!(held < 32, "the conversation holds {held} tokens");
+    // Another conversation takes the only sequence.
+    conversation(&mut c, "Name three rivers of Europe, please.");
+    say(&mut c, s, "Bye.");
+    let (warm, _, _) = generate(&mut c, s, 2);
+    assert!(
+        warm as usize >= held - first.len(),
+        "warm_prefix {warm} of {held} tokens"
+    );
+    let restored = metric(&d, "superfluid_kv_restored_tokens_total");
+    assert_eq!(restored as u64, warm, "restored {restored}");
+}
