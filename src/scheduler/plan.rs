@@ -90,6 +90,13 @@ impl SchedulerState {
         let mut used = 0u64;
         let mut out = vec![false; self.seqs.len()];
         for (_, i, cost) in pinned {
+            // A pin over the whole budget can never hold: it yields alone,
+            // without pushing the older pins out of the budget it is not
+            // using (one 663-token pin in a 512-token budget unpinned a
+            // 105-token one).
+            if cost > budget {
+                continue;
+            }
             used += cost;
             if used <= budget {
                 out[i] = true;

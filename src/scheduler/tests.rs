@@ -482,6 +482,22 @@ fn pinned_sequences_are_evicted_last_and_within_their_budget() {
     s.admit(admit(3, &[3; 6], 1)).unwrap();
     run_to_end(&mut s);
     assert_ne!(s.resident(0), &[1; 6], "over budget, the pin yields");
+    // A newer pin over the whole budget yields alone: an older one that
+    // fits stays protected (it lost its protection to the one that never
+    // held, and was evicted as the least recently used).
+    let mut s = SchedulerState::new(64, 2, 512).with_pin_budget_pct(25);
+    s.set_clock(1_000);
+    s.admit(admit(1, &[1; 6], 1)).unwrap();
+    run_to_end(&mut s);
+    s.admit(admit(2, &[2; 20], 1)).unwrap();
+    run_to_end(&mut s);
+    s.pin(1, 60_000);
+    s.set_clock(2_000);
+    s.pin(2, 60_000);
+    s.admit(admit(3, &[3; 6], 1)).unwrap();
+    run_to_end(&mut s);
+    assert_eq!(s.resident(0), &[1; 6], "the older pin that fits holds");
+    assert_ne!(s.resident(1), &[2; 20], "the pin over the budget yields");
 }
 
 #[test]
