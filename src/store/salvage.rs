@@ -93,6 +93,12 @@ impl Plan {
                 .map_err(io_err(dir))?;
             kept = Some(out_path);
         }
+        // The acknowledged end (`wal.acked`) names bytes this cut removes:
+        // it goes first, durably, so no later log is judged by it.
+        crate::store::wal::acked::remove(dir).map_err(io_err(dir))?;
+        File::open(dir)
+            .and_then(|d| d.sync_all())
+            .map_err(io_err(dir))?;
         file.set_len(self.offset).map_err(io_err(&self.path))?;
         file.sync_all().map_err(io_err(&self.path))?;
         Ok(kept)

@@ -421,6 +421,10 @@ fn torn_tail_at_every_offset() {
 
     for len in last_start..original.len() {
         std::fs::write(d.wal_path(), &original[..len]).unwrap();
+        // A torn write is a power cut before the writer recorded this end
+        // as acknowledged (the previous start, idle, may have recorded its
+        // own Boot's).
+        let _ = std::fs::remove_file(d.sessions.join("wal.acked"));
         d.spawn_and_wait();
         assert_eq!(d.read_all(s), expected_s, "cut at {len}");
         assert_eq!(d.read_all(other), full_other, "cut at {len}");
@@ -452,6 +456,52 @@ fn torn_tail_at_every_offset() {
             "cut at {len}: the tail was not truncated"
         );
         assert_eq!(rest.len(), records.len(), "cut at {len}");
+    }
+}
+
+/// The spec: a complete record that fails its checksum refuses the start.
+/// A flipped byte in the log's last record, one the client was answered
+/// for, was dropped as a torn tail and the event lost; the writer's
+/// acknowledged end (`wal.acked`) now tells it from a torn write, after a
+/// clean stop and after a SIGKILL once the writer had been idle.
+#[test]
+fn flipped_bit_in_the_acknowledged_last_record_refuses_start() {
+    for kill in [false, true] {
+        let mut d = TestDaemon::start();
+        let mut c = d.client();
+        let s = d.create(&mut c);
+        commit(
+            &mut c,
+            msg(
+                s,
+                Role::User.into(),
+                "the last message, which the client saw",
+            ),
+        );
+        drop(c);
+        if kill {
+            // The writer records its end once idle for 200 ms.
+            std::thread::sleep(std::time::Duration::from_millis(1000));
+            d.kill9();
+        } else {
+            d.stop();
+        }
+        let mut bytes = d.wal_bytes();
+        let records = wal_records(&bytes);
+        let (start, end) = *records.last().unwrap();
+        assert_eq!(wal_group_end(&bytes, end), bytes.len(), "the last group");
+        bytes[start + RECORD_HEADER_LEN + (end - start - RECORD_HEADER_LEN) / 2] ^= 0x10;
+        std::fs::write(d.wal_path(), &bytes).unwrap();
+        let failed = d.start_expect_exit(&[]);
+        assert!(
+            !failed.status.success()
+                && failed
+                    .stderr
+                    .contains(&format!("corrupt at byte offset {start}")),
+            "kill {kill}: {}",
+            failed.stderr
+        );
+        assert_eq!(d.wal_bytes(), bytes, "a refused start changed wal.log");
     }
 }
 

@@ -14,6 +14,7 @@
 //! from a blocking context); after that the only blocking happens on the
 //! `wal-writer` thread, and [`WalWriter::append`] never blocks its caller.
 
+pub mod acked;
 pub mod format;
 pub mod recovery;
 pub mod writer;

@@ -99,6 +99,8 @@ fn create_fresh(dir: &Path, path: &Path) -> Result<(), StoreError> {
     f.write_all_at(&file_header(), 0).map_err(io_err(&tmp))?;
     f.sync_all().map_err(io_err(&tmp))?;
     drop(f);
+    // A previous log's acknowledged end says nothing of this one.
+    super::acked::remove(dir).map_err(io_err(&dir.join(super::acked::ACKED_FILE)))?;
     fs::rename(&tmp, path).map_err(io_err(path))?;
     sync_dir(dir)
 }
@@ -219,17 +221,19 @@ enum ScanEnd {
 type Scanned = (ScanEnd, u64, u64);
 
 /// Replays records from the header to the first torn or corrupt record.
+/// `acked`: the end of the log known acknowledged (`wal.acked`, version 2).
 fn scan(
     file: &File,
     path: &Path,
     file_len: u64,
     version: u32,
+    acked: Option<u64>,
     on_record: &mut OnRecord<'_>,
 ) -> Result<Scanned, StoreError> {
     if version == WAL_FORMAT_V1 {
         scan_v1(file, path, file_len, on_record)
     } else {
-        scan_v2(file, path, file_len, on_record)
+        scan_v2(file, path, file_len, acked, on_record)
     }
 }
 
@@ -309,6 +313,7 @@ fn scan_v2(
     file: &File,
     path: &Path,
     file_len: u64,
+    acked: Option<u64>,
     on_record: &mut OnRecord<'_>,
 ) -> Result<Scanned, StoreError> {
     let mut s = Scanner::new(file, file_len);
@@ -318,7 +323,10 @@ fn scan_v2(
     let mut pos = FILE_HEADER_LEN;
     let mut records = 0u64;
     let damaged = |at: u64, group: u64, reason: FormatError, records: u64| {
-        if torn_group(file, file_len, group, at).map_err(io_err(path))? {
+        // A group that starts before the acknowledged end was acknowledged:
+        // damage in it is corruption, wherever it lies.
+        let acknowledged = acked.is_some_and(|end| group < end);
+        if !acknowledged && torn_group(file, file_len, group, at).map_err(io_err(path))? {
             Ok((ScanEnd::Torn, records, group))
         } else {
             Err(corrupt(path, at, group, reason))
@@ -511,7 +519,8 @@ pub fn open(
         libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_SEQUENTIAL);
     }
 
-    let (end_kind, records, end) = scan(&file, &path, file_len, version, on_record)?;
+    let acked = super::acked::read(dir, &file, file_len);
+    let (end_kind, records, end) = scan(&file, &path, file_len, version, acked, on_record)?;
     recovery.records = records;
     recovery.valid_bytes = end;
     match end_kind {
@@ -832,6 +841,8 @@ mod tests {
     fn final_record_with_zeroed_payload_is_torn() {
         let d = tempfile::tempdir().unwrap();
         let durables = write_all(d.path(), &payloads(3));
+        // The power went before the writer recorded its acknowledged end.
+        super::super::acked::remove(d.path()).unwrap();
         let mut bytes = wal_bytes(d.path());
         let last = durables[2];
         for b in &mut bytes[(last.offset as usize + RECORD_HEADER_LEN)..last.end as usize] {
@@ -854,6 +865,49 @@ mod tests {
             open_collect(d.path(), OpenMode::Durable),
             Err(StoreError::Corrupt { .. })
         ));
+    }
+
+    /// The spec: a complete record that fails its checksum refuses the
+    /// start. In the last group that cannot be told from a torn write by
+    /// the log alone (pages land in any order before the fdatasync
+    /// returns); `wal.acked` tells it: a flipped byte in the last group of
+    /// a log whose writer recorded its end is corruption, and without the
+    /// record (a power cut before it) the group is dropped as torn.
+    #[test]
+    fn damage_in_an_acknowledged_last_group_is_corrupt() {
+        let d = tempfile::tempdir().unwrap();
+        let durables = write_all(d.path(), &payloads(3));
+        let last = durables[2];
+        let mut bytes = wal_bytes(d.path());
+        bytes[last.offset as usize + RECORD_HEADER_LEN + 1] ^= 0x20;
+        fs::write(d.path().join(WAL_FILE), &bytes).unwrap();
+        match open_collect(d.path(), OpenMode::Durable) {
+            Err(StoreError::Corrupt { offset, .. }) => assert_eq!(offset, last.offset),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(wal_bytes(d.path()), bytes, "left as it was");
+        // A group past the recorded end is still judged torn.
+        super::super::acked::remove(d.path()).unwrap();
+        let (f, r, got) = open_collect(d.path(), OpenMode::Durable).unwrap();
+        assert_eq!((got.len(), r.truncated_at), (2, Some(last.offset)));
+        drop(f);
+        // The writer records the end at shutdown, and after ACKED_IDLE idle.
+        let (f, _, _) = open_collect(d.path(), OpenMode::Durable).unwrap();
+        let w = super::super::WalWriter::spawn(f, None).unwrap();
+        let end = w
+            .append(b"x".to_vec())
+            .blocking_recv()
+            .unwrap()
+            .unwrap()
+            .end;
+        std::thread::sleep(super::super::acked::ACKED_IDLE * 5);
+        let log = File::open(d.path().join(WAL_FILE)).unwrap();
+        let len = log.metadata().unwrap().len();
+        assert_eq!(
+            super::super::acked::read(d.path(), &log, len),
+            Some(end + MARKER_LEN as u64)
+        );
+        w.shutdown();
     }
 
     /// Version 2: garbage after the last marker is the torn write of a group

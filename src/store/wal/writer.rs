@@ -13,6 +13,7 @@ use std::thread::JoinHandle;
 
 use tokio::sync::oneshot;
 
+use super::acked::{AckedHint, ACKED_EVERY, ACKED_IDLE};
 use super::format::{
     encode_marker, encode_record, GROUP_MAX_BYTES, MAX_RECORD_BYTES, WAL_FORMAT_V1,
 };
@@ -116,11 +117,21 @@ impl WalWriter {
         before_sync: Option<BeforeSync>,
         wrap: impl FnOnce(File) -> Box<dyn WalIo>,
     ) -> std::io::Result<WalWriter> {
+        // The acknowledged-end hint (`acked`): only where groups have
+        // markers (recovery reads it for version 2) and fsync is real.
+        let dir = file.path.parent().map(PathBuf::from).unwrap_or_default();
+        let acked = (file.version != WAL_FORMAT_V1 && !fsync_disabled())
+            .then(|| AckedHint::open(&dir, &file.file))
+            .and_then(|h| {
+                h.map_err(|e| log::warn!("cannot keep {}: {e}", super::acked::ACKED_FILE))
+                    .ok()
+            });
         let log = Log {
             io: wrap(file.file),
             path: file.path,
             end: file.end,
             markers: file.version != WAL_FORMAT_V1,
+            acked,
         };
         let file = log;
         let (tx, rx) = mpsc::channel();
@@ -190,6 +201,23 @@ struct Log {
     end: u64,
     /// Version 2: close each group with a commit marker.
     markers: bool,
+    /// The acknowledged-end hint, while it can be written.
+    acked: Option<AckedHint>,
+}
+
+impl Log {
+    /// Records the end of the last committed group in the hint (after a
+    /// failed group too: `end` is then still the end of what was
+    /// acknowledged). A hint that cannot be written is given up with a
+    /// warning.
+    fn record_acked(&mut self) {
+        if let Some(h) = &mut self.acked {
+            if let Err(e) = h.record(self.end) {
+                log::warn!("cannot write {}: {e}", super::acked::ACKED_FILE);
+                self.acked = None;
+            }
+        }
+    }
 }
 
 fn writer_loop(
@@ -201,9 +229,29 @@ fn writer_loop(
     let mut failed: Option<WriterFailure> = None;
     let mut buf: Vec<u8> = Vec::with_capacity(64 << 10);
     let mut group: Vec<(Reply, Durable)> = Vec::new();
+    // Groups committed since the hint was written, and when it was.
+    let mut unrecorded = false;
+    let mut recorded_at = std::time::Instant::now();
     // Blocks for the first request; returns when every handle is dropped
-    // (after draining what they queued) or on Shutdown.
-    while let Ok(first) = rx.recv() {
+    // (after draining what they queued) or on Shutdown. Idle for
+    // ACKED_IDLE after a commit, it records the acknowledged end.
+    loop {
+        let first = if unrecorded {
+            match rx.recv_timeout(ACKED_IDLE) {
+                Ok(m) => m,
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    file.record_acked();
+                    (unrecorded, recorded_at) = (false, std::time::Instant::now());
+                    continue;
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            }
+        } else {
+            match rx.recv() {
+                Ok(m) => m,
+                Err(_) => break,
+            }
+        };
         let mut stop = false;
         let mut next = Some(first);
         while let Some(msg) = next.take() {
@@ -245,14 +293,22 @@ fn writer_loop(
                 before_sync.as_ref(),
                 &mut failed,
             );
+            unrecorded = true;
+            if recorded_at.elapsed() >= ACKED_EVERY {
+                file.record_acked();
+                (unrecorded, recorded_at) = (false, std::time::Instant::now());
+            }
         }
         buf.clear();
         if buf.capacity() > 2 * GROUP_MAX_BYTES {
             buf = Vec::with_capacity(64 << 10);
         }
         if stop {
-            return;
+            break;
         }
+    }
+    if unrecorded {
+        file.record_acked();
     }
 }
 
