@@ -1419,6 +1419,7 @@ mod tests {
             tokens: 1,
             decode_us: 1,
             refused: vec![],
+            unparked: vec![],
         });
         assert_eq!(ms(r.next_delay()), RESPAWN_DELAY_MS);
     }

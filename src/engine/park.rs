@@ -747,6 +747,8 @@ pub struct Parker {
     chains: Chains,
     next_epoch: std::cell::Cell<u64>,
     thread: Option<std::thread::JoinHandle<()>>,
+    /// Sessions whose artifact the budget deleted (the writer thread's).
+    deleted: Deleted,
 }
 
 /// Seals waiting for the writer thread at most; a seal beyond it is
@@ -764,11 +766,15 @@ struct WriterConfig {
     budget_bytes: u64,
 }
 
+/// Sessions whose artifact the budget deleted, not told to the daemon yet.
+type Deleted = std::sync::Arc<std::sync::Mutex<Vec<u64>>>;
+
 fn writer(
     rx: std::sync::mpsc::Receiver<Job>,
     w: WriterConfig,
     queued: std::sync::Arc<std::sync::atomic::AtomicUsize>,
     chains: Chains,
+    deleted: Deleted,
 ) {
     let WriterConfig {
         dir,
@@ -880,6 +886,15 @@ fn writer(
         queued.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
         for p in enforce_budget(&dir, budget_bytes) {
             log::info!("park budget: deleted {}", p.display());
+            // Its chain is gone: the next seal is whole, and the daemon's
+            // index forgets the artifact (told with the next decode).
+            if let Some(session) = owner_of(&p) {
+                lock(&chains).remove(&session);
+                let mut d = deleted.lock().unwrap_or_else(|e| e.into_inner());
+                if !d.contains(&session) {
+                    d.push(session);
+                }
+            }
         }
     }
 }
@@ -920,7 +935,8 @@ impl Parker {
         let (tx, rx) = std::sync::mpsc::sync_channel::<Job>(PARK_QUEUE);
         let queued = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let chains = Chains::default();
-        let (q, c, d) = (queued.clone(), chains.clone(), dir.clone());
+        let deleted = Deleted::default();
+        let (q, c, d, gone) = (queued.clone(), chains.clone(), dir.clone(), deleted.clone());
         let thread = std::thread::Builder::new()
             .name("park-writer".into())
             .spawn(move || {
@@ -931,7 +947,7 @@ impl Parker {
                     lossy,
                     budget_bytes,
                 };
-                writer(rx, w, q, c)
+                writer(rx, w, q, c, gone)
             })?;
         Ok(Parker {
             dir,
@@ -943,7 +959,13 @@ impl Parker {
             chains,
             next_epoch: std::cell::Cell::new(0),
             thread: Some(thread),
+            deleted,
         })
+    }
+
+    /// Sessions whose artifact the park budget deleted since the last call.
+    pub fn take_deleted(&self) -> Vec<u64> {
+        std::mem::take(&mut *self.deleted.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
     pub fn model(&self) -> &[u8; 32] {

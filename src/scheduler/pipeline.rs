@@ -34,6 +34,8 @@ pub struct StepOutput {
     pub spilled: Vec<(u64, u64)>,
     /// Items of the step's `Decode` that failed on their own.
     pub refused: Vec<Refused>,
+    /// Sessions whose park artifact the budget deleted.
+    pub unparked: Vec<u64>,
 }
 
 /// A step's outcome.
@@ -63,10 +65,12 @@ impl StepOutput {
                     tokens,
                     decode_us,
                     refused,
+                    unparked,
                 } => {
                     decoded = true;
                     out.drawn = drawn;
                     out.refused = refused;
+                    out.unparked = unparked;
                     out.tokens = u64::from(tokens);
                     out.decode_us = decode_us;
                 }
@@ -233,6 +237,7 @@ impl Pipeline {
             let result = result.map(|out| {
                 state.note_decode(out.tokens, out.decode_us);
                 state.note_spilled(&out.spilled);
+                state.forget_parked(&out.unparked);
                 refused = out.refused;
                 out.drawn
             });
@@ -262,6 +267,7 @@ mod tests {
             tokens: 3,
             decode_us: 1,
             refused: vec![],
+            unparked: vec![],
         }
     }
 

@@ -227,6 +227,10 @@ pub enum WorkerResponse {
         /// at its length before the request, with no draw; every other item
         /// of the request was decoded and drew as usual.
         refused: Vec<Refused>,
+        /// Sessions whose park artifact the park budget deleted since the
+        /// last `Decoded` (`--park-budget-mb`): the scheduler forgets them.
+        #[serde(default)]
+        unparked: Vec<u64>,
     },
     Done,
     Err {
@@ -376,6 +380,7 @@ mod check_tests {
             tokens: 1,
             decode_us: 1,
             refused: vec![],
+            unparked: vec![],
         }
     }
 
@@ -394,6 +399,7 @@ mod check_tests {
                 seq,
                 message: "no".into(),
             }],
+            unparked: vec![],
         };
         assert!(c.verify(&refused(2, vec![drawn(0, 5)]), 10).is_ok());
         assert!(c

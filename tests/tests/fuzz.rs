@@ -355,6 +355,7 @@ fn regenerate_corpus() {
                 seq: 2,
                 message: "the grammar does not parse".into(),
             }],
+            unparked: vec![],
         },
         WorkerResponse::Done,
         WorkerResponse::Err {

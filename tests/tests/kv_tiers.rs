@@ -722,6 +722,11 @@ fn the_park_budget_deletes_the_least_recently_used_artifact() {
         "the restore touched A's artifact"
     );
     assert!(park_files(&dir, f).1.is_some(), "the fork's own artifact");
+    // The daemon's index forgets B's artifact with the next decode's reply
+    // (it counted three, and would restore from a deleted file).
+    say(&mut c, f, "And the lightest?");
+    generate(&mut c, f, 1);
+    assert_eq!(metric(&d, "superfluid_kv_parked_artifacts"), 2.0);
     d.stop();
     // After a restart B, its artifact gone, prefills (no warning: not a
     // fault).

@@ -100,17 +100,6 @@ struct Decoded {
     refused: Vec<Refused>,
 }
 
-impl Decoded {
-    fn reply(self) -> WorkerResponse {
-        WorkerResponse::Decoded {
-            drawn: self.drawn,
-            tokens: self.tokens,
-            decode_us: self.decode_us,
-            refused: self.refused,
-        }
-    }
-}
-
 /// A loaded model with one context (unified KV, `n_seq` sequences), executing worker requests.
 ///
 /// Not `Sync`: llama.cpp's context belongs to one thread at a time. `Send`.
@@ -388,6 +377,22 @@ impl WorkerEngine {
 
     /// Execute one request and return its one reply. `Shutdown` answers `Done` (the caller
     /// stops). Never panics on bad input: it answers `Err` (or `KvFull`).
+    /// A decode's reply, with the park artifacts the budget deleted since
+    /// the last one.
+    fn reply(&self, d: Decoded) -> WorkerResponse {
+        WorkerResponse::Decoded {
+            drawn: d.drawn,
+            tokens: d.tokens,
+            decode_us: d.decode_us,
+            refused: d.refused,
+            unparked: self
+                .park
+                .as_ref()
+                .map(|p| p.take_deleted())
+                .unwrap_or_default(),
+        }
+    }
+
     pub fn handle(&mut self, request: &WorkerRequest) -> WorkerResponse {
         if let WorkerRequest::MediaLayout { blob } = request {
             // Touches no KV: a refused image leaves every draw in place.
@@ -402,12 +407,12 @@ impl WorkerEngine {
             };
         }
         let result = match request {
-            WorkerRequest::Decode { items } => self.decode(items).map(Decoded::reply),
+            WorkerRequest::Decode { items } => self.decode(items).map(|d| self.reply(d)),
             WorkerRequest::KvTrim { seq, from } => self.kv_trim(*seq, *from),
             WorkerRequest::KvCopy { src, dst, len } => self.kv_copy(*src, *dst, *len),
             WorkerRequest::KvClear { seq } => self.kv_clear(*seq),
             WorkerRequest::Shutdown => Ok(WorkerResponse::Done),
-            WorkerRequest::DecodeNext { items } => self.decode_next(items).map(Decoded::reply),
+            WorkerRequest::DecodeNext { items } => self.decode_next(items).map(|d| self.reply(d)),
             WorkerRequest::KvSpill { seq, key, len } => self.kv_spill(*seq, *key, *len),
             WorkerRequest::KvRestore {
                 seq,
