@@ -26,11 +26,16 @@ pub enum FrameError {
 struct FrameReader {
     max: usize,
     header: [u8; 4],
-    /// The body, once the header is in.
-    body: Option<Vec<u8>>,
+    /// The body so far and the length the header gave, once the header is
+    /// in. The body grows by at most [`GROW`] ahead of the bytes read: a
+    /// header naming 64 MiB allocates what is sent, not what it names.
+    body: Option<(Vec<u8>, usize)>,
     /// Bytes of the header, then of the body, read so far.
     got: usize,
 }
+
+/// How far a frame's body buffer grows ahead of the bytes read.
+const GROW: usize = 1 << 20;
 
 /// Where a [`FrameReader`] stands.
 enum Progress {
@@ -54,7 +59,13 @@ impl FrameReader {
     fn buf(&mut self) -> &mut [u8] {
         match &mut self.body {
             None => &mut self.header[self.got..],
-            Some(body) => &mut body[self.got..],
+            Some((body, want)) => {
+                if self.got == body.len() {
+                    let grow = (*want - body.len()).min(GROW);
+                    body.resize(body.len() + grow, 0);
+                }
+                &mut body[self.got..]
+            }
         }
     }
 
@@ -67,8 +78,8 @@ impl FrameReader {
             return match &self.body {
                 None if got == 0 => Ok(Progress::Done(None)),
                 None => Err(FrameError::Truncated { expected: 4, got }),
-                Some(body) => Err(FrameError::Truncated {
-                    expected: body.len(),
+                Some((_, want)) => Err(FrameError::Truncated {
+                    expected: *want,
                     got,
                 }),
             };
@@ -84,9 +95,9 @@ impl FrameReader {
                 if len == 0 {
                     return Ok(Progress::Done(Some(Vec::new())));
                 }
-                self.body = Some(vec![0u8; len]);
+                self.body = Some((Vec::with_capacity(len.min(GROW)), len));
             }
-            Some(body) if self.got == body.len() => {
+            Some((body, want)) if self.got == *want => {
                 return Ok(Progress::Done(Some(std::mem::take(body))));
             }
             _ => {}
@@ -163,6 +174,45 @@ mod tests {
         let mut v = (body.len() as u32).to_le_bytes().to_vec();
         v.extend_from_slice(body);
         v
+    }
+
+    /// A header naming a large frame allocates what arrives, not what it
+    /// names: a client of the socket could make the daemon allocate 64 MiB
+    /// per connection with four bytes.
+    #[test]
+    fn a_large_header_allocates_only_what_is_sent() {
+        struct Asked<'a> {
+            bytes: &'a [u8],
+            largest: usize,
+        }
+        impl Read for Asked<'_> {
+            fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+                self.largest = self.largest.max(buf.len());
+                Read::read(&mut self.bytes, buf)
+            }
+        }
+        let len = 60 << 20;
+        let mut bytes = (len as u32).to_le_bytes().to_vec();
+        bytes.extend_from_slice(&[7; 3000]);
+        let mut r = Asked {
+            bytes: &bytes,
+            largest: 0,
+        };
+        match read_frame_blocking(&mut r, 64 << 20) {
+            Err(FrameError::Truncated { expected, got }) => {
+                assert_eq!((expected, got), (len, 3000))
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(r.largest <= GROW, "asked for {} bytes at once", r.largest);
+        // A frame over several growths reads whole.
+        let body: Vec<u8> = (0..(3 * GROW + 5)).map(|i| i as u8).collect();
+        let framed = frame(&body);
+        let mut r = &framed[..];
+        assert_eq!(
+            read_frame_blocking(&mut r, 64 << 20).unwrap().unwrap(),
+            body
+        );
     }
 
     #[test]
