@@ -60,6 +60,65 @@ struct LineBuffer {
     /// The level of the line being assembled (used for `CONT` fragments).
     level: ggml_log_level,
     partial: String,
+    /// Bytes of the pending line cut off past [`LOG_LINE_MAX`].
+    dropped: usize,
+}
+
+/// The most of one llama.cpp log line that is logged: it logs what a
+/// request sent (a grammar it refuses, a regex pattern whole), and one
+/// 10 MB schema would be a 10 MB log line (and a 10 MB buffer until its
+/// newline).
+const LOG_LINE_MAX: usize = 2048;
+
+impl LineBuffer {
+    /// Appends a fragment; returns every line it completed (level, text),
+    /// each cut at [`LOG_LINE_MAX`] bytes with a note of what was cut.
+    fn push(&mut self, level: ggml_log_level, text: &str) -> Vec<(ggml_log_level, String)> {
+        let mut out = Vec::new();
+        if level != GGML_LOG_LEVEL_CONT {
+            if level != self.level && !self.partial.is_empty() {
+                // A new message at another level while a line is pending: flush the pending one.
+                out.push((self.level, self.take_line(self.partial.len())));
+            }
+            self.level = level;
+        }
+        self.partial.push_str(text);
+        while let Some(nl) = self.partial.find('\n') {
+            let line = self.take_line(nl + 1);
+            out.push((self.level, line.trim_end_matches(['\n', '\r']).to_string()));
+        }
+        if self.partial.len() > LOG_LINE_MAX {
+            let cut = floor_char_boundary(&self.partial, LOG_LINE_MAX);
+            self.dropped += self.partial.len() - cut;
+            self.partial.truncate(cut);
+        }
+        out
+    }
+
+    /// The first `n` bytes of the pending text as a line, cut to the cap.
+    fn take_line(&mut self, n: usize) -> String {
+        let mut line: String = self.partial.drain(..n).collect();
+        let mut dropped = std::mem::take(&mut self.dropped);
+        if line.len() > LOG_LINE_MAX {
+            let cut = floor_char_boundary(&line, LOG_LINE_MAX);
+            dropped += line.len() - cut;
+            line.truncate(cut);
+        }
+        if dropped > 0 {
+            let end = line.trim_end_matches(['\n', '\r']).len();
+            line.truncate(end);
+            line.push_str(&format!("... ({dropped} more bytes not logged)"));
+        }
+        line
+    }
+}
+
+/// The largest char boundary of `s` at or below `at`.
+fn floor_char_boundary(s: &str, at: usize) -> usize {
+    (0..=at.min(s.len()))
+        .rev()
+        .find(|&i| s.is_char_boundary(i))
+        .unwrap_or(0)
 }
 
 static LLAMA_SINK: LogSink = LogSink::new("llama.cpp");
@@ -72,25 +131,20 @@ impl LogSink {
             state: Mutex::new(LineBuffer {
                 level: GGML_LOG_LEVEL_INFO,
                 partial: String::new(),
+                dropped: 0,
             }),
         }
     }
 
     /// Append a fragment and emit every completed line.
     fn push(&self, level: ggml_log_level, text: &str) {
-        let mut buf = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        if level != GGML_LOG_LEVEL_CONT {
-            if level != buf.level && !buf.partial.is_empty() {
-                // A new message at another level while a line is pending: flush the pending one.
-                let pending = std::mem::take(&mut buf.partial);
-                emit(self.target, buf.level, &pending);
-            }
-            buf.level = level;
-        }
-        buf.partial.push_str(text);
-        while let Some(nl) = buf.partial.find('\n') {
-            let line: String = buf.partial.drain(..=nl).collect();
-            emit(self.target, buf.level, line.trim_end_matches(['\n', '\r']));
+        let lines = self
+            .state
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(level, text);
+        for (level, line) in lines {
+            emit(self.target, level, &line);
         }
     }
 }
@@ -134,6 +188,35 @@ unsafe extern "C" fn log_callback(level: ggml_log_level, text: *const c_char, us
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_long_log_line_is_cut_with_a_note() {
+        let mut b = LineBuffer {
+            level: GGML_LOG_LEVEL_INFO,
+            partial: String::new(),
+            dropped: 0,
+        };
+        // A 100 KB line in fragments, its newline in the last one.
+        assert!(b.push(GGML_LOG_LEVEL_ERROR, "parse: ").is_empty());
+        for _ in 0..100 {
+            assert!(b.push(GGML_LOG_LEVEL_CONT, &"é".repeat(500)).is_empty());
+            assert!(b.partial.len() <= LOG_LINE_MAX);
+        }
+        let lines = b.push(GGML_LOG_LEVEL_CONT, "end\nnext ");
+        assert_eq!(lines.len(), 1);
+        let (level, line) = &lines[0];
+        assert_eq!(*level, GGML_LOG_LEVEL_ERROR);
+        assert!(line.starts_with("parse: éé"), "{}", &line[..20]);
+        let total = 7 + 100 * 500 * 2 + 3;
+        let note = format!("... ({} more bytes not logged)", total - (LOG_LINE_MAX - 1));
+        assert!(line.ends_with(&note), "{}", &line[line.len() - 60..]);
+        assert!(line.len() <= LOG_LINE_MAX + note.len());
+        // Short lines pass whole.
+        assert_eq!(
+            b.push(GGML_LOG_LEVEL_CONT, "line\n"),
+            vec![(GGML_LOG_LEVEL_ERROR, "next line".to_string())]
+        );
+    }
 
     #[test]
     fn backend_is_initialised_once() {
