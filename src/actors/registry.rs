@@ -341,6 +341,14 @@ fn counters(stats: crate::scheduler::Stats) -> String {
     );
     metric(
         &mut out,
+        "superfluid_generations_preempted_total",
+        "counter",
+        "Generations taken off their sequence when the KV cache filled, to go on once there \
+         is room to finish (instead of ending them).",
+        stats.preempted,
+    );
+    metric(
+        &mut out,
         "superfluid_grammar_rested_steps_total",
         "counter",
         "Steps a generation sat out while others ran because its grammar took longer to \

@@ -23,6 +23,15 @@
 //!   next turn prefills only what is new; a new generation whose prompt
 //!   shares a prefix with another sequence (a fork and its parent) starts
 //!   from a copy of that sequence's cells instead of a prefill.
+//! - When the cells run out mid-generation (the running ones grew past the
+//!   room their admissions left) and no idle sequence is left to evict,
+//!   the youngest generation is preempted: taken off its sequence (left
+//!   idle, its cells evictable like any other's) to wait, first in its
+//!   order, until the cells its prompt, draws so far and remaining
+//!   `max_tokens` need are free; it then goes on where it stopped (a draw
+//!   depends on its position, so it draws what it would have). One whose
+//!   draws are penalized (the worker keeps their counts per sequence) or
+//!   that runs alone ends with `Finish::Error` instead.
 //! - The KV budget is `n_ctx` cells; idle sequences are evicted to make
 //!   room (and taken for a new generation) in this order: unprotected before
 //!   pinned (session pins and `Admit::pin` prefix pins, within
@@ -313,6 +322,14 @@ struct Gen {
     /// Steps it sits out while others run: its grammar took longer to
     /// constrain its last token than the step's decode (see `rest_for`).
     rest: u32,
+    /// Taken off its sequence when the KV cache filled (`kv_full`): it
+    /// waits to be admitted again with room to finish.
+    preempted: bool,
+    /// `Stats::decode_calls` when it was preempted: it is admitted again
+    /// only after a decode went through without it (so a cache fuller
+    /// than the scheduler counts cannot preempt it in a loop while
+    /// nothing advances).
+    preempted_at: u64,
 }
 
 impl Gen {
@@ -336,6 +353,9 @@ pub struct Stats {
     pub max_seqs_per_step: u64,
     /// Tokens drawn.
     pub drawn: u64,
+    /// Generations taken off their sequence when the KV cache filled, to
+    /// go on once there is room (instead of ending them).
+    pub preempted: u64,
     /// Steps a generation sat out because its grammar cost more than a
     /// step (summed over generations).
     pub grammar_rested_steps: u64,
@@ -618,6 +638,8 @@ impl SchedulerState {
                 cancelled: false,
                 arrival: gen,
                 rest: 0,
+                preempted: false,
+                preempted_at: 0,
             },
         );
         Ok(gen)

@@ -308,6 +308,22 @@ impl SchedulerState {
             .sum()
     }
 
+    /// The cells the running sequences will hold when they finish: their
+    /// tokens and the rest of their max_tokens (each at most the context).
+    /// A preempted generation is admitted again only beside these, so the
+    /// same growth does not preempt it again.
+    fn cells_to_finish(&self) -> u64 {
+        self.seqs
+            .iter()
+            .filter_map(|s| {
+                let g = self.gens.get(&s.active?)?;
+                let left = u64::from(g.admit.max_tokens.saturating_sub(g.produced));
+                let full = (g.tokens.len() as u64 + 1 + left).min(self.n_ctx as u64);
+                Some(full.max(s.resident.len() as u64))
+            })
+            .sum()
+    }
+
     /// Gives queued generations a sequence, in class then arrival order.
     /// One that does not fit beside the running sequences keeps its claim
     /// on the room: those after it are admitted only beside it too, so it
@@ -336,8 +352,23 @@ impl SchedulerState {
             // can be evicted) and the earlier claims; otherwise wait for
             // room, and claim it. (Counted before a sequence is chosen: a
             // generation that waits changes none.)
-            let need = prompt.len() as u64 + 1;
-            if self.busy_cells() + reserved + need > self.n_ctx as u64 {
+            // A preempted one waits for room to finish: its prompt and
+            // draws so far, and the rest of its max_tokens (at most the
+            // whole context: then it waits until nothing else runs).
+            let g = &self.gens[&gen];
+            if g.preempted && self.stats.decode_calls == g.preempted_at {
+                // Nothing went through since it was taken off: wait, and
+                // hold no room (the running ones must advance first).
+                continue;
+            }
+            let (busy, need) = if g.preempted {
+                let left = u64::from(g.admit.max_tokens.saturating_sub(g.produced));
+                let need = (prompt.len() as u64 + 1 + left).min(self.n_ctx as u64);
+                (self.cells_to_finish(), need)
+            } else {
+                (self.busy_cells(), prompt.len() as u64 + 1)
+            };
+            if busy + reserved + need > self.n_ctx as u64 {
                 reserved = reserved.saturating_add(need);
                 continue;
             }

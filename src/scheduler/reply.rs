@@ -451,9 +451,59 @@ impl SchedulerState {
             .filter(|g| self.gens.contains_key(g))
             .max_by_key(|g| self.gens[g].arrival);
         match youngest {
+            Some(gen) if self.can_preempt(gen) => self.preempt(gen),
             Some(gen) => self.finish_gen(gen, Some(Finish::Error), "the KV cache is full"),
             None => vec![],
         }
+    }
+
+    /// Whether `gen` can wait off its sequence and go on later: another
+    /// generation runs (alone, it has nothing to wait for) and its draws
+    /// are not penalized (the worker counts those per sequence).
+    fn can_preempt(&self, gen: GenId) -> bool {
+        let Some(g) = self.gens.get(&gen) else {
+            return false;
+        };
+        let others = self
+            .gens
+            .iter()
+            .any(|(id, o)| *id != gen && o.seq.is_some());
+        let penalized = g.admit.extras.as_ref().is_some_and(|x| x.penalizes());
+        g.seq.is_some() && others && !penalized
+    }
+
+    /// Takes `gen` off its sequence: the sequence is left idle (its cells
+    /// evictable, an image's cleared) and the generation waits to be
+    /// admitted with room to finish (`assign`).
+    fn preempt(&mut self, gen: GenId) -> Vec<GenEvent> {
+        let Some(g) = self.gens.get_mut(&gen) else {
+            return vec![];
+        };
+        let Some(seq) = g.seq.take() else {
+            return vec![];
+        };
+        g.preempted = true;
+        g.preempted_at = self.stats.decode_calls;
+        g.inflight = 0;
+        g.rest = 0;
+        log::info!(
+            "generation {gen}: the KV cache is full; it waits for room ({} tokens so far)",
+            g.tokens.len()
+        );
+        self.stats.preempted += 1;
+        self.kv_tight = false;
+        let s = &mut self.seqs[seq as usize];
+        s.active = None;
+        s.idle_since_ms = self.clock_ms;
+        s.last_used = self.steps_planned;
+        s.stays = false;
+        s.idle_exported = false;
+        s.warm.clear();
+        if s.media {
+            *s = Seq::default();
+            self.pending_ops.push(WorkerRequest::KvClear { seq });
+        }
+        vec![]
     }
 
     /// The lane failed: a decode error, or a worker that died. No

@@ -501,7 +501,7 @@ fn pinned_sequences_are_evicted_last_and_within_their_budget() {
 }
 
 #[test]
-fn a_full_cache_evicts_idle_sequences_then_ends_the_youngest() {
+fn a_full_cache_evicts_idle_sequences_then_preempts_the_youngest() {
     let mut s = SchedulerState::new(4096, 3, 512);
     s.admit(admit(1, &[1; 8], 1)).unwrap();
     run_to_end(&mut s);
@@ -516,15 +516,12 @@ fn a_full_cache_evicts_idle_sequences_then_ends_the_youngest() {
     let step = step.unwrap();
     assert!(step.ops.contains(&WorkerRequest::KvClear { seq: 0 }));
     assert_eq!(step.decode.len(), 2, "both retry");
-    // Full again with nothing idle: the youngest ends, the other goes on.
+    // Full again with nothing idle: the youngest waits off its sequence
+    // (a_full_cache_preempts_the_youngest_which_goes_on_later), the other
+    // goes on.
     let events = s.step_done(&step, Err(StepError::KvFull { spilled: vec![] }));
-    assert_eq!(
-        events,
-        vec![GenEvent::Finished {
-            gen: b,
-            finish: Finish::Error
-        }]
-    );
+    assert!(events.is_empty(), "{events:?}");
+    assert!(s.gens[&b].seq.is_none());
     let (step, _) = s.plan();
     assert_eq!(step.unwrap().gens, vec![a]);
 }
@@ -2506,4 +2503,69 @@ fn a_costly_grammar_rests_while_the_others_run() {
     }
     assert_eq!(produced(&s, alone), 4);
     assert_eq!(s.stats().grammar_rested_steps, 3);
+}
+
+/// The cells run out while two generations run and nothing idle is left:
+/// the youngest is taken off its sequence, waits for room to finish, then
+/// goes on where it stopped and draws all its max_tokens (it used to end
+/// with `Finish::Error`, which the compatible routes called a normal end).
+#[test]
+fn a_full_cache_preempts_the_youngest_which_goes_on_later() {
+    let mut s = SchedulerState::new(64, 2, 512);
+    let a = s.admit(admit(1, &[1; 10], 30)).unwrap();
+    let b = s.admit(admit(2, &[2; 10], 30)).unwrap();
+    let mut events = Vec::new();
+    for _ in 0..5 {
+        events.extend(step_with(&mut s, |seq| 100 + seq).1);
+    }
+    let (step, _) = s.plan();
+    let step = step.unwrap();
+    let full = s.step_done(&step, Err(StepError::KvFull { spilled: vec![] }));
+    assert!(full.is_empty(), "nothing ends: {full:?}");
+    assert_eq!(s.stats().preempted, 1);
+    assert!(s.gens[&b].seq.is_none() && s.gens[&b].preempted);
+    let b_drawn = s.gens[&b].produced;
+    assert!(b_drawn > 0);
+    // Only a runs now; b needs room for its prompt, its draws and the rest
+    // of its max_tokens (41 cells), which a's 41 leave only once a is done.
+    let (step, _) = s.plan();
+    assert_eq!(step.as_ref().unwrap().gens, vec![a]);
+    s.step_done(&step.unwrap(), Ok(drew(0, 100)));
+    events.extend(run_to_end(&mut s));
+    let tokens = |g: GenId| {
+        events
+            .iter()
+            .filter(|e| matches!(e, GenEvent::Token { gen, .. } if *gen == g))
+            .count()
+    };
+    assert_eq!((tokens(a) + 1, tokens(b)), (30, 30));
+    for g in [a, b] {
+        assert!(events.contains(&GenEvent::Finished {
+            gen: g,
+            finish: Finish::MaxTokens
+        }));
+    }
+    // b's prompt went back in with its draws (its own cells, kept idle).
+    assert!(s.resident(1).starts_with(&[2; 10]));
+    // Alone, a generation has nothing to wait for: it ends.
+    let c = s.admit(admit(3, &[3; 10], 30)).unwrap();
+    let (step, _) = s.plan();
+    let full = s.step_done(&step.unwrap(), Err(StepError::KvFull { spilled: vec![] }));
+    assert!(full.is_empty(), "an idle sequence is evicted first");
+    let (step, _) = s.plan();
+    let step = step.unwrap();
+    let full = s.step_done(&step, Err(StepError::KvFull { spilled: vec![] }));
+    let full = if full.is_empty() {
+        let (step, _) = s.plan();
+        s.step_done(&step.unwrap(), Err(StepError::KvFull { spilled: vec![] }))
+    } else {
+        full
+    };
+    assert_eq!(
+        full,
+        vec![GenEvent::Finished {
+            gen: c,
+            finish: Finish::Error
+        }]
+    );
 }

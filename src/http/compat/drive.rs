@@ -229,6 +229,10 @@ impl Pump {
                         (Some(s), _) => End::Stop(s),
                         (None, Finish::MaxTokens) => End::MaxTokens,
                         (None, Finish::Cancelled) => End::Cancelled,
+                        // Cut for lack of room (the context, or a KV cache
+                        // shared with others that could not wait): the
+                        // output is cut short, as at max_tokens.
+                        (None, Finish::Error) => End::MaxTokens,
                         (None, _) => End::Turn,
                     };
                     Out::Ended {
