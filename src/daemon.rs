@@ -131,6 +131,24 @@ pub fn model_dir(sessions: &Path, id: &str) -> PathBuf {
     sessions.join("models").join(id)
 }
 
+/// Whether `path` is a vision projector (a GGUF whose
+/// `general.architecture` is `clip`, as llama.cpp's mtmd writes them); the
+/// error names the file and what it holds.
+pub fn check_projector(path: &Path) -> Result<(), String> {
+    use crate::http::compat::gguf;
+    let meta = std::fs::File::open(path)
+        .and_then(|f| gguf::read_meta(&mut std::io::BufReader::new(f)))
+        .map_err(|e| format!("{}: not a GGUF file ({e})", path.display()))?;
+    match meta.get("general.architecture").and_then(|v| v.as_str()) {
+        Some("clip") => Ok(()),
+        other => Err(format!(
+            "{}: not a vision projector (its general.architecture is {}, not clip)",
+            path.display(),
+            other.unwrap_or("missing")
+        )),
+    }
+}
+
 /// What a model needs loaded, in bytes, for the load gate: its file, its
 /// KV cache at `--ctx-size` (f16 K and V for every layer, from the GGUF's
 /// header), and a tenth of the file for llama.cpp's compute buffers.

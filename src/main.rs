@@ -425,6 +425,21 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             if let Some(p) = s.mmproj.as_ref().filter(|p| !p.is_file()) {
                 anyhow::bail!("--mmproj {}: no such file", p.display());
             }
+            // Checked here, not in the worker: a worker that cannot start
+            // is started again and again while the daemon serves nothing.
+            if let Some(p) = s.mmproj.as_ref() {
+                daemon::check_projector(p).map_err(|e| anyhow::anyhow!("--mmproj {e}"))?;
+            }
+            let seqs = s.parallel + u32::from(s.parallel < 256);
+            if s.batch.min(s.ctx_size) < seqs {
+                anyhow::bail!(
+                    "--batch {} (capped at --ctx-size {}) must be at least --parallel {} + 1: \
+                     each sequence takes an output row of a batch, and one is kept spare",
+                    s.batch,
+                    s.ctx_size,
+                    s.parallel
+                );
+            }
             let api_key = match &s.api_key_file {
                 Some(_) if key_on_command_line() => {
                     anyhow::bail!("--api-key and --api-key-file: give one of the two")

@@ -872,3 +872,45 @@ fn stop_leaves_a_socket_another_process_bound_since() {
     );
     drop(theirs);
 }
+
+/// Flags the worker cannot start with are refused at start, naming the
+/// flag: a --batch below --parallel + 1 (llama.cpp asserts on it) and a
+/// --mmproj that is not a vision projector each made the daemon say it was
+/// serving while its worker died and was started again, over and over.
+#[test]
+fn flags_the_worker_cannot_start_with_are_refused_at_start() {
+    let mut d = TestDaemon::new();
+    let model = crate::util::model_path().display().to_string();
+    for (args, said) in [
+        (
+            vec!["--parallel", "8", "--batch", "8"],
+            "--batch 8 (capped at --ctx-size",
+        ),
+        (
+            vec!["--ctx-size", "64", "--parallel", "64"],
+            "must be at least --parallel 64 + 1",
+        ),
+        (
+            vec!["--mmproj", model.as_str()],
+            "not a vision projector (its general.architecture is llama, not clip)",
+        ),
+    ] {
+        let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        let failed = d.start_expect_exit(&args);
+        assert!(
+            !failed.status.success() && failed.stderr.contains(said),
+            "{args:?}: {}",
+            failed.stderr
+        );
+    }
+    // One more than --parallel is enough.
+    d.extra_args = ["--parallel", "8", "--batch", "9"]
+        .iter()
+        .map(|a| a.to_string())
+        .collect();
+    d.spawn_and_wait();
+    let mut c = d.client();
+    let s = d.create(&mut c);
+    commit(&mut c, msg(s, Role::User.into(), "Hi."));
+    crate::util::generate_text(&mut c, s, 2).expect("the worker runs");
+}
