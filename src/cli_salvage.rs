@@ -25,7 +25,7 @@ pub fn run(s: Salvage) -> anyhow::Result<()> {
         .sessions
         .unwrap_or_else(superfluid::daemon::default_sessions_dir);
     let plan = salvage::plan(&dir, s.truncate_at)?;
-    println!(
+    superfluid::outln!(
         "{}: version {}, {} bytes. Cutting at byte offset {} keeps {} records and drops {} bytes \
          (copied first to {}.salvaged.<time>).",
         plan.path.display(),
@@ -46,8 +46,8 @@ pub fn run(s: Salvage) -> anyhow::Result<()> {
         }
     }
     match plan.apply()? {
-        Some(kept) => println!("done; the dropped bytes are in {}", kept.display()),
-        None => println!("done; nothing was past the offset"),
+        Some(kept) => superfluid::outln!("done; the dropped bytes are in {}", kept.display()),
+        None => superfluid::outln!("done; nothing was past the offset"),
     }
     Ok(())
 }

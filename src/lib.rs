@@ -24,6 +24,19 @@
 //!
 //! ARCHITECTURE.md has the bird's-eye view and the invariants.
 
+/// `println!` for the command line: a stdout closed under it (piped into
+/// `head`) ends the process quietly with exit 0 where `println!` panicked;
+/// another write error ends it with the error.
+#[macro_export]
+macro_rules! outln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        if let Err(e) = writeln!(std::io::stdout().lock(), $($arg)*) {
+            $crate::logging::stdout_failed(e);
+        }
+    }};
+}
+
 pub mod actors;
 pub mod daemon;
 pub mod engine;

@@ -233,6 +233,16 @@ fn init_with(worker: bool) {
     }
 }
 
+/// A command's stdout failed (`outln!`): a reader that went away (a pipe
+/// into `head`) is a quiet end, anything else an error.
+pub fn stdout_failed(e: std::io::Error) -> ! {
+    if e.kind() == std::io::ErrorKind::BrokenPipe {
+        std::process::exit(0);
+    }
+    eprintln!("superfluid: cannot write to stdout: {e}");
+    std::process::exit(1);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

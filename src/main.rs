@@ -367,16 +367,39 @@ enum MediaCommand {
 static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
 fn main() {
-    let cli = Cli::parse();
+    // Not Cli::parse: its help and errors print with print!, which panics
+    // on a closed stdout (`superfluid --help | head -1`).
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            let _ = e.print();
+            std::process::exit(e.exit_code());
+        }
+    };
     if matches!(cli.command, Command::Worker(_)) {
         superfluid::logging::init_worker();
     } else {
         superfluid::logging::init();
     }
     if let Err(e) = run(cli) {
-        eprintln!("superfluid: {e:#}");
+        eprintln!("superfluid: {}", error_chain(&e));
         std::process::exit(1);
     }
+}
+
+/// An error and its causes, `: `-joined, leaving out a cause whose text the
+/// message before it already holds (our errors often name their source:
+/// "cannot listen: Address already in use" came out twice).
+fn error_chain(e: &anyhow::Error) -> String {
+    let mut out = e.to_string();
+    for cause in e.chain().skip(1) {
+        let text = cause.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+    }
+    out
 }
 
 /// Whether `--api-key` was given as an argument (not through its variable).
@@ -541,15 +564,15 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Pull { reference } => {
             let resolved = hub::resolve(&ModelRef::parse(&reference)?)?;
             for f in &resolved.files {
-                println!("{}", f.display());
+                superfluid::outln!("{}", f.display());
             }
             Ok(())
         }
         Command::Models => {
             let models = hub::list_cached();
-            println!("{:<48} {:>10}  {:<10} FILE", "REFERENCE", "SIZE", "QUANT");
+            superfluid::outln!("{:<48} {:>10}  {:<10} FILE", "REFERENCE", "SIZE", "QUANT");
             for m in models {
-                println!(
+                superfluid::outln!(
                     "{:<48} {:>7.1} MB  {:<10} {}",
                     m.reference,
                     m.bytes as f64 / 1e6,
@@ -562,7 +585,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Rm { reference } => {
             let removed = hub::remove(&ModelRef::parse(&reference)?)?;
             for p in &removed {
-                println!("removed {}", p.display());
+                superfluid::outln!("removed {}", p.display());
             }
             Ok(())
         }
@@ -629,7 +652,7 @@ fn open(sessions: &std::path::Path, browser: bool) -> anyhow::Result<()> {
         .parse()
         .map_err(|e| anyhow::anyhow!("{}: {e}", sessions.join(token::ADDR_FILE).display()))?;
     let url = page::url(addr, &read(token::TOKEN_FILE)?);
-    println!("{url}");
+    superfluid::outln!("{url}");
     if browser {
         // The browser is given a file of the owner's only that sends it on
         // to the page: the URL holds the token, and a command line

@@ -22,14 +22,14 @@ pub fn inspect(client: &mut Client, session: u64, json: bool) -> anyhow::Result<
         anyhow::bail!("unexpected reply to Read");
     };
     if json {
-        println!("{}", serde_json::to_string(&inspection)?);
+        superfluid::outln!("{}", serde_json::to_string(&inspection)?);
         for e in &events {
-            println!("{}", serde_json::to_string(e)?);
+            superfluid::outln!("{}", serde_json::to_string(e)?);
         }
         return Ok(());
     }
     let i = &inspection;
-    println!(
+    superfluid::outln!(
         "session {}{}{}: {} events, {} tokens, generation {}, version {}{}{}",
         i.session,
         i.parent.map(|p| format!(" (from {p}")).unwrap_or_default(),
@@ -49,7 +49,7 @@ pub fn inspect(client: &mut Client, session: u64, json: bool) -> anyhow::Result<
         if i.archived { ", archived" } else { "" },
     );
     for e in &events {
-        println!("{:>6}  {}", e.event_id, describe(&e.body));
+        superfluid::outln!("{:>6}  {}", e.event_id, describe(&e.body));
     }
     Ok(())
 }

@@ -266,9 +266,9 @@ pub(crate) fn call(client: &mut Client, request: Request) -> anyhow::Result<Resp
 
 fn print_reply(reply: &Response, json: bool, text: impl FnOnce() -> String) -> anyhow::Result<()> {
     if json {
-        println!("{}", serde_json::to_string(reply)?);
+        superfluid::outln!("{}", serde_json::to_string(reply)?);
     } else {
-        println!("{}", text());
+        superfluid::outln!("{}", text());
     }
     Ok(())
 }

@@ -71,12 +71,12 @@ pub fn put(socket: &Path, files: &[PathBuf], json: bool) -> Result<(), MediaCliE
             return Err(MediaCliError::Daemon("unexpected reply to PutMedia".into()));
         };
         if json {
-            println!(
+            crate::outln!(
                 "{}",
                 serde_json::json!({"hash": hash, "file": path, "mime": kind.mime(), "bytes": len})
             );
         } else {
-            println!("{hash}  {}", path.display());
+            crate::outln!("{hash}  {}", path.display());
         }
     }
     Ok(())
@@ -89,9 +89,9 @@ pub fn gc(socket: &Path, json: bool) -> Result<(), MediaCliError> {
         return Err(MediaCliError::Daemon("unexpected reply to GcMedia".into()));
     };
     if json {
-        println!("{}", serde_json::json!({"kept": kept, "removed": removed}));
+        crate::outln!("{}", serde_json::json!({"kept": kept, "removed": removed}));
     } else {
-        println!("kept {kept}, removed {removed}");
+        crate::outln!("kept {kept}, removed {removed}");
     }
     Ok(())
 }
@@ -112,12 +112,12 @@ pub fn ls(sessions: &Path, json: bool) -> Result<(), MediaCliError> {
             .map(|d| d.as_millis() as u64)
             .unwrap_or(0);
         if json {
-            println!(
+            crate::outln!(
                 "{}",
                 serde_json::json!({"hash": blob.hash, "bytes": blob.size, "mime": mime, "modified_unix_ms": modified})
             );
         } else {
-            println!("{}  {:>10}  {mime}", blob.hash, blob.size);
+            crate::outln!("{}  {:>10}  {mime}", blob.hash, blob.size);
         }
     }
     Ok(())

@@ -200,3 +200,66 @@ fn every_command_has_help_with_an_example() {
         assert!(text.contains("--socket"), "{cmd}: {text}");
     }
 }
+
+/// A command whose reader goes away (`| head -1`) ends quietly with exit 0:
+/// `inspect`, `fork`, `--help` and `models` panicked with "failed printing
+/// to stdout" and a backtrace. And an error that names its cause says it
+/// once ("Address already in use" came out twice).
+#[test]
+fn a_closed_stdout_ends_quietly_and_errors_say_their_cause_once() {
+    let d = TestDaemon::start();
+    let mut c = d.client();
+    let s = d.create(&mut c);
+    for i in 0..50 {
+        user(&d, s, &format!("message {i}"));
+    }
+    let s = s.to_string();
+    let socket = d.socket.display().to_string();
+    for args in [
+        vec![
+            "session",
+            "inspect",
+            s.as_str(),
+            "--socket",
+            socket.as_str(),
+        ],
+        vec!["session", "fork", s.as_str(), "--socket", socket.as_str()],
+        vec!["--help"],
+        vec!["models"],
+    ] {
+        // A pipe whose reading end is closed before the command starts.
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let out = Command::new(bin())
+            .args(&args)
+            .env("HF_HUB_CACHE", d.path().join("hf"))
+            .stdout(writer)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.code() == Some(0) && !stderr.contains("panicked"),
+            "{args:?}: {:?} {stderr}",
+            out.status
+        );
+    }
+    // The web address in use: the cause once.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let out = Command::new(bin())
+        .args(["serve", &crate::util::model_path().display().to_string()])
+        .arg("--sessions")
+        .arg(d.path().join("other-sessions"))
+        .arg("--socket")
+        .arg(d.path().join("other.sock"))
+        .args(["--web", &addr])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert_eq!(
+        stderr.matches("Address already in use").count(),
+        1,
+        "{stderr}"
+    );
+}
