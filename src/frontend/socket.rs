@@ -327,6 +327,10 @@ pub enum ClientError {
     Frame(#[from] crate::wire::FrameError),
     #[error("the daemon closed the connection")]
     Closed,
+    /// The daemon refused the connection before reading a request (its
+    /// `Err`, e.g. at `--max-connections`).
+    #[error("{0}")]
+    Refused(String),
 }
 
 /// A blocking client for the socket, for the CLI and tests.
@@ -370,10 +374,19 @@ impl Client {
         self.read()
     }
 
+    /// Writes `request`. When the write fails because the daemon already
+    /// closed the connection, its last word is read instead: a daemon at
+    /// `--max-connections` answers a new connection one `Err` and closes it
+    /// before any request, and that `Err` (not "Broken pipe") is the reply.
     fn send(&mut self, request: &Request) -> Result<(), ClientError> {
         let bytes = to_postcard(request)?;
-        crate::wire::write_frame_blocking(&mut self.stream, &bytes)?;
-        Ok(())
+        match crate::wire::write_frame_blocking(&mut self.stream, &bytes) {
+            Ok(()) => Ok(()),
+            Err(e) => match self.read() {
+                Ok(Response::Err { message }) => Err(ClientError::Refused(message)),
+                _ => Err(e.into()),
+            },
+        }
     }
 }
 

@@ -321,6 +321,16 @@ fn socket_connections_are_capped() {
         other => panic!("the fifth connection was served: {other:?}"),
     }
     assert!(extra.closed(), "the refused connection is closed");
+    // The command line says why, whether its request was written before
+    // the daemon closed the connection or not ("Broken pipe" before).
+    for _ in 0..5 {
+        let out = d.session_cli(&["ls"]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && stderr.contains("--max-connections"),
+            "{stderr}"
+        );
+    }
     // The held ones still work; closing one lets a new one in.
     assert!(matches!(
         held[0].call(&Request::List),
