@@ -39,6 +39,8 @@ pub enum HubError {
     },
     #[error("{reference}: {reason}")]
     Other { reference: String, reason: String },
+    #[error("model file not found: {}", .0.display())]
+    NoFile(PathBuf),
 }
 
 /// A reference made files on disk.
@@ -102,11 +104,16 @@ pub fn resolve(reference: &ModelRef) -> Result<Resolved, HubError> {
 pub fn resolve_with(reference: &ModelRef, progress: ProgressFactory) -> Result<Resolved, HubError> {
     let (repo, pick) = match reference {
         ModelRef::Path(p) => {
+            // `pull ./typo.gguf` or `pull repo:QUANT` (no owner) printed
+            // the path and exited 0 with nothing there.
+            if !p.is_file() {
+                return Err(HubError::NoFile(p.clone()));
+            }
             return Ok(Resolved {
                 model: p.clone(),
                 files: vec![p.clone()],
                 mmproj: None,
-            })
+            });
         }
         ModelRef::Hub { repo, pick } => (repo, pick),
     };
@@ -489,7 +496,14 @@ pub fn remove(reference: &ModelRef) -> Result<Vec<PathBuf>, HubError> {
         return Err(HubError::Ref(RefError::NotARef(reference.to_string())));
     };
     let name = reference.to_string();
-    let resolved = cached(&name, repo, pick)?;
+    let resolved = cached(&name, repo, pick).map_err(|e| match e {
+        // `cached` speaks for an offline fetch; here it is just not there.
+        HubError::NotCached { reference, cache } => HubError::Other {
+            reference,
+            reason: format!("not in the cache {}; nothing to remove", cache.display()),
+        },
+        e => e,
+    })?;
     let root = repo_root(repo);
     let mut doomed: Vec<PathBuf> = resolved
         .files

@@ -66,12 +66,25 @@ fn hub_name(s: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
 }
 
+/// `~` and `~/...` with the home directory ($HOME), as a shell would (a
+/// quoted `'~/m.gguf'` reached us as it is); anything else as given.
+fn expand_home(s: &str) -> PathBuf {
+    let home = || std::env::var_os("HOME").map(PathBuf::from);
+    match s.strip_prefix('~') {
+        Some("") => home().unwrap_or_else(|| PathBuf::from(s)),
+        Some(rest) if rest.starts_with('/') => home()
+            .map(|h| h.join(rest.trim_start_matches('/')))
+            .unwrap_or_else(|| PathBuf::from(s)),
+        _ => PathBuf::from(s),
+    }
+}
+
 impl ModelRef {
     /// Parses a reference. An existing file, or anything that looks like a
     /// path (starts with `/`, `.` or `~`, or has no `/`), is a path.
     pub fn parse(s: &str) -> Result<ModelRef, RefError> {
         if Self::looks_like_path(s) || Path::new(s).exists() || Self::under_a_local_dir(s) {
-            return Ok(ModelRef::Path(PathBuf::from(s)));
+            return Ok(ModelRef::Path(expand_home(s)));
         }
         Self::parse_hub(s)
     }
@@ -375,6 +388,21 @@ mod tests {
     }
 
     #[test]
+    fn a_path_from_home_is_expanded() {
+        let home = PathBuf::from(std::env::var_os("HOME").expect("HOME"));
+        assert_eq!(
+            ModelRef::parse("~/models/m.gguf").unwrap(),
+            ModelRef::Path(home.join("models/m.gguf"))
+        );
+        assert_eq!(ModelRef::parse("~").unwrap(), ModelRef::Path(home));
+        // Another user's home is not guessed.
+        assert_eq!(
+            ModelRef::parse("~bob/m.gguf").unwrap(),
+            ModelRef::Path("~bob/m.gguf".into())
+        );
+    }
+
+    #[test]
     fn references_parse() {
         assert_eq!(
             ModelRef::parse("unsloth/Qwen3.8-27B-GGUF:UD-Q4_K_M").unwrap(),
@@ -388,13 +416,7 @@ mod tests {
             ModelRef::parse("owner/repo").unwrap(),
             hub("owner/repo", Pick::Default)
         );
-        for path in [
-            "/models/a.gguf",
-            "./a.gguf",
-            "a.gguf",
-            "~/a.gguf",
-            "models/qwen.gguf",
-        ] {
+        for path in ["/models/a.gguf", "./a.gguf", "a.gguf", "models/qwen.gguf"] {
             assert_eq!(ModelRef::parse(path).unwrap(), ModelRef::Path(path.into()));
         }
         for bad in [

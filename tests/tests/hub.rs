@@ -652,3 +652,31 @@ fn pull_never_writes_or_removes_through_a_pointer_outside_the_cache() {
     );
     assert_eq!(std::fs::read(&victim).unwrap(), b"not yours");
 }
+
+/// `pull` of a path that is not there fails (it printed the path and exited
+/// 0: `pull ./typo.gguf`, or `repo:QUANT` without its owner, which reads as
+/// a path), and `rm` of a reference not in the cache says so, not that the
+/// hub is offline (it was not). Neither asks the hub anything.
+#[test]
+fn pull_of_a_missing_path_fails_and_rm_of_what_is_not_cached_says_so() {
+    let hub = FakeHub::start(repos());
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("hub");
+    for missing in ["./typo.gguf", "Qwen3-8B-GGUF:Q4_K_M"] {
+        let out = run(&hub.endpoint(), &cache, &[], &["pull", missing]);
+        assert!(
+            !out.status.success() && text(&out.stderr).contains("model file not found"),
+            "{missing}: {}",
+            text(&out.stderr)
+        );
+    }
+    let out = run(&hub.endpoint(), &cache, &[], &["rm", "foo/bar:Q4_K_M"]);
+    let stderr = text(&out.stderr);
+    assert!(
+        !out.status.success()
+            && stderr.contains("nothing to remove")
+            && !stderr.contains("offline"),
+        "{stderr}"
+    );
+    assert!(hub.requests().is_empty(), "{:?}", hub.requests());
+}
