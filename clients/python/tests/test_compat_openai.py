@@ -230,6 +230,17 @@ def test_a_costly_grammar_rests_while_a_stream_beside_it_runs(daemon):
     assert metrics(daemon)["superfluid_grammar_rested_steps_total"] > rested
 
 
+def test_a_negative_seed_is_a_seed(daemon):
+    """OpenAI's seed is a signed 64-bit integer; -1 was refused with a 400
+    ("expected u64"). It names one stream of draws like any other."""
+    c = oai(daemon)
+    a = chat(c, "Name a fruit.", max_tokens=6, temperature=1, seed=-1)
+    b = chat(c, "Name a fruit.", max_tokens=6, temperature=1, seed=-1)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    r = c.completions.create(model="default", prompt="One, two,", max_tokens=3, seed=-9223372036854775808)
+    assert r.usage.completion_tokens == 3
+
+
 def test_completions_models_and_metrics(daemon):
     c = oai(daemon)
     r = c.completions.create(model="default", prompt="The capital of France is", max_tokens=5, **GREEDY)

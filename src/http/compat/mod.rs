@@ -437,6 +437,24 @@ pub(crate) fn markers(state: &WebState, header: &[Token]) -> (Markers, bool) {
     (markers, opens)
 }
 
+/// A request's `seed`: OpenAI's is a signed 64-bit integer (-1 is common),
+/// ours unsigned; a negative one is taken as its two's complement, so each
+/// seed still names one stream of draws.
+pub(crate) fn any_seed<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    #[derive(serde::Deserialize)]
+    #[serde(untagged)]
+    enum Seed {
+        Unsigned(u64),
+        Signed(i64),
+    }
+    Ok(
+        <Option<Seed> as serde::Deserialize>::deserialize(d)?.map(|s| match s {
+            Seed::Unsigned(u) => u,
+            Seed::Signed(i) => i as u64,
+        }),
+    )
+}
+
 /// Sampling parameters with the APIs' documented defaults (temperature 1,
 /// top_p 1, no top-k or min-p) and a fresh seed when none is given.
 pub(crate) fn params(

@@ -53,6 +53,7 @@ pub struct ChatRequest {
     pub top_p: Option<f32>,
     pub top_k: Option<u32>,
     pub min_p: Option<f32>,
+    #[serde(default, deserialize_with = "super::any_seed")]
     pub seed: Option<u64>,
     pub stop: Option<Value>,
     pub n: Option<u32>,
@@ -789,6 +790,7 @@ pub struct CompletionRequest {
     pub top_p: Option<f32>,
     pub top_k: Option<u32>,
     pub min_p: Option<f32>,
+    #[serde(default, deserialize_with = "super::any_seed")]
     pub seed: Option<u64>,
     pub stop: Option<Value>,
     pub n: Option<u32>,
