@@ -43,6 +43,24 @@ def test_message_and_stream_agree(daemon):
     assert final.usage.cache_read_input_tokens > 0
 
 
+def test_a_final_assistant_message_is_continued(daemon):
+    """Anthropic's "prefill": a final assistant message is the start of the
+    reply, which continues it. The turn was closed and a new one opened (a
+    count of 8 more tokens for a 2-token message, and a reply that began
+    afresh: 'The original sentence is "1')."""
+    c = ant(daemon)
+    user = [{"role": "user", "content": "Count from 1 to 10 separated by commas."}]
+    base = c.messages.count_tokens(model="default", messages=user).input_tokens
+    prefill = user + [{"role": "assistant", "content": "1, 2, 3, 4,"}]
+    counted = c.messages.count_tokens(model="default", messages=prefill).input_tokens
+    m = c.messages.create(model="default", max_tokens=6, messages=prefill, extra_body=GREEDY)
+    assert m.content[0].text.lstrip().startswith("5"), m.content[0].text
+    # The prompt is the conversation up to the prefill's last token: no
+    # closing, no new assistant header.
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == counted
+    assert counted < base + 8 + 5, (base, counted)
+
+
 def test_count_tokens_matches_usage(daemon):
     a = ant(daemon)
     msgs = [{"role": "user", "content": "How many tokens is this?"}]

@@ -61,6 +61,16 @@ def test_chat_not_streamed_and_streamed_agree(daemon):
     assert "POST /api/chat 200" in line and "colour" not in line
 
 
+def test_a_final_assistant_message_is_continued(daemon):
+    """Ollama continues a trailing assistant message (its maintainers'
+    example: "the sky is blue because it was painted by "); the reply
+    began a new turn instead."""
+    r = oll(daemon).chat(model="default", messages=[
+        {"role": "user", "content": "Count from 1 to 10 separated by commas."},
+        {"role": "assistant", "content": "1, 2, 3, 4,"}], options={"num_predict": 6, "temperature": 0})
+    assert r.message.content.lstrip().startswith("5"), r.message.content
+
+
 def test_the_wire_is_ndjson_with_a_final_done_object(daemon):
     body = {"model": "default", "messages": user("Say hi."), "options": {**GREEDY, "num_predict": 8}}
     status, headers, out = raw(daemon, "POST", "/api/chat", body, auth())

@@ -172,6 +172,45 @@ pub fn prompt_tokens(
     Ok(render.conversation(&chat, tools)?)
 }
 
+/// Whether a conversation ends with an assistant message a reply should
+/// continue (Anthropic's "prefill", Ollama's trailing assistant message):
+/// text only, no calls, no images.
+pub fn ends_with_prefill(msgs: &[Msg]) -> bool {
+    msgs.last().is_some_and(|m| {
+        m.role == Role::Assistant && m.calls.is_empty() && m.images.is_empty() && !m.text.is_empty()
+    })
+}
+
+/// Makes `prompt` (of `msgs`, ending with an assistant message) continue
+/// that message: its closing (`Render::turn_tail`, ChatML's
+/// `<|im_end|>\n`) and the assistant header after it are cut off, so the
+/// reply goes on from its last token. Err when the template does not keep
+/// that message's text as given.
+pub fn continue_last(
+    render: &dyn Render,
+    msgs: &[Msg],
+    tools: &[String],
+    prompt: &mut Prompt,
+) -> Result<(), ChatError> {
+    let chat = template_messages(msgs)?;
+    let tail = render.turn_tail(&chat, tools)?;
+    let body = prompt.tokens.len() - prompt.header;
+    if tail.is_empty() || !prompt.tokens[..body].ends_with(&tail) {
+        return Err(ChatError::Render(RenderError(
+            "this model's chat template does not keep a final assistant message as given, so a \
+             reply cannot continue it"
+                .into(),
+        )));
+    }
+    prompt.tokens.truncate(body - tail.len());
+    prompt.header = 0;
+    let end = prompt.tokens.len();
+    if let Some(last) = prompt.ends.last_mut() {
+        *last = (*last).min(end);
+    }
+    Ok(())
+}
+
 /// The prompt of a conversation with images, and the images on it: each
 /// message rendered as its span (`Render::image_span` for one with images,
 /// its texts split at the images' offsets), then the assistant header.

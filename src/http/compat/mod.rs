@@ -324,7 +324,9 @@ pub(crate) async fn off_worker<T: Send + 'static>(
 
 /// A request's prompt (`chat::prompt_with_images` when a message holds
 /// images, else `chat::prompt_tokens`), in the route's error shape,
-/// rendered [`off_worker`].
+/// rendered [`off_worker`]. On the Anthropic and Ollama routes a final
+/// assistant message is continued (`chat::continue_last`): their APIs
+/// document it ("prefill"); OpenAI's chat route answers after it.
 pub(crate) async fn render_prompt(
     state: &WebState,
     family: Family,
@@ -349,12 +351,17 @@ pub(crate) async fn render_prompt(
     }
     let render = state.m().shared.render.clone();
     let (msgs, tools) = (msgs.to_vec(), tools.to_vec());
+    let prefill = family != Family::OpenAi && chat::ends_with_prefill(&msgs);
     off_worker(family, bytes, move || {
-        if msgs.iter().any(|m| !m.images.is_empty()) {
-            chat::prompt_with_images(render.as_ref(), &msgs, &tools)
+        let (mut prompt, media) = if msgs.iter().any(|m| !m.images.is_empty()) {
+            chat::prompt_with_images(render.as_ref(), &msgs, &tools)?
         } else {
-            Ok((chat::prompt_tokens(render.as_ref(), &msgs, &tools)?, vec![]))
+            (chat::prompt_tokens(render.as_ref(), &msgs, &tools)?, vec![])
+        };
+        if prefill {
+            chat::continue_last(render.as_ref(), &msgs, &tools, &mut prompt)?;
         }
+        Ok((prompt, media))
     })
     .await?
     .map_err(|e| chat_error(family, e))
