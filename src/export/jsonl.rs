@@ -79,8 +79,12 @@ pub fn lines(export: &SessionExport, opts: &ExportOptions) -> (Vec<String>, usiz
         .iter()
         .zip(&export.inherited_from)
         .map(|(e, inherited_from)| {
-            // The record's JSON form: {"Name": {fields}} or "Name".
-            let mut fields = match serde_json::to_value(&e.body) {
+            // The record's JSON form: {"Name": {fields}} or "Name", as `Read`
+            // writes it. Through the text, not `to_value`: that widens an
+            // f32 to the f64 nearest it (temperature 0.7 became
+            // 0.699999988079071), where the text keeps its shortest form.
+            let text = serde_json::to_string(&e.body).unwrap_or_default();
+            let mut fields = match serde_json::from_str::<Value>(&text) {
                 Ok(Value::Object(mut outer)) => outer
                     .values_mut()
                     .next()
@@ -203,6 +207,26 @@ mod tests {
         );
         assert_eq!(with[0]["redactions"], json!(1));
         assert_eq!(with[1]["fields"]["text"], json!("ok"));
+    }
+
+    /// Floats read as `Read` writes them: temperature 0.7, not the f64
+    /// nearest the f32 (0.699999988079071).
+    #[test]
+    fn floats_keep_their_shortest_form() {
+        let params = crate::wire::Params {
+            temperature: 0.7,
+            top_p: 0.95,
+            ..crate::wire::Params::greedy(1)
+        };
+        let e = export(vec![Record::Created {
+            parent: None,
+            params,
+        }]);
+        let line = &lines(&e, &ExportOptions::default()).0[0];
+        assert!(
+            line.contains(r#""temperature":0.7,"#) && line.contains(r#""top_p":0.95,"#),
+            "{line}"
+        );
     }
 
     #[test]
