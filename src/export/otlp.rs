@@ -354,11 +354,11 @@ pub fn request(export: &SessionExport, opts: &ExportOptions) -> (Value, usize) {
             attrs.push(kv("gen_ai.response.model", s(m.clone())));
         }
         if let Some(p) = params {
-            attrs.push(kv(
-                "gen_ai.request.temperature",
-                d(f64::from(p.temperature)),
-            ));
-            attrs.push(kv("gen_ai.request.top_p", d(f64::from(p.top_p))));
+            // As the f32 reads (0.7), not the f64 nearest it
+            // (0.699999988079071): through its shortest text.
+            let shortest = |x: f32| x.to_string().parse::<f64>().unwrap_or(f64::from(x));
+            attrs.push(kv("gen_ai.request.temperature", d(shortest(p.temperature))));
+            attrs.push(kv("gen_ai.request.top_p", d(shortest(p.top_p))));
             attrs.push(kv("gen_ai.request.top_k", d(f64::from(p.top_k))));
             attrs.push(kv("gen_ai.request.seed", i(p.seed)));
         }
@@ -494,7 +494,10 @@ mod tests {
                 0,
                 Record::Created {
                     parent: None,
-                    params: Params::greedy(5),
+                    params: Params {
+                        temperature: 0.7,
+                        ..Params::greedy(5)
+                    },
                 },
             ),
             ev(
@@ -587,6 +590,11 @@ mod tests {
         assert_eq!(
             attr(a, "gen_ai.request.model").unwrap(),
             &json!({"stringValue": "m"})
+        );
+        // As the f32 reads, not the f64 nearest it (0.699999988079071).
+        assert_eq!(
+            attr(a, "gen_ai.request.temperature").unwrap(),
+            &json!({"doubleValue": 0.7})
         );
         assert_eq!(
             attr(b, "gen_ai.usage.input_tokens").unwrap(),
