@@ -651,6 +651,15 @@ fn open(sessions: &std::path::Path, browser: bool) -> anyhow::Result<()> {
     let addr: std::net::SocketAddr = read(token::ADDR_FILE)?
         .parse()
         .map_err(|e| anyhow::anyhow!("{}: {e}", sessions.join(token::ADDR_FILE).display()))?;
+    // The files outlive the daemon that wrote them (a stop, a restart
+    // without --web): a URL nobody answers is an error, not the answer.
+    if let Err(e) = std::net::TcpStream::connect_timeout(&addr, std::time::Duration::from_secs(2)) {
+        anyhow::bail!(
+            "no daemon answers at {addr} ({e}), the address {} names: is `superfluid serve --web \
+             ...` running on these sessions?",
+            sessions.join(token::ADDR_FILE).display()
+        );
+    }
     let url = page::url(addr, &read(token::TOKEN_FILE)?);
     superfluid::outln!("{url}");
     if browser {

@@ -147,6 +147,23 @@ def test_superfluid_open_prints_the_url(daemon):
     assert out.strip() == page_url(daemon)
 
 
+def test_superfluid_open_refuses_a_stopped_daemons_address(daemon, tmp_path):
+    """web-addr and web-token outlive their daemon (a stop, a restart
+    without --web): open printed the dead URL and exited 0."""
+    import shutil
+    import socket as so
+    s = so.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    (tmp_path / "web-addr").write_text("127.0.0.1:{}\n".format(port))
+    shutil.copy(os.path.join(daemon.sessions, "web-token"), tmp_path / "web-token")
+    out = subprocess.run([daemon.binary, "open", "--no-browser", "--sessions", str(tmp_path)],
+                         capture_output=True, text=True)
+    assert out.returncode == 1 and out.stdout == "", out
+    assert "no daemon answers at 127.0.0.1:{}".format(port) in out.stderr, out.stderr
+
+
 def launched(args, timeout=20):
     """What the stub xdg-open (started without waiting) was given."""
     deadline = __import__("time").monotonic() + timeout
