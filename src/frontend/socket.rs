@@ -382,10 +382,21 @@ impl Client {
         let bytes = to_postcard(request)?;
         match crate::wire::write_frame_blocking(&mut self.stream, &bytes) {
             Ok(()) => Ok(()),
-            Err(e) => match self.read() {
-                Ok(Response::Err { message }) => Err(ClientError::Refused(message)),
-                _ => Err(e.into()),
-            },
+            // Only a closed connection: after any other failure (a request
+            // over the frame cap, nothing written) the daemon is waiting
+            // for a request and a read would block.
+            Err(crate::wire::FrameError::Io(e))
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset
+                ) =>
+            {
+                match self.read() {
+                    Ok(Response::Err { message }) => Err(ClientError::Refused(message)),
+                    _ => Err(crate::wire::FrameError::Io(e).into()),
+                }
+            }
+            Err(e) => Err(e.into()),
         }
     }
 }

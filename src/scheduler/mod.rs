@@ -177,12 +177,14 @@ pub enum StepError {
     /// instead. The worker ran the step's other requests: `decoded` when its
     /// decode went through (on the other sequences) although the step is
     /// taken as not run.
-    /// `spilled`: the step's `Spilled` replies, which still stand.
+    /// `spilled`: the step's `Spilled` replies, which still stand;
+    /// `unparked`: park artifacts the budget deleted, from its `Decoded`.
     #[error("sequences {seqs:?} were not restored")]
     NotRestored {
         seqs: Vec<u32>,
         decoded: bool,
         spilled: Vec<(u64, u64)>,
+        unparked: Vec<u64>,
     },
 }
 

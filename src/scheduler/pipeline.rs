@@ -97,6 +97,7 @@ impl StepOutput {
                 seqs: not_restored,
                 decoded,
                 spilled: out.spilled,
+                unparked: out.unparked,
             });
         }
         match failure {
@@ -277,6 +278,7 @@ mod tests {
                 seqs,
                 decoded,
                 spilled,
+                ..
             }) => (seqs, decoded, spilled),
             other => panic!("{other:?}"),
         }

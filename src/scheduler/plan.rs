@@ -356,11 +356,6 @@ impl SchedulerState {
             // draws so far, and the rest of its max_tokens (at most the
             // whole context: then it waits until nothing else runs).
             let g = &self.gens[&gen];
-            if g.preempted && self.stats.decode_calls == g.preempted_at {
-                // Nothing went through since it was taken off: wait, and
-                // hold no room (the running ones must advance first).
-                continue;
-            }
             let (busy, need) = if g.preempted {
                 let left = u64::from(g.admit.max_tokens.saturating_sub(g.produced));
                 let need = (prompt.len() as u64 + 1 + left).min(self.n_ctx as u64);
@@ -368,6 +363,16 @@ impl SchedulerState {
             } else {
                 (self.busy_cells(), prompt.len() as u64 + 1)
             };
+            // Nothing went through since it was taken off while others
+            // hold sequences: they advance first; its room stays claimed.
+            let others_run = self
+                .gens
+                .iter()
+                .any(|(id, o)| *id != gen && o.seq.is_some());
+            if g.preempted && others_run && self.stats.decode_calls == g.preempted_at {
+                reserved = reserved.saturating_add(need);
+                continue;
+            }
             if busy + reserved + need > self.n_ctx as u64 {
                 reserved = reserved.saturating_add(need);
                 continue;
@@ -533,7 +538,14 @@ impl SchedulerState {
             // Its cells change: a prefix pin left on it no longer holds.
             seq.pin = None;
             seq.last_used = self.steps_planned;
-            self.gens.get_mut(&gen).expect("waiting gen").seq = Some(dst as u32);
+            let g = self.gens.get_mut(&gen).expect("waiting gen");
+            g.seq = Some(dst as u32);
+            // A preempted generation resumes: its client heard it start
+            // (and how much of its prompt was warm) already, and its draws
+            // are no prompt tokens of the cache.
+            if std::mem::take(&mut g.preempted) {
+                continue;
+            }
             self.stats.warm_tokens += warm;
             events.push(GenEvent::Started {
                 gen,

@@ -76,8 +76,10 @@ impl SchedulerState {
                         seqs,
                         decoded,
                         spilled,
+                        unparked,
                     } => {
                         self.note_spilled(&spilled);
+                        self.forget_parked(&unparked);
                         self.not_restored(step, &seqs, decoded)
                     }
                 };
@@ -451,6 +453,10 @@ impl SchedulerState {
             .filter(|g| self.gens.contains_key(g))
             .max_by_key(|g| self.gens[g].arrival);
         match youngest {
+            // A cancelled one ends now, as it would have after this step.
+            Some(gen) if self.gens[&gen].cancelled => {
+                self.finish_gen(gen, Some(Finish::Cancelled), "")
+            }
             Some(gen) if self.can_preempt(gen) => self.preempt(gen),
             Some(gen) => self.finish_gen(gen, Some(Finish::Error), "the KV cache is full"),
             None => vec![],
@@ -458,8 +464,10 @@ impl SchedulerState {
     }
 
     /// Whether `gen` can wait off its sequence and go on later: another
-    /// generation runs (alone, it has nothing to wait for) and its draws
-    /// are not penalized (the worker counts those per sequence).
+    /// generation runs (alone, it has nothing to wait for), its draws are
+    /// not penalized (the worker counts those per sequence), and it is not
+    /// batch-invariant (a resume re-prefills its draws in a batch shape
+    /// that depends on load).
     fn can_preempt(&self, gen: GenId) -> bool {
         let Some(g) = self.gens.get(&gen) else {
             return false;
@@ -469,7 +477,7 @@ impl SchedulerState {
             .iter()
             .any(|(id, o)| *id != gen && o.seq.is_some());
         let penalized = g.admit.extras.as_ref().is_some_and(|x| x.penalizes());
-        g.seq.is_some() && others && !penalized
+        g.seq.is_some() && others && !penalized && !g.admit.batch_invariant
     }
 
     /// Takes `gen` off its sequence: the sequence is left idle (its cells
@@ -533,6 +541,8 @@ impl SchedulerState {
         for g in self.gens.values_mut() {
             g.seq = None;
             g.inflight = 0;
+            // Those that wait again start afresh (nothing of theirs ran).
+            g.preempted = false;
         }
         let mut ids: Vec<GenId> = self.gens.keys().copied().collect();
         ids.sort_unstable();

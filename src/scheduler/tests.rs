@@ -824,6 +824,7 @@ impl FakeWorker {
                 seqs: not_restored,
                 decoded,
                 spilled: self.spilled.clone(),
+                unparked: vec![],
             });
         }
         if let Some(e) = first_err {
@@ -880,6 +881,7 @@ impl FakeWorker {
                                 seqs: vec![*seq],
                                 decoded: false,
                                 spilled: vec![],
+                                unparked: vec![],
                             })
                         }
                     }
@@ -919,6 +921,7 @@ impl FakeWorker {
                                 seqs: vec![*seq],
                                 decoded: false,
                                 spilled: vec![],
+                                unparked: vec![],
                             })
                         }
                     }
@@ -2566,6 +2569,75 @@ fn a_full_cache_preempts_the_youngest_which_goes_on_later() {
         vec![GenEvent::Finished {
             gen: c,
             finish: Finish::Error
+        }]
+    );
+}
+
+/// A review of the preemption: the resumed generation is not announced
+/// again (its warm count stands), a later arrival does not take the room a
+/// preempted one claims, a preempted one is not left waiting when the
+/// others end without a decode, and a cancelled youngest ends cancelled.
+#[test]
+fn preemption_keeps_its_claim_its_start_and_never_strands_a_generation() {
+    let mut s = SchedulerState::new(64, 3, 512);
+    let a = s.admit(admit(1, &[1; 10], 30)).unwrap();
+    let b = s.admit(admit(2, &[2; 10], 30)).unwrap();
+    let mut events = Vec::new();
+    for _ in 0..3 {
+        events.extend(step_with(&mut s, |seq| 100 + seq).1);
+    }
+    let warm_before = s.stats().warm_tokens;
+    let (step, _) = s.plan();
+    assert!(s
+        .step_done(&step.unwrap(), Err(StepError::KvFull { spilled: vec![] }))
+        .is_empty());
+    assert!(s.gens[&b].preempted);
+    // A later arrival that fits beside the running one but not beside b's
+    // claim waits too.
+    let c = s.admit(admit(3, &[3; 10], 5)).unwrap();
+    let (step, ev) = s.plan();
+    assert_eq!(step.unwrap().gens, vec![a], "{ev:?}");
+    assert!(s.gens[&c].seq.is_none(), "c took b's room");
+    // a's step finds the cache full again: alone, it ends; nothing was
+    // decoded since b was taken off, and b must not wait for that.
+    let (step, _) = s.plan();
+    let _ = s.step_done(&step.unwrap(), Err(StepError::KvFull { spilled: vec![] }));
+    let (step, _) = s.plan();
+    let step = s.step_done(&step.unwrap(), Err(StepError::KvFull { spilled: vec![] }));
+    events.extend(step);
+    assert!(events.contains(&GenEvent::Finished {
+        gen: a,
+        finish: Finish::Error
+    }));
+    let (step, ev) = s.plan();
+    events.extend(ev);
+    assert!(step.unwrap().gens.contains(&b), "b stranded");
+    events.extend(run_to_end(&mut s));
+    let started = |g: GenId| {
+        events
+            .iter()
+            .filter(|e| matches!(e, GenEvent::Started { gen, .. } if *gen == g))
+            .count()
+    };
+    assert_eq!(started(b), 1, "b announced again on its resume");
+    assert!(events.contains(&GenEvent::Finished {
+        gen: b,
+        finish: Finish::MaxTokens
+    }));
+    assert!(s.stats().warm_tokens >= warm_before);
+    // A cancelled youngest ends cancelled at the full cache.
+    let mut s = SchedulerState::new(64, 2, 512);
+    s.admit(admit(1, &[1; 10], 30)).unwrap();
+    let y = s.admit(admit(2, &[2; 10], 30)).unwrap();
+    step_with(&mut s, |seq| 100 + seq);
+    s.cancel(y);
+    let (step, _) = s.plan();
+    let ev = s.step_done(&step.unwrap(), Err(StepError::KvFull { spilled: vec![] }));
+    assert_eq!(
+        ev,
+        vec![GenEvent::Finished {
+            gen: y,
+            finish: Finish::Cancelled
         }]
     );
 }

@@ -232,11 +232,12 @@ def test_a_costly_grammar_rests_while_a_stream_beside_it_runs(daemon):
 
 def test_a_negative_seed_is_a_seed(daemon):
     """OpenAI's seed is a signed 64-bit integer; -1 was refused with a 400
-    ("expected u64"). It names one stream of draws like any other."""
+    ("expected u64"). (Two sampled replies with one seed are not compared:
+    the second is seeded from the cache, a batch shape that can move a draw;
+    docs/sessions.md.)"""
     c = oai(daemon)
     a = chat(c, "Name a fruit.", max_tokens=6, temperature=1, seed=-1)
-    b = chat(c, "Name a fruit.", max_tokens=6, temperature=1, seed=-1)
-    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.usage.completion_tokens > 0 and a.choices[0].message.content
     r = c.completions.create(model="default", prompt="One, two,", max_tokens=3, seed=-9223372036854775808)
     assert r.usage.completion_tokens == 3
 

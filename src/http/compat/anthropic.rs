@@ -293,6 +293,9 @@ struct Rendered {
     pin: Option<(usize, u64)>,
     forced: Option<Vec<(String, Value)>>,
     none: bool,
+    /// The reply continues a final assistant message: its leading
+    /// whitespace is part of the text (" a giant" after "painted by").
+    prefill: bool,
 }
 
 async fn render(
@@ -362,6 +365,7 @@ async fn render(
         pin,
         forced,
         none,
+        prefill: super::chat::ends_with_prefill(&conv.msgs),
     })
 }
 
@@ -481,7 +485,8 @@ pub async fn messages(
             extras: None,
         };
         let stop = r.stop_sequences.clone().unwrap_or_default();
-        let (warm, mut runs) = start_all(&state, F, &p, 1, params, &stop, true).await?;
+        let trim_leading = !rendered.prefill;
+        let (warm, mut runs) = start_all(&state, F, &p, 1, params, &stop, trim_leading).await?;
         let out = runs
             .pop()
             .ok_or_else(|| ApiError::new(F, Kind::Internal, "no run"))?;

@@ -619,7 +619,8 @@ async fn prepare_chat(
         },
         params: sampling(o)?,
         stop: stops(o.stop.as_ref())?,
-        trim_leading: true,
+        // A continued assistant message keeps the reply's leading space.
+        trim_leading: !super::chat::ends_with_prefill(&msgs),
         head: Head {
             shape: Shape::Chat,
             model: listed_name(state),

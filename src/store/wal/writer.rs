@@ -293,6 +293,13 @@ fn writer_loop(
                 before_sync.as_ref(),
                 &mut failed,
             );
+            // A burst's first commit starts the busy clock: the hint is
+            // written after ACKED_EVERY of commits, not at once after a
+            // long idle (which would put an fdatasync before the next
+            // append of nearly every request).
+            if !unrecorded {
+                recorded_at = std::time::Instant::now();
+            }
             unrecorded = true;
             if recorded_at.elapsed() >= ACKED_EVERY {
                 file.record_acked();
