@@ -578,16 +578,8 @@ fn second_daemon_on_same_sessions_dir_is_refused() {
 
     // Same sessions dir, another socket.
     let (sessions, other_socket) = (d.sessions.clone(), d.path().join("other.sock"));
-    let failed = d.start_other_expect_exit(&sessions, &other_socket, &[]);
-    assert!(!failed.status.success());
-    assert!(
-        failed
-            .stderr
-            .contains("in use by another superfluid daemon")
-            && failed.stderr.contains(&format!("pid {pid}")),
-        "{}",
-        failed.stderr
-    );
+    d.start_other_expect_exit(&sessions, &other_socket, &[])
+        .assert_locked_by(pid);
     assert!(!other_socket.exists());
     assert_eq!(d.wal_bytes(), wal);
 

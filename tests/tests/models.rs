@@ -313,16 +313,8 @@ fn another_daemon_on_a_model_log_directory_is_refused() {
     let dir = d.sessions.join("models").join(id_of(&second));
     let wal = std::fs::read(dir.join("wal.log")).unwrap();
     let other_socket = d.path().join("other.sock");
-    let failed = d.start_other_expect_exit(&dir, &other_socket, &[]);
-    assert!(!failed.status.success());
-    assert!(
-        failed
-            .stderr
-            .contains("in use by another superfluid daemon")
-            && failed.stderr.contains(&format!("pid {pid}")),
-        "{}",
-        failed.stderr
-    );
+    d.start_other_expect_exit(&dir, &other_socket, &[])
+        .assert_locked_by(pid);
     assert_eq!(std::fs::read(dir.join("wal.log")).unwrap(), wal);
     // The first daemon still serves that model.
     let mut c = d.client();

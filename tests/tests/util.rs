@@ -53,6 +53,19 @@ pub struct Failed {
     pub stderr: String,
 }
 
+impl Failed {
+    /// The start was refused because the daemon `pid` holds the directory.
+    pub fn assert_locked_by(&self, pid: u32) {
+        assert!(!self.status.success());
+        assert!(
+            self.stderr.contains("in use by another superfluid daemon")
+                && self.stderr.contains(&format!("pid {pid}")),
+            "{}",
+            self.stderr
+        );
+    }
+}
+
 pub struct TestDaemon {
     dir: tempfile::TempDir,
     pub sessions: PathBuf,
