@@ -136,6 +136,11 @@ impl ResponseError for ApiError {
             Kind::Forbidden => StatusCode::FORBIDDEN,
             Kind::NoModel | Kind::NotFound => StatusCode::NOT_FOUND,
             Kind::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            // Anthropic's overloaded_error is a 529 (its SDK raises
+            // OverloadedError for it, and retries it).
+            Kind::Unavailable if self.family == Family::Anthropic => {
+                StatusCode::from_u16(529).unwrap_or(StatusCode::SERVICE_UNAVAILABLE)
+            }
             Kind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
             Kind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
             Kind::NotImplemented => StatusCode::NOT_IMPLEMENTED,
