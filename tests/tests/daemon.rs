@@ -459,6 +459,14 @@ fn torn_tail_at_every_offset() {
     }
 }
 
+/// Flips a bit in the middle of the payload of the record at `start..end`
+/// of `bytes` (the daemon's log) and writes the log back.
+fn flip_payload_bit(d: &TestDaemon, bytes: &mut [u8], (start, end): (usize, usize)) {
+    let payload = start + RECORD_HEADER_LEN;
+    bytes[payload + (end - payload) / 2] ^= 0x10;
+    std::fs::write(d.wal_path(), &*bytes).unwrap();
+}
+
 /// The spec: a complete record that fails its checksum refuses the start.
 /// A flipped byte in the log's last record, one the client was answered
 /// for, was dropped as a torn tail and the event lost; the writer's
@@ -490,8 +498,7 @@ fn flipped_bit_in_the_acknowledged_last_record_refuses_start() {
         let records = wal_records(&bytes);
         let (start, end) = *records.last().unwrap();
         assert_eq!(wal_group_end(&bytes, end), bytes.len(), "the last group");
-        bytes[start + RECORD_HEADER_LEN + (end - start - RECORD_HEADER_LEN) / 2] ^= 0x10;
-        std::fs::write(d.wal_path(), &bytes).unwrap();
+        flip_payload_bit(&d, &mut bytes, (start, end));
         let failed = d.start_expect_exit(&[]);
         assert!(
             !failed.status.success()
@@ -529,10 +536,7 @@ fn flipped_bit_in_non_final_record_refuses_start() {
     // Records: Boot, Created, Message, Message. Corrupt the first Message.
     assert_eq!(records.len(), 4);
     let (start, end) = records[2];
-    let payload = start + RECORD_HEADER_LEN;
-    let mid = payload + (end - payload) / 2;
-    bytes[mid] ^= 0x10;
-    std::fs::write(d.wal_path(), &bytes).unwrap();
+    flip_payload_bit(&d, &mut bytes, (start, end));
 
     let failed = d.start_expect_exit(&[]);
     assert!(
