@@ -22,7 +22,7 @@
 //!
 //! With `--rpc` the worker's layers live on ggml RPC servers, and ggml aborts
 //! the worker when one is lost. Before each start, and after each death, the
-//! lane probes the servers (a TCP connect each, on the arbiter's reactor):
+//! lane probes the servers (an RPC hello each, on the arbiter's reactor):
 //! a death with a server down fails what was in flight naming the server,
 //! and while any is down the lane is `Unreachable` and refuses work at once,
 //! probing every `RPC_PROBE_EVERY` until all answer, then starts the worker.
@@ -63,7 +63,7 @@ pub const WORKER_SPINCOUNT: &str = "20000";
 /// polling every `SHUTDOWN_POLL_MS`, before it kills it.
 const SHUTDOWN_GRACE_MS: u64 = 200;
 const SHUTDOWN_POLL_MS: u64 = 10;
-/// How long a probe waits for an RPC server's TCP handshake.
+/// How long a probe waits for an RPC server's hello.
 const RPC_PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 /// How often an `Unreachable` lane probes its RPC servers again.
 const RPC_PROBE_EVERY: Duration = Duration::from_secs(1);
@@ -165,21 +165,43 @@ pub fn rpc_metrics(status: &RpcStatus) -> String {
     out
 }
 
-/// Connects to each server (at once, `RPC_PROBE_TIMEOUT` each) and returns
-/// each one's failure, None where it answered.
+/// Asks each server for its hello (at once, `RPC_PROBE_TIMEOUT` each) and
+/// returns each one's failure, None where it answered.
 async fn probe_rpc(servers: Vec<String>) -> Vec<Option<String>> {
     let probes = servers.into_iter().map(|server| async move {
-        match tokio::time::timeout(RPC_PROBE_TIMEOUT, tokio::net::TcpStream::connect(&server)).await
-        {
-            Ok(Ok(_)) => None,
-            Ok(Err(e)) => Some(e.to_string()),
+        match tokio::time::timeout(RPC_PROBE_TIMEOUT, rpc_hello(&server)).await {
+            Ok(Ok(())) => None,
+            Ok(Err(e)) => Some(e),
             Err(_) => Some(format!(
-                "no answer within {} s",
+                "no RPC answer within {} s (a server serves one client at a time: is \
+                 another one using it?)",
                 RPC_PROBE_TIMEOUT.as_secs()
             )),
         }
     });
     futures_util::future::join_all(probes).await
+}
+
+/// One RPC hello exchange with a server (`engine::rpc::hello_request`): a
+/// TCP connect alone also succeeds on a dying server's listening socket,
+/// which ggml closes after the connections that failed the worker.
+async fn rpc_hello(server: &str) -> Result<(), String> {
+    use crate::engine::rpc;
+    use tokio::io::AsyncReadExt;
+    let mut stream = tokio::net::TcpStream::connect(server)
+        .await
+        .map_err(|e| e.to_string())?;
+    let lost = |e: std::io::Error| format!("it accepted the connection but did not answer ({e})");
+    stream
+        .write_all(&rpc::hello_request())
+        .await
+        .map_err(lost)?;
+    let mut header = [0u8; 8];
+    stream.read_exact(&mut header).await.map_err(lost)?;
+    rpc::hello_reply_size(header)?;
+    let mut body = [0u8; rpc::HELLO_REPLY];
+    stream.read_exact(&mut body).await.map_err(lost)?;
+    rpc::hello_reply(&body)
 }
 
 /// What the lane does once a probe of its RPC servers is back.

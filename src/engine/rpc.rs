@@ -135,6 +135,54 @@ impl Placement {
     }
 }
 
+/// The RPC protocol's major version the worker's ggml speaks (`RPC_PROTO_MAJOR_VERSION` in
+/// llama-cpp-sys-2's ggml-rpc.h); a server of another major version refuses it.
+pub const PROTO_MAJOR: u8 = 7;
+/// ggml-rpc's `RPC_CMD_HELLO` (fixed at 14 across versions).
+const CMD_HELLO: u8 = 14;
+/// The size of `conn_caps` in ggml-rpc's hello messages (transport.h).
+const CONN_CAPS: usize = 24;
+/// The size of a hello reply: major, minor, patch, padding, `conn_caps`.
+pub const HELLO_REPLY: usize = 4 + CONN_CAPS;
+
+/// The first command a ggml RPC server takes from a client, as the worker's ggml sends it
+/// (command byte, little-endian u64 size, a request of `conn_caps` all zero: plain TCP). A
+/// server answers it only once it has accepted the connection, so the answer tells a running
+/// server from one whose listening socket outlives its process for a moment (ggml closes a
+/// dying server's client connections first, and a connect to its listener still succeeds).
+pub fn hello_request() -> Vec<u8> {
+    let mut out = Vec::with_capacity(1 + 8 + CONN_CAPS);
+    out.push(CMD_HELLO);
+    out.extend_from_slice(&(CONN_CAPS as u64).to_le_bytes());
+    out.extend_from_slice(&[0; CONN_CAPS]);
+    out
+}
+
+/// Checks a hello reply's size header (the 8 bytes before its body): the body must be
+/// [`HELLO_REPLY`] bytes, read before anything else is.
+pub fn hello_reply_size(header: [u8; 8]) -> Result<(), String> {
+    match u64::from_le_bytes(header) {
+        n if n == HELLO_REPLY as u64 => Ok(()),
+        n => Err(format!(
+            "it answered a hello of {n} bytes, not {HELLO_REPLY}: not a ggml RPC server of \
+             protocol {PROTO_MAJOR}.x"
+        )),
+    }
+}
+
+/// Checks a hello reply's body: the server's protocol must be the worker's major version.
+pub fn hello_reply(body: &[u8; HELLO_REPLY]) -> Result<(), String> {
+    let (major, minor, patch) = (body[0], body[1], body[2]);
+    if major == PROTO_MAJOR {
+        Ok(())
+    } else {
+        Err(format!(
+            "it speaks RPC protocol {major}.{minor}.{patch}, this build {PROTO_MAJOR}.x \
+             (build its ggml-rpc-server from the same llama.cpp: scripts/build-llama-tool.sh)"
+        ))
+    }
+}
+
 /// Registers each server as a ggml device (llama-server's `add_rpc_devices`). Call once per
 /// process, after the backend is initialised and before the model loads.
 ///
@@ -237,6 +285,26 @@ pub fn load(path: &Path, layers: u32, split: &[f32]) -> Result<LlamaModel, Engin
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_hello_is_ggml_rpcs_and_its_reply_is_checked() {
+        let hello = hello_request();
+        assert_eq!(hello.len(), 33);
+        assert_eq!(hello[0], 14);
+        assert_eq!(&hello[1..9], &24u64.to_le_bytes());
+        assert!(hello[9..].iter().all(|b| *b == 0));
+
+        assert!(hello_reply_size(28u64.to_le_bytes()).is_ok());
+        let wrong = hello_reply_size(4u64.to_le_bytes()).unwrap_err();
+        assert!(wrong.contains("4 bytes, not 28"), "{wrong}");
+
+        let mut body = [0u8; HELLO_REPLY];
+        body[..3].copy_from_slice(&[7, 0, 0]);
+        assert!(hello_reply(&body).is_ok());
+        body[..3].copy_from_slice(&[6, 1, 2]);
+        let old = hello_reply(&body).unwrap_err();
+        assert!(old.contains("protocol 6.1.2, this build 7.x"), "{old}");
+    }
 
     #[test]
     fn servers_parse_and_are_checked() {

@@ -116,6 +116,15 @@ impl RpcServer {
         }
     }
 
+    /// What it printed, for a failure's message.
+    fn log(&self) -> String {
+        format!(
+            "{}'s log:\n{}",
+            self.endpoint(),
+            std::fs::read_to_string(&self.log).unwrap_or_default()
+        )
+    }
+
     /// The connections it accepted (it logs each).
     fn clients(&self) -> usize {
         std::fs::read_to_string(&self.log)
@@ -325,8 +334,10 @@ fn a_lost_rpc_server_fails_the_generation_then_the_model_refuses_until_it_is_bac
     let message = failed.expect_err("the generation under the lost server fails");
     assert!(
         message.contains(&a.endpoint()) && message.contains("cannot be reached"),
-        "{message}; the daemon's stderr:\n{}",
-        d.stderr()
+        "{message}; the daemon's stderr:\n{}\n{}\n{}",
+        d.stderr(),
+        a.log(),
+        b.log()
     );
 
     // Refused at once, naming the server, while it is down; Metrics says so.
@@ -379,4 +390,62 @@ fn a_lost_rpc_server_fails_the_generation_then_the_model_refuses_until_it_is_bac
     assert!(!text.is_empty());
     let events = d.read_all(s);
     assert!(events.iter().all(|e| e.event_id < events.len() as u64));
+}
+
+#[test]
+fn a_listener_that_never_answers_the_hello_is_not_a_server() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    // Listening, never accepting: a connect succeeds (the kernel completes
+    // the handshake), as it does for a moment on a server just killed.
+    let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+    let silent = silent
+        .local_addr()
+        .map(|a| (silent, a.to_string()))
+        .unwrap();
+    let b = RpcServer::start(dir.path());
+    let d = daemon(&[
+        "--rpc".into(),
+        format!("{},{}", silent.1, b.endpoint()),
+        "--web".into(),
+        "127.0.0.1:0".into(),
+    ]);
+    let mut c = d.client();
+    let s = created(
+        &mut c,
+        Request::Create {
+            parent: None,
+            params: params(5),
+        },
+    );
+    ask(&mut c, s, "Hello.");
+    // Held until the first probe is back, then refused naming the listener
+    // (a worker started against it would wait for its hello for ever).
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || tx.send(generate_text(&mut c, s, 8)));
+    let refused = rx
+        .recv_timeout(Duration::from_secs(60))
+        .unwrap_or_else(|_| panic!("no answer in 60 s; the daemon's stderr:\n{}", d.stderr()))
+        .expect_err("refused: no server answers there");
+    assert!(
+        refused.contains(&silent.1) && refused.contains("no RPC answer within 2 s"),
+        "{refused}; the daemon's stderr:\n{}",
+        d.stderr()
+    );
+    let m = metrics(&d);
+    assert!(
+        m.contains(&format!(
+            "superfluid_rpc_server_up{{server=\"{}\"}} 0",
+            silent.1
+        )) && m.contains(&format!(
+            "superfluid_rpc_server_up{{server=\"{}\"}} 1",
+            b.endpoint()
+        )),
+        "{m}"
+    );
+    assert!(
+        !d.stderr().contains("started (pid"),
+        "a worker started against a server that never answered:\n{}",
+        d.stderr()
+    );
 }
