@@ -323,6 +323,7 @@ class Client:
         self.model = model
         self._query = "" if model is None else "?" + urllib.parse.urlencode({"model": model})
         self._token_path = None
+        self._token_error = None
         if token is None:
             self._token_path = os.path.join(
                 os.path.expanduser(sessions_dir or os.environ.get("SUPERFLUID_SESSIONS") or DEFAULT_SESSIONS_DIR),
@@ -334,11 +335,23 @@ class Client:
     # -- plumbing ---------------------------------------------------------
 
     def _read_token(self) -> str:
+        self._token_error = None
         try:
             with open(self._token_path) as f:
                 return f.read().strip()
-        except OSError:
+        except OSError as e:
+            self._token_error = e.strerror or str(e)
             return ""
+
+    def _token_source(self) -> str:
+        """Where the token came from, for a 401's message."""
+        if self._token_path is None:
+            return "the token was given to Client()"
+        if self._token_error is not None:
+            return "no token: {} could not be read ({}); pass sessions_dir= or token=".format(
+                self._token_path, self._token_error)
+        return "the token was read from {}; is the daemon serving that sessions directory?".format(
+            self._token_path)
 
     def _headers(self) -> Dict[str, str]:
         return {
@@ -372,7 +385,10 @@ class Client:
                 if fresh and fresh != self.token:
                     self.token = fresh
                     continue
-            raise _http_error(resp, payload)
+            error = _http_error(resp, payload)
+            if isinstance(error, Unauthorized):
+                error = Unauthorized("{} ({})".format(error, self._token_source()), 401)
+            raise error
         raise AssertionError("unreachable")
 
     def call(self, verb: str, args: Optional[Dict[str, Any]] = None) -> Tuple[str, Any]:

@@ -281,13 +281,25 @@ def test_unknown_session_raises(sf):
         Session(sf, 987654).generate(4)
 
 
-def test_wrong_token_raises(daemon):
+def test_wrong_token_raises(daemon, tmp_path):
     bad = Client(daemon.url, token="0" * 64)
     with pytest.raises(Unauthorized) as e:
         bad.list()
     assert e.value.status == 401
+    assert "the token was given to Client()" in str(e.value), e.value
     with pytest.raises(Unauthorized):
         bad.session()
+    # A 401 names the token file the client read, or could not read.
+    missing = tmp_path / "elsewhere"
+    with pytest.raises(Unauthorized) as e:
+        Client(daemon.url, sessions_dir=str(missing)).list()
+    assert "no token: {} could not be read".format(missing / "web-token") in str(e.value), e.value
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    (stale / "web-token").write_text("1" * 64)
+    with pytest.raises(Unauthorized) as e:
+        Client(daemon.url, sessions_dir=str(stale)).list()
+    assert "the token was read from {}".format(stale / "web-token") in str(e.value), e.value
 
 
 def test_wrong_csrf_is_forbidden(daemon):
