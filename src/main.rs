@@ -2,7 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 
 mod cli_salvage;
 use superfluid::daemon::{self, ServeConfig};
@@ -372,6 +372,7 @@ fn main() {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {
+            let e = without_hidden_suggestion(e);
             let _ = e.print();
             std::process::exit(e.exit_code());
         }
@@ -385,6 +386,30 @@ fn main() {
         eprintln!("superfluid: {}", error_chain(&e));
         std::process::exit(1);
     }
+}
+
+/// A mistyped subcommand's error without clap's tip when the tip is the
+/// hidden `worker` (`superfluid work` suggested it: it is the daemon's, not
+/// a user's, and run by hand it waits for frames on stdin).
+fn without_hidden_suggestion(e: clap::Error) -> clap::Error {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    let hidden = |v: &ContextValue| match v {
+        ContextValue::String(s) => s == "worker",
+        ContextValue::Strings(s) => s.iter().any(|s| s == "worker"),
+        _ => false,
+    };
+    if e.kind() != ErrorKind::InvalidSubcommand
+        || !e.get(ContextKind::SuggestedSubcommand).is_some_and(hidden)
+    {
+        return e;
+    }
+    let mut plain = clap::Error::new(ErrorKind::InvalidSubcommand).with_cmd(&Cli::command());
+    for kind in [ContextKind::InvalidSubcommand, ContextKind::Usage] {
+        if let Some(v) = e.get(kind) {
+            plain.insert(kind, v.clone());
+        }
+    }
+    plain
 }
 
 /// An error and its causes, `: `-joined, leaving out a cause whose text the

@@ -263,3 +263,25 @@ fn a_closed_stdout_ends_quietly_and_errors_say_their_cause_once() {
         "{stderr}"
     );
 }
+
+/// A mistyped command gets clap's tip, except when the tip would be the
+/// hidden `worker` (the daemon's own subcommand; run by hand it waits on
+/// stdin for frames): `superfluid work` suggested it.
+#[test]
+fn a_mistyped_command_is_never_pointed_at_the_hidden_worker() {
+    let run = |arg: &str| {
+        let out = Command::new(bin()).arg(arg).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{arg}");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let work = run("work");
+    assert!(
+        work.contains("unrecognized subcommand 'work'") && !work.contains("worker"),
+        "{work}"
+    );
+    let sesion = run("sesion");
+    assert!(
+        sesion.contains("similar subcommand exists: 'session'"),
+        "{sesion}"
+    );
+}
