@@ -177,7 +177,21 @@ pub(crate) fn check_gguf(path: &Path) -> Result<(), EngineError> {
 
 /// llama.cpp's JSON-schema-to-GBNF converter (no model needed): the grammar
 /// that forces a tool call's arguments to follow the tool's schema.
+///
+/// The bindings drop the converter's own reason ("ffi error -3"), so a
+/// refusal names the likeliest one found in the schema: a `$ref` that
+/// points at nothing in it.
 pub fn json_schema_grammar(schema: &str) -> Result<String, EngineError> {
-    llama_cpp_2::json_schema_to_grammar(schema)
-        .map_err(|e| EngineError::SchemaToGrammar(e.to_string()))
+    llama_cpp_2::json_schema_to_grammar(schema).map_err(|e| {
+        let dangling = serde_json::from_str::<serde_json::Value>(schema)
+            .ok()
+            .and_then(|v| crate::session::grammar::unresolved_ref(&v));
+        EngineError::SchemaToGrammar(match dangling {
+            Some(r) => format!("the schema's $ref {r:?} points at nothing in the schema"),
+            None => format!(
+                "llama.cpp's JSON-schema converter refused the schema ({e}; it gives no \
+                 reason: look at its $ref targets, patterns and numeric bounds)"
+            ),
+        })
+    })
 }

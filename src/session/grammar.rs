@@ -32,6 +32,29 @@ pub enum GrammarError {
     Pending,
 }
 
+/// The first local `$ref` in `schema` ("#/definitions/x", a JSON pointer
+/// into the schema itself) that resolves to nothing, depth first; `"#"` is
+/// the root. Other refs are left to the converter.
+pub fn unresolved_ref(schema: &Value) -> Option<String> {
+    fn walk<'a>(root: &Value, v: &'a Value) -> Option<&'a str> {
+        match v {
+            Value::Object(o) => {
+                if let Some(Value::String(r)) = o.get("$ref") {
+                    if let Some(pointer) = r.strip_prefix('#') {
+                        if !pointer.is_empty() && root.pointer(pointer).is_none() {
+                            return Some(r);
+                        }
+                    }
+                }
+                o.values().find_map(|child| walk(root, child))
+            }
+            Value::Array(a) => a.iter().find_map(|child| walk(root, child)),
+            _ => None,
+        }
+    }
+    walk(schema, schema).map(str::to_owned)
+}
+
 /// A declared tool's name and parameters schema, from an OpenAI function
 /// tool, a bare function or an Anthropic tool.
 pub fn tool_signature(json: &str) -> Option<(String, Value)> {
@@ -175,6 +198,16 @@ pub fn json_format(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_local_ref_to_nothing_is_found() {
+        let ok = json!({"$defs": {"a": {"type": "string"}, "b~/c": {}},
+            "properties": {"x": {"$ref": "#/$defs/a"}, "y": {"$ref": "#"},
+                "z": {"$ref": "#/$defs/b~0~1c"}, "r": {"$ref": "other.json"}}});
+        assert_eq!(unresolved_ref(&ok), None);
+        let bad = json!({"anyOf": [{"type": "null"}, {"items": {"$ref": "#/$defs/gone"}}]});
+        assert_eq!(unresolved_ref(&bad).as_deref(), Some("#/$defs/gone"));
+    }
 
     #[test]
     fn signatures_of_the_three_tool_shapes() {

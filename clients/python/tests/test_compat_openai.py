@@ -147,6 +147,9 @@ def test_a_schema_past_the_limits_is_a_400_and_the_daemon_lives(daemon):
         ({"type": "object", "properties": {"_" * 10000: {"type": "string"}}}, "a key of 10000 bytes"),
         ({"type": "object", "$defs": {"d" * 300: {"type": "string"}}}, "a key of 300 bytes"),
         ({"type": "object", "description": "x" * (1 << 20)}, "over the limit of 65536 bytes"),
+        # The converter's refusal named nothing ("ffi error -3").
+        ({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}},
+         '$ref "#/$defs/missing" points at nothing'),
     ]:
         with pytest.raises(openai.BadRequestError) as e:
             chat(c, "x", max_tokens=4, response_format={

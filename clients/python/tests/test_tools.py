@@ -75,3 +75,20 @@ def test_a_malformed_call_from_a_real_generation_is_a_tool_parse_failure(sf):
     s.set_output_format(None)
     s.user("And in Rome?")
     assert s.generate(8).tokens > 0
+
+
+def test_an_output_format_that_cannot_become_a_grammar_is_refused_when_set(sf):
+    """SetOutputFormat converts the schema before it commits: a $ref to
+    nothing is refused there, naming the ref, and the session's later
+    generations run as before (they each failed with "ffi error -3")."""
+    s = sf.session(Sampling(seed=1))
+    s.user("Say hello.")
+    before = len(s.events())
+    with pytest.raises(SuperfluidError, match=r'cannot become a grammar.*\$ref "#/definitions/x" points at nothing'):
+        s.set_output_format({"type": "object", "properties": {"a": {"$ref": "#/definitions/x"}}})
+    assert len(s.events()) == before, "a refused format committed something"
+    assert s.generate(4).tokens > 0
+    # A ref that resolves is taken.
+    s.set_output_format({"definitions": {"x": {"enum": ["yes", "no"]}}, "$ref": "#/definitions/x"})
+    s.user("Yes or no?")
+    assert s.generate(24).text.strip() in ('"yes"', '"no"')

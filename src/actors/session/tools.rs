@@ -5,6 +5,7 @@
 use super::commit;
 use super::prepared::plan_off_thread;
 use crate::actors::{now_ms, Shared};
+use crate::session::grammar::GrammarError;
 use crate::session::SessionError;
 use crate::wire::{EventId, Response, SessionId};
 
@@ -101,6 +102,25 @@ pub(super) async fn output_format(
     session: SessionId,
     schema: Option<String>,
 ) -> Result<Response, SessionError> {
+    if let Some(text) = &schema {
+        // The cheap checks (JSON, an object, the size limits) first, then
+        // the grammar it must become, off the actor thread: a schema that
+        // cannot become one is refused here, not at each generation after.
+        shared
+            .read()
+            .plan_output_format(session, schema.clone(), now_ms())?;
+        // As generations convert it (json_format): the parsed value's text.
+        let canonical = serde_json::from_str::<serde_json::Value>(text)
+            .map(|v| v.to_string())
+            .unwrap_or_else(|_| text.clone());
+        if let Err(e @ (GrammarError::Convert(_) | GrammarError::NoRootRule)) =
+            super::schema_cache::grammar_of(&canonical).await
+        {
+            return Err(SessionError::Invalid(format!(
+                "the output schema cannot become a grammar: {e}"
+            )));
+        }
+    }
     let planned = shared
         .read()
         .plan_output_format(session, schema, now_ms())?;
