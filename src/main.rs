@@ -676,6 +676,15 @@ fn open(sessions: &std::path::Path, browser: bool) -> anyhow::Result<()> {
     let addr: std::net::SocketAddr = read(token::ADDR_FILE)?
         .parse()
         .map_err(|e| anyhow::anyhow!("{}: {e}", sessions.join(token::ADDR_FILE).display()))?;
+    // The token goes in the URL: only to a loopback address, as `--web`
+    // listens on no other (a web-addr that names one was not written by it).
+    if !addr.ip().is_loopback() {
+        anyhow::bail!(
+            "{} names {addr}, not a loopback address: `serve --web` listens only on loopback, \
+             and the page's URL carries the token, so it is not sent there",
+            sessions.join(token::ADDR_FILE).display()
+        );
+    }
     // The files outlive the daemon that wrote them (a stop, a restart
     // without --web): a URL nobody answers is an error, not the answer.
     if let Err(e) = std::net::TcpStream::connect_timeout(&addr, std::time::Duration::from_secs(2)) {

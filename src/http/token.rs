@@ -31,31 +31,33 @@ pub fn write(dir: &Path, token: &str) -> std::io::Result<PathBuf> {
 /// Writes `secret` to `<dir>/<name>` as [`write`] does the token: mode
 /// 0600, through a temp file synced and renamed over the old one.
 pub fn write_secret(dir: &Path, name: &str, secret: &str) -> std::io::Result<PathBuf> {
+    write_new(dir, name, secret, 0o600)
+}
+
+/// Writes the listener's address to `<dir>/web-addr` (mode 0644: not a
+/// secret) the same way.
+pub fn write_addr(dir: &Path, addr: std::net::SocketAddr) -> std::io::Result<PathBuf> {
+    write_new(dir, ADDR_FILE, &addr.to_string(), 0o644)
+}
+
+/// `text` into a new `<name>.tmp` (created here, never a link followed to
+/// another file), synced and renamed over `<dir>/<name>`, the rename made
+/// durable: a reader never sees half of it, and a key kept across restarts
+/// does not come back as the old file (or none) after a power loss.
+fn write_new(dir: &Path, name: &str, text: &str, mode: u32) -> std::io::Result<PathBuf> {
     let path = dir.join(name);
     let tmp = dir.join(format!("{name}.tmp"));
     let _ = std::fs::remove_file(&tmp);
     let mut file = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
-        .mode(0o600)
+        .mode(mode)
         .open(&tmp)?;
-    file.set_permissions(std::fs::Permissions::from_mode(0o600))?;
-    file.write_all(secret.as_bytes())?;
+    file.set_permissions(std::fs::Permissions::from_mode(mode))?;
+    file.write_all(text.as_bytes())?;
     file.sync_all()?;
     std::fs::rename(&tmp, &path)?;
-    // The rename itself, durable: a key kept across restarts must not
-    // come back as the old file (or none) after a power loss.
     std::fs::File::open(dir)?.sync_all()?;
-    Ok(path)
-}
-
-/// Writes the listener's address to `<dir>/web-addr`, also through a temp
-/// file renamed over the old one.
-pub fn write_addr(dir: &Path, addr: std::net::SocketAddr) -> std::io::Result<PathBuf> {
-    let path = dir.join(ADDR_FILE);
-    let tmp = dir.join(format!("{ADDR_FILE}.tmp"));
-    std::fs::write(&tmp, addr.to_string())?;
-    std::fs::rename(&tmp, &path)?;
     Ok(path)
 }
 

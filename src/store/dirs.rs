@@ -42,6 +42,52 @@ pub fn create_durable(dir: &Path) -> Result<Vec<PathBuf>, StoreError> {
     Ok(synced)
 }
 
+/// Refuses a directory another user owns or may write in (group or
+/// others write bits): they could plant a link where the daemon writes.
+pub fn check_private(dir: &Path) -> Result<(), StoreError> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(dir).map_err(io_err(dir))?;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    let why = if meta.uid() != me {
+        Some(format!(
+            "owned by uid {}, not by this user ({me})",
+            meta.uid()
+        ))
+    } else if meta.mode() & 0o022 != 0 {
+        Some(format!(
+            "writable by other users (mode {:o})",
+            meta.mode() & 0o7777
+        ))
+    } else {
+        None
+    };
+    match why {
+        Some(why) => Err(StoreError::NotPrivate {
+            dir: dir.to_path_buf(),
+            why,
+        }),
+        None => Ok(()),
+    }
+}
+
+/// Sets an open file that others may read (restored by a copy that dropped
+/// its mode) back to 0600, with a warning saying what they could have read
+/// (`what`).
+pub fn tighten(file: &File, path: &Path, what: &str) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = file.metadata()?.permissions().mode();
+    if mode & 0o077 != 0 {
+        log::warn!(
+            "{} was open to other users (mode {:o}); set to 0600. {what}",
+            path.display(),
+            mode & 0o777
+        );
+        file.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

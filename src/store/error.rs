@@ -48,6 +48,15 @@ pub enum StoreError {
         .dir.display()
     )]
     Locked { dir: PathBuf, holder: String },
+    /// The directory is not the daemon user's alone: another user could
+    /// plant a link where the daemon writes, or read what it keeps.
+    #[error(
+        "{} is {why}; the sessions and model log directories must be this user's alone \
+         (`chmod 700 {}`, or pass a different --sessions)",
+        .dir.display(),
+        .dir.display()
+    )]
+    NotPrivate { dir: PathBuf, why: String },
     /// The writer thread hit an I/O error earlier (or is gone): every later append fails.
     #[error("the WAL writer failed and accepts no more records: {0}")]
     WriterFailed(WriterFailure),

@@ -29,6 +29,7 @@ impl DirLock {
     /// process holds it.
     pub fn acquire(dir: &Path) -> Result<DirLock, StoreError> {
         super::dirs::create_durable(dir)?;
+        super::dirs::check_private(dir)?;
         let path = dir.join(LOCK_FILE);
         // No truncate here: until we hold the lock the pid inside is the holder's.
         let mut file = OpenOptions::new()
@@ -37,7 +38,10 @@ impl DirLock {
             .create(true)
             .truncate(false)
             .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
             .open(&path)
+            .map_err(io_err(&path))?;
+        super::dirs::tighten(&file, &path, "It holds only the daemon's pid.")
             .map_err(io_err(&path))?;
         if LockExt::try_lock_exclusive(&file).map_err(io_err(&path))? {
             file.set_len(0).map_err(io_err(&path))?;

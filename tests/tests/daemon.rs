@@ -910,3 +910,55 @@ fn flags_the_worker_cannot_start_with_are_refused_at_start() {
     commit(&mut c, msg(s, Role::User.into(), "Hi."));
     crate::util::generate_text(&mut c, s, 2).expect("the worker runs");
 }
+
+/// A sessions directory other users may write in is refused before
+/// anything is written there (they could plant a link where the daemon
+/// writes); files of the directory another copy left open to other users
+/// are set back to 0600; a link planted in place of a temp file is not
+/// followed. A security audit overwrote a file through web-addr.tmp.
+#[test]
+fn the_sessions_directory_is_the_users_alone() {
+    use std::os::unix::fs::PermissionsExt;
+    let mut d = TestDaemon::new();
+    std::fs::create_dir(&d.sessions).unwrap();
+    std::fs::set_permissions(&d.sessions, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let failed = d.start_expect_exit(&[]);
+    assert!(
+        !failed.status.success()
+            && failed.stderr.contains("writable by other users (mode 777)")
+            && failed.stderr.contains("chmod 700"),
+        "{}",
+        failed.stderr
+    );
+    assert_eq!(std::fs::read_dir(&d.sessions).unwrap().count(), 0);
+
+    std::fs::set_permissions(&d.sessions, std::fs::Permissions::from_mode(0o700)).unwrap();
+    d.extra_args = vec!["--web".into(), "127.0.0.1:0".into()];
+    d.spawn_and_wait();
+    d.stop();
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    let loose = ["wal.log", "wal.acked", "lock", "response-key"];
+    for name in loose {
+        let p = d.sessions.join(name);
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).unwrap();
+    }
+    let victim = d.path().join("victim");
+    std::fs::write(&victim, "precious").unwrap();
+    std::os::unix::fs::symlink(&victim, d.sessions.join("web-addr.tmp")).unwrap();
+    d.spawn_and_wait();
+    for name in loose {
+        let p = d.sessions.join(name);
+        assert_eq!(mode(&p), 0o600, "{name}; stderr:\n{}", d.stderr());
+        assert!(
+            d.stderr().contains(&format!(
+                "{} was open to other users (mode 644)",
+                p.display()
+            )),
+            "{name}: {}",
+            d.stderr()
+        );
+    }
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
+    let addr = d.sessions.join("web-addr");
+    assert!(std::fs::symlink_metadata(&addr).unwrap().is_file());
+}

@@ -164,6 +164,19 @@ def test_superfluid_open_refuses_a_stopped_daemons_address(daemon, tmp_path):
     assert "no daemon answers at 127.0.0.1:{}".format(port) in out.stderr, out.stderr
 
 
+def test_superfluid_open_sends_the_token_only_to_loopback(daemon, tmp_path):
+    """A web-addr naming another host (`serve --web` never writes one) is
+    refused before anything connects or prints: the URL carries the token,
+    and open printed it for 192.0.2.2 and would have sent the browser there."""
+    import shutil
+    (tmp_path / "web-addr").write_text("192.0.2.2:18939\n")
+    shutil.copy(os.path.join(daemon.sessions, "web-token"), tmp_path / "web-token")
+    out = subprocess.run([daemon.binary, "open", "--no-browser", "--sessions", str(tmp_path)],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1 and out.stdout == "", out
+    assert "names 192.0.2.2:18939, not a loopback address" in out.stderr, out.stderr
+
+
 def launched(args, timeout=20):
     """What the stub xdg-open (started without waiting) was given."""
     deadline = __import__("time").monotonic() + timeout

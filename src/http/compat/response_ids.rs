@@ -25,6 +25,7 @@
 //! holds the web token, which opens every session through `/web/*` anyway),
 //! as the default model's, and are a 404 with one.
 
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
 use hmac::{Hmac, Mac};
@@ -74,9 +75,21 @@ impl ResponseIds {
             path: path.clone(),
             source,
         };
-        let hex = match std::fs::read_to_string(&path) {
-            Ok(text) => {
-                tighten(&path).map_err(io)?;
+        let opened = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&path);
+        let hex = match opened {
+            Ok(mut file) => {
+                crate::store::dirs::tighten(
+                    &file,
+                    &path,
+                    "Anyone who read it can forge response ids: remove it to make a new key \
+                     (the ids issued so far then stop resolving)",
+                )
+                .map_err(io)?;
+                let mut text = String::new();
+                std::io::Read::read_to_string(&mut file, &mut text).map_err(io)?;
                 text.trim().to_owned()
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
@@ -151,25 +164,6 @@ pub fn split(id: &str) -> Option<Parsed> {
         (Some(hex), None) if hex.len() == 2 * TAG_BYTES => Some((s, start, Some(decode_hex(hex)?))),
         _ => None,
     }
-}
-
-/// A key file readable by others (restored by a copy that dropped its
-/// mode) is set back to 0600, with a warning: anyone who read it can
-/// forge ids.
-fn tighten(path: &Path) -> std::io::Result<()> {
-    use std::os::unix::fs::PermissionsExt;
-    let mode = std::fs::metadata(path)?.permissions().mode();
-    if mode & 0o077 != 0 {
-        log::warn!(
-            "{} was readable by others (mode {:o}); set to 0600. Anyone who read it can forge \
-             response ids: remove it to make a new key (the ids issued so far then stop \
-             resolving)",
-            path.display(),
-            mode & 0o777
-        );
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
-    }
-    Ok(())
 }
 
 /// Decimal digits as the daemon writes them: no sign, no leading zero, so

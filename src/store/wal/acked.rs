@@ -98,7 +98,9 @@ impl AckedHint {
             .create(true)
             .truncate(false)
             .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
             .open(dir.join(ACKED_FILE))?;
+        crate::store::dirs::tighten(&file, &dir.join(ACKED_FILE), "It holds only an offset.")?;
         Ok(AckedHint {
             file,
             dev: meta.dev(),

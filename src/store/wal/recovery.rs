@@ -94,6 +94,7 @@ fn create_fresh(dir: &Path, path: &Path) -> Result<(), StoreError> {
         .create(true)
         .truncate(true)
         .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
         .open(&tmp)
         .map_err(io_err(&tmp))?;
     f.write_all_at(&file_header(), 0).map_err(io_err(&tmp))?;
@@ -500,7 +501,13 @@ pub fn open(
         }
     }
 
-    let open_rw = || OpenOptions::new().read(true).write(true).open(&path);
+    let open_rw = || {
+        OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&path)
+    };
     let file = match open_rw() {
         Ok(f) => f,
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
@@ -509,6 +516,12 @@ pub fn open(
         }
         Err(e) => return Err(io_err(&path)(e)),
     };
+    crate::store::dirs::tighten(
+        &file,
+        &path,
+        "It holds every session's text: anyone who could read it may have.",
+    )
+    .map_err(io_err(&path))?;
     let file_len = file.metadata().map_err(io_err(&path))?.len();
     let version = check_header(&file, &path, file_len)?;
     recovery.version = version;
