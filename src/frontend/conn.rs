@@ -10,8 +10,8 @@
 //! this connection's, and closing the connection ends them all.
 //!
 //! The transport reads requests on a task of its own, so it sees the client
-//! leave while a request runs, and says so on `gone`: a `Complete` whose
-//! client left is dropped, which cancels its generation.
+//! leave while a request runs, and says so on `gone`: a `Generate` or
+//! `Complete` whose client left is dropped, which cancels its generation.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -128,7 +128,10 @@ impl Connection {
     pub async fn handle(&mut self, request: Request) -> Result<(), Closed> {
         match request {
             Request::Generate { .. } => {
-                // If the client goes away, dropping `rx` cancels the generation.
+                // If the client goes away, dropping `rx` cancels the
+                // generation: told by the transport (a WebSocket Close, a
+                // socket hung up) while it waits for the next reply, or
+                // found when a reply cannot be queued.
                 let (tx, mut rx) = mpsc::channel(STREAM_REPLY_CAPACITY);
                 self.registry.do_send(DispatchStream {
                     request,
@@ -136,10 +139,16 @@ impl Connection {
                     provisional: false,
                     started: None,
                 });
-                while let Some(response) = rx.recv().await {
-                    self.reply(response).await?;
+                loop {
+                    let next = tokio::select! {
+                        r = rx.recv() => r,
+                        () = self.client_gone() => return Err(Closed),
+                    };
+                    match next {
+                        Some(response) => self.reply(response).await?,
+                        None => return Ok(()),
+                    }
                 }
-                Ok(())
             }
             Request::Subscribe {
                 session,

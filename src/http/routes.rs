@@ -400,6 +400,10 @@ async fn ws_connection(
         log::error!("/web/ws: {e}");
     }
     let mut writer = session.clone();
+    // The client's Close, echoed in ours (RFC 6455 5.5.1); a normal closure
+    // when the server closes first.
+    let closed_with = Arc::new(Mutex::new(None::<actix_ws::CloseReason>));
+    let echo = closed_with.clone();
     actix_rt::spawn(async move {
         while let Some(response) = queue.recv().await {
             let text = serde_json::to_string(&response).unwrap_or_else(|e| {
@@ -409,7 +413,12 @@ async fn ws_connection(
                 return;
             }
         }
-        let _ = writer.close(None).await;
+        let reason = echo
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .unwrap_or_else(|| actix_ws::CloseCode::Normal.into());
+        let _ = writer.close(Some(reason)).await;
     });
     // Messages are read on a task of their own, so a client that leaves is
     // seen even while a request runs (`gone`).
@@ -425,7 +434,10 @@ async fn ws_connection(
                     continue;
                 }
                 Ok(M::Pong(_)) => continue,
-                Ok(M::Close(_)) => break,
+                Ok(M::Close(reason)) => {
+                    *closed_with.lock().unwrap_or_else(|e| e.into_inner()) = reason;
+                    break;
+                }
                 Err(e) => {
                     // Past the frame cap, or not WebSocket: the stream cannot go on.
                     let _ = incoming

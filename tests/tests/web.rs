@@ -1028,3 +1028,61 @@ fn an_api_key_from_a_private_file_and_a_warning_for_one_on_the_command_line() {
     let models = |key: &str| models_status(web.port, key);
     assert_eq!((models("file-key-123"), models("env-key")), (200, 401));
 }
+
+/// Closing the WebSocket (a Close frame) while a `Generate` runs cancels
+/// it: it ran to its max_tokens, keeping the session busy, and the server's
+/// Close carried no code (1005) where RFC 6455 asks for the client's echoed.
+#[test]
+fn web_ws_close_cancels_its_generation_and_echoes_the_close() {
+    use tungstenite::protocol::frame::coding::CloseCode;
+    use tungstenite::protocol::CloseFrame;
+    let (_d, web) = web_daemon(&[]);
+    let session = asked(&web, STORY);
+    let mut ws = web.ws();
+    ws.send(&Request::Generate {
+        session,
+        max_tokens: 400,
+    });
+    while !matches!(
+        ws.recv(),
+        Response::Delta { event } if matches!(event.body, Record::Generated { .. })
+    ) {}
+    ws.ws
+        .close(Some(CloseFrame {
+            code: CloseCode::Normal,
+            reason: "done".into(),
+        }))
+        .unwrap();
+    let echoed = loop {
+        match ws.ws.read() {
+            Ok(tungstenite::Message::Close(frame)) => break frame,
+            Ok(_) => continue,
+            Err(e) => panic!("no Close from the server: {e}"),
+        }
+    };
+    assert_eq!(echoed.map(|f| f.code), Some(CloseCode::Normal));
+    let until = Instant::now() + Duration::from_secs(60);
+    loop {
+        let Response::Inspection { inspection } = web.rpc_typed(&Request::Inspect { session })
+        else {
+            panic!("Inspect")
+        };
+        if !inspection.generating {
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "still generating 60 s after the close"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let Response::Events { events } = web.rpc_typed(&Request::Read { session, cursor: 0 }) else {
+        panic!("Read")
+    };
+    let (tokens, finish) = events.iter().fold((0, None), |(n, f), e| match &e.body {
+        Record::Generated { span, finish, .. } => (n + span.len(), Some(*finish)),
+        _ => (n, f),
+    });
+    assert_eq!(finish, Some(Finish::Cancelled), "{tokens} tokens");
+    assert!(tokens < 400, "{tokens}");
+}

@@ -22,6 +22,7 @@ import http.client
 import json
 import os
 import urllib.parse
+import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -542,8 +543,9 @@ class Stream:
     ``committed`` lists every committed event received so far
     (also after a broken connection), ``reply`` is the :class:`Reply` once the
     stream ended. Closing the stream early (``close()``, leaving a ``for``
-    loop, or a ``with`` block) closes the connection, which cancels the
-    generation (finish 4).
+    loop, or a ``with`` block) closes the connection and cancels the
+    generation (``Cancel``; finish 4), and returns once the session is free
+    for its next request.
     """
 
     def __init__(self, session: "Session", max_tokens: int, provisional: bool = True):
@@ -585,9 +587,15 @@ class Stream:
             pass
 
     def close(self) -> None:
-        """Closes the connection; a generation still running is cancelled."""
+        """Closes the connection; a generation still running is cancelled,
+        and this returns once the session is free (or the client's timeout
+        passed)."""
+        running = self._state.running
         self._gen.close()
         self._state.close()
+        if running:
+            self._state.running = False
+            self.session._stop_generation()
 
     def finish(self) -> Reply:
         """Reads the stream to its end and returns the :class:`Reply`."""
@@ -611,6 +619,9 @@ class _StreamState:
         self.committed: List[Event] = []
         self.reply: Optional[Reply] = None
         self.conn: Optional[http.client.HTTPConnection] = None
+        # The generation was asked for and has not ended as far as the
+        # stream knows (no done or error line yet).
+        self.running = False
 
     def close(self) -> None:
         conn, self.conn = self.conn, None
@@ -620,6 +631,7 @@ class _StreamState:
 
 def _run_stream(client: Client, body: Dict[str, Any], state: _StreamState) -> Iterator[Chunk]:
     state.conn, resp = client._post("/web/stream", body)
+    state.running = True
     reply = Reply(events=state.committed)
     # Per channel: provisional text shown that no commit has covered yet.
     shown: Dict[int, str] = {}
@@ -672,11 +684,13 @@ def _run_stream(client: Client, body: Dict[str, Any], state: _StreamState) -> It
                     reply.tool_calls.append(call)
                     yield Chunk("tool_call", "", call)
             elif "done" in msg:
+                state.running = False
                 d = msg["done"]
                 reply.finish = d["finish"]
                 reply.tokens = d["tokens_generated"]
                 reply.warm_prefix = d["warm_prefix"]
             elif "error" in msg:
+                state.running = False
                 raise SuperfluidError(msg["error"])
         if not ended or reply.finish is None:
             raise Disconnected("/web/stream ended before its result")
@@ -811,6 +825,22 @@ class Session:
         """Stops the generation in flight (``Cancel``); raises
         :class:`SuperfluidError` when nothing is generating."""
         self.client.call("Cancel", {"session": self.id})
+
+    def _stop_generation(self) -> None:
+        """What leaving a stream early does: ``Cancel`` (the daemon would
+        see the closed connection only at a later reply), then waits until
+        ``Inspect`` says nothing generates, within the client's timeout.
+        Errors (the generation ended meanwhile, the daemon is gone) end it."""
+        try:
+            self.client.call("Cancel", {"session": self.id})
+        except SuperfluidError:
+            pass
+        deadline = time.monotonic() + self.client.timeout
+        try:
+            while self.inspect().get("generating") and time.monotonic() < deadline:
+                time.sleep(0.01)
+        except SuperfluidError:
+            pass
 
     # -- branching --------------------------------------------------------
 
