@@ -962,3 +962,60 @@ fn the_sessions_directory_is_the_users_alone() {
     let addr = d.sessions.join("web-addr");
     assert!(std::fs::symlink_metadata(&addr).unwrap().is_file());
 }
+
+/// The spec's recipe: "To give the model a past turn in the template's
+/// form, rebase its Generated events into one assistant message holding the
+/// text." The branch's tokens are the template's rendering of the same two
+/// messages: the Replace takes in the turn's header (GenerationPrompt),
+/// which stayed and made an empty assistant turn before the message.
+#[test]
+fn a_generated_turn_rebased_into_one_message_takes_the_templates_form() {
+    let d = shared_daemon();
+    let mut c = d.client();
+    let s = d.create(&mut c);
+    commit(&mut c, msg(s, Role::User.into(), "Say hi."));
+    let text = crate::util::generate_text(&mut c, s, 12).expect("generated");
+    let events = crate::util::read_events(&mut c, s);
+    let first = events
+        .iter()
+        .find(|e| matches!(e.body, Record::Generated { .. }))
+        .expect("a Generated event")
+        .event_id;
+    assert!(matches!(
+        events[first as usize - 1].body,
+        Record::GenerationPrompt { .. }
+    ));
+    let b = created(
+        &mut c,
+        Request::Rebase {
+            session: s,
+            edits: vec![Edit::Replace {
+                from: first,
+                to: events.len() as u64,
+                role: Role::Assistant.into(),
+                text: text.clone(),
+            }],
+            params: None,
+        },
+    );
+    let reference = d.create(&mut c);
+    commit(&mut c, msg(reference, Role::User.into(), "Say hi."));
+    commit(&mut c, msg(reference, Role::Assistant.into(), &text));
+    let tokens = |c: &mut superfluid::frontend::socket::Client, s| {
+        crate::util::read_events(c, s)
+            .iter()
+            .flat_map(|e| e.body.span().to_vec())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(tokens(&mut c, b), tokens(&mut c, reference));
+    // The branch's record names the edit as applied.
+    let branch = crate::util::read_events(&mut c, b);
+    let applied = branch.iter().find_map(|e| match &e.body {
+        Record::Rebased { edits, .. } => Some(edits.clone()),
+        _ => None,
+    });
+    assert!(
+        matches!(applied.as_deref(), Some([Edit::Replace { from, .. }]) if *from == first - 1),
+        "{applied:?}"
+    );
+}

@@ -177,6 +177,39 @@ impl SessionBook {
         (turn_closing(&before, render) != turn_closing(history, render)).then_some((role, text))
     }
 
+    /// Widens each assistant `Replace` that begins just after a generated
+    /// turn's header (its `GenerationPrompt`, not in the edit before) to
+    /// take the header in: the message renders a header of its own, and
+    /// the spec's "rebase its Generated events into one assistant message"
+    /// otherwise left an empty assistant turn before it. The branch's
+    /// `Rebased` record holds the widened edits.
+    fn absorb_turn_headers(&self, parent: SessionId, mut edits: Vec<Edit>) -> Vec<Edit> {
+        let mut prev_to = 0;
+        for e in &mut edits {
+            let (from, to) = e.range();
+            if let Edit::Replace {
+                from: start, role, ..
+            } = e
+            {
+                if Role::try_from(*role).ok() == Some(Role::Assistant)
+                    && from > prev_to
+                    && from >= 2
+                {
+                    let mut before = Vec::new();
+                    self.collect(parent, from - 1, from, &mut before);
+                    if matches!(
+                        before.first().map(|e| &e.body),
+                        Some(Record::GenerationPrompt { .. })
+                    ) {
+                        *start = from - 1;
+                    }
+                }
+            }
+            prev_to = to;
+        }
+        edits
+    }
+
     /// `Rebase`: a new branch with events dropped or replaced.
     pub fn plan_rebase(
         &self,
@@ -189,6 +222,7 @@ impl SessionBook {
     ) -> Result<Planned, SessionError> {
         let p = self.writable(parent)?;
         self.check_edits(parent, &edits)?;
+        let edits = self.absorb_turn_headers(parent, edits);
         let params = params.unwrap_or(p.params);
         check_params(&params)?;
         let fork_at = edits[0].range().0;
