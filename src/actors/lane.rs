@@ -65,6 +65,9 @@ const SHUTDOWN_GRACE_MS: u64 = 200;
 const SHUTDOWN_POLL_MS: u64 = 10;
 /// How long a probe waits for an RPC server's hello.
 const RPC_PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a probe's hello that was not answered in time is still read
+/// for (the server answers once the client it serves leaves).
+const RPC_PROBE_DRAIN: Duration = Duration::from_secs(600);
 /// How often an `Unreachable` lane probes its RPC servers again.
 const RPC_PROBE_EVERY: Duration = Duration::from_secs(1);
 /// The largest reply frame accepted from the worker.
@@ -168,40 +171,122 @@ pub fn rpc_metrics(status: &RpcStatus) -> String {
 /// Asks each server for its hello (at once, `RPC_PROBE_TIMEOUT` each) and
 /// returns each one's failure, None where it answered.
 async fn probe_rpc(servers: Vec<String>) -> Vec<Option<String>> {
-    let probes = servers.into_iter().map(|server| async move {
-        match tokio::time::timeout(RPC_PROBE_TIMEOUT, rpc_hello(&server)).await {
-            Ok(Ok(())) => None,
-            Ok(Err(e)) => Some(e),
-            Err(_) => Some(format!(
-                "no RPC answer within {} s (a server serves one client at a time: is \
-                 another one using it?)",
-                RPC_PROBE_TIMEOUT.as_secs()
-            )),
-        }
-    });
-    futures_util::future::join_all(probes).await
+    futures_util::future::join_all(
+        servers
+            .into_iter()
+            .map(|s| async move { rpc_hello(s).await.err() }),
+    )
+    .await
+}
+
+/// Servers whose answer to a probe's hello is still awaited past
+/// `RPC_PROBE_TIMEOUT` (its connection kept on a task of its own), process
+/// wide: no second probe is sent to them meanwhile.
+fn awaited_hellos() -> std::sync::MutexGuard<'static, std::collections::HashSet<String>> {
+    static AWAITED: std::sync::OnceLock<std::sync::Mutex<std::collections::HashSet<String>>> =
+        std::sync::OnceLock::new();
+    AWAITED
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
 }
 
 /// One RPC hello exchange with a server (`engine::rpc::hello_request`): a
 /// TCP connect alone also succeeds on a dying server's listening socket,
 /// which ggml closes after the connections that failed the worker.
-async fn rpc_hello(server: &str) -> Result<(), String> {
+///
+/// A hello not answered in time is not closed on: the server serves one
+/// client at a time and reads it once free, and its reply meeting a closed
+/// socket kills it (ggml-rpc writes without MSG_NOSIGNAL: SIGPIPE). The
+/// connection is read on until the reply is in (at most `RPC_PROBE_DRAIN`),
+/// and the server counts as down meanwhile.
+async fn rpc_hello(server: String) -> Result<(), String> {
     use crate::engine::rpc;
-    use tokio::io::AsyncReadExt;
-    let mut stream = tokio::net::TcpStream::connect(server)
-        .await
-        .map_err(|e| e.to_string())?;
+    let busy = || {
+        format!(
+            "no RPC answer within {} s (a server serves one client at a time: is another one \
+             using it?)",
+            RPC_PROBE_TIMEOUT.as_secs()
+        )
+    };
+    if !awaited_hellos().insert(server.clone()) {
+        return Err(busy());
+    }
+    let answered = |r: Result<(), String>| {
+        awaited_hellos().remove(&server);
+        r
+    };
+    let deadline = tokio::time::Instant::now() + RPC_PROBE_TIMEOUT;
+    let mut stream =
+        match tokio::time::timeout_at(deadline, tokio::net::TcpStream::connect(&server)).await {
+            Ok(Ok(stream)) => stream,
+            Ok(Err(e)) => return answered(Err(e.to_string())),
+            // Nothing sent yet: nothing for the server to answer.
+            Err(_) => return answered(Err(busy())),
+        };
     let lost = |e: std::io::Error| format!("it accepted the connection but did not answer ({e})");
-    stream
-        .write_all(&rpc::hello_request())
-        .await
-        .map_err(lost)?;
+    // 33 bytes: the socket's buffer takes them whether or not the server reads.
+    if let Err(e) = stream.write_all(&rpc::hello_request()).await {
+        return answered(Err(lost(e)));
+    }
+    let mut reply = [0u8; 8 + rpc::HELLO_REPLY];
+    let mut got = 0;
+    let read = tokio::time::timeout_at(deadline, read_hello(&mut stream, &mut reply, &mut got));
+    match read.await {
+        Ok(Ok(())) => answered(rpc::hello_reply_size(first_8(&reply)).and_then(|()| {
+            let mut body = [0u8; rpc::HELLO_REPLY];
+            body.copy_from_slice(&reply[8..]);
+            rpc::hello_reply(&body)
+        })),
+        Ok(Err(e)) => answered(Err(lost(e))),
+        Err(_) => {
+            actix_rt::spawn(async move {
+                let drained = read_hello(&mut stream, &mut reply, &mut got);
+                let _ = tokio::time::timeout(RPC_PROBE_DRAIN, drained).await;
+                awaited_hellos().remove(&server);
+            });
+            Err(busy())
+        }
+    }
+}
+
+/// Reads a hello's reply into `reply` from `*got` on (kept across a
+/// timeout): its size header, then, when the size is the one expected, its
+/// body. A reply of another size ends after the header.
+async fn read_hello(
+    stream: &mut tokio::net::TcpStream,
+    reply: &mut [u8; 8 + crate::engine::rpc::HELLO_REPLY],
+    got: &mut usize,
+) -> std::io::Result<()> {
+    fill(stream, reply, got, 8).await?;
+    if crate::engine::rpc::hello_reply_size(first_8(reply)).is_ok() {
+        let end = reply.len();
+        fill(stream, reply, got, end).await?;
+    }
+    Ok(())
+}
+
+/// Reads into `buf[*got..end]`, moving `*got` on with each read.
+async fn fill(
+    stream: &mut tokio::net::TcpStream,
+    buf: &mut [u8],
+    got: &mut usize,
+    end: usize,
+) -> std::io::Result<()> {
+    use tokio::io::AsyncReadExt;
+    while *got < end {
+        match stream.read(&mut buf[*got..end]).await? {
+            0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            n => *got += n,
+        }
+    }
+    Ok(())
+}
+
+fn first_8(reply: &[u8]) -> [u8; 8] {
     let mut header = [0u8; 8];
-    stream.read_exact(&mut header).await.map_err(lost)?;
-    rpc::hello_reply_size(header)?;
-    let mut body = [0u8; rpc::HELLO_REPLY];
-    stream.read_exact(&mut body).await.map_err(lost)?;
-    rpc::hello_reply(&body)
+    header.copy_from_slice(&reply[..8]);
+    header
 }
 
 /// What the lane does once a probe of its RPC servers is back.

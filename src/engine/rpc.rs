@@ -138,6 +138,9 @@ impl Placement {
 /// The RPC protocol's major version the worker's ggml speaks (`RPC_PROTO_MAJOR_VERSION` in
 /// llama-cpp-sys-2's ggml-rpc.h); a server of another major version refuses it.
 pub const PROTO_MAJOR: u8 = 7;
+/// The newest minor version of [`PROTO_MAJOR`] the worker's ggml takes
+/// (`RPC_PROTO_MINOR_VERSION`): ggml refuses a server of a newer one.
+pub const PROTO_MINOR: u8 = 0;
 /// ggml-rpc's `RPC_CMD_HELLO` (fixed at 14 across versions).
 const CMD_HELLO: u8 = 14;
 /// The size of `conn_caps` in ggml-rpc's hello messages (transport.h).
@@ -170,14 +173,15 @@ pub fn hello_reply_size(header: [u8; 8]) -> Result<(), String> {
     }
 }
 
-/// Checks a hello reply's body: the server's protocol must be the worker's major version.
+/// Checks a hello reply's body as the worker's ggml does: the server's protocol must be the
+/// worker's major version, at most its minor one.
 pub fn hello_reply(body: &[u8; HELLO_REPLY]) -> Result<(), String> {
     let (major, minor, patch) = (body[0], body[1], body[2]);
-    if major == PROTO_MAJOR {
+    if major == PROTO_MAJOR && minor.cmp(&PROTO_MINOR) != std::cmp::Ordering::Greater {
         Ok(())
     } else {
         Err(format!(
-            "it speaks RPC protocol {major}.{minor}.{patch}, this build {PROTO_MAJOR}.x \
+            "it speaks RPC protocol {major}.{minor}.{patch}, this build {PROTO_MAJOR}.{PROTO_MINOR} \
              (build its ggml-rpc-server from the same llama.cpp: scripts/build-llama-tool.sh)"
         ))
     }
@@ -303,7 +307,9 @@ mod tests {
         assert!(hello_reply(&body).is_ok());
         body[..3].copy_from_slice(&[6, 1, 2]);
         let old = hello_reply(&body).unwrap_err();
-        assert!(old.contains("protocol 6.1.2, this build 7.x"), "{old}");
+        assert!(old.contains("protocol 6.1.2, this build 7.0"), "{old}");
+        body[..3].copy_from_slice(&[7, 1, 0]);
+        assert!(hello_reply(&body).is_err(), "a newer minor version");
     }
 
     #[test]

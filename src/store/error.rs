@@ -52,7 +52,8 @@ pub enum StoreError {
     /// plant a link where the daemon writes, or read what it keeps.
     #[error(
         "{} is {why}; the sessions and model log directories must be this user's alone \
-         (`chmod 700 {}`, or pass a different --sessions)",
+         (`chmod 700 {}`, or pass a different --sessions; on a filesystem that ignores modes, \
+         such as a Windows or CIFS mount, use a directory on a Linux filesystem)",
         .dir.display(),
         .dir.display()
     )]

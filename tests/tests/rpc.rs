@@ -116,6 +116,13 @@ impl RpcServer {
         }
     }
 
+    /// Whether its process still runs.
+    fn alive(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|c| c.try_wait().unwrap().is_none())
+    }
+
     /// What it printed, for a failure's message.
     fn log(&self) -> String {
         format!(
@@ -448,4 +455,60 @@ fn a_listener_that_never_answers_the_hello_is_not_a_server() {
         "a worker started against a server that never answered:\n{}",
         d.stderr()
     );
+}
+
+/// A server busy with another client (it serves one at a time) is down for
+/// the lane, and its probe's hello is not closed on: closed, the server's
+/// reply once free met a reset and killed it (SIGPIPE: ggml-rpc writes
+/// without MSG_NOSIGNAL). Freed, it answers the kept hello, lives on, and
+/// the model serves.
+#[test]
+fn a_probe_of_a_busy_server_waits_for_its_answer_and_leaves_it_alive() {
+    use std::io::{Read, Write};
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let mut a = RpcServer::start(dir.path());
+    // Another client: its hello answered, the server waits for its commands.
+    let mut other = TcpStream::connect(a.endpoint()).unwrap();
+    other
+        .write_all(&superfluid::engine::rpc::hello_request())
+        .unwrap();
+    let mut reply = [0u8; 8 + superfluid::engine::rpc::HELLO_REPLY];
+    other.read_exact(&mut reply).unwrap();
+    let d = daemon(&[
+        "--rpc".into(),
+        a.endpoint(),
+        "--web".into(),
+        "127.0.0.1:0".into(),
+    ]);
+    let mut c = d.client();
+    let s = created(
+        &mut c,
+        Request::Create {
+            parent: None,
+            params: params(5),
+        },
+    );
+    ask(&mut c, s, "Hello.");
+    let refused = generate_text(&mut c, s, 4).expect_err("refused while the server is busy");
+    assert!(
+        refused.contains(&a.endpoint()) && refused.contains("no RPC answer within 2 s"),
+        "{refused}"
+    );
+    // Probes every second meanwhile; then the other client leaves.
+    std::thread::sleep(Duration::from_secs(3));
+    drop(other);
+    let until = Instant::now() + Duration::from_secs(30);
+    while !metrics(&d).contains("superfluid_lane_state{state=\"ready\"} 1") {
+        assert!(
+            a.alive() && Instant::now() < until,
+            "the server died or the lane did not come back (alive: {}); {}\nthe daemon's stderr:\n{}",
+            a.alive(),
+            a.log(),
+            d.stderr()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(a.alive());
+    assert!(!generate_text(&mut c, s, 4).expect("served").is_empty());
 }

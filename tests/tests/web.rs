@@ -1049,7 +1049,7 @@ fn web_ws_close_cancels_its_generation_and_echoes_the_close() {
     ) {}
     ws.ws
         .close(Some(CloseFrame {
-            code: CloseCode::Normal,
+            code: CloseCode::Library(4000),
             reason: "done".into(),
         }))
         .unwrap();
@@ -1060,7 +1060,7 @@ fn web_ws_close_cancels_its_generation_and_echoes_the_close() {
             Err(e) => panic!("no Close from the server: {e}"),
         }
     };
-    assert_eq!(echoed.map(|f| f.code), Some(CloseCode::Normal));
+    assert_eq!(echoed.map(|f| f.code), Some(CloseCode::Library(4000)));
     let until = Instant::now() + Duration::from_secs(60);
     loop {
         let Response::Inspection { inspection } = web.rpc_typed(&Request::Inspect { session })

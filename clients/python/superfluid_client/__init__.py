@@ -532,6 +532,11 @@ def _http_error(resp: http.client.HTTPResponse, payload: bytes) -> HTTPError:
 # ---- streaming --------------------------------------------------------------
 
 
+# How long a Stream dropped unfinished (a ``for`` loop left early, garbage
+# collection) waits for its session to be free after its Cancel.
+_DROPPED_STREAM_WAIT = 10.0
+
+
 class Stream:
     """One generation on ``/web/stream``, iterated as :class:`Chunk` s.
 
@@ -582,7 +587,7 @@ class Stream:
 
     def __del__(self) -> None:
         try:
-            self.close()
+            self._close(wait=_DROPPED_STREAM_WAIT)
         except Exception:
             pass
 
@@ -590,12 +595,20 @@ class Stream:
         """Closes the connection; a generation still running is cancelled,
         and this returns once the session is free (or the client's timeout
         passed)."""
+        self._close(wait=None)
+
+    def _close(self, wait: Optional[float]) -> None:
         running = self._state.running
-        self._gen.close()
+        self._state.running = False
+        # The connection first: from another thread the generator may be
+        # running (then it ends on the closed connection).
         self._state.close()
+        try:
+            self._gen.close()
+        except ValueError:
+            pass
         if running:
-            self._state.running = False
-            self.session._stop_generation()
+            self.session._stop_generation(wait)
 
     def finish(self) -> Reply:
         """Reads the stream to its end and returns the :class:`Reply`."""
@@ -826,16 +839,17 @@ class Session:
         :class:`SuperfluidError` when nothing is generating."""
         self.client.call("Cancel", {"session": self.id})
 
-    def _stop_generation(self) -> None:
+    def _stop_generation(self, wait: Optional[float] = None) -> None:
         """What leaving a stream early does: ``Cancel`` (the daemon would
         see the closed connection only at a later reply), then waits until
-        ``Inspect`` says nothing generates, within the client's timeout.
-        Errors (the generation ended meanwhile, the daemon is gone) end it."""
+        ``Inspect`` says nothing generates, within ``wait`` seconds (the
+        client's timeout by default). Errors (the generation ended
+        meanwhile, the daemon is gone) end it."""
         try:
             self.client.call("Cancel", {"session": self.id})
         except SuperfluidError:
             pass
-        deadline = time.monotonic() + self.client.timeout
+        deadline = time.monotonic() + (self.client.timeout if wait is None else wait)
         try:
             while self.inspect().get("generating") and time.monotonic() < deadline:
                 time.sleep(0.01)

@@ -211,7 +211,7 @@ def test_a_costly_grammar_rests_while_a_stream_beside_it_runs(daemon):
 
     def costly():
         stream = chat(c, "Write nested arrays.", max_tokens=40, stream=True, response_format={
-            "type": "json_schema", "json_schema": {"name": "n", "schema": nested_alternatives(8)}})
+            "type": "json_schema", "json_schema": {"name": "n", "schema": nested_alternatives(7)}})
         for ch in stream:
             if ch.choices and ch.choices[0].delta.content:
                 seen["n"] += 1
