@@ -161,6 +161,27 @@ fn daemon(extra: &[String]) -> TestDaemon {
     d
 }
 
+/// A daemon on the `--rpc` servers `servers` (and a web listener, for
+/// `/web/health`), its client, and a session asked `text`.
+fn asked_over_rpc(servers: String, text: &str) -> (TestDaemon, Client, SessionId) {
+    let d = daemon(&[
+        "--rpc".into(),
+        servers,
+        "--web".into(),
+        "127.0.0.1:0".into(),
+    ]);
+    let mut c = d.client();
+    let s = created(
+        &mut c,
+        Request::Create {
+            parent: None,
+            params: params(5),
+        },
+    );
+    ask(&mut c, s, text);
+    (d, c, s)
+}
+
 fn ask(c: &mut Client, s: SessionId, text: &str) -> u64 {
     commit(
         c,
@@ -313,22 +334,11 @@ fn a_lost_rpc_server_fails_the_generation_then_the_model_refuses_until_it_is_bac
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tempfile::tempdir().unwrap();
     let (mut a, b) = (RpcServer::start(dir.path()), RpcServer::start(dir.path()));
-    let d = daemon(&[
-        "--rpc".into(),
+    let (d, mut c, s) = asked_over_rpc(
         format!("{},{}", a.endpoint(), b.endpoint()),
-        "--web".into(),
-        "127.0.0.1:0".into(),
-    ]);
-    assert!(web_health(&d).contains(r#""rpc":{"servers":2,"up":2}"#));
-    let mut c = d.client();
-    let s = created(
-        &mut c,
-        Request::Create {
-            parent: None,
-            params: params(5),
-        },
+        "Tell me a long story about a lighthouse keeper.",
     );
-    ask(&mut c, s, "Tell me a long story about a lighthouse keeper.");
+    assert!(web_health(&d).contains(r#""rpc":{"servers":2,"up":2}"#));
     let socket = d.socket.clone();
     let gen = std::thread::spawn(move || {
         let mut c = Client::connect(&socket).unwrap();
@@ -411,21 +421,7 @@ fn a_listener_that_never_answers_the_hello_is_not_a_server() {
         .map(|a| (silent, a.to_string()))
         .unwrap();
     let b = RpcServer::start(dir.path());
-    let d = daemon(&[
-        "--rpc".into(),
-        format!("{},{}", silent.1, b.endpoint()),
-        "--web".into(),
-        "127.0.0.1:0".into(),
-    ]);
-    let mut c = d.client();
-    let s = created(
-        &mut c,
-        Request::Create {
-            parent: None,
-            params: params(5),
-        },
-    );
-    ask(&mut c, s, "Hello.");
+    let (d, mut c, s) = asked_over_rpc(format!("{},{}", silent.1, b.endpoint()), "Hello.");
     // Held until the first probe is back, then refused naming the listener
     // (a worker started against it would wait for its hello for ever).
     let (tx, rx) = std::sync::mpsc::channel();
@@ -475,21 +471,7 @@ fn a_probe_of_a_busy_server_waits_for_its_answer_and_leaves_it_alive() {
         .unwrap();
     let mut reply = [0u8; 8 + superfluid::engine::rpc::HELLO_REPLY];
     other.read_exact(&mut reply).unwrap();
-    let d = daemon(&[
-        "--rpc".into(),
-        a.endpoint(),
-        "--web".into(),
-        "127.0.0.1:0".into(),
-    ]);
-    let mut c = d.client();
-    let s = created(
-        &mut c,
-        Request::Create {
-            parent: None,
-            params: params(5),
-        },
-    );
-    ask(&mut c, s, "Hello.");
+    let (d, mut c, s) = asked_over_rpc(a.endpoint(), "Hello.");
     let refused = generate_text(&mut c, s, 4).expect_err("refused while the server is busy");
     assert!(
         refused.contains(&a.endpoint()) && refused.contains("no RPC answer within 2 s"),
