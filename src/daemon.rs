@@ -89,6 +89,9 @@ pub struct ServeConfig {
     /// `--step-timeout-secs`: how long a worker step may run before the
     /// worker is taken for hung (plus an allowance per token of work).
     pub step_timeout: std::time::Duration,
+    /// `--load-timeout-secs`: how long a worker may take to load its model
+    /// before it is taken for hung.
+    pub load_timeout: std::time::Duration,
     /// `--max-connections`: live connections on the socket, and on `--web`.
     pub max_connections: usize,
     /// `--model`: more models served beside `model`, each with its own log
@@ -188,6 +191,10 @@ pub fn kv_type(kv_bits: u8) -> u32 {
 
 /// `--step-timeout-secs` default.
 pub const DEFAULT_STEP_TIMEOUT_SECS: u64 = 60;
+
+/// `--load-timeout-secs` default: room for a large model read from a slow
+/// disk (40 GB at 100 MB/s).
+pub const DEFAULT_LOAD_TIMEOUT_SECS: u64 = 600;
 
 /// `--idle-spill-ms` default: measured by bench/idle.rs and bench/peer's
 /// idle workload (docs/kv-tiers.md, "Idle sequences").
@@ -612,6 +619,7 @@ pub fn start_actors(
                 .vocab_digest()
                 .map(|digest| (render.n_vocab(), digest)),
             step_timeout: config.step_timeout,
+            load_timeout: config.load_timeout,
             gate,
             lazy,
             placement: config.placement.clone(),

@@ -216,6 +216,12 @@ struct Serve {
     #[arg(long, value_name = "SECS", default_value_t = daemon::DEFAULT_STEP_TIMEOUT_SECS,
           value_parser = clap::value_parser!(u64).range(1..=86_400))]
     step_timeout_secs: u64,
+    /// How long a worker may take to load its model and say it is ready
+    /// before it is taken for hung (a load stuck on I/O): it is killed, what
+    /// waits for it fails, and a new one starts.
+    #[arg(long, value_name = "SECS", default_value_t = daemon::DEFAULT_LOAD_TIMEOUT_SECS,
+          value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    load_timeout_secs: u64,
     /// Connections served at once on the socket, and on the --web listener
     /// (each): one more is refused (the socket answers it an Err; HTTP
     /// waits for a free one).
@@ -530,6 +536,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 kv_bits: s.kv_bits,
                 mmap: s.mmap,
                 step_timeout: std::time::Duration::from_secs(s.step_timeout_secs),
+                load_timeout: std::time::Duration::from_secs(s.load_timeout_secs),
                 max_connections: s.max_connections as usize,
                 more_models: more.into_iter().map(|m| m.0).collect(),
                 keep_alive_ms: s.keep_alive.0,

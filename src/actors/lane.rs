@@ -508,6 +508,8 @@ pub struct LaneConfig {
     pub vocabulary: Option<(u32, [u8; 32])>,
     /// `--step-timeout-secs`: the base of each request's deadline.
     pub step_timeout: Duration,
+    /// `--load-timeout-secs`: how long a worker may take to say `Ready`.
+    pub load_timeout: Duration,
     /// The daemon's load gate and this lane's line in it; `None`: the lane
     /// loads at start and never unloads, with no one to ask.
     pub gate: Option<(LoadGate, usize)>,
@@ -626,6 +628,8 @@ pub struct LaneActor {
     /// When the worker started on the oldest request in flight (the reply
     /// before it arrived, or it was sent to an idle worker).
     head_since: Instant,
+    /// When the worker now running was started (its load counts from it).
+    spawned_at: Instant,
     /// The slowest decode rate seen, in µs a token (0: none seen yet).
     slowest_us_per_token: u64,
     /// Frames handed to this worker's stdin task, and (shared with it)
@@ -671,6 +675,15 @@ pub struct LaneActor {
 #[rtype(result = "()")]
 pub struct Unload;
 
+/// Hand back, undelivered, the scheduler's requests held for a worker that
+/// has not said `Ready` (sent by the scheduler when a generation waiting on
+/// them is cancelled: the load may take long, or never end). Nothing of them
+/// ran; the scheduler finishes the cancelled generation and plans the rest
+/// again. A ready lane holds nothing: the cancel lands after the step.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct WithdrawHeld;
+
 /// Load the model now if it is not (Ollama's request with no messages).
 #[derive(Message)]
 #[rtype(result = "Result<(), String>")]
@@ -688,6 +701,7 @@ impl LaneActor {
             frames_sent: 0,
             frames_written: Arc::default(),
             head_since: Instant::now(),
+            spawned_at: Instant::now(),
             slowest_us_per_token: 0,
             first_config: None,
             n_vocab: 0,
@@ -771,6 +785,7 @@ impl LaneActor {
     fn spawn_worker(&mut self, ctx: &mut Context<Self>) {
         self.incarnation += 1;
         self.ready = false;
+        self.spawned_at = Instant::now();
         let incarnation = self.incarnation;
         let w = &self.config.worker;
         let mut command = Command::new(&self.config.exe);
@@ -962,6 +977,7 @@ impl LaneActor {
     /// (a llama.cpp call that never returns, a pathological grammar): it is
     /// killed, and the respawn path fails what it was running.
     fn check_deadline(&mut self) {
+        self.check_load_deadline();
         let Some((_, _, _, deadline)) = self.in_flight.front() else {
             return;
         };
@@ -979,6 +995,28 @@ impl LaneActor {
              plus its work); it was stopped",
             deadline.as_secs_f64(),
             self.config.step_timeout.as_secs()
+        ));
+        log::error!("{error}");
+        self.stop_worker(Some(error));
+    }
+
+    /// A worker that has not said `Ready` within `--load-timeout-secs` of
+    /// its start (a load stuck on I/O: a file on a hung network mount, a
+    /// remote server that stopped answering) is killed: what waits for it
+    /// fails saying so, and a new one starts, as after a death.
+    fn check_load_deadline(&mut self) {
+        if self.ready || self.child.is_none() || self.stop_reason.is_some() {
+            return;
+        }
+        let limit = self.config.load_timeout;
+        if self.spawned_at.elapsed() <= limit {
+            return;
+        }
+        let error = LaneError::Hung(format!(
+            "the worker did not load the model {} within {} s (--load-timeout-secs); \
+             it was stopped",
+            self.config.model.display(),
+            limit.as_secs()
         ));
         log::error!("{error}");
         self.stop_worker(Some(error));
@@ -1470,6 +1508,27 @@ impl LaneActor {
         self.fail_held(&error);
         self.reset_kv(error);
         self.schedule_respawn(ctx);
+    }
+}
+
+impl Handler<WithdrawHeld> for LaneActor {
+    type Result = ();
+
+    fn handle(&mut self, _: WithdrawHeld, _: &mut Context<Self>) {
+        if self.ready {
+            return;
+        }
+        let withdrawn = LaneError::NotDelivered(
+            "withdrawn while the worker loads: a generation was cancelled".into(),
+        );
+        for (request, reply, kv) in std::mem::take(&mut self.held) {
+            if kv {
+                let _ = reply.send(Err(withdrawn.clone()));
+            } else {
+                self.held.push_back((request, reply, kv));
+            }
+        }
+        self.touch(false);
     }
 }
 

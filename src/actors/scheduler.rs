@@ -11,7 +11,7 @@ use std::collections::HashMap;
 
 use actix::prelude::*;
 
-use super::lane::{Exec, LaneActor, LaneError, LaneReset};
+use super::lane::{Exec, LaneActor, LaneError, LaneReset, WithdrawHeld};
 use crate::scheduler::pipeline::{Pipeline, StepOutput, StepResult, PIPELINE_DEPTH};
 use crate::scheduler::{Admit, GenEvent, GenId, SchedulerError, SchedulerState, Stats, StepError};
 
@@ -197,6 +197,11 @@ impl Handler<CancelGen> for SchedulerActor {
 
     fn handle(&mut self, msg: CancelGen, ctx: &mut Context<Self>) {
         let events = self.state.cancel(msg.0);
+        if self.state.is_running(msg.0) && !self.pipeline.is_empty() {
+            // It finishes when its step answers; a worker still loading may
+            // hold that step for long: the lane hands such steps back.
+            self.lane.do_send(WithdrawHeld);
+        }
         self.notify_owners(events);
         self.kick(ctx);
     }

@@ -647,6 +647,11 @@ impl SchedulerState {
         Ok(gen)
     }
 
+    /// The generation is admitted and not finished.
+    pub fn is_running(&self, gen: GenId) -> bool {
+        self.gens.contains_key(&gen)
+    }
+
     /// Asks a generation to stop; it finishes with `cancelled` at the end of
     /// the step in flight (or at once if it has not started).
     pub fn cancel(&mut self, gen: GenId) -> Vec<GenEvent> {

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use superfluid::frontend::socket::Client;
-use superfluid::wire::{ModelSummary, Record, Request, Response, SessionId};
+use superfluid::wire::{Finish, ModelSummary, Record, Request, Response, SessionId};
 
 use crate::util::{
     children_of, commit, created, derived_model, generate_text, params, read_events, TestDaemon,
@@ -320,4 +320,142 @@ fn another_daemon_on_a_model_log_directory_is_refused() {
     let mut c = d.client();
     use_model(&mut c, &id_of(&second));
     session_with_message(&mut c, "Still mine.");
+}
+
+/// A second model whose file, once the daemon has read it at its start, is
+/// held under a write lease (fcntl F_SETLEASE): the kernel blocks its
+/// worker's open of the file until the lease is released, or broken after
+/// /proc/sys/fs/lease-break-time (45 s by default), as an open on a hung
+/// network mount or a recalled NFS delegation blocks. The directory, the
+/// daemon, the file's path and the lease (dropping it lets the load go on).
+fn daemon_with_a_stuck_model(
+    extra: &[&str],
+) -> (tempfile::TempDir, TestDaemon, PathBuf, std::fs::File) {
+    use std::os::fd::AsRawFd;
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("stuck.gguf");
+    std::fs::copy(derived_model(LLAMA3), &model).unwrap();
+    let d = daemon_with(std::slice::from_ref(&model), extra);
+    let lease = std::fs::File::open(&model).unwrap();
+    // SAFETY: signal(2) and fcntl(2) on a file this test owns. The lease's
+    // break is announced with SIGIO, whose default action ends the process.
+    unsafe {
+        libc::signal(libc::SIGIO, libc::SIG_IGN);
+        assert_eq!(
+            libc::fcntl(lease.as_raw_fd(), libc::F_SETLEASE, libc::F_WRLCK),
+            0,
+            "F_SETLEASE: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+    (dir, d, model, lease)
+}
+
+/// A Generate of `s` on a connection of its own, on model `id`: its replies
+/// come on the channel (read with a bound, so a generation that never ends
+/// fails the test rather than hanging it).
+fn generate_on(d: &TestDaemon, id: &str, s: SessionId) -> std::sync::mpsc::Receiver<Vec<Response>> {
+    let mut g = d.client();
+    use_model(&mut g, id);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let replies = g.generate(&Request::Generate {
+            session: s,
+            max_tokens: 8,
+        });
+        let _ = tx.send(replies.expect("generate"));
+    });
+    rx
+}
+
+/// A Cancel reaches a generation whose model is still loading: the steps
+/// the lane held for the worker are handed back, the generation finishes
+/// cancelled at once and its session is free, though the load never ends.
+#[test]
+fn a_cancel_frees_a_session_whose_model_is_stuck_loading() {
+    let (_dir, d, model, _lease) = daemon_with_a_stuck_model(&[]);
+    let mut c = d.client();
+    use_model(&mut c, "stuck");
+    let (s, _) = session_with_message(&mut c, "Say one word.");
+    let replies = generate_on(&d, "stuck", s);
+    eventually(30, "the worker to start loading", || {
+        workers_of(d.pid(), &model).len() == 1
+    });
+    assert_eq!(state_of(&mut c, "stuck"), "loading");
+    // The generation is admitted and its step held for the worker.
+    std::thread::sleep(Duration::from_millis(500));
+    let r = c.call(&Request::Cancel { session: s }).unwrap();
+    assert_eq!(r, Response::Cancelling);
+    let replies = replies
+        .recv_timeout(Duration::from_secs(20))
+        .unwrap_or_else(|_| panic!("the cancelled generation did not end; {}", d.stderr()));
+    assert!(
+        matches!(
+            replies.last(),
+            Some(Response::Generated {
+                finish: Finish::Cancelled,
+                ..
+            })
+        ),
+        "{replies:?}"
+    );
+    // Free: the next request on it is not refused as busy (it waits for the
+    // load in turn, and is cancelled the same way).
+    let again = generate_on(&d, "stuck", s);
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        c.call(&Request::Cancel { session: s }).unwrap(),
+        Response::Cancelling
+    );
+    let again = again.recv_timeout(Duration::from_secs(20)).unwrap();
+    assert!(
+        matches!(
+            again.last(),
+            Some(Response::Generated {
+                finish: Finish::Cancelled,
+                ..
+            })
+        ),
+        "{again:?}"
+    );
+    assert_eq!(state_of(&mut c, "stuck"), "loading", "the load went on");
+    assert_eq!(workers_of(d.pid(), &model).len(), 1);
+}
+
+/// A worker that does not say Ready within --load-timeout-secs is killed:
+/// what waits for it fails saying so, and once the file is back a new
+/// worker loads it and serves.
+#[test]
+fn a_load_past_the_load_timeout_fails_and_the_next_worker_serves() {
+    let (_dir, d, model, lease) = daemon_with_a_stuck_model(&["--load-timeout-secs", "3"]);
+    let mut c = d.client();
+    use_model(&mut c, "stuck");
+    let (s, _) = session_with_message(&mut c, "Say one word.");
+    let started = Instant::now();
+    let replies = generate_on(&d, "stuck", s);
+    eventually(30, "the worker to start loading", || {
+        workers_of(d.pid(), &model).len() == 1
+    });
+    let worker = workers_of(d.pid(), &model)[0];
+    let replies = replies
+        .recv_timeout(Duration::from_secs(60))
+        .unwrap_or_else(|_| panic!("the generation waited past 60 s; {}", d.stderr()));
+    match replies.last() {
+        Some(Response::Err { message }) => assert!(
+            message.contains("did not load the model")
+                && message.contains("within 3 s (--load-timeout-secs)"),
+            "{message}"
+        ),
+        other => panic!("{other:?}"),
+    }
+    assert!(started.elapsed() >= Duration::from_secs(3));
+    eventually(10, "the stuck worker to be killed", || {
+        !workers_of(d.pid(), &model).contains(&worker)
+    });
+    // The lease released: a respawned worker loads the model.
+    drop(lease);
+    eventually(60, "the model to load", || {
+        state_of(&mut c, "stuck") == "ready"
+    });
+    assert!(!generate_text(&mut c, s, 4).expect("served").is_empty());
 }

@@ -87,6 +87,7 @@ fn no_reply_before_the_fsync_that_covers_it() {
             kv_bits: 16,
             mmap: false,
             step_timeout: std::time::Duration::from_secs(60),
+            load_timeout: std::time::Duration::from_secs(600),
             max_connections: superfluid::frontend::socket::DEFAULT_MAX_CONNECTIONS,
             more_models: Vec::new(),
             keep_alive_ms: None,

@@ -53,6 +53,7 @@ where
             kv_bits: 16,
             mmap: false,
             step_timeout: std::time::Duration::from_secs(60),
+            load_timeout: std::time::Duration::from_secs(600),
             max_connections: superfluid::frontend::socket::DEFAULT_MAX_CONNECTIONS,
             more_models: Vec::new(),
             keep_alive_ms: None,
