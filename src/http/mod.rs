@@ -36,6 +36,34 @@ const WEB_WORKERS: usize = 1;
 /// its next request on a kept-alive connection.
 const CLIENT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
+/// A duplicate of a `--web` connection's socket, kept in its connection
+/// data (`HttpServer::on_connect`). actix's dispatcher ends a connection
+/// whose response is done only when the client closes its side (or after
+/// `CLIENT_TIMEOUT`), while a WebSocket client waits for the server to close
+/// the TCP connection first (RFC 6455 7.1.1): once /web/ws has sent its
+/// Close frame, it stops the connection's reading with this, and the
+/// dispatcher, seeing the end, sends what it has queued and closes.
+#[derive(Clone)]
+pub struct ConnSocket(Arc<std::net::TcpStream>);
+
+impl ConnSocket {
+    /// Takes a duplicate of an accepted TCP connection's socket.
+    fn of(conn: &dyn std::any::Any) -> Option<ConnSocket> {
+        use std::os::fd::AsFd;
+        let tcp = conn.downcast_ref::<actix_web::rt::net::TcpStream>()?;
+        let fd = tcp.as_fd().try_clone_to_owned().ok()?;
+        Some(ConnSocket(Arc::new(std::net::TcpStream::from(fd))))
+    }
+
+    /// Ends the reading side (shutdown(2) SHUT_RD): the dispatcher's next
+    /// read sees the end of the stream.
+    pub fn end_reading(&self) {
+        if let Err(e) = self.0.shutdown(std::net::Shutdown::Read) {
+            log::debug!("shutting down a connection's reading: {e}");
+        }
+    }
+}
+
 /// Closes the connection after any 401 or 403: a client without the
 /// credential (or from a refused origin) does not keep a connection open.
 fn close_when_denied<S, B>(
@@ -179,6 +207,11 @@ pub fn start(
             .configure(routes::configure)
             .configure(page::configure)
             .configure(compat::configure)
+    })
+    .on_connect(|conn, data| {
+        if let Some(socket) = ConnSocket::of(conn) {
+            data.insert(socket);
+        }
     })
     .workers(WEB_WORKERS)
     .max_connections(config.max_connections)

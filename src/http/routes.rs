@@ -370,7 +370,14 @@ async fn ws(
     let model = model_of(&state, &req)?.current;
     let (response, session, messages) = actix_ws::handle_with_protocols(&req, payload, &[PROTOCOL])
         .map_err(|e| WebError::Handshake(e.to_string()))?;
-    actix_rt::spawn(ws_connection(state.ws.clone(), model, session, messages));
+    let socket = req.conn_data::<super::ConnSocket>().cloned();
+    actix_rt::spawn(ws_connection(
+        state.ws.clone(),
+        model,
+        session,
+        messages,
+        socket,
+    ));
     Ok(response)
 }
 
@@ -388,6 +395,7 @@ async fn ws_connection(
     model: usize,
     mut session: actix_ws::Session,
     messages: actix_ws::MessageStream,
+    socket: Option<super::ConnSocket>,
 ) {
     let mut messages = messages
         .max_frame_size(MAX_BODY_BYTES)
@@ -419,6 +427,12 @@ async fn ws_connection(
             .take()
             .unwrap_or_else(|| actix_ws::CloseCode::Normal.into());
         let _ = writer.close(Some(reason)).await;
+        // The Close frame is the response's last: the server closes the TCP
+        // connection now (RFC 6455 7.1.1), not when actix's wait for the
+        // client to close first runs out.
+        if let Some(socket) = socket {
+            socket.end_reading();
+        }
     });
     // Messages are read on a task of their own, so a client that leaves is
     // seen even while a request runs (`gone`).

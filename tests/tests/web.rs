@@ -1029,6 +1029,34 @@ fn an_api_key_from_a_private_file_and_a_warning_for_one_on_the_command_line() {
     assert_eq!((models("file-key-123"), models("env-key")), (200, 401));
 }
 
+/// After the close handshake the server closes the TCP connection at once,
+/// as RFC 6455 7.1.1 asks (the client waits for it): actix kept it open
+/// until its client_disconnect_timeout (5 s), so a client that waits for
+/// the close (Python's websockets) returned 5 s late.
+#[test]
+fn web_ws_closes_its_tcp_connection_after_the_close_handshake() {
+    use std::io::Read;
+    let (_d, web) = web_daemon(&[]);
+    let mut ws = web.ws();
+    ws.send(&Request::Inspect { session: 1 });
+    ws.recv();
+    ws.ws.close(None).unwrap();
+    loop {
+        match ws.ws.read() {
+            Ok(tungstenite::Message::Close(_)) => break,
+            Ok(_) => continue,
+            Err(e) => panic!("no Close from the server: {e}"),
+        }
+    }
+    let tcp = ws.ws.get_mut();
+    tcp.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+    let mut rest = Vec::new();
+    match tcp.read_to_end(&mut rest) {
+        Ok(_) => assert!(rest.is_empty(), "{rest:?}"),
+        Err(e) => panic!("the server kept the connection past the close handshake: {e}"),
+    }
+}
+
 /// Closing the WebSocket (a Close frame) while a `Generate` runs cancels
 /// it: it ran to its max_tokens, keeping the session busy, and the server's
 /// Close carried no code (1005) where RFC 6455 asks for the client's echoed.
