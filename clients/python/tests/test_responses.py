@@ -803,3 +803,38 @@ def test_a_response_cut_by_sigkill_reads_back_cancelled_not_in_progress(daemon):
     replay = list(c.responses.retrieve(rid, stream=True))
     assert replay[-1].response.status == "cancelled"
     assert "".join(e.delta for e in replay if e.type == "response.output_text.delta") == text
+
+
+def test_other_instructions_on_a_chain_are_the_ones_the_model_sees(daemon):
+    # OpenAI's instructions are each request's own: a continuation giving
+    # others is prompted with them, not the chain's first (they were echoed
+    # but not applied), and its prompt is the chat route's for the same
+    # conversation under the new system message, stored or not.
+    c = oai(daemon)
+    r1 = c.responses.create(model="default", instructions="You are terse.", input="Name a river.",
+                            max_output_tokens=8, temperature=0)
+    said = r1.output_text.strip()
+    new = "You answer in French, at length."
+    chat = c.chat.completions.create(model="default", max_tokens=1, temperature=0, messages=[
+        {"role": "system", "content": new}, {"role": "user", "content": "Name a river."},
+        {"role": "assistant", "content": said}, {"role": "user", "content": "Another one."}])
+    made = {}
+    for store in (True, False):
+        r2 = c.responses.create(model="default", previous_response_id=r1.id, instructions=new,
+                                input="Another one.", max_output_tokens=8, temperature=0, store=store)
+        assert r2.instructions == new and r2.previous_response_id == r1.id
+        assert r2.usage.input_tokens == chat.usage.prompt_tokens, (store, r2.usage, chat.usage)
+        made[store] = r2
+    back = c.responses.retrieve(made[True].id)
+    assert back.instructions == new and back.previous_response_id == r1.id
+    # The chain goes on from it with the same instructions as a fork (its
+    # prompt cached), and names it as its previous response.
+    r3 = c.responses.create(model="default", previous_response_id=back.id, instructions=new,
+                            input="And a third.", max_output_tokens=8, temperature=0)
+    assert r3.usage.input_tokens_details.cached_tokens >= back.usage.input_tokens
+    assert c.responses.retrieve(r3.id).previous_response_id == back.id
+    # A continuation that gives no instructions keeps the chain's.
+    kept = c.responses.create(model="default", previous_response_id=r1.id, input="Another one.",
+                              max_output_tokens=8, temperature=0)
+    assert c.responses.retrieve(kept.id).instructions == "You are terse."
+    assert kept.usage.input_tokens_details.cached_tokens > 0

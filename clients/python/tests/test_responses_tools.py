@@ -206,3 +206,40 @@ def test_an_output_for_no_open_call_writes_nothing(daemon):
                           {"items": [output(d.call_id)]}, headers)
     assert status == 200, body
     assert len(items()) == len(before) + 1
+
+
+def test_a_handoff_to_other_instructions_and_tools_declares_them(daemon):
+    # An agent handing off mid-chain (the Agents SDK's previous_response_id
+    # mode) sends the next agent's instructions and tools with the pending
+    # call's output: the model is prompted with those tools, and the output
+    # still answers the call the chain's last response made.
+    c = oai(daemon)
+    r1 = c.responses.create(model="default", input="What is the weather in Paris?", tools=[WEATHER],
+                            tool_choice="required", max_output_tokens=160, temperature=0)
+    call = [o for o in r1.output if o.type == "function_call"][0]
+    r2 = c.responses.create(model="default", previous_response_id=r1.id,
+                            instructions="You are the travel agent.", tools=[WEATHER, TIME],
+                            input=[{"type": "function_call_output", "call_id": call.call_id,
+                                    "output": "sunny, 21 C"}],
+                            tool_choice={"type": "function", "name": "get_time"},
+                            max_output_tokens=160, temperature=0)
+    # A tool r1's prompt never declared is called: r2's tools are the ones
+    # its prompt declares.
+    assert [o.name for o in r2.output if o.type == "function_call"] == ["get_time"], r2.output
+    back = c.responses.retrieve(r2.id)
+    assert back.instructions == "You are the travel agent."
+    assert [t.name for t in back.tools] == ["get_weather", "get_time"]
+    assert back.previous_response_id == r1.id
+    # The call and its output, read back in the new prompt's input.
+    items = c.responses.input_items.list(r2.id, order="asc").data
+    assert [(i.type, getattr(i, "call_id", None)) for i in items][-2:] == [
+        ("function_call", call.call_id), ("function_call_output", call.call_id)]
+    # An output for the same call again is refused: it was answered.
+    try:
+        c.responses.create(model="default", previous_response_id=r2.id,
+                           instructions="You are the travel agent.", tools=[WEATHER, TIME],
+                           input=[{"type": "function_call_output", "call_id": call.call_id,
+                                   "output": "again"}], max_output_tokens=8)
+        raise AssertionError("a second output for one call was taken")
+    except openai.BadRequestError as e:
+        assert "already answered" in str(e), e

@@ -1690,23 +1690,45 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
         return Err(bad("input must hold at least one item"));
     }
     let tool_texts: Vec<String> = chat_tools.iter().map(Value::to_string).collect();
+    let system = (r.instructions.is_some() || !chat_tools.is_empty())
+        .then_some((r.instructions.as_deref(), tool_texts.as_slice()));
+    // A previous response: forked at its end, unless this request gives
+    // other instructions or tools than the chain's system turn (below).
+    let mut items = items;
+    let mut chain = None;
+    let mut replayed_from = None;
+    if let Some(prev) = &r.previous_response_id {
+        let (ps, pstart) = parse_response_id(state, prev)
+            .await
+            .ok_or_else(|| not_found("response", prev).with_param("previous_response_id"))?;
+        let events = read_live(state, ps, prev).await?;
+        let end = Stored::locate(&events, pstart)
+            .ok_or_else(|| not_found("response", prev).with_param("previous_response_id"))?
+            .end;
+        let history = &events[..end as usize];
+        let wanted = system.map(|(text, tools)| (text.map(str::to_owned), tools.to_vec()));
+        if wanted.is_none() || wanted == system_turn(history) {
+            chain = Some((ps, end, events));
+        } else {
+            // OpenAI's instructions and tools are each request's own: the
+            // chain's history goes on after this request's system turn, in
+            // a new session (a template declares them in the first turn
+            // only, so the history is rendered again).
+            let mut all = replay_items(&call_names(state, ps).await?, history)?;
+            all.append(&mut items);
+            items = all;
+            replayed_from = Some(prev.clone());
+        }
+    }
     let input = Input {
         items: &items,
-        system: (r.instructions.is_some() || !chat_tools.is_empty())
-            .then_some((r.instructions.as_deref(), tool_texts.as_slice())),
+        system,
     };
     // Where the response runs: a fork of the previous response, a
     // conversation's session, or a new session.
     let mut changes = None;
-    let (s, start) = match (&r.previous_response_id, &conversation) {
-        (Some(prev), _) => {
-            let (ps, pstart) = parse_response_id(state, prev)
-                .await
-                .ok_or_else(|| not_found("response", prev).with_param("previous_response_id"))?;
-            let events = read_live(state, ps, prev).await?;
-            let end = Stored::locate(&events, pstart)
-                .ok_or_else(|| not_found("response", prev).with_param("previous_response_id"))?
-                .end;
+    let (s, start) = match (chain, &conversation) {
+        (Some((ps, end, events)), _) => {
             // Before the fork is made.
             input
                 .check(state, Some(ps), &events[..end as usize])
@@ -1732,7 +1754,12 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
         }
         (None, None) => {
             input.check(state, None, &[]).await?;
-            (create_session(state, p).await?, 0)
+            let s = create_session(state, p).await?;
+            if let Some(prev) = &replayed_from {
+                // What a retrieve echoes as its previous_response_id.
+                chain_record(state, s, prev).await?;
+            }
+            (s, 0)
         }
     };
     let fresh = inspect(state, s)
@@ -1838,8 +1865,11 @@ async fn stateless(
 ) -> Result<Running, ApiError> {
     let (_, schema) = text_format(r.text.as_ref())?;
     let mut messages = Vec::new();
+    let mut tools = tools;
+    let mut instructions = r.instructions.clone();
     // The chain's history (none without a previous response), and who made
-    // its calls.
+    // its calls. Its system turn holds unless this request gives
+    // instructions or tools, as on a stored continuation.
     let (names, events) = match &r.previous_response_id {
         Some(prev) => {
             let (ps, pstart) = parse_response_id(state, prev)
@@ -1850,17 +1880,24 @@ async fn stateless(
                 .ok_or_else(|| not_found("response", prev).with_param("previous_response_id"))?
                 .end;
             events.truncate(end as usize);
-            let names = call_names(state, ps).await?;
-            messages.extend(history(&names, &events));
-            (names, events)
-        }
-        None => {
-            if let Some(i) = &r.instructions {
-                messages.push(json!({"role": "system", "content": i}));
+            if instructions.is_none() && tools.is_empty() {
+                if let Some((text, chain_tools)) = system_turn(&events) {
+                    instructions = text;
+                    tools = chain_tools
+                        .iter()
+                        .filter_map(|t| serde_json::from_str(t).ok())
+                        .collect();
+                }
             }
-            (CallNames::own(0), Vec::new())
+            events.retain(|e| !matches!(e.body, Record::System { .. }));
+            (call_names(state, ps).await?, events)
         }
+        None => (CallNames::own(0), Vec::new()),
     };
+    if let Some(i) = &instructions {
+        messages.push(json!({"role": "system", "content": i}));
+    }
+    messages.extend(history(&names, &events));
     if items.is_empty() {
         return Err(bad("input must hold at least one item"));
     }
@@ -1919,6 +1956,114 @@ async fn stateless(
 
 /// A stored session's events folded into chat messages (for a stateless
 /// continuation of a stored response).
+/// The system turn (instructions, tools) in effect after `events`: the
+/// last `System` record's.
+fn system_turn(events: &[Event]) -> Option<(Option<String>, Vec<String>)> {
+    events.iter().rev().find_map(|e| match &e.body {
+        Record::System { text, tools, .. } => Some((text.clone(), tools.clone())),
+        _ => None,
+    })
+}
+
+/// The key of a session title's record saying which response a chain
+/// continued in a new session (its history rendered again after other
+/// instructions or tools) followed.
+const CHAIN_KEY: &str = "openai.response_chain";
+
+/// Notes in session `s`'s title that its response follows `previous`.
+async fn chain_record(state: &WebState, s: SessionId, previous: &str) -> Result<(), ApiError> {
+    let info = inspect(state, s)
+        .await?
+        .ok_or_else(|| not_found("session", &s.to_string()))?;
+    call(
+        state,
+        Request::SetMeta {
+            session: s,
+            expected_version: info.version,
+            title: Some(json!({ CHAIN_KEY: {"previous_response_id": previous} }).to_string()),
+            archived: None,
+        },
+    )
+    .await?;
+    Ok(())
+}
+
+/// The previous response a session's title records (see [`chain_record`]).
+fn chained_from(info: &Inspection) -> Option<String> {
+    let title: Value = serde_json::from_str(info.title.as_deref()?).ok()?;
+    title
+        .get(CHAIN_KEY)?
+        .get("previous_response_id")?
+        .as_str()
+        .map(str::to_owned)
+}
+
+/// A chain's history (`events`, up to the end of its last response) as the
+/// input items that say it again, without its system turn: messages, the
+/// model's calls and their outputs as resent `function_call` and
+/// `function_call_output` items (named as the chain named them, so an
+/// output in the request still answers its call), its replies as assistant
+/// messages. The reasoning is left out, as a chat template leaves it out of
+/// earlier turns.
+fn replay_items(names: &CallNames, events: &[Event]) -> Result<Vec<Item>, ApiError> {
+    if events
+        .iter()
+        .any(|e| matches!(e.body, Record::Image { .. }))
+    {
+        return Err(bad(
+            "the previous response's chain holds an image, which cannot be carried into a \
+             chain with other instructions or tools; send the chain's own",
+        )
+        .with_param("previous_response_id"));
+    }
+    let rest: Vec<Event> = events
+        .iter()
+        .filter(|e| !matches!(e.body, Record::System { .. }))
+        .cloned()
+        .collect();
+    let text = |m: &Value, k: &str| m.get(k).and_then(Value::as_str).unwrap_or("").to_owned();
+    let mut out = Vec::new();
+    for m in history(names, &rest) {
+        let content = text(&m, "content");
+        match m.get("role").and_then(Value::as_str) {
+            Some("assistant") => {
+                if !content.is_empty() {
+                    out.push(Item::Message {
+                        role: Role::Assistant,
+                        text: content,
+                    });
+                }
+                for c in m
+                    .get("tool_calls")
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten()
+                {
+                    let f = c.get("function").cloned().unwrap_or_default();
+                    out.push(Item::Call(Call {
+                        id: text(c, "id"),
+                        name: text(&f, "name"),
+                        arguments: text(&f, "arguments"),
+                    }));
+                }
+            }
+            Some("tool") => out.push(Item::Output {
+                call_id: text(&m, "tool_call_id"),
+                output: content,
+            }),
+            Some("system") => out.push(Item::Message {
+                role: Role::System,
+                text: content,
+            }),
+            _ => out.push(Item::Message {
+                role: Role::User,
+                text: content,
+            }),
+        }
+    }
+    Ok(out)
+}
+
 fn history(names: &CallNames, events: &[Event]) -> Vec<Value> {
     let mut out: Vec<Value> = Vec::new();
     let mut text = String::new();
@@ -2114,7 +2259,8 @@ pub(crate) async fn open_stored(r: &Resolved, id: &str) -> Result<StoredResponse
                 _ => None,
             }
         }
-        _ => None,
+        // A chain continued in a new session: the title says which.
+        _ => chained_from(info),
     };
     let head = Head {
         id: id.to_owned(),
