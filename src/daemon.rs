@@ -89,8 +89,8 @@ pub struct ServeConfig {
     /// `--step-timeout-secs`: how long a worker step may run before the
     /// worker is taken for hung (plus an allowance per token of work).
     pub step_timeout: std::time::Duration,
-    /// `--load-timeout-secs`: how long a worker may take to load its model
-    /// before it is taken for hung.
+    /// `--load-timeout-secs`: how long a worker loading its model may show
+    /// no progress before it is taken for hung.
     pub load_timeout: std::time::Duration,
     /// `--max-connections`: live connections on the socket, and on `--web`.
     pub max_connections: usize,
@@ -192,8 +192,9 @@ pub fn kv_type(kv_bits: u8) -> u32 {
 /// `--step-timeout-secs` default.
 pub const DEFAULT_STEP_TIMEOUT_SECS: u64 = 60;
 
-/// `--load-timeout-secs` default: room for a large model read from a slow
-/// disk (40 GB at 100 MB/s).
+/// `--load-timeout-secs` default: ten minutes without a byte read or a
+/// moment of CPU time (a warm-up on a remote server that answers slowly
+/// still shows its socket's bytes).
 pub const DEFAULT_LOAD_TIMEOUT_SECS: u64 = 600;
 
 /// `--idle-spill-ms` default: measured by bench/idle.rs and bench/peer's

@@ -599,6 +599,55 @@ impl Respawns {
     }
 }
 
+/// Whether a loading worker is making progress: the work it has done so far
+/// (bytes it read and wrote, CPU time, pages it faulted in from a mapped
+/// file, all of /proc), and when that last changed. A load blocked in the
+/// kernel (an open or read on a hung mount, a socket no server answers)
+/// does none of these.
+#[derive(Debug)]
+struct LoadWatch {
+    work: Option<u64>,
+    since: Instant,
+}
+
+impl LoadWatch {
+    fn new(now: Instant) -> LoadWatch {
+        LoadWatch {
+            work: None,
+            since: now,
+        }
+    }
+
+    /// The work process `pid` has done, as one number that grows with any
+    /// of it; None when /proc cannot tell (the process is gone).
+    fn sample(pid: u32) -> Option<u64> {
+        let io = std::fs::read_to_string(format!("/proc/{pid}/io")).ok()?;
+        let bytes: u64 = io
+            .lines()
+            .filter_map(|l| {
+                let (key, value) = l.split_once(':')?;
+                matches!(key, "rchar" | "wchar").then(|| value.trim().parse::<u64>().ok())?
+            })
+            .sum();
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        // The fields after the command's closing parenthesis, from the
+        // state (field 3): majflt is field 12, utime 14, stime 15.
+        let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+        let field = |n: usize| fields.get(n - 3).and_then(|f| f.parse::<u64>().ok());
+        Some(bytes + field(12)? + field(14)? + field(15)?)
+    }
+
+    /// Notes `work` seen at `now`; true when it has not changed for longer
+    /// than `limit`.
+    fn stalled(&mut self, work: Option<u64>, now: Instant, limit: Duration) -> bool {
+        if work.is_some() && work != self.work {
+            self.work = work;
+            self.since = now;
+        }
+        now.duration_since(self.since) > limit
+    }
+}
+
 /// Whether a request needs the model loaded: a decode, or a restore of KV
 /// kept outside the cells. The rest manage KV a worker holds.
 fn needs_model(request: &WorkerRequest) -> bool {
@@ -628,8 +677,8 @@ pub struct LaneActor {
     /// When the worker started on the oldest request in flight (the reply
     /// before it arrived, or it was sent to an idle worker).
     head_since: Instant,
-    /// When the worker now running was started (its load counts from it).
-    spawned_at: Instant,
+    /// Whether the loading worker is making progress (`--load-timeout-secs`).
+    load_watch: LoadWatch,
     /// The slowest decode rate seen, in µs a token (0: none seen yet).
     slowest_us_per_token: u64,
     /// Frames handed to this worker's stdin task, and (shared with it)
@@ -701,7 +750,7 @@ impl LaneActor {
             frames_sent: 0,
             frames_written: Arc::default(),
             head_since: Instant::now(),
-            spawned_at: Instant::now(),
+            load_watch: LoadWatch::new(Instant::now()),
             slowest_us_per_token: 0,
             first_config: None,
             n_vocab: 0,
@@ -785,7 +834,7 @@ impl LaneActor {
     fn spawn_worker(&mut self, ctx: &mut Context<Self>) {
         self.incarnation += 1;
         self.ready = false;
-        self.spawned_at = Instant::now();
+        self.load_watch = LoadWatch::new(Instant::now());
         let incarnation = self.incarnation;
         let w = &self.config.worker;
         let mut command = Command::new(&self.config.exe);
@@ -1000,21 +1049,26 @@ impl LaneActor {
         self.stop_worker(Some(error));
     }
 
-    /// A worker that has not said `Ready` within `--load-timeout-secs` of
-    /// its start (a load stuck on I/O: a file on a hung network mount, a
-    /// remote server that stopped answering) is killed: what waits for it
-    /// fails saying so, and a new one starts, as after a death.
+    /// A loading worker (not `Ready` yet) that shows no progress for
+    /// `--load-timeout-secs` (a load stuck on I/O: a file on a hung network
+    /// mount, a remote server that stopped answering) is killed: what waits
+    /// for it fails saying so, and a new one starts, as after a death. One
+    /// that reads, writes or computes is loading, however long it takes.
     fn check_load_deadline(&mut self) {
-        if self.ready || self.child.is_none() || self.stop_reason.is_some() {
+        if self.ready || self.stop_reason.is_some() {
             return;
         }
+        let Some(child) = &self.child else {
+            return;
+        };
         let limit = self.config.load_timeout;
-        if self.spawned_at.elapsed() <= limit {
+        let work = LoadWatch::sample(child.id());
+        if !self.load_watch.stalled(work, Instant::now(), limit) {
             return;
         }
         let error = LaneError::Hung(format!(
-            "the worker did not load the model {} within {} s (--load-timeout-secs); \
-             it was stopped",
+            "the worker loading the model {} made no progress for {} s \
+             (--load-timeout-secs); it was stopped",
             self.config.model.display(),
             limit.as_secs()
         ));
@@ -1588,6 +1642,35 @@ mod tests {
             unparked: vec![],
         });
         assert_eq!(ms(r.next_delay()), RESPAWN_DELAY_MS);
+    }
+
+    #[test]
+    fn a_load_is_stalled_only_after_the_limit_without_progress() {
+        let t0 = Instant::now();
+        let limit = Duration::from_secs(10);
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let mut w = LoadWatch::new(t0);
+        assert!(!w.stalled(Some(5), at(1), limit));
+        // Progress keeps it alive however long the load takes.
+        for s in 2..40 {
+            assert!(!w.stalled(Some(5 + s), at(s), limit), "{s}");
+        }
+        // No change for the limit and more: stalled.
+        assert!(!w.stalled(Some(44), at(49), limit));
+        assert!(w.stalled(Some(44), at(50), limit));
+        // A process /proc cannot read (gone) is no progress either.
+        let mut w = LoadWatch::new(t0);
+        assert!(w.stalled(None, at(11), limit));
+    }
+
+    #[test]
+    fn this_process_shows_work_in_proc() {
+        let pid = std::process::id();
+        let a = LoadWatch::sample(pid).expect("/proc/self");
+        let _ = std::fs::read("/proc/self/stat").unwrap();
+        let b = LoadWatch::sample(pid).expect("/proc/self");
+        assert!(b > a, "{a} then {b}");
+        assert_eq!(LoadWatch::sample(u32::MAX), None);
     }
 
     #[test]
