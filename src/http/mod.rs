@@ -36,25 +36,44 @@ const WEB_WORKERS: usize = 1;
 /// its next request on a kept-alive connection.
 const CLIENT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
-/// A duplicate of a `--web` connection's socket, kept in its connection
-/// data (`HttpServer::on_connect`). actix's dispatcher ends a connection
-/// whose response is done only when the client closes its side (or after
+/// A `--web` connection's socket descriptor, kept in its connection data
+/// (`HttpServer::on_connect`). actix's dispatcher ends a connection whose
+/// response is done only when the client closes its side (or after
 /// `CLIENT_TIMEOUT`), while a WebSocket client waits for the server to close
-/// the TCP connection first (RFC 6455 7.1.1): once /web/ws has sent its
-/// Close frame, it stops the connection's reading with this, and the
-/// dispatcher, seeing the end, sends what it has queued and closes.
-#[derive(Clone)]
-pub struct ConnSocket(Arc<std::net::TcpStream>);
+/// the TCP connection first (RFC 6455 7.1.1): /web/ws takes a duplicate of
+/// the socket ([`ConnFd::duplicate`]) and, once its Close frame is sent,
+/// stops the connection's reading with it; the dispatcher, seeing the end,
+/// sends what it has queued and closes. Only WebSocket connections hold a
+/// second descriptor.
+#[derive(Clone, Copy)]
+pub struct ConnFd(std::os::fd::RawFd);
 
-impl ConnSocket {
-    /// Takes a duplicate of an accepted TCP connection's socket.
-    fn of(conn: &dyn std::any::Any) -> Option<ConnSocket> {
-        use std::os::fd::AsFd;
+impl ConnFd {
+    /// An accepted TCP connection's descriptor.
+    fn of(conn: &dyn std::any::Any) -> Option<ConnFd> {
+        use std::os::fd::AsRawFd;
         let tcp = conn.downcast_ref::<actix_web::rt::net::TcpStream>()?;
-        let fd = tcp.as_fd().try_clone_to_owned().ok()?;
-        Some(ConnSocket(Arc::new(std::net::TcpStream::from(fd))))
+        Some(ConnFd(tcp.as_raw_fd()))
     }
 
+    /// A duplicate of the connection's socket. Call only from a handler of a
+    /// request on this connection, before its first await: the dispatcher
+    /// polling it holds the socket open, so the descriptor is this
+    /// connection's and not a later one's that took its number.
+    pub fn duplicate(&self) -> Option<ConnSocket> {
+        // SAFETY: per the above, the descriptor is open and this
+        // connection's while the handler runs; it is only borrowed to be
+        // duplicated (F_DUPFD_CLOEXEC), never closed here.
+        let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(self.0) };
+        let owned = fd.try_clone_to_owned().ok()?;
+        Some(ConnSocket(std::net::TcpStream::from(owned)))
+    }
+}
+
+/// A duplicate of a /web/ws connection's socket ([`ConnFd::duplicate`]).
+pub struct ConnSocket(std::net::TcpStream);
+
+impl ConnSocket {
     /// Ends the reading side (shutdown(2) SHUT_RD): the dispatcher's next
     /// read sees the end of the stream.
     pub fn end_reading(&self) {
@@ -209,8 +228,8 @@ pub fn start(
             .configure(compat::configure)
     })
     .on_connect(|conn, data| {
-        if let Some(socket) = ConnSocket::of(conn) {
-            data.insert(socket);
+        if let Some(fd) = ConnFd::of(conn) {
+            data.insert(fd);
         }
     })
     .workers(WEB_WORKERS)

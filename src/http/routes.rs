@@ -370,7 +370,9 @@ async fn ws(
     let model = model_of(&state, &req)?.current;
     let (response, session, messages) = actix_ws::handle_with_protocols(&req, payload, &[PROTOCOL])
         .map_err(|e| WebError::Handshake(e.to_string()))?;
-    let socket = req.conn_data::<super::ConnSocket>().cloned();
+    let socket = req
+        .conn_data::<super::ConnFd>()
+        .and_then(super::ConnFd::duplicate);
     actix_rt::spawn(ws_connection(
         state.ws.clone(),
         model,

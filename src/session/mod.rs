@@ -25,8 +25,8 @@ pub mod schema_limits;
 pub mod turn;
 
 pub use book::{
-    input_after, ledger_of, output_schema_of, tool_choice_of, ApplyError, GenerationPlan, Owned,
-    Planned, PlannedEvent, SessionBook, TurnState,
+    check_tool_choice, input_after, ledger_of, output_schema_of, tool_choice_of, ApplyError,
+    ChoiceRefusal, GenerationPlan, Owned, Planned, PlannedEvent, SessionBook, TurnState,
 };
 
 use crate::wire::{LedgerStatus, Role, Token, UnknownCode};

@@ -243,3 +243,42 @@ def test_a_handoff_to_other_instructions_and_tools_declares_them(daemon):
         raise AssertionError("a second output for one call was taken")
     except openai.BadRequestError as e:
         assert "already answered" in str(e), e
+
+
+def test_a_handoff_refused_before_anything_is_written(daemon):
+    # A tool_choice the new agent's tools cannot take, and an output for a
+    # call the chain answered, are refused before any session is made (a
+    # refused tool choice left a new session behind), with the same
+    # messages as on a fork. A deleted previous response is no longer named.
+    import os
+    c = oai(daemon)
+    wal = os.path.join(daemon.sessions, "wal.log")
+    r1 = c.responses.create(model="default", input="What is the weather in Paris?", tools=[WEATHER],
+                            tool_choice="required", max_output_tokens=160, temperature=0)
+    call = [o for o in r1.output if o.type == "function_call"][0]
+    answer = [{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}]
+    r2 = c.responses.create(model="default", previous_response_id=r1.id, instructions="Agent B.",
+                            tools=[WEATHER, TIME], input=answer, max_output_tokens=8, temperature=0)
+    size = os.path.getsize(wal)
+    for ask, param, phrase in [
+        (dict(instructions="Agent C.", tool_choice={"type": "function", "name": "get_time"}),
+         "tool_choice", "declares no tools"),
+        (dict(instructions="Agent C.", tools=[WEATHER], tool_choice={"type": "function", "name": "get_time"}),
+         "tool_choice", "none of the response's tools (get_weather)"),
+        (dict(tools=[WEATHER], tool_choice={"type": "function", "name": "get_time"}),
+         "tool_choice", "none of the response's tools (get_weather)"),
+        (dict(instructions="Agent C.", tools=[WEATHER], input=answer), "input", "already answered"),
+        # A fork (the chain's instructions and tools kept) is checked too.
+        (dict(tool_choice={"type": "function", "name": "get_nothing"}),
+         "tool_choice", "none of the response's tools (get_weather, get_time)"),
+    ]:
+        ask.setdefault("input", "Go on.")
+        try:
+            c.responses.create(model="default", previous_response_id=r2.id, max_output_tokens=8, **ask)
+            raise AssertionError(f"taken: {ask}")
+        except openai.BadRequestError as e:
+            assert e.body["param"] == param and phrase in e.body["message"], (ask, e.body)
+        assert os.path.getsize(wal) == size, ask
+    assert c.responses.retrieve(r2.id).previous_response_id == r1.id
+    c.responses.delete(r1.id)
+    assert c.responses.retrieve(r2.id).previous_response_id is None

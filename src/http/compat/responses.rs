@@ -1694,6 +1694,18 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
         .then_some((r.instructions.as_deref(), tool_texts.as_slice()));
     // A previous response: forked at its end, unless this request gives
     // other instructions or tools than the chain's system turn (below).
+    // Checked against the tools the response's session will declare before
+    // any session is made or forked (refused there, it left one behind).
+    let wanted_choice = match &choice {
+        Some(Value::String(c)) if c != "none" => c.clone(),
+        Some(Value::Object(o)) => o
+            .get("function")
+            .and_then(|f| f.get("name"))
+            .and_then(Value::as_str)
+            .unwrap_or("auto")
+            .to_owned(),
+        _ => "auto".to_owned(),
+    };
     let mut items = items;
     let mut chain = None;
     let mut replayed_from = None;
@@ -1707,7 +1719,11 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
             .end;
         let history = &events[..end as usize];
         let wanted = system.map(|(text, tools)| (text.map(str::to_owned), tools.to_vec()));
-        if wanted.is_none() || wanted == system_turn(history) {
+        let had = system_turn(history);
+        if wanted.is_none() || wanted == had {
+            // The tools the fork declares: the chain's.
+            let (_, declared) = had.unwrap_or_default();
+            check_choice(&wanted_choice, &declared)?;
             chain = Some((ps, end, events));
         } else {
             // OpenAI's instructions and tools are each request's own: the
@@ -1715,10 +1731,29 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
             // a new session (a template declares them in the first turn
             // only, so the history is rendered again).
             let mut all = replay_items(&call_names(state, ps).await?, history)?;
+            for item in &items {
+                let Item::Output { call_id, .. } = item else {
+                    continue;
+                };
+                let answered = all
+                    .iter()
+                    .any(|h| matches!(h, Item::Output { call_id: c, .. } if c == call_id));
+                if answered {
+                    return Err(bad(format!(
+                        "function_call_output answers call {call_id:?}, which was already \
+                         answered"
+                    ))
+                    .with_param("input"));
+                }
+            }
             all.append(&mut items);
             items = all;
             replayed_from = Some(prev.clone());
         }
+    }
+    if conversation.is_none() && chain.is_none() {
+        // A new session declares this request's tools.
+        check_choice(&wanted_choice, &tool_texts)?;
     }
     let input = Input {
         items: &items,
@@ -1782,16 +1817,6 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
     // The tool choice and output format are settings of the session: each
     // response sets them to what it asks for (defaults included), so one
     // asked for earlier in a chain does not carry over to a later request.
-    let wanted_choice = match &choice {
-        Some(Value::String(c)) if c != "none" => c.clone(),
-        Some(Value::Object(o)) => o
-            .get("function")
-            .and_then(|f| f.get("name"))
-            .and_then(Value::as_str)
-            .unwrap_or("auto")
-            .to_owned(),
-        _ => "auto".to_owned(),
-    };
     let wanted_schema = schema.as_ref().map(Value::to_string);
     let events = read(state, s).await?;
     let (had_choice, had_schema) = (tool_choice_of(&events), output_schema_of(&events));
@@ -1954,8 +1979,23 @@ async fn stateless(
     })
 }
 
-/// A stored session's events folded into chat messages (for a stateless
-/// continuation of a stored response).
+/// Refuses a tool choice the response's session could not take beside
+/// `tools` (their JSON texts), as `SetToolChoice` would.
+fn check_choice(choice: &str, tools: &[String]) -> Result<(), ApiError> {
+    use crate::session::{check_tool_choice, ChoiceRefusal};
+    let why = match check_tool_choice(choice, tools) {
+        Ok(()) => return Ok(()),
+        Err(ChoiceRefusal::NoTools) => {
+            format!("tool_choice {choice:?} forces a call, and the response declares no tools")
+        }
+        Err(ChoiceRefusal::NotDeclared(names)) => format!(
+            "tool_choice names {choice:?}, which is none of the response's tools ({})",
+            names.join(", ")
+        ),
+    };
+    Err(ApiError::invalid(F, why).with_param("tool_choice"))
+}
+
 /// The system turn (instructions, tools) in effect after `events`: the
 /// last `System` record's.
 fn system_turn(events: &[Event]) -> Option<(Option<String>, Vec<String>)> {
@@ -1986,6 +2026,17 @@ async fn chain_record(state: &WebState, s: SessionId, previous: &str) -> Result<
     )
     .await?;
     Ok(())
+}
+
+/// Whether response `id` can be read (issued here, its session live).
+async fn resolves(state: &WebState, id: &str) -> bool {
+    let Some((s, start)) = parse_response_id(state, id).await else {
+        return false;
+    };
+    match read_live(state, s, id).await {
+        Ok(events) => Stored::locate(&events, start).is_some(),
+        Err(_) => false,
+    }
 }
 
 /// The previous response a session's title records (see [`chain_record`]).
@@ -2064,6 +2115,8 @@ fn replay_items(names: &CallNames, events: &[Event]) -> Result<Vec<Item>, ApiErr
     Ok(out)
 }
 
+/// A stored session's events folded into chat messages (for a stateless
+/// continuation of a stored response, and a chain said again).
 fn history(names: &CallNames, events: &[Event]) -> Vec<Value> {
     let mut out: Vec<Value> = Vec::new();
     let mut text = String::new();
@@ -2259,8 +2312,12 @@ pub(crate) async fn open_stored(r: &Resolved, id: &str) -> Result<StoredResponse
                 _ => None,
             }
         }
-        // A chain continued in a new session: the title says which.
-        _ => chained_from(info),
+        // A chain continued in a new session: the title says which, while
+        // it resolves (as a fork's parent response, gone once deleted).
+        _ => match chained_from(info) {
+            Some(prev) if resolves(state, &prev).await => Some(prev),
+            _ => None,
+        },
     };
     let head = Head {
         id: id.to_owned(),

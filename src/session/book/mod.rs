@@ -48,6 +48,7 @@ mod view;
 pub use apply::ApplyError;
 pub use folds::{input_after, ledger_of, output_schema_of, tool_choice_of, TurnState};
 pub use plan_generation::GenerationPlan;
+pub use plan_tools::{check_tool_choice, ChoiceRefusal};
 pub use view::Owned;
 use view::ViewRange;
 

@@ -6,6 +6,34 @@ use super::{Planned, Render, SessionBook, SessionError};
 use crate::session::schema_limits::{check_schema, MAX_TOOL_BYTES};
 use crate::wire::{EventId, Record, Role, SessionId, ToolOutcome};
 
+/// Why a tool choice cannot be a session's.
+#[derive(Debug, PartialEq)]
+pub enum ChoiceRefusal {
+    /// A call is forced ("required", or a name) and no tool is declared.
+    NoTools,
+    /// A name that is none of the declared tools' (their names).
+    NotDeclared(Vec<String>),
+}
+
+/// Whether `choice` ("auto", "required", or a tool's name) can be the tool
+/// choice beside the declared `tools` (their JSON texts).
+pub fn check_tool_choice(choice: &str, tools: &[String]) -> Result<(), ChoiceRefusal> {
+    if choice == "auto" {
+        return Ok(());
+    }
+    let names: Vec<String> = tools
+        .iter()
+        .filter_map(|t| crate::session::grammar::tool_name(t))
+        .collect();
+    if names.is_empty() {
+        return Err(ChoiceRefusal::NoTools);
+    }
+    if choice != "required" && !names.iter().any(|n| n == choice) {
+        return Err(ChoiceRefusal::NotDeclared(names));
+    }
+    Ok(())
+}
+
 impl SessionBook {
     /// `SetToolChoice`: "auto", "required", or a declared tool's name.
     pub fn plan_tool_choice(
@@ -15,21 +43,18 @@ impl SessionBook {
         now: u64,
     ) -> Result<Planned, SessionError> {
         self.writable(s)?;
-        if choice != "auto" {
-            let names: Vec<String> = declared_tools(&self.all_events(s))
-                .iter()
-                .filter_map(|t| crate::session::grammar::tool_name(t))
-                .collect();
-            if names.is_empty() {
+        match check_tool_choice(&choice, &declared_tools(&self.all_events(s))) {
+            Ok(()) => {}
+            Err(ChoiceRefusal::NoTools) => {
                 return Err(SessionError::Invalid(format!(
                     "session {s} declares no tools (AppendSystem), so no call can be forced"
-                )));
+                )))
             }
-            if choice != "required" && !names.contains(&choice) {
+            Err(ChoiceRefusal::NotDeclared(names)) => {
                 return Err(SessionError::Invalid(format!(
                     "tool choice {choice:?} is not \"auto\", \"required\" or a declared tool ({})",
                     names.join(", ")
-                )));
+                )))
             }
         }
         self.one_event(s, now, Record::ToolChoice { choice })
