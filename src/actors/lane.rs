@@ -679,6 +679,8 @@ pub struct LaneActor {
     head_since: Instant,
     /// Whether the loading worker is making progress (`--load-timeout-secs`).
     load_watch: LoadWatch,
+    /// The worker now running (or last gone) said `Ready`.
+    worker_was_ready: bool,
     /// The slowest decode rate seen, in µs a token (0: none seen yet).
     slowest_us_per_token: u64,
     /// Frames handed to this worker's stdin task, and (shared with it)
@@ -751,6 +753,7 @@ impl LaneActor {
             frames_written: Arc::default(),
             head_since: Instant::now(),
             load_watch: LoadWatch::new(Instant::now()),
+            worker_was_ready: false,
             slowest_us_per_token: 0,
             first_config: None,
             n_vocab: 0,
@@ -835,6 +838,7 @@ impl LaneActor {
         self.incarnation += 1;
         self.ready = false;
         self.load_watch = LoadWatch::new(Instant::now());
+        self.worker_was_ready = false;
         let incarnation = self.incarnation;
         let w = &self.config.worker;
         let mut command = Command::new(&self.config.exe);
@@ -1416,6 +1420,7 @@ impl Handler<FromWorker> for LaneActor {
                 config.n_seq
             );
             self.ready = true;
+            self.worker_was_ready = true;
             self.state.send_replace(LaneState::Ready);
             while let Some((request, reply, _)) = self.held.pop_front() {
                 self.send_now(request, reply);
@@ -1526,8 +1531,13 @@ impl LaneActor {
     /// held, tells the scheduler, and respawns (or settles unloaded).
     fn worker_gone(&mut self, error: LaneError, ctx: &mut Context<Self>) {
         let unloaded = std::mem::take(&mut self.unloading);
+        // A `--model` whose load failed is not retried for nobody: it
+        // settles unloaded, and the next request loads it again.
+        let load_failed = self.config.lazy && !self.worker_was_ready;
         if unloaded {
             log::info!("the model {} is unloaded", self.config.model.display());
+        } else if load_failed {
+            log::error!("{error}; the model stays unloaded until it is asked for again");
         } else {
             log::error!("{error}; starting a new one");
         }
@@ -1561,6 +1571,12 @@ impl LaneActor {
         // respawn that keeps failing must not leave them waiting forever.
         self.fail_held(&error);
         self.reset_kv(error);
+        if load_failed {
+            self.state.send_replace(LaneState::Unloaded);
+            self.gate_update(|e| e.loaded = false);
+            self.touch(false);
+            return;
+        }
         self.schedule_respawn(ctx);
     }
 }

@@ -423,10 +423,10 @@ fn a_cancel_frees_a_session_whose_model_is_stuck_loading() {
 }
 
 /// A loading worker that shows no progress for --load-timeout-secs is
-/// killed: what waits for it fails saying so, and once the file can be
-/// opened a new worker loads it and serves.
+/// killed: what waits for it fails saying so, the --model settles unloaded,
+/// and once the file can be opened the next request loads it and is served.
 #[test]
-fn a_load_past_the_load_timeout_fails_and_the_next_worker_serves() {
+fn a_stalled_load_fails_and_the_next_request_loads_the_model() {
     let (_dir, d, model, lease) = daemon_with_a_stuck_model(&["--load-timeout-secs", "3"]);
     let mut c = d.client();
     use_model(&mut c, "stuck");
@@ -451,10 +451,18 @@ fn a_load_past_the_load_timeout_fails_and_the_next_worker_serves() {
     eventually(10, "the stuck worker to be killed", || {
         !workers_of(d.pid(), &model).contains(&worker)
     });
-    // The lease released: a respawned worker loads the model.
-    drop(lease);
-    eventually(60, "the model to load", || {
-        state_of(&mut c, "stuck") == "ready"
+    // A --model whose load failed settles unloaded: no worker is started
+    // again for nobody (the first respawn would come within 100 ms).
+    eventually(10, "the model to settle unloaded", || {
+        state_of(&mut c, "stuck") == "unloaded"
     });
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(
+        workers_of(d.pid(), &model).is_empty(),
+        "a worker was started again"
+    );
+    // The lease released: the next request loads the model and is served.
+    drop(lease);
     assert!(!generate_text(&mut c, s, 4).expect("served").is_empty());
+    assert_eq!(state_of(&mut c, "stuck"), "ready");
 }
