@@ -140,3 +140,29 @@ def test_errors_in_anthropic_shape(daemon):
     assert status == 400 and json.loads(body)["type"] == "error"
     assert metrics(daemon)["superfluid_generated_tokens_total"] > 0
     assert ask(a, "Still there?", max_tokens=3).usage.output_tokens == 3
+
+
+def test_requests_anthropic_refuses_are_refused(daemon):
+    # What the Messages API answers 400 was served: no messages beside a
+    # system prompt, an empty content list, a temperature over 1, a prefill
+    # ending in whitespace; a bad role was named as Rust's Some("system").
+    a = ant(daemon)
+    user = {"role": "user", "content": "Count to five."}
+    cases = [
+        (dict(system="hi", messages=[]), "at least one message"),
+        (dict(system="s", messages=[{"role": "user", "content": []}]), "non-empty content"),
+        (dict(messages=[{"role": "user", "content": ""}, {"role": "assistant", "content": "ok"}]),
+         "non-empty content"),
+        # (this SDK sends temperature only as an extra field)
+        (dict(messages=[user], extra_body={"temperature": 1.5}), "between 0 and 1"),
+        (dict(messages=[user, {"role": "assistant", "content": "1, 2, "}]), "trailing whitespace"),
+        (dict(messages=[{"role": "system", "content": "x"}]), 'not "system"'),
+    ]
+    for ask_, phrase in cases:
+        with pytest.raises(anthropic.BadRequestError) as e:
+            a.messages.create(model="default", max_tokens=4, **ask_)
+        assert phrase in e.value.body["error"]["message"], (ask_, e.value.body)
+    # What it takes still runs: temperature 1, an empty final prefill.
+    ok = a.messages.create(model="default", max_tokens=3, extra_body={"temperature": 1.0},
+                           messages=[user, {"role": "assistant", "content": ""}])
+    assert ok.usage.output_tokens == 3

@@ -258,3 +258,16 @@ def test_a_client_that_goes_away_cancels_the_generation(daemon):
     assert "POST /api/chat 499" in access_lines(daemon)[-1]
     r = oll(daemon).chat(model="default", messages=user("Hello"), options={"num_predict": 3}, stream=False)
     assert r.eval_count == 3
+
+
+def test_any_temperature_ollama_takes_is_taken(daemon):
+    # Ollama samples at any temperature; 3.0 was refused as "between 0 and
+    # 2" (OpenAI's range). A negative one is still refused.
+    c = oll(daemon)
+    r = c.chat(model="default", messages=user("Say hi."), stream=False,
+               options={"temperature": 3.0, "num_predict": 3, "seed": 1})
+    assert r.done and r.eval_count == 3
+    with pytest.raises(ollama.ResponseError) as e:
+        c.chat(model="default", messages=user("Say hi."), stream=False,
+               options={"temperature": -1.0, "num_predict": 3})
+    assert e.value.status_code == 400 and "temperature" in e.value.error

@@ -419,3 +419,28 @@ def test_stateless_requests_leave_no_trace_in_the_log(daemon):
     list(chat(c, "Nor of this.", max_tokens=4, stream=True))
     assert metrics(daemon)["superfluid_wal_records_total"] == before
     assert daemon.client().list() == []
+
+
+def test_text_offsets_count_characters_through_a_split_emoji(daemon):
+    # A token that splits a character (an emoji in byte tokens) moved every
+    # later text_offset on by 3 bytes per U+FFFD; offsets are characters.
+    c = oai(daemon)
+    ask = dict(model="default", prompt="Emoji list: 😀 😃 😄 😁 ", max_tokens=24, logprobs=1, **GREEDY)
+
+    def check(text, tokens, offsets):
+        assert any("\ufffd" in t for t in tokens), tokens  # the case under test
+        assert offsets == sorted(offsets) and offsets[-1] <= len(text), offsets
+        for token, at in zip(tokens, offsets):
+            if "\ufffd" not in token:
+                assert text[at:at + len(token)] == token, (token, at, text)
+
+    r = c.completions.create(**ask)
+    lp = r.choices[0].logprobs
+    check(r.choices[0].text, lp.tokens, lp.text_offset)
+    # Streamed, a token to a chunk. (Its prompt is cached now, and a prompt
+    # computed from the cache can draw otherwise in a near tie: each reply
+    # is checked against its own text.)
+    chunks = [ch.choices[0] for ch in c.completions.create(stream=True, **ask) if ch.choices]
+    lps = [ch.logprobs for ch in chunks if ch.logprobs]
+    check("".join(ch.text for ch in chunks), [t for l in lps for t in l.tokens],
+          [o for l in lps for o in l.text_offset])

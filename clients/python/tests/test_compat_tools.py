@@ -85,3 +85,26 @@ def test_anthropic_streams_a_tool_use_block(daemon):
         {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in final.content]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "snow, -3 C"}]}])
     assert m.usage.cache_read_input_tokens > 0 and m.stop_reason in ("end_turn", "max_tokens", "tool_use")
+
+
+def test_logprobs_are_the_replys_and_a_cut_close_marker_is_not_reasoning(daemon):
+    # logprobs.content held the reasoning and the call's markup while
+    # content was empty; a reply cut inside the thinking block's forced
+    # close left "<", "</" or "</think" in reasoning_content.
+    c = oai(daemon)
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    forced = c.chat.completions.create(model="default", messages=msgs, tools=[WEATHER],
+                                       tool_choice="required", max_tokens=160, temperature=0,
+                                       logprobs=True)
+    m = forced.choices[0].message
+    assert m.tool_calls and not m.content
+    assert "".join(t.token for t in forced.choices[0].logprobs.content or []).strip() == ""
+    plain = c.chat.completions.create(model="default", messages=msgs, max_tokens=24, temperature=0,
+                                      logprobs=True)
+    said = "".join(t.token for t in plain.choices[0].logprobs.content or [])
+    assert said.strip() == (plain.choices[0].message.content or "").strip()
+    for n in (1, 2, 3):
+        r = c.chat.completions.create(model="default", messages=msgs, max_tokens=n, temperature=0,
+                                      response_format={"type": "json_object"})
+        reasoning = r.choices[0].message.model_extra.get("reasoning_content") or ""
+        assert "<" not in reasoning, (n, reasoning)

@@ -193,16 +193,39 @@ fn conversation(
         }
         Some(_) => return Err(bad("system must be a string or a list of text blocks")),
     }
+    if raw.is_empty() {
+        return Err(bad("messages: at least one message is required"));
+    }
     for (i, m) in raw.iter().enumerate() {
-        let role = match m.get("role").and_then(Value::as_str) {
-            Some("user") => Role::User,
-            Some("assistant") => Role::Assistant,
-            other => {
+        let role = match m.get("role") {
+            Some(Value::String(r)) if r == "user" => Role::User,
+            Some(Value::String(r)) if r == "assistant" => Role::Assistant,
+            Some(other) => {
                 return Err(bad(format!(
-                    "messages[{i}].role must be \"user\" or \"assistant\", not {other:?}"
+                    "messages[{i}].role must be \"user\" or \"assistant\", not {other}"
                 )))
             }
+            None => return Err(bad(format!("messages[{i}] has no role"))),
         };
+        // Anthropic's rule: only a final assistant message (a prefill) may
+        // be empty, and a prefill may not end in whitespace.
+        let last_assistant = i + 1 == raw.len() && role == Role::Assistant;
+        let empty = match m.get("content") {
+            Some(Value::String(s)) => s.is_empty(),
+            Some(Value::Array(blocks)) => blocks.is_empty(),
+            _ => false,
+        };
+        if empty && !last_assistant {
+            return Err(bad(format!(
+                "messages[{i}]: all messages must have non-empty content except for the \
+                 optional final assistant message"
+            )));
+        }
+        if last_assistant && prefill_text(m).is_some_and(|t| t.ends_with(char::is_whitespace)) {
+            return Err(bad(
+                "final assistant content cannot end with trailing whitespace",
+            ));
+        }
         match m.get("content") {
             Some(Value::String(s)) => msgs.push(Msg::new(role, s.clone())),
             Some(Value::Array(blocks)) => {
@@ -261,6 +284,21 @@ fn conversation(
         mark(msgs.len().saturating_sub(1), ttl, &mut pin);
     }
     Ok(Conversation { msgs, pin })
+}
+
+/// A message's text as its last text block or string gives it (what a
+/// final assistant message's reply continues).
+fn prefill_text(m: &Value) -> Option<&str> {
+    match m.get("content")? {
+        Value::String(s) => Some(s),
+        Value::Array(blocks) => blocks
+            .iter()
+            .rev()
+            .find(|b| b.get("type").and_then(Value::as_str) == Some("text"))?
+            .get("text")?
+            .as_str(),
+        _ => None,
+    }
 }
 
 fn str_field(b: &Value, name: &str) -> Result<String, ApiError> {

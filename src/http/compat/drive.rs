@@ -168,11 +168,24 @@ pub async fn start(shared: &Shared, spec: Spec) -> Result<Run, DriveError> {
         think: markers.think.clone(),
         stops,
         tx,
+        logprobs: std::collections::VecDeque::new(),
         generated: 0,
         text_started: !trim_leading,
     };
     actix_rt::spawn(pump.run(events));
     Ok(Run { warm, out })
+}
+
+/// Drops a start of `marker` that `text` ends with ("</think" of
+/// "</think>").
+fn strip_marker_start(text: &mut String, marker: &str) {
+    let cut = (1..marker.len())
+        .rev()
+        .filter(|&k| marker.is_char_boundary(k))
+        .find(|&k| text.ends_with(&marker[..k]));
+    if let Some(k) = cut {
+        text.truncate(text.len() - k);
+    }
 }
 
 struct Pump {
@@ -181,6 +194,9 @@ struct Pump {
     think: Option<(String, String)>,
     stops: StopMatcher,
     tx: mpsc::Sender<Out>,
+    /// The log-probabilities of the tokens pushed to the decoder and not
+    /// yet in a segment, oldest first (None: not asked for).
+    logprobs: std::collections::VecDeque<Option<Logprob>>,
     generated: u32,
     /// Leading whitespace of the text channel (after a thinking block) is
     /// dropped until the first other character.
@@ -197,13 +213,11 @@ impl Pump {
                     if self.render.is_eog(token) {
                         continue;
                     }
-                    if let Some(lp) = logprob {
-                        let lp = Logprob::new(self.render.as_ref(), token, lp);
-                        if self.tx.send(Out::Logprob(lp)).await.is_err() {
-                            return;
-                        }
-                    }
                     let piece = self.render.piece(token);
+                    // Sent with the segment the decoder puts the token in
+                    // (`emit`), if that is the reply's text.
+                    self.logprobs
+                        .push_back(logprob.map(|lp| Logprob::new(self.render.as_ref(), token, lp)));
                     let segments = self.decoder.push(token, &piece);
                     match self.emit(segments).await {
                         Ok(None) => continue,
@@ -216,7 +230,18 @@ impl Pump {
                     }
                 }
                 GenEvent::Finished { finish, .. } => {
-                    let segments = self.decoder.finish(ends_turn(finish));
+                    let mut segments = self.decoder.finish(ends_turn(finish));
+                    // A cut in the middle of the marker closing a thinking
+                    // block (a grammar forcing the close, max_tokens
+                    // reached within it) leaves its start held back: it is
+                    // markup, not reasoning.
+                    if let (Some((_, close)), Some(Segment::Text { channel, text, .. })) =
+                        (&self.think, segments.last_mut())
+                    {
+                        if *channel == Channel::Reasoning {
+                            strip_marker_start(text, close);
+                        }
+                    }
                     let stopped = match self.emit(segments).await {
                         Ok(s) => s,
                         Err(()) => return,
@@ -255,6 +280,21 @@ impl Pump {
     /// if one did. `Err` when the receiver is gone.
     async fn emit(&mut self, segments: Vec<Segment>) -> Result<Option<String>, ()> {
         for s in segments {
+            // A token's log-probability is the reply's when the decoder
+            // puts the token in the reply's text: not in reasoning, not in
+            // the markup opening or closing a block (which goes with the
+            // block), not in a call.
+            if let Segment::Text {
+                channel, tokens, ..
+            } = &s
+            {
+                for _ in tokens {
+                    let lp = self.logprobs.pop_front().flatten();
+                    if let Some(lp) = lp.filter(|_| *channel == Channel::Text) {
+                        self.tx.send(Out::Logprob(lp)).await.map_err(|_| ())?;
+                    }
+                }
+            }
             match s {
                 Segment::Text {
                     channel: Channel::Reasoning,
@@ -341,4 +381,22 @@ pub async fn collect(mut out: mpsc::Receiver<Out>) -> Result<Collected, String> 
         }
     }
     Err("the generation ended without a reason".into())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_cut_closing_marker_is_dropped_from_the_reasoning() {
+        for (text, want) in [
+            ("thinking</think", "thinking"),
+            ("thinking<", "thinking"),
+            ("a < b", "a < b"),
+            ("done", "done"),
+            ("</think>", "</think>"),
+        ] {
+            let mut t = text.to_owned();
+            super::strip_marker_start(&mut t, "</think>");
+            assert_eq!(t, want, "{text}");
+        }
+    }
 }

@@ -475,9 +475,16 @@ pub(crate) fn params(
     let temperature = temperature.unwrap_or(1.0);
     let top_p = top_p.unwrap_or(1.0);
     let min_p = min_p.unwrap_or(0.0);
-    if !(0.0..=2.0).contains(&temperature) {
+    // Each API's own range: OpenAI's 0-2, Anthropic's 0-1; Ollama takes
+    // any (llama.cpp's sampler does), finite and not below 0.
+    let (max, range) = match family {
+        Family::OpenAi => (2.0, "between 0 and 2"),
+        Family::Anthropic => (1.0, "between 0 and 1"),
+        Family::Ollama => (f32::MAX, "a number of at least 0"),
+    };
+    if !(0.0..=max).contains(&temperature) {
         return Err(
-            ApiError::invalid(family, "temperature must be between 0 and 2")
+            ApiError::invalid(family, format!("temperature must be {range}"))
                 .with_param("temperature"),
         );
     }

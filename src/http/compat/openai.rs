@@ -430,18 +430,62 @@ fn logprob_json(lp: &Logprob) -> Value {
 
 /// The legacy completion's `logprobs` object.
 fn completion_logprobs(lps: &[Logprob]) -> Value {
-    completion_logprobs_at(lps, 0)
+    completion_logprobs_at(lps, &mut TextOffsets::default())
 }
 
-/// The same for tokens whose text starts `start` bytes into the choice's
-/// text (a streamed chunk's).
-fn completion_logprobs_at(lps: &[Logprob], start: usize) -> Value {
-    let mut offset = start;
-    let mut offsets = Vec::new();
-    for lp in lps {
-        offsets.push(offset);
-        offset += lp.token.len();
+/// Where each token's text starts in a choice's text, in characters, as
+/// OpenAI's `text_offset` counts: the tokens' bytes so far, and the
+/// characters of their complete part. A token that begins inside a
+/// character another token started (a split emoji) starts at that
+/// character.
+#[derive(Debug, Default)]
+struct TextOffsets {
+    bytes: Vec<u8>,
+    /// Bytes counted (a character boundary), and the characters in them.
+    counted: usize,
+    chars: usize,
+}
+
+impl TextOffsets {
+    /// The offset of a token with `bytes`, which then follows the text.
+    fn next(&mut self, bytes: &[u8]) -> usize {
+        let at = self.chars;
+        self.bytes.extend_from_slice(bytes);
+        loop {
+            match std::str::from_utf8(&self.bytes[self.counted..]) {
+                Ok(s) => {
+                    self.chars += s.chars().count();
+                    self.counted = self.bytes.len();
+                    break;
+                }
+                Err(e) => {
+                    let valid = e.valid_up_to();
+                    let good = &self.bytes[self.counted..self.counted + valid];
+                    self.chars += String::from_utf8_lossy(good).chars().count();
+                    self.counted += valid;
+                    match e.error_len() {
+                        // A byte that starts no character: one U+FFFD.
+                        Some(n) => {
+                            self.chars += 1;
+                            self.counted += n;
+                        }
+                        // A character not complete yet.
+                        None => break,
+                    }
+                }
+            }
+        }
+        at
     }
+}
+
+/// The same for tokens that follow the text `offsets_so_far` has seen (a
+/// streamed chunk's), which then follows them too.
+fn completion_logprobs_at(lps: &[Logprob], offsets_so_far: &mut TextOffsets) -> Value {
+    let offsets: Vec<usize> = lps
+        .iter()
+        .map(|lp| offsets_so_far.next(&lp.bytes))
+        .collect();
     json!({
         "tokens": lps.iter().map(|l| l.token.clone()).collect::<Vec<_>>(),
         "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
@@ -951,8 +995,8 @@ async fn stream_completion(
     mut access: Access,
 ) {
     let data = |v: &Value| super::sse(None, v);
-    // Each choice's text so far, in bytes: its next token's text_offset.
-    let mut offsets = vec![0usize; runs.len()];
+    // Each choice's text so far: its next token's text_offset.
+    let mut offsets: Vec<TextOffsets> = (0..runs.len()).map(|_| TextOffsets::default()).collect();
     let mut merged =
         futures_util::stream::select_all(runs.into_iter().enumerate().map(|(i, rx)| {
             futures_util::stream::unfold(
@@ -970,8 +1014,7 @@ async fn stream_completion(
             // A token's logprobs in a chunk of their own, before the text
             // they are part of (as the chat route sends them).
             Out::Logprob(lp) => {
-                let lps = completion_logprobs_at(std::slice::from_ref(&lp), offsets[i]);
-                offsets[i] += lp.token.len();
+                let lps = completion_logprobs_at(std::slice::from_ref(&lp), &mut offsets[i]);
                 let c = head.chunk(
                     json!([{"index": i, "text": "", "logprobs": lps, "finish_reason": null}]),
                 );
@@ -1044,4 +1087,29 @@ pub async fn model(
     authorize(&state, F, &req)?;
     let state = pick(&state, F, &path)?;
     Ok(HttpResponse::Ok().json(model_json(&state)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::TextOffsets;
+
+    #[test]
+    fn text_offsets_count_characters_and_a_split_one_once() {
+        let mut o = TextOffsets::default();
+        let smile = "😀".as_bytes();
+        // " #", the emoji in three tokens, "\n", "é".
+        let tokens: [&[u8]; 6] = [
+            b" #",
+            &smile[..1],
+            &smile[1..3],
+            &smile[3..],
+            b"\n",
+            "é".as_bytes(),
+        ];
+        let got: Vec<usize> = tokens.iter().map(|t| o.next(t)).collect();
+        assert_eq!(got, [0, 2, 2, 2, 3, 4]);
+        // A byte that starts no character counts as one (U+FFFD).
+        let mut o = TextOffsets::default();
+        assert_eq!([o.next(&[0xff]), o.next(b"a")], [0, 1]);
+    }
 }
