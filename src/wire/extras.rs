@@ -71,6 +71,20 @@ pub enum ExtrasError {
     TopLogprobs(u8),
 }
 
+impl ExtrasError {
+    /// The request field it names, as OpenAI's chat route calls it.
+    pub fn field(&self) -> &'static str {
+        match self {
+            ExtrasError::PresencePenalty(_) => "presence_penalty",
+            ExtrasError::FrequencyPenalty(_) => "frequency_penalty",
+            ExtrasError::Bias { .. }
+            | ExtrasError::BiasToken { .. }
+            | ExtrasError::TooManyBiases(_) => "logit_bias",
+            ExtrasError::TopLogprobs(_) => "top_logprobs",
+        }
+    }
+}
+
 impl SampleExtras {
     /// Checks every value's range, and every `logit_bias` id against
     /// `n_vocab` (valid ids are `0..n_vocab`). NaN is out of range.

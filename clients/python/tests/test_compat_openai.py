@@ -284,8 +284,17 @@ def test_logprobs_logit_bias_and_penalties(daemon):
     with pytest.raises(openai.BadRequestError) as e:
         chat(c, "x", logit_bias={"99999999": 5})
     assert "vocabulary" in str(e.value)
-    with pytest.raises(openai.BadRequestError):
-        chat(c, "x", presence_penalty=3.0)
+    # Each refusal names its field (param was null).
+    for ask, param in [(dict(presence_penalty=3.0), "presence_penalty"),
+                       (dict(frequency_penalty=-3.0), "frequency_penalty"),
+                       (dict(logit_bias={"5": 101}), "logit_bias"),
+                       (dict(logprobs=True, top_logprobs=21), "top_logprobs")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            chat(c, "x", **ask)
+        assert e.value.param == param, (ask, e.value.body)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="default", prompt="x", max_tokens=2, logprobs=30)
+    assert e.value.param == "logprobs" and "logprobs 30" in e.value.message, e.value.body
     cl = c.completions.create(model="default", prompt="The capital of France is", max_tokens=3, logprobs=2, **GREEDY)
     assert len(cl.choices[0].logprobs.tokens) == 3 and all(p <= 0 for p in cl.choices[0].logprobs.token_logprobs)
     # Streamed, the same logprobs come a token to a chunk, offsets running on.

@@ -377,6 +377,8 @@ fn extras(
     frequency: Option<f32>,
     bias: Option<&HashMap<String, f32>>,
     logprobs: Option<u8>,
+    logprobs_field: &'static str,
+    n_vocab: u32,
 ) -> Result<Option<SampleExtras>, ApiError> {
     let bias = bias
         .map(|b| b.iter().collect::<Vec<_>>())
@@ -403,6 +405,22 @@ fn extras(
         logit_bias,
         logprobs,
     };
+    // Checked here too (the scheduler checks at admission), so a refusal
+    // names its field.
+    e.check(n_vocab).map_err(|why| {
+        let field = match why {
+            crate::wire::ExtrasError::TopLogprobs(_) => logprobs_field,
+            _ => why.field(),
+        };
+        let message = match (&why, logprobs_field) {
+            (crate::wire::ExtrasError::TopLogprobs(n), "logprobs") => format!(
+                "logprobs {n} is out of range (0 to {})",
+                crate::wire::extras::MAX_TOP_LOGPROBS
+            ),
+            _ => why.to_string(),
+        };
+        ApiError::invalid(F, message).with_param(field)
+    })?;
     Ok((e != SampleExtras::default()).then_some(e))
 }
 
@@ -547,6 +565,8 @@ pub async fn chat_completions(
             r.frequency_penalty,
             r.logit_bias.as_ref(),
             chat_logprobs(&r)?,
+            "top_logprobs",
+            state.m().shared.render.n_vocab(),
         )?;
         let params = params(r.temperature, r.top_p, r.top_k, r.min_p, r.seed, F)?;
         let stop = stops(r.stop.as_ref())?;
@@ -965,6 +985,8 @@ pub async fn completions(
                 r.frequency_penalty,
                 r.logit_bias.as_ref(),
                 r.logprobs,
+                "logprobs",
+                state.m().shared.render.n_vocab(),
             )?,
         };
         let params = params(r.temperature, r.top_p, r.top_k, r.min_p, r.seed, F)?;
