@@ -219,7 +219,8 @@ struct Serve {
     /// How long a worker loading its model may show no progress (no bytes
     /// read or written, no CPU time) before it is taken for hung (a load
     /// stuck on I/O): it is killed, what waits for it fails, and a new one
-    /// starts. A slow load that progresses is never cut.
+    /// starts (a --model settles unloaded: its next request loads it). A slow
+    /// load that progresses is never cut.
     #[arg(long, value_name = "SECS", default_value_t = daemon::DEFAULT_LOAD_TIMEOUT_SECS,
           value_parser = clap::value_parser!(u64).range(1..=86_400))]
     load_timeout_secs: u64,

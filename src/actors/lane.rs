@@ -508,7 +508,8 @@ pub struct LaneConfig {
     pub vocabulary: Option<(u32, [u8; 32])>,
     /// `--step-timeout-secs`: the base of each request's deadline.
     pub step_timeout: Duration,
-    /// `--load-timeout-secs`: how long a worker may take to say `Ready`.
+    /// `--load-timeout-secs`: how long a loading worker may show no
+    /// progress.
     pub load_timeout: Duration,
     /// The daemon's load gate and this lane's line in it; `None`: the lane
     /// loads at start and never unloads, with no one to ask.
@@ -621,7 +622,9 @@ impl LoadWatch {
     /// The work process `pid` has done, as one number that grows with any
     /// of it; None when /proc cannot tell (the process is gone).
     fn sample(pid: u32) -> Option<u64> {
-        let io = std::fs::read_to_string(format!("/proc/{pid}/io")).ok()?;
+        // Without io accounting (a kernel without it) the CPU time and
+        // faults still tell.
+        let io = std::fs::read_to_string(format!("/proc/{pid}/io")).unwrap_or_default();
         let bytes: u64 = io
             .lines()
             .filter_map(|l| {
@@ -681,6 +684,10 @@ pub struct LaneActor {
     load_watch: LoadWatch,
     /// The worker now running (or last gone) said `Ready`.
     worker_was_ready: bool,
+    /// A `--model`'s last failed load: why, and until when a request fails
+    /// with that instead of loading again (the respawn delay, growing with
+    /// each failure in a row).
+    load_failed: Option<(LaneError, Instant)>,
     /// The slowest decode rate seen, in µs a token (0: none seen yet).
     slowest_us_per_token: u64,
     /// Frames handed to this worker's stdin task, and (shared with it)
@@ -754,6 +761,7 @@ impl LaneActor {
             head_since: Instant::now(),
             load_watch: LoadWatch::new(Instant::now()),
             worker_was_ready: false,
+            load_failed: None,
             slowest_us_per_token: 0,
             first_config: None,
             n_vocab: 0,
@@ -1357,6 +1365,12 @@ impl Handler<Exec> for LaneActor {
             return Box::pin(async { Err(LaneError::Unloaded) });
         }
         if unloaded {
+            if let Some((why, until)) = &self.load_failed {
+                if Instant::now() < *until {
+                    let error = why.clone();
+                    return Box::pin(async move { Err(error) });
+                }
+            }
             if let Err(error) = self.load(ctx) {
                 return Box::pin(async move { Err(error) });
             }
@@ -1394,6 +1408,9 @@ impl Handler<FromWorker> for LaneActor {
                 let error = LaneError::CouldNotStart(message.clone());
                 log::error!("{error}");
                 self.fail_held(&error);
+                // What comes before the worker's exit fails the same way,
+                // not as a bare death.
+                self.stop_reason.get_or_insert(error);
                 return;
             }
         }
@@ -1405,8 +1422,9 @@ impl Handler<FromWorker> for LaneActor {
         {
             if let Err(why) = self.check_ready(config, *n_vocab, vocab_digest) {
                 // Refused: the held requests fail with why, and the worker
-                // is stopped; the respawn (with its growing delay) tries
-                // again, so restoring the file brings the lane back.
+                // is stopped; the respawn (with its growing delay), or for
+                // a `--model` the next request, tries again, so restoring
+                // the file brings the lane back.
                 let error = LaneError::WrongModel(why);
                 log::error!("{error}");
                 self.fail_held(&error);
@@ -1421,6 +1439,7 @@ impl Handler<FromWorker> for LaneActor {
             );
             self.ready = true;
             self.worker_was_ready = true;
+            self.load_failed = None;
             self.state.send_replace(LaneState::Ready);
             while let Some((request, reply, _)) = self.held.pop_front() {
                 self.send_now(request, reply);
@@ -1570,6 +1589,10 @@ impl LaneActor {
         // Requests held for a worker that never became ready fail too: a
         // respawn that keeps failing must not leave them waiting forever.
         self.fail_held(&error);
+        if load_failed {
+            let wait = self.respawns.next_delay();
+            self.load_failed = Some((error.clone(), Instant::now() + wait));
+        }
         self.reset_kv(error);
         if load_failed {
             self.state.send_replace(LaneState::Unloaded);
@@ -1607,6 +1630,11 @@ impl Handler<Load> for LaneActor {
 
     fn handle(&mut self, _: Load, ctx: &mut Context<Self>) -> Self::Result {
         if self.child.is_none() && *self.state.borrow() == LaneState::Unloaded {
+            if let Some((why, until)) = &self.load_failed {
+                if Instant::now() < *until {
+                    return Err(why.to_string());
+                }
+            }
             self.load(ctx).map_err(|e| e.to_string())?;
         }
         self.touch(false);

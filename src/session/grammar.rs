@@ -23,8 +23,9 @@ pub enum GrammarError {
     /// The converter refused the schema: its message.
     #[error("{0}")]
     Convert(String),
-    /// A tool's schema breaks a limit (`schema_limits`): which.
-    #[error("a tool's schema is too large for a grammar: {0}")]
+    /// A tool's or an output format's schema breaks a limit
+    /// (`schema_limits`): which.
+    #[error("the schema is too large for a grammar: {0}")]
     Limit(String),
     /// The converter has not run on this schema yet: the daemon converts it
     /// off the actor thread and plans again.

@@ -466,3 +466,42 @@ fn a_stalled_load_fails_and_the_next_request_loads_the_model() {
     assert!(!generate_text(&mut c, s, 4).expect("served").is_empty());
     assert_eq!(state_of(&mut c, "stuck"), "ready");
 }
+
+/// A --model whose file broke after the start (truncated): every request
+/// fails naming the load's error (those that came between the worker's
+/// Err and its exit said only "the worker died"), and requests in a row
+/// do not each start a worker: after a failed load the next one waits out
+/// the respawn delay (100 ms, doubling), failing at once meanwhile.
+#[test]
+fn a_broken_model_file_fails_each_request_with_its_cause_and_backs_off() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("broken.gguf");
+    std::fs::copy(derived_model(LLAMA3), &model).unwrap();
+    let d = daemon_with(std::slice::from_ref(&model), &[]);
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&model)
+        .unwrap();
+    f.set_len(1 << 20).unwrap();
+    drop(f);
+    let mut c = d.client();
+    use_model(&mut c, "broken");
+    let (s, _) = session_with_message(&mut c, "Hi.");
+    let until = Instant::now() + Duration::from_secs(2);
+    let mut asked = 0;
+    while Instant::now() < until {
+        let e = generate_text(&mut c, s, 2).expect_err("the model cannot load");
+        assert!(
+            e.contains("could not start") && !e.contains("the worker died"),
+            "{e}"
+        );
+        asked += 1;
+    }
+    let started = d.stderr().matches("started (pid").count();
+    // One worker for the first model, and for this one a start per failure
+    // after waits of 100, 200, 400, 800 ms: at most 5 in 2 s.
+    assert!(
+        asked > started && started <= 1 + 5,
+        "{asked} requests, {started} workers started"
+    );
+}

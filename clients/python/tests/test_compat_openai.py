@@ -295,6 +295,10 @@ def test_logprobs_logit_bias_and_penalties(daemon):
     with pytest.raises(openai.BadRequestError) as e:
         c.completions.create(model="default", prompt="x", max_tokens=2, logprobs=30)
     assert e.value.param == "logprobs" and "logprobs 30" in e.value.message, e.value.body
+    # A legacy prompt over the context names prompt (it named messages).
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="default", prompt=[1] * 9000, max_tokens=1)
+    assert e.value.param == "prompt" and "context" in e.value.message, e.value.body
     cl = c.completions.create(model="default", prompt="The capital of France is", max_tokens=3, logprobs=2, **GREEDY)
     assert len(cl.choices[0].logprobs.tokens) == 3 and all(p <= 0 for p in cl.choices[0].logprobs.token_logprobs)
     # Streamed, the same logprobs come a token to a chunk, offsets running on.

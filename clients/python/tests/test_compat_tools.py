@@ -99,12 +99,32 @@ def test_logprobs_are_the_replys_and_a_cut_close_marker_is_not_reasoning(daemon)
     m = forced.choices[0].message
     assert m.tool_calls and not m.content
     assert "".join(t.token for t in forced.choices[0].logprobs.content or []).strip() == ""
+    # After the thinking block the reply's leading blank lines are dropped
+    # from content, and from its logprobs with it.
     plain = c.chat.completions.create(model="default", messages=msgs, max_tokens=24, temperature=0,
-                                      logprobs=True)
+                                      logprobs=True, response_format={"type": "json_object"})
     said = "".join(t.token for t in plain.choices[0].logprobs.content or [])
-    assert said.strip() == (plain.choices[0].message.content or "").strip()
+    assert said == plain.choices[0].message.content, (said, plain.choices[0].message.content)
     for n in (1, 2, 3):
         r = c.chat.completions.create(model="default", messages=msgs, max_tokens=n, temperature=0,
                                       response_format={"type": "json_object"})
         reasoning = r.choices[0].message.model_extra.get("reasoning_content") or ""
         assert "<" not in reasoning, (n, reasoning)
+
+
+def test_anthropic_takes_a_final_assistant_turn_with_text_then_a_call(daemon):
+    # The trailing-whitespace rule is a prefill's: an assistant turn whose
+    # text is followed by a tool_use is no prefill, and was refused.
+    a = ant(daemon)
+    tools = [{"name": "get_weather", "description": "Current weather in a city",
+              "input_schema": WEATHER["function"]["parameters"]}]
+    r = a.messages.create(model="default", max_tokens=4, tools=tools, messages=[
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": [
+            {"type": "text", "text": "Let me check. "},
+            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}]},
+        {"role": "assistant", "content": [
+            {"type": "text", "text": "It is sunny. "},
+            {"type": "tool_use", "id": "toolu_2", "name": "get_weather", "input": {"city": "Bergen"}}]}])
+    assert r.usage.output_tokens > 0

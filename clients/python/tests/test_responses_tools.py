@@ -7,6 +7,7 @@ events, and each response's tool_choice read back as it was asked for."""
 import json
 
 import openai
+import pytest
 
 from compat import KEY, TIME, WEATHER, forced_call, oai, raw
 
@@ -282,3 +283,29 @@ def test_a_handoff_refused_before_anything_is_written(daemon):
     assert c.responses.retrieve(r2.id).previous_response_id == r1.id
     c.responses.delete(r1.id)
     assert c.responses.retrieve(r2.id).previous_response_id is None
+
+
+def test_a_refused_tool_choice_writes_nothing_to_a_conversation(daemon):
+    # The check before any write covers conversations too: the request's
+    # system turn was appended (and stood for every later request), or the
+    # conversation forked to a branch, before the refusal.
+    import os
+    c = oai(daemon)
+    wal = os.path.join(daemon.sessions, "wal.log")
+    conv = c.conversations.create()
+    size = os.path.getsize(wal)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.create(model="default", conversation=conv.id, input="Hi.", instructions="Agent X.",
+                           tools=[WEATHER], tool_choice={"type": "function", "name": "get_time"},
+                           max_output_tokens=8)
+    assert e.value.body["param"] == "tool_choice", e.value.body
+    assert os.path.getsize(wal) == size
+    r = c.responses.create(model="default", conversation=conv.id, input="Hi.", max_output_tokens=4,
+                           temperature=0)
+    size = os.path.getsize(wal)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.create(model="default", conversation=conv.id, input="Go on.", tool_choice="required",
+                           temperature=0.3, max_output_tokens=8)
+    assert e.value.body["param"] == "tool_choice" and "declares no tools" in e.value.body["message"]
+    assert os.path.getsize(wal) == size
+    assert c.responses.retrieve(r.id).instructions is None

@@ -286,17 +286,16 @@ fn conversation(
     Ok(Conversation { msgs, pin })
 }
 
-/// A message's text as its last text block or string gives it (what a
-/// final assistant message's reply continues).
+/// The text a final assistant message ends with (what the reply would
+/// continue): its string, or its last block when that is text.
 fn prefill_text(m: &Value) -> Option<&str> {
     match m.get("content")? {
         Value::String(s) => Some(s),
-        Value::Array(blocks) => blocks
-            .iter()
-            .rev()
-            .find(|b| b.get("type").and_then(Value::as_str) == Some("text"))?
-            .get("text")?
-            .as_str(),
+        Value::Array(blocks) => {
+            let last = blocks.last()?;
+            (last.get("type").and_then(Value::as_str) == Some("text"))
+                .then(|| last.get("text")?.as_str())?
+        }
         _ => None,
     }
 }
@@ -510,7 +509,14 @@ pub async fn messages(
             },
         };
         let prompt = rendered.prompt.tokens;
-        let max_tokens = budget(&state, F, prompt.len(), Some(r.max_tokens), "max_tokens")?;
+        let max_tokens = budget(
+            &state,
+            F,
+            prompt.len(),
+            Some(r.max_tokens),
+            "max_tokens",
+            "messages",
+        )?;
         let params = params(r.temperature, r.top_p, r.top_k, None, None, F)?;
         let p = Prepared {
             media: rendered.media,

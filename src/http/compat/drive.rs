@@ -176,6 +176,14 @@ pub async fn start(shared: &Shared, spec: Spec) -> Result<Run, DriveError> {
     Ok(Run { warm, out })
 }
 
+/// A segment's text ("" for a call).
+fn text_of(s: &Segment) -> &str {
+    match s {
+        Segment::Text { text, .. } | Segment::ParseFailure { text, .. } => text,
+        Segment::ToolCall { .. } => "",
+    }
+}
+
 /// Drops a start of `marker` that `text` ends with ("</think" of
 /// "</think>").
 fn strip_marker_start(text: &mut String, marker: &str) {
@@ -288,9 +296,12 @@ impl Pump {
                 channel, tokens, ..
             } = &s
             {
+                // The reply's leading whitespace is dropped (`send_text`),
+                // and its tokens' log-probabilities with it.
+                let dropped = !self.text_started && text_of(&s).trim_start().is_empty();
                 for _ in tokens {
                     let lp = self.logprobs.pop_front().flatten();
-                    if let Some(lp) = lp.filter(|_| *channel == Channel::Text) {
+                    if let Some(lp) = lp.filter(|_| *channel == Channel::Text && !dropped) {
                         self.tx.send(Out::Logprob(lp)).await.map_err(|_| ())?;
                     }
                 }

@@ -261,6 +261,7 @@ pub(crate) fn budget(
     prompt: usize,
     asked: Option<u32>,
     param: &'static str,
+    prompt_param: &'static str,
 ) -> Result<u32, ApiError> {
     let n_ctx = state.m().shared.n_ctx as usize;
     if prompt >= n_ctx {
@@ -272,7 +273,7 @@ pub(crate) fn budget(
                  (--ctx-size): it must be shorter to leave room for a reply"
             ),
         )
-        .with_param("messages"));
+        .with_param(prompt_param));
     }
     match asked {
         Some(0) => {
@@ -480,7 +481,7 @@ pub(crate) fn params(
     let (max, range) = match family {
         Family::OpenAi => (2.0, "between 0 and 2"),
         Family::Anthropic => (1.0, "between 0 and 1"),
-        Family::Ollama => (f32::MAX, "a number of at least 0"),
+        Family::Ollama => (f32::MAX, "a finite number of at least 0"),
     };
     if !(0.0..=max).contains(&temperature) {
         return Err(

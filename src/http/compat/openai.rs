@@ -327,7 +327,7 @@ pub(crate) async fn prepare_chat(
     } else {
         "max_tokens"
     };
-    let max_tokens = budget(state, F, prompt.len(), asked, param)?;
+    let max_tokens = budget(state, F, prompt.len(), asked, param, "messages")?;
     Ok(Prepared {
         media,
         prompt,
@@ -465,35 +465,44 @@ struct TextOffsets {
 }
 
 impl TextOffsets {
-    /// The offset of a token with `bytes`, which then follows the text.
+    /// The offset of a token with `bytes`, which then follows the text:
+    /// the index of the first character (or U+FFFD) holding one of its
+    /// bytes, or of the character still incomplete after it.
     fn next(&mut self, bytes: &[u8]) -> usize {
-        let at = self.chars;
+        let old = self.bytes.len();
         self.bytes.extend_from_slice(bytes);
+        let mut at = None;
+        // One character (or invalid sequence) ending at byte `end` is counted.
+        let mut unit = |end: usize, chars: &mut usize, counted: &mut usize| {
+            if at.is_none() && end > old {
+                at = Some(*chars);
+            }
+            *chars += 1;
+            *counted = end;
+        };
         loop {
-            match std::str::from_utf8(&self.bytes[self.counted..]) {
-                Ok(s) => {
-                    self.chars += s.chars().count();
-                    self.counted = self.bytes.len();
-                    break;
-                }
-                Err(e) => {
-                    let valid = e.valid_up_to();
-                    let good = &self.bytes[self.counted..self.counted + valid];
-                    self.chars += String::from_utf8_lossy(good).chars().count();
-                    self.counted += valid;
-                    match e.error_len() {
-                        // A byte that starts no character: one U+FFFD.
-                        Some(n) => {
-                            self.chars += 1;
-                            self.counted += n;
-                        }
-                        // A character not complete yet.
-                        None => break,
-                    }
-                }
+            let rest = &self.bytes[self.counted..];
+            let (valid, bad) = match std::str::from_utf8(rest) {
+                Ok(s) => (s, None),
+                Err(e) => (
+                    // Valid by construction: the part before the error.
+                    std::str::from_utf8(&rest[..e.valid_up_to()]).unwrap_or_default(),
+                    Some(e.error_len()),
+                ),
+            };
+            let mut end = self.counted;
+            for c in valid.chars() {
+                end += c.len_utf8();
+                unit(end, &mut self.chars, &mut self.counted);
+            }
+            match bad {
+                // A sequence that starts no character: one U+FFFD.
+                Some(Some(n)) => unit(self.counted + n, &mut self.chars, &mut self.counted),
+                // A character not complete yet, or the end.
+                Some(None) | None => break,
             }
         }
-        at
+        at.unwrap_or(self.chars)
     }
 }
 
@@ -971,6 +980,7 @@ pub async fn completions(
             prompt.len(),
             Some(r.max_tokens.unwrap_or(16)),
             "max_tokens",
+            "prompt",
         )?;
         let p = Prepared {
             media: vec![],
@@ -1130,8 +1140,13 @@ mod tests {
         ];
         let got: Vec<usize> = tokens.iter().map(|t| o.next(t)).collect();
         assert_eq!(got, [0, 2, 2, 2, 3, 4]);
-        // A byte that starts no character counts as one (U+FFFD).
+        // A byte that starts no character counts as one (U+FFFD), also
+        // when only the next token shows the sequence was cut.
         let mut o = TextOffsets::default();
         assert_eq!([o.next(&[0xff]), o.next(b"a")], [0, 1]);
+        let mut o = TextOffsets::default();
+        assert_eq!([o.next(&[0xf0]), o.next(b"a"), o.next(b"b")], [0, 1, 2]);
+        let mut o = TextOffsets::default();
+        assert_eq!([o.next(b"x\xe2\x82"), o.next(b"y")], [0, 2]);
     }
 }

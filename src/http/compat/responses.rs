@@ -837,9 +837,7 @@ impl Input<'_> {
         .await
         .ok_or_else(|| bad("the input could not be rendered (no render thread)"))?
         .map_err(|e| bad(format!("the input cannot be rendered: {}", e.0)))?;
-        super::budget(state, F, tokens, None, "max_output_tokens")
-            .map(|_| ())
-            .map_err(|e| e.with_param("input"))
+        super::budget(state, F, tokens, None, "max_output_tokens", "input").map(|_| ())
     }
 }
 
@@ -1751,9 +1749,25 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
             replayed_from = Some(prev.clone());
         }
     }
-    if conversation.is_none() && chain.is_none() {
+    match &conversation {
         // A new session declares this request's tools.
-        check_choice(&wanted_choice, &tool_texts)?;
+        None if chain.is_none() => check_choice(&wanted_choice, &tool_texts)?,
+        None => {}
+        // A conversation declares them only while it has no input; after
+        // that, its system turn's stand. Checked before anything is
+        // appended to it or it moves to a branch.
+        Some(conv) => {
+            let cs = super::conversations::resolve(state, conv).await?;
+            let info = inspect(state, cs)
+                .await?
+                .ok_or_else(|| not_found("conversation", conv).with_param("conversation"))?;
+            if info.tokens == 0 {
+                check_choice(&wanted_choice, &tool_texts)?;
+            } else {
+                let (_, declared) = system_turn(&read(state, cs).await?).unwrap_or_default();
+                check_choice(&wanted_choice, &declared)?;
+            }
+        }
     }
     let input = Input {
         items: &items,
