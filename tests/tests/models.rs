@@ -13,10 +13,11 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use superfluid::frontend::socket::Client;
-use superfluid::wire::{Finish, ModelSummary, Record, Request, Response, SessionId};
+use superfluid::wire::{ModelSummary, Record, Request, Response, SessionId};
 
 use crate::util::{
-    children_of, commit, created, derived_model, generate_text, params, read_events, TestDaemon,
+    assert_cancelled, children_of, commit, created, derived_model, generate_text, params,
+    read_events, TestDaemon,
 };
 
 const LLAMA3: &str = "SmolLM2-135M-llama3-style.gguf";
@@ -389,16 +390,7 @@ fn a_cancel_frees_a_session_whose_model_is_stuck_loading() {
     let replies = replies
         .recv_timeout(Duration::from_secs(20))
         .unwrap_or_else(|_| panic!("the cancelled generation did not end; {}", d.stderr()));
-    assert!(
-        matches!(
-            replies.last(),
-            Some(Response::Generated {
-                finish: Finish::Cancelled,
-                ..
-            })
-        ),
-        "{replies:?}"
-    );
+    assert_cancelled(&replies);
     // Free: the next request on it is not refused as busy (it waits for the
     // load in turn, and is cancelled the same way).
     let again = generate_on(&d, "stuck", s);
@@ -408,16 +400,7 @@ fn a_cancel_frees_a_session_whose_model_is_stuck_loading() {
         Response::Cancelling
     );
     let again = again.recv_timeout(Duration::from_secs(20)).unwrap();
-    assert!(
-        matches!(
-            again.last(),
-            Some(Response::Generated {
-                finish: Finish::Cancelled,
-                ..
-            })
-        ),
-        "{again:?}"
-    );
+    assert_cancelled(&again);
     assert_eq!(state_of(&mut c, "stuck"), "loading", "the load went on");
     assert_eq!(workers_of(d.pid(), &model).len(), 1);
 }

@@ -16,8 +16,8 @@ use superfluid::wire::{
 };
 
 use crate::util::{
-    commit, created, expect_err, forced_weather_session, shared_daemon, tools_think_daemon,
-    TestDaemon,
+    assert_cancelled, commit, created, expect_err, forced_weather_session, shared_daemon,
+    tools_think_daemon, TestDaemon,
 };
 
 // ---- archived sessions -----------------------------------------------------
@@ -675,16 +675,7 @@ fn a_second_generate_is_refused_while_the_first_runs() {
         Response::Cancelling
     );
     let replies = first.join().unwrap();
-    assert!(
-        matches!(
-            replies.last(),
-            Some(Response::Generated {
-                finish: Finish::Cancelled,
-                ..
-            })
-        ),
-        "{replies:?}"
-    );
+    assert_cancelled(&replies);
     // The log holds the first generation's events and nothing else.
     let deltas: Vec<Event> = replies
         .iter()

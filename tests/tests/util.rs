@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use superfluid::frontend::socket::Client;
 use superfluid::store::{FILE_HEADER_LEN, MARKER_FLAG, RECORD_HEADER_LEN, WAL_MAGIC};
 use superfluid::wire::{
-    read_frame_blocking, to_postcard, write_frame_blocking, Event, Params, Record, Request,
+    read_frame_blocking, to_postcard, write_frame_blocking, Event, Finish, Params, Record, Request,
     Response, Role, SessionId, MAX_FRAME_BYTES,
 };
 
@@ -682,6 +682,21 @@ pub fn web_health(d: &TestDaemon) -> String {
     let mut out = String::new();
     s.read_to_string(&mut out).unwrap();
     out
+}
+
+/// Asserts that a Generate's replies end with its `Generated` summary,
+/// finished by a cancel.
+pub fn assert_cancelled(replies: &[Response]) {
+    assert!(
+        matches!(
+            replies.last(),
+            Some(Response::Generated {
+                finish: Finish::Cancelled,
+                ..
+            })
+        ),
+        "{replies:?}"
+    );
 }
 
 /// Generates up to `n` tokens: the reply's text, or the `Err`'s message
