@@ -1690,8 +1690,6 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
     let tool_texts: Vec<String> = chat_tools.iter().map(Value::to_string).collect();
     let system = (r.instructions.is_some() || !chat_tools.is_empty())
         .then_some((r.instructions.as_deref(), tool_texts.as_slice()));
-    // A previous response: forked at its end, unless this request gives
-    // other instructions or tools than the chain's system turn (below).
     // Checked against the tools the response's session will declare before
     // any session is made or forked (refused there, it left one behind).
     let wanted_choice = match &choice {
@@ -1704,6 +1702,8 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
             .to_owned(),
         _ => "auto".to_owned(),
     };
+    // A previous response: forked at its end, unless this request gives
+    // other instructions or tools than the chain's system turn (below).
     let mut items = items;
     let mut chain = None;
     let mut replayed_from = None;
