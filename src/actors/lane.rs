@@ -1088,6 +1088,15 @@ impl LaneActor {
         self.stop_worker(Some(error));
     }
 
+    /// Why a load is refused now: a `--model`'s last load failed within
+    /// the respawn delay.
+    fn load_refused(&self) -> Option<LaneError> {
+        self.load_failed
+            .as_ref()
+            .filter(|(_, until)| Instant::now() < *until)
+            .map(|(why, _)| why.clone())
+    }
+
     /// Changes this lane's line in the gate, if it has one.
     fn gate_update(&self, f: impl FnOnce(&mut super::load_gate::Entry)) {
         if let Some((gate, slot)) = &self.config.gate {
@@ -1365,11 +1374,8 @@ impl Handler<Exec> for LaneActor {
             return Box::pin(async { Err(LaneError::Unloaded) });
         }
         if unloaded {
-            if let Some((why, until)) = &self.load_failed {
-                if Instant::now() < *until {
-                    let error = why.clone();
-                    return Box::pin(async move { Err(error) });
-                }
+            if let Some(error) = self.load_refused() {
+                return Box::pin(async move { Err(error) });
             }
             if let Err(error) = self.load(ctx) {
                 return Box::pin(async move { Err(error) });
@@ -1630,10 +1636,8 @@ impl Handler<Load> for LaneActor {
 
     fn handle(&mut self, _: Load, ctx: &mut Context<Self>) -> Self::Result {
         if self.child.is_none() && *self.state.borrow() == LaneState::Unloaded {
-            if let Some((why, until)) = &self.load_failed {
-                if Instant::now() < *until {
-                    return Err(why.to_string());
-                }
+            if let Some(error) = self.load_refused() {
+                return Err(error.to_string());
             }
             self.load(ctx).map_err(|e| e.to_string())?;
         }

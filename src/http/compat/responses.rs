@@ -1708,13 +1708,7 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
     let mut chain = None;
     let mut replayed_from = None;
     if let Some(prev) = &r.previous_response_id {
-        let (ps, pstart) = parse_response_id(state, prev)
-            .await
-            .ok_or_else(|| not_found("response", prev).with_param("previous_response_id"))?;
-        let events = read_live(state, ps, prev).await?;
-        let end = Stored::locate(&events, pstart)
-            .ok_or_else(|| not_found("response", prev).with_param("previous_response_id"))?
-            .end;
+        let (ps, events, end) = previous_chain(state, prev).await?;
         let history = &events[..end as usize];
         let wanted = system.map(|(text, tools)| (text.map(str::to_owned), tools.to_vec()));
         let had = system_turn(history);
@@ -1911,13 +1905,7 @@ async fn stateless(
     // instructions or tools, as on a stored continuation.
     let (names, events) = match &r.previous_response_id {
         Some(prev) => {
-            let (ps, pstart) = parse_response_id(state, prev)
-                .await
-                .ok_or_else(|| not_found("response", prev).with_param("previous_response_id"))?;
-            let mut events = read_live(state, ps, prev).await?;
-            let end = Stored::locate(&events, pstart)
-                .ok_or_else(|| not_found("response", prev).with_param("previous_response_id"))?
-                .end;
+            let (ps, mut events, end) = previous_chain(state, prev).await?;
             events.truncate(end as usize);
             if instructions.is_none() && tools.is_empty() {
                 if let Some((text, chain_tools)) = system_turn(&events) {
@@ -2042,15 +2030,23 @@ async fn chain_record(state: &WebState, s: SessionId, previous: &str) -> Result<
     Ok(())
 }
 
+/// A `previous_response_id`'s session, its events, and where the response
+/// ends (where a continuation forks); a 404 naming it when it was not
+/// issued here, its session is gone, or it holds no such response.
+async fn previous_chain(
+    state: &WebState,
+    id: &str,
+) -> Result<(SessionId, Vec<Event>, EventId), ApiError> {
+    let gone = || not_found("response", id).with_param("previous_response_id");
+    let (s, start) = parse_response_id(state, id).await.ok_or_else(gone)?;
+    let events = read_live(state, s, id).await?;
+    let end = Stored::locate(&events, start).ok_or_else(gone)?.end;
+    Ok((s, events, end))
+}
+
 /// Whether response `id` can be read (issued here, its session live).
 async fn resolves(state: &WebState, id: &str) -> bool {
-    let Some((s, start)) = parse_response_id(state, id).await else {
-        return false;
-    };
-    match read_live(state, s, id).await {
-        Ok(events) => Stored::locate(&events, start).is_some(),
-        Err(_) => false,
-    }
+    previous_chain(state, id).await.is_ok()
 }
 
 /// The previous response a session's title records (see [`chain_record`]).
