@@ -855,8 +855,8 @@ fn writer(
         };
         let mut c = lock(&chains);
         let mine = c.get(&session).is_some_and(|x| x.epoch == epoch);
-        match result {
-            Ok(Some(k)) => {
+        match &result {
+            &Ok(Some(k)) => {
                 log::debug!("parked {what} in {} ms", t.elapsed().as_millis());
                 if mine {
                     if let Some(x) = c.get_mut(&session) {
@@ -870,16 +870,19 @@ fn writer(
             }
             Ok(None) => {
                 log::debug!("skipped parking {what}: it extends nothing on disk");
-                if mine {
-                    c.remove(&session);
-                }
             }
             Err(e) => {
                 log::warn!("cannot park {what}: {e}");
-                // The next seal writes the whole artifact again.
-                if mine {
-                    c.remove(&session);
-                }
+            }
+        }
+        // Not on disk as the daemon counts: the next seal writes the whole
+        // artifact again, and the daemon's index forgets it (a newer seal
+        // of the session on its way tells its own outcome).
+        if mine && !matches!(result, Ok(Some(_))) {
+            c.remove(&session);
+            let mut d = deleted.lock().unwrap_or_else(|e| e.into_inner());
+            if !d.contains(&session) {
+                d.push(session);
             }
         }
         drop(c);
@@ -963,7 +966,17 @@ impl Parker {
         })
     }
 
-    /// Sessions whose artifact the park budget deleted since the last call.
+    /// A park of `session` that was not handed to the writer: the daemon,
+    /// which counted on it, forgets the artifact (told with the deleted).
+    pub fn not_sealed(&self, session: u64) {
+        let mut d = self.deleted.lock().unwrap_or_else(|e| e.into_inner());
+        if !d.contains(&session) {
+            d.push(session);
+        }
+    }
+
+    /// Sessions whose artifact the park budget deleted, or whose park was
+    /// not sealed ([`Self::not_sealed`]), since the last call.
     pub fn take_deleted(&self) -> Vec<u64> {
         std::mem::take(&mut *self.deleted.lock().unwrap_or_else(|e| e.into_inner()))
     }

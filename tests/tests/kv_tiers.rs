@@ -1052,3 +1052,88 @@ fn a_short_conversation_evicted_comes_back_from_host_memory() {
     let restored = metric(&d, "superfluid_kv_restored_tokens_total");
     assert_eq!(restored as u64, warm, "restored {restored}");
 }
+
+/// A turn ended by a cancel is sealed like one cut by max_tokens. The step
+/// planned before the cancel was seen feeds the last draw after the park
+/// was asked for, so the worker's sequence is one position longer than the
+/// turn; the worker skipped such a seal while the index counted on it.
+/// Now it seals the turn's positions: after a restart the session comes
+/// back warm and the continuation draws what the uncut turn draws.
+#[test]
+fn a_cancelled_turn_is_parked_and_resumes_warm_after_a_restart() {
+    const N: u32 = 120;
+    let mut d = park_daemon();
+    d.spawn_and_wait();
+    let mut c = d.client();
+    let s = created(
+        &mut c,
+        Request::Create {
+            parent: None,
+            params: params(1),
+        },
+    );
+    say(&mut c, s, &long_message(9));
+    let socket = d.socket.clone();
+    let gen = std::thread::spawn(move || {
+        let mut c = Client::connect(&socket).unwrap();
+        c.generate(&Request::Generate {
+            session: s,
+            max_tokens: N,
+        })
+        .unwrap()
+    });
+    d.until_generated(s);
+    assert_eq!(
+        c.call(&Request::Cancel { session: s }).unwrap(),
+        Response::Cancelling
+    );
+    crate::util::assert_cancelled(&gen.join().unwrap());
+    let cut: Vec<Token> = d
+        .read_all(s)
+        .iter()
+        .filter_map(|e| match &e.body {
+            Record::Generated { span, .. } => Some(span.clone()),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    assert!(!cut.is_empty() && (cut.len() as u32) < N, "{}", cut.len());
+    let dir = d.sessions.join("park");
+    wait_for(&park::path(&dir, s));
+    assert_eq!(metric(&d, "superfluid_kv_parked_artifacts"), 1.0);
+    // The cells hold the turn and, past it, draws the cancel dropped that
+    // a step had already fed: the artifact holds them all.
+    let sealed = artifact_head(&d.sessions, s).tokens;
+    let turn = (0..sealed.len())
+        .rev()
+        .find(|&at| sealed[..at].ends_with(&cut))
+        .expect("the artifact holds the cut reply");
+    d.stop();
+
+    d.spawn_and_wait();
+    let (warm, rest, _) = generate(&mut d.client(), s, N - cut.len() as u32);
+    d.stop();
+    // All of it from the artifact but the last token, decoded again to
+    // draw from.
+    assert_eq!(warm + 1, turn as u64, "warm_prefix after a restart");
+
+    let mut uncut = park_daemon();
+    uncut.spawn_and_wait();
+    let mut c = uncut.client();
+    let u = created(
+        &mut c,
+        Request::Create {
+            parent: None,
+            params: params(1),
+        },
+    );
+    say(&mut c, u, &long_message(9));
+    let (_, whole, _) = generate(&mut c, u, N);
+    uncut.stop();
+    let mut resumed = cut;
+    resumed.extend(rest);
+    assert_eq!(
+        resumed, whole,
+        "the cancelled turn, continued after a restart"
+    );
+}

@@ -689,29 +689,50 @@ impl WorkerEngine {
         let Some(park) = &self.park else {
             return Ok(WorkerResponse::Done);
         };
-        if tokens.is_empty() || self.seqs.lens()[s] as usize != tokens.len() || !park.has_room() {
-            log::debug!("park of session {session} skipped (length, or the writer is busy)");
+        // The sequence may hold more than the turn: a step planned before
+        // the generation ended (a cancel) fed a draw after the request was
+        // queued. Its first `tokens.len()` positions are the turn's.
+        let held = self.seqs.lens()[s] as usize;
+        let longer = held > tokens.len();
+        if tokens.is_empty()
+            || held < tokens.len()
+            || (longer && self.scratch.is_none())
+            || !park.has_room()
+        {
+            log::debug!(
+                "park of session {session} skipped (the sequence holds {held} of {} positions, \
+                 or the writer is busy)",
+                tokens.len()
+            );
+            park.not_sealed(session);
             return Ok(WorkerResponse::Done);
         }
         let from = match park.plan(session, tokens) {
             super::park::SealPlan::From(from) if self.scratch.is_some() => Some(from),
             _ => None,
         };
-        let state = match from {
-            Some(from) => self.export_from(seq, from),
-            None => self.export(seq),
+        let end = u32::try_from(tokens.len()).ok().filter(|_| longer);
+        let state = match (from, end) {
+            (None, None) => self.export(seq),
+            (from, end) => self.export_range(seq, from.unwrap_or(0), end),
         };
         let Some(state) = state else {
             log::warn!("park of session {session}: llama.cpp did not export the sequence");
+            if let Some(park) = &self.park {
+                park.not_sealed(session);
+            }
             return Ok(WorkerResponse::Done);
         };
         let Some(park) = &self.park else {
             return Ok(WorkerResponse::Done);
         };
-        match from {
+        let sealed = match from {
             Some(from) => park.seal_from(session, tokens.to_vec(), from, state),
             None => park.seal(session, tokens.to_vec(), state),
         };
+        if !sealed {
+            park.not_sealed(session);
+        }
         Ok(WorkerResponse::Done)
     }
 
@@ -734,15 +755,16 @@ impl WorkerEngine {
         (n == size).then_some(state)
     }
 
-    /// The state of `seq`'s cells from position `from` on alone: copied
-    /// into the scratch sequence (which shares the cells, no data moves),
-    /// exported from there, and the scratch sequence cleared.
-    fn export_from(&mut self, seq: u32, from: u32) -> Option<Vec<u8>> {
+    /// The state of `seq`'s cells from position `from` up to `end` (None:
+    /// its last) alone: copied into the scratch sequence (which shares the
+    /// cells, no data moves), exported from there, and the scratch sequence
+    /// cleared.
+    fn export_range(&mut self, seq: u32, from: u32, end: Option<u32>) -> Option<Vec<u8>> {
         let scratch = self.scratch?;
         let _ = self.ctx.kv_cache_seq_rm(scratch as i32, None, None);
         let state = match self
             .ctx
-            .kv_cache_seq_cp(seq as i32, scratch as i32, Some(from), None)
+            .kv_cache_seq_cp(seq as i32, scratch as i32, Some(from), end)
         {
             Ok(()) => self.export(scratch),
             Err(_) => None,
