@@ -182,7 +182,7 @@ pub(crate) fn check_gguf(path: &Path) -> Result<(), EngineError> {
 /// refusal names the likeliest one found in the schema: a `$ref` that
 /// points at nothing in it.
 pub fn json_schema_grammar(schema: &str) -> Result<String, EngineError> {
-    llama_cpp_2::json_schema_to_grammar(schema).map_err(|e| {
+    let gbnf = llama_cpp_2::json_schema_to_grammar(schema).map_err(|e| {
         let dangling = serde_json::from_str::<serde_json::Value>(schema)
             .ok()
             .and_then(|v| crate::session::grammar::unresolved_ref(&v));
@@ -193,5 +193,9 @@ pub fn json_schema_grammar(schema: &str) -> Result<String, EngineError> {
                  reason: look at its $ref targets, patterns and numeric bounds)"
             ),
         })
-    })
+    })?;
+    // What llama.cpp's grammar code would take from it, refused here
+    // rather than in the worker's step.
+    crate::session::gbnf_cost::check(&gbnf).map_err(EngineError::SchemaToGrammar)?;
+    Ok(gbnf)
 }

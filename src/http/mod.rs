@@ -83,8 +83,10 @@ impl ConnSocket {
     }
 }
 
-/// Closes the connection after any 401 or 403: a client without the
-/// credential (or from a refused origin) does not keep a connection open.
+/// Closes the connection after any 401 or 403, and after any answer to a
+/// request without the credential (the health check, the page's files; a
+/// WebSocket upgrade excepted): a client without the credential (or from a
+/// refused origin) does not keep a connection open.
 fn close_when_denied<S, B>(
     req: actix_web::dev::ServiceRequest,
     srv: &S,
@@ -96,12 +98,20 @@ where
         Error = actix_web::Error,
     >,
 {
+    // A request without the credential (the health check, the page's
+    // files) is answered and its connection closed too: a keep-alive
+    // connection that never authenticates would otherwise hold one of the
+    // --max-connections slots for as long as it polls.
+    let anonymous = !req
+        .headers()
+        .contains_key(actix_web::http::header::AUTHORIZATION);
     let call = srv.call(req);
     async move {
         let mut res = call.await?;
         let status = res.status();
         if status == actix_web::http::StatusCode::UNAUTHORIZED
             || status == actix_web::http::StatusCode::FORBIDDEN
+            || (anonymous && status != actix_web::http::StatusCode::SWITCHING_PROTOCOLS)
         {
             res.response_mut()
                 .head_mut()

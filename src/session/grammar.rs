@@ -25,7 +25,7 @@ pub enum GrammarError {
     Convert(String),
     /// A tool's or an output format's schema breaks a limit
     /// (`schema_limits`): which.
-    #[error("the schema is too large for a grammar: {0}")]
+    #[error("the schema cannot become a grammar: {0}")]
     Limit(String),
     /// The converter has not run on this schema yet: the daemon converts it
     /// off the actor thread and plans again.

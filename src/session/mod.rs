@@ -19,6 +19,7 @@
 mod book;
 #[cfg(test)]
 pub(crate) mod fake_render;
+pub mod gbnf_cost;
 pub mod grammar;
 pub mod output;
 pub mod schema_limits;

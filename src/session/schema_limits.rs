@@ -42,6 +42,15 @@ const REPETITION_KEYS: [&str; 6] = [
     "maxProperties",
 ];
 
+/// Lower and upper bounds of one value: a schema whose lower bound is above
+/// its upper one allows nothing.
+const BOUND_PAIRS: [(&str, &str); 4] = [
+    ("minLength", "maxLength"),
+    ("minItems", "maxItems"),
+    ("minProperties", "maxProperties"),
+    ("minimum", "maximum"),
+];
+
 /// The first limit `tools` (each one tool's JSON) breaks, as a sentence
 /// naming it; None when all are within the caps. A tool that is not JSON
 /// is left to the template's own check.
@@ -136,6 +145,21 @@ fn walk(value: &Value, depth: usize, count: &mut Count) -> Option<String> {
                     }
                 }
             }
+            for (low, high) in BOUND_PAIRS {
+                let (Some(a), Some(b)) = (
+                    map.get(low).and_then(Value::as_f64),
+                    map.get(high).and_then(Value::as_f64),
+                ) else {
+                    continue;
+                };
+                // llama.cpp's parser would write `{a,b}` out until memory
+                // runs out (b - a wraps), or the grammar allows nothing.
+                if a > b {
+                    return Some(format!(
+                        "\"{low}\": {a} is more than \"{high}\": {b}; nothing can follow it"
+                    ));
+                }
+            }
             if let Some(Value::String(p)) = map.get("pattern") {
                 if p.len() > MAX_PATTERN_BYTES {
                     return Some(format!(
@@ -224,6 +248,21 @@ mod tests {
         assert!(why.contains("256 properties"), "{why}");
         let why = check_tools(&[tool(json!({"properties": {"a": {"minLength": 3000}}}))]).unwrap();
         assert!(why.contains("\"minLength\": 3000"), "{why}");
+        // A lower bound above the upper one: llama.cpp's parser wrote
+        // `{2,1}` out until the worker's memory ran out.
+        let why = check_schema(&json!({"type": "string", "minLength": 2, "maxLength": 1})).unwrap();
+        assert!(
+            why.contains("\"minLength\": 2 is more than \"maxLength\": 1"),
+            "{why}"
+        );
+        let why =
+            check_schema(&json!({"properties": {"n": {"minimum": 5, "maximum": 1}}})).unwrap();
+        assert!(why.contains("\"minimum\": 5"), "{why}");
+        assert_eq!(check_schema(&json!({"minItems": 2, "maxItems": 2})), None);
+        assert_eq!(
+            check_schema(&json!({"properties": {"minimum": {"type": "number"}, "maximum": {}}})),
+            None
+        );
         let why = check_tools(&[tool(json!({"pattern": "a{1,5000}"}))]).unwrap();
         assert!(why.contains("{5000}"), "{why}");
         let mut deep = json!({"type": "string"});

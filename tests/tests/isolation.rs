@@ -92,6 +92,80 @@ fn a_huge_tool_schema_is_refused_fast_and_others_generate() {
     assert!(last_finish(&replies).is_ok(), "{replies:?}");
 }
 
+/// Output schemas within every size cap that llama.cpp's grammar code
+/// would choke on are refused at SetOutputFormat, naming the cause, before
+/// the worker sees them (there each stalled the step of every sequence
+/// until the step timeout killed the worker): a lower bound above the upper
+/// one (its parser wrote `{2,1}` out until memory ran out), `anyOf` chains
+/// of a shared `$ref` (its left-recursion walk doubles a level), and a
+/// `pattern` of thousands of optional items in a row (its first stacks are
+/// searched linearly). A generation beside them goes on, and a session with
+/// an ordinary schema generates under it.
+#[test]
+fn output_schemas_that_would_stall_the_grammar_are_refused_and_others_generate() {
+    let d = TestDaemon::start();
+    let mut c = d.client();
+    let a = d.create(&mut c);
+    user(&mut c, a, "Count from one to a hundred.");
+    let gen = generate_in_thread(&d, a, 48);
+    let b = d.create(&mut c);
+    user(&mut c, b, "Give me a word.");
+    let mut defs = serde_json::Map::new();
+    for i in 0..30 {
+        let r = serde_json::json!({"$ref": format!("#/$defs/d{}", i + 1)});
+        defs.insert(
+            format!("d{i}"),
+            serde_json::json!({"anyOf": [r.clone(), r]}),
+        );
+    }
+    defs.insert("d30".into(), serde_json::json!({"type": "string"}));
+    let chain = serde_json::json!({"$defs": defs, "$ref": "#/$defs/d0"});
+    let optional = serde_json::json!({
+        "type": "string",
+        "pattern": format!("^{}$", "(a?){1000}".repeat(40)),
+    });
+    let cases = [
+        (
+            serde_json::json!({"type": "string", "minLength": 2, "maxLength": 1}),
+            "\"minLength\": 2 is more than \"maxLength\": 1",
+        ),
+        (chain, "paths"),
+        (optional, "ways to go on"),
+        (
+            serde_json::json!({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}),
+            "left-recursive",
+        ),
+    ];
+    for (schema, why) in cases {
+        let t = Instant::now();
+        let message = expect_err(
+            &mut c,
+            &Request::SetOutputFormat {
+                session: b,
+                schema: Some(schema.to_string()),
+            },
+        );
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        assert!(message.contains(why), "{why}: {message}");
+    }
+    commit(
+        &mut c,
+        Request::SetOutputFormat {
+            session: b,
+            schema: Some(r#"{"type":"string","maxLength":12}"#.into()),
+        },
+    );
+    let replies = c
+        .generate(&Request::Generate {
+            session: b,
+            max_tokens: 16,
+        })
+        .unwrap();
+    assert!(last_finish(&replies).is_ok(), "{replies:?}");
+    let replies = gen.join().unwrap();
+    assert!(last_finish(&replies).is_ok(), "{replies:?}");
+}
+
 /// A connection holds at most `MAX_SUBSCRIPTIONS_PER_CONNECTION` live
 /// subscriptions: one more is an Err (and another connection is not
 /// affected); an Unsubscribe makes room again.

@@ -855,11 +855,16 @@ fn web_ws_accepts_the_listeners_own_origin_and_serves_the_page() {
 
 /// Issue 15, item 7: a request without the credential is answered and its
 /// connection closed at once, though it asked to keep the connection alive
-/// (an authorised one keeps it).
+/// (an authorised one keeps it): refused ones, and the health check and
+/// page files, which need none (256 keep-alive connections polling
+/// /web/health held every --max-connections slot, and authorised requests
+/// waited).
 #[test]
 fn web_closes_an_unauthenticated_connection() {
     let (_d, web) = web_daemon(&[]);
     for (path, headers) in [
+        ("/web/health", vec![("Connection", "keep-alive")]),
+        ("/web/", vec![("Connection", "keep-alive")]),
         ("/v1/models", vec![("Connection", "keep-alive")]),
         (
             "/metrics",
@@ -873,7 +878,11 @@ fn web_closes_an_unauthenticated_connection() {
         s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
         send_request(&mut s, web.port, "GET", path, &headers, b"");
         let (status, head, rest) = read_head(&mut s);
-        assert!(status == 401 || status == 403, "{path}: {status}");
+        let open_route = path.starts_with("/web/");
+        assert!(
+            status == 401 || status == 403 || (open_route && status == 200),
+            "{path}: {status}"
+        );
         let len: usize = head
             .iter()
             .find(|(n, _)| n.eq_ignore_ascii_case("content-length"))

@@ -159,6 +159,10 @@ fn build_state(
     is_eog: impl Fn(u32) -> bool,
     seqs: &SeqTable,
 ) -> Result<SeqGrammar, RequestError> {
+    // Its cost to llama.cpp first: a grammar past it would stall the step
+    // for every sequence (session::gbnf_cost).
+    crate::session::gbnf_cost::check(gbnf)
+        .map_err(|reason| RequestError::GrammarParse { seq: s, reason })?;
     let build = || {
         LlamaSampler::grammar(model, gbnf, "root").map_err(|e| RequestError::GrammarParse {
             seq: s,

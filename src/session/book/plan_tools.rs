@@ -86,7 +86,7 @@ impl SessionBook {
             }
             if let Some(why) = check_schema(&value) {
                 return Err(SessionError::Invalid(format!(
-                    "the output schema is too large for a grammar: {why}"
+                    "the output schema cannot become a grammar: {why}"
                 )));
             }
         }
