@@ -182,20 +182,42 @@ pub(crate) fn check_gguf(path: &Path) -> Result<(), EngineError> {
 /// refusal names the likeliest one found in the schema: a `$ref` that
 /// points at nothing in it.
 pub fn json_schema_grammar(schema: &str) -> Result<String, EngineError> {
-    let gbnf = llama_cpp_2::json_schema_to_grammar(schema).map_err(|e| {
-        let dangling = serde_json::from_str::<serde_json::Value>(schema)
-            .ok()
-            .and_then(|v| crate::session::grammar::unresolved_ref(&v));
-        EngineError::SchemaToGrammar(match dangling {
-            Some(r) => format!("the schema's $ref {r:?} points at nothing in the schema"),
-            None => format!(
-                "llama.cpp's JSON-schema converter refused the schema ({e}; it gives no \
+    // Unanchored patterns anchored, so that the converter keeps them.
+    let anchored = serde_json::from_str::<serde_json::Value>(schema)
+        .ok()
+        .and_then(|mut v| crate::session::grammar::anchor_patterns(&mut v).then(|| v.to_string()));
+    let gbnf = llama_cpp_2::json_schema_to_grammar(anchored.as_deref().unwrap_or(schema)).map_err(
+        |e| {
+            let dangling = serde_json::from_str::<serde_json::Value>(schema)
+                .ok()
+                .and_then(|v| crate::session::grammar::unresolved_ref(&v));
+            EngineError::SchemaToGrammar(match dangling {
+                Some(r) => format!("the schema's $ref {r:?} points at nothing in the schema"),
+                None => format!(
+                    "llama.cpp's JSON-schema converter refused the schema ({e}; it gives no \
                  reason: look at its $ref targets, patterns and numeric bounds)"
-            ),
-        })
-    })?;
+                ),
+            })
+        },
+    )?;
     // What llama.cpp's grammar code would take from it, refused here
     // rather than in the worker's step.
     crate::session::gbnf_cost::check(&gbnf).map_err(EngineError::SchemaToGrammar)?;
     Ok(gbnf)
+}
+
+#[cfg(test)]
+mod tests {
+    /// An unanchored pattern is kept (anchored): its grammar is not any
+    /// string's, and what surrounds the match cannot be a quote.
+    #[test]
+    fn an_unanchored_pattern_still_shapes_the_grammar() {
+        let any = super::json_schema_grammar(r#"{"type":"string"}"#).unwrap();
+        let g = super::json_schema_grammar(r#"{"type":"string","pattern":"ab+c"}"#).unwrap();
+        assert_ne!(g, any);
+        assert!(
+            g.contains(r#""a""#) && g.contains(r#"[^"\\\x7F\x00-\x1F]"#),
+            "{g}"
+        );
+    }
 }

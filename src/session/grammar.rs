@@ -33,6 +33,73 @@ pub enum GrammarError {
     Pending,
 }
 
+/// Anchors each unanchored `pattern` of `schema` in place; whether one
+/// changed. A JSON Schema pattern matches anywhere in the string, and
+/// llama.cpp's converter takes only `^...$` ones: any other it replaced
+/// by "any string" (a warning nobody saw), so the reply ignored it. Here
+/// `abc` becomes `^F(?:abc)F$`, `^abc` `^(?:abc)F$`, `abc$` `^F(?:abc)$`,
+/// F any run of characters a JSON string holds as themselves: the same
+/// strings, but those that need an escape around the match. Values that
+/// are data, not schemas (`const`, `enum`, `default`, `examples`), are left
+/// as they are.
+pub fn anchor_patterns(schema: &mut Value) -> bool {
+    match schema {
+        Value::Object(map) => {
+            let mut changed = false;
+            for (key, v) in map.iter_mut() {
+                match (key.as_str(), v) {
+                    ("const" | "enum" | "default" | "examples", _) => {}
+                    ("pattern", Value::String(p)) => {
+                        if let Some(anchored) = anchored(p) {
+                            *p = anchored;
+                            changed = true;
+                        }
+                    }
+                    (_, v) => changed |= anchor_patterns(v),
+                }
+            }
+            changed
+        }
+        Value::Array(items) => items
+            .iter_mut()
+            .fold(false, |changed, v| anchor_patterns(v) | changed),
+        _ => false,
+    }
+}
+
+/// `pattern` anchored at both ends, if it is not.
+fn anchored(pattern: &str) -> Option<String> {
+    let start = pattern.starts_with('^');
+    // A `$` after an odd number of backslashes is a dollar sign.
+    let end = pattern.ends_with('$')
+        && pattern[..pattern.len() - 1]
+            .chars()
+            .rev()
+            .take_while(|&c| c == '\\')
+            .count()
+            % 2
+            == 0;
+    if start && end && pattern.len() >= 2 {
+        return None;
+    }
+    let inner = &pattern[usize::from(start)..pattern.len() - usize::from(end)];
+    if inner.is_empty() {
+        return Some(format!("^{ANY_CHAR}*$"));
+    }
+    Some(format!(
+        "^{}(?:{inner}){}$",
+        if start { "" } else { FILL },
+        if end { "" } else { FILL }
+    ))
+}
+
+/// A character of a JSON string written as itself (the converter's own
+/// `char`, less escapes): not `.`, which the converter lets be a `"` or a
+/// `\` and so ends the string early or breaks it.
+const ANY_CHAR: &str = r#"[^"\\\x7F\x00-\x1F]"#;
+/// Any run of them.
+const FILL: &str = r#"[^"\\\x7F\x00-\x1F]*"#;
+
 /// The first local `$ref` in `schema` ("#/definitions/x", a JSON pointer
 /// into the schema itself) that resolves to nothing, depth first; `"#"` is
 /// the root. Other refs are left to the converter.
@@ -199,6 +266,35 @@ pub fn json_format(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn unanchored_patterns_are_anchored_to_match_the_same_strings() {
+        let mut v = json!({"type": "object", "properties": {
+            "a": {"type": "string", "pattern": "abc"},
+            "b": {"type": "string", "pattern": "^abc"},
+            "c": {"type": "string", "pattern": "abc$"},
+            "d": {"type": "string", "pattern": "^abc$"},
+            "e": {"type": "string", "pattern": "cost \\$"},
+            "pattern": {"type": "string"},
+            "f": {"const": {"pattern": "x"}, "enum": [{"pattern": "y"}]}
+        }});
+        assert!(anchor_patterns(&mut v));
+        let p = |k: &str| v["properties"][k]["pattern"].as_str().unwrap().to_owned();
+        assert_eq!(p("a"), format!("^{FILL}(?:abc){FILL}$"));
+        assert_eq!(p("b"), format!("^(?:abc){FILL}$"));
+        assert_eq!(p("c"), format!("^{FILL}(?:abc)$"));
+        assert_eq!(p("d"), "^abc$");
+        assert_eq!(p("e"), format!("^{FILL}(?:cost \\$){FILL}$"));
+        assert_eq!(v["properties"]["pattern"], json!({"type": "string"}));
+        assert_eq!(v["properties"]["f"]["const"], json!({"pattern": "x"}));
+        assert_eq!(v["properties"]["f"]["enum"], json!([{"pattern": "y"}]));
+        let mut plain = json!({"type": "string", "pattern": "^[0-9]{5}$"});
+        assert!(!anchor_patterns(&mut plain));
+        // One character: `^` alone and `$` alone.
+        let mut v = json!({"pattern": "^"});
+        assert!(anchor_patterns(&mut v));
+        assert_eq!(v["pattern"], format!("^{ANY_CHAR}*$"));
+    }
 
     #[test]
     fn a_local_ref_to_nothing_is_found() {

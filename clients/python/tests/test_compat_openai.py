@@ -4,6 +4,7 @@ prefill, stop sequences, JSON schema output, completions, models, metrics,
 every error case, and a client that goes away mid-stream."""
 
 import json
+import re
 import threading
 import time
 
@@ -138,6 +139,18 @@ def test_json_schema_output_parses(daemon):
     assert isinstance(json.loads(r.choices[0].message.content), dict)
 
 
+def test_an_unanchored_pattern_is_followed(daemon):
+    """llama.cpp's converter took only ^...$ patterns and let any other be
+    any string, so the reply ignored it; now it is anchored (matching
+    anywhere, as JSON Schema says) and followed."""
+    c = oai(daemon)
+    # Anchored at its start only: the reply opens with a match (the model,
+    # asked for something else, would not write one by itself).
+    r = chat(c, "Name a river.", max_tokens=8, response_format={
+        "type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "string", "pattern": "^x-[0-9]"}}})
+    assert re.match(r'"x-[0-9]', r.choices[0].message.content), r.choices[0]
+
+
 def test_a_schema_past_the_limits_is_a_400_and_the_daemon_lives(daemon):
     """A 10,000-byte property name overflowed the stack of llama.cpp's schema
     converter and killed the daemon; a 1 MB description passed a route that
@@ -150,6 +163,10 @@ def test_a_schema_past_the_limits_is_a_400_and_the_daemon_lives(daemon):
         # The converter's refusal named nothing ("ffi error -3").
         ({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}},
          '$ref "#/$defs/missing" points at nothing'),
+        # llama.cpp's parser wrote {2,1} out until the worker's memory ran
+        # out; a rule that starts with itself it refused as a 503.
+        ({"type": "string", "minLength": 2, "maxLength": 1}, '"minLength": 2 is more than "maxLength": 1'),
+        ({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "left-recursive"),
     ]:
         with pytest.raises(openai.BadRequestError) as e:
             chat(c, "x", max_tokens=4, response_format={
