@@ -247,8 +247,15 @@ pub enum GenEvent {
     },
     /// It ended; `finish` is a `wire::finish` code (never OPEN).
     Finished { gen: GenId, finish: Finish },
-    /// The lane failed under it (a worker crash, a decode error).
-    Failed { gen: GenId, message: String },
+    /// The lane failed under it (a worker crash, a decode error), or, with
+    /// `own`, the worker refused its own item (its grammar does not parse,
+    /// dead-ends or costs too much; a draw it rejects): the request's
+    /// fault, not the lane's.
+    Failed {
+        gen: GenId,
+        message: String,
+        own: bool,
+    },
 }
 
 impl GenEvent {

@@ -121,6 +121,7 @@ impl SchedulerState {
                     events.push(GenEvent::Failed {
                         gen: *gen,
                         message: r.message.clone(),
+                        own: true,
                     });
                 }
                 continue;
@@ -299,6 +300,7 @@ impl SchedulerState {
             None => vec![GenEvent::Failed {
                 gen,
                 message: why.to_string(),
+                own: false,
             }],
         }
     }
@@ -556,6 +558,7 @@ impl SchedulerState {
                 events.push(GenEvent::Failed {
                     gen,
                     message: message.to_string(),
+                    own: false,
                 });
             }
         }

@@ -252,7 +252,8 @@ fn failure_fails_everything_and_forgets_the_kv() {
         events,
         vec![GenEvent::Failed {
             gen: a,
-            message: "worker crashed".into()
+            message: "worker crashed".into(),
+            own: false,
         }]
     );
     assert!(s.resident(0).is_empty());
@@ -287,7 +288,8 @@ fn a_refused_item_fails_only_its_generation() {
     assert!(
         events.contains(&GenEvent::Failed {
             gen: b,
-            message: "the grammar does not parse".into()
+            message: "the grammar does not parse".into(),
+            own: true,
         }),
         "{events:?}"
     );
@@ -343,7 +345,8 @@ fn a_step_the_dead_worker_never_got_runs_again() {
         events,
         vec![GenEvent::Failed {
             gen: b,
-            message: "gone".into()
+            message: "gone".into(),
+            own: false,
         }]
     );
     let events = run_to_end(&mut s);
@@ -358,7 +361,8 @@ fn a_step_the_dead_worker_never_got_runs_again() {
         events,
         vec![GenEvent::Failed {
             gen: d,
-            message: "died".into()
+            message: "died".into(),
+            own: false,
         }]
     );
 }
@@ -1178,7 +1182,7 @@ fn a_lane_reset_heard_while_a_step_is_in_flight_is_kept_until_it_answers() {
     assert!(!tokens_of(&events, gen).is_empty());
     assert!(
         events.iter().any(
-            |e| matches!(e, GenEvent::Failed { gen: g, message } if *g == gen && message == "the worker died")
+            |e| matches!(e, GenEvent::Failed { gen: g, message, own: false } if *g == gen && message == "the worker died")
         ),
         "{events:?}"
     );
@@ -1517,7 +1521,8 @@ fn a_waiter_runs_when_the_generation_it_waits_on_is_cancelled() {
         failed,
         vec![GenEvent::Failed {
             gen: a,
-            message: "boom".into()
+            message: "boom".into(),
+            own: false,
         }]
     );
     let c = s.admit(stateless(&prompt, 1)).unwrap();

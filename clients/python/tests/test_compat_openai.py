@@ -175,6 +175,19 @@ def test_a_schema_past_the_limits_is_a_400_and_the_daemon_lives(daemon):
     assert chat(c, "Still there?", max_tokens=3).usage.completion_tokens == 3
 
 
+def test_a_grammar_the_worker_refuses_is_a_400(daemon):
+    """A schema whose grammar allows no token (exclusive bounds that meet)
+    is refused by the worker at the first draw: the request's own fault, a
+    400 (it was a 503, which the SDKs retry twice to the same end)."""
+    c = oai(daemon)
+    schema = {"type": "integer", "exclusiveMinimum": 5, "exclusiveMaximum": 5}
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(c, "x", max_tokens=3, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert "allows no token" in str(e.value), str(e.value)
+    assert chat(c, "Still there?", max_tokens=3).usage.completion_tokens == 3
+
+
 def nested_alternatives(depth):
     """A 3 KB schema whose grammar's parse stacks double with every "[" the
     model writes: each level an array of one or of up to two of the next."""

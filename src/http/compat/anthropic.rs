@@ -562,7 +562,7 @@ pub async fn messages(
     }
     let c = drive::collect(out)
         .await
-        .map_err(|m| logged(&access, ApiError::new(F, Kind::Unavailable, m)))?;
+        .map_err(|f| logged(&access, f.api(F)))?;
     let mut content = Vec::new();
     if !c.reasoning.is_empty() {
         content.push(json!({"type": "thinking", "thinking": c.reasoning, "signature": ""}));
@@ -698,7 +698,7 @@ async fn stream_message(
                 events.push(sse(Some("message_stop"), &json!({"type": "message_stop"})));
                 access.generated = u64::from(generated);
             }
-            Out::Failed(message) => {
+            Out::Failed(message) | Out::Refused(message) => {
                 let e = ApiError::new(F, Kind::Unavailable, message);
                 events.push(sse(Some("error"), &e.body()));
                 for b in events.drain(..) {

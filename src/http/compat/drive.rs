@@ -73,6 +73,9 @@ pub enum Out {
         generated: u32,
     },
     Failed(String),
+    /// The worker refused the generation's own item (its grammar does not
+    /// parse, dead-ends or costs too much): the request's fault.
+    Refused(String),
 }
 
 /// One drawn token and its log-probabilities, with text.
@@ -123,6 +126,9 @@ pub enum DriveError {
     /// The lane failed it before it started (the worker is down).
     #[error("{0}")]
     Failed(String),
+    /// The worker refused its own item (its grammar): the request's fault.
+    #[error("{0}")]
+    Own(String),
 }
 
 /// Admits the generation and waits until it has a sequence.
@@ -154,6 +160,9 @@ pub async fn start(shared: &Shared, spec: Spec) -> Result<Run, DriveError> {
         .await?;
     let warm = match events.recv().await {
         Some(GenEvent::Started { warm_prefix, .. }) => warm_prefix,
+        Some(GenEvent::Failed {
+            message, own: true, ..
+        }) => return Err(DriveError::Own(message)),
         Some(GenEvent::Failed { message, .. }) => return Err(DriveError::Failed(message)),
         Some(_) | None => {
             return Err(DriveError::Failed(
@@ -273,6 +282,9 @@ impl Pump {
                         generated: self.generated,
                     }
                 }
+                GenEvent::Failed {
+                    message, own: true, ..
+                } => Out::Refused(message),
                 GenEvent::Failed { message, .. } => Out::Failed(message),
             };
             let _ = self.tx.send(ended).await;
@@ -372,7 +384,27 @@ pub struct Collected {
 }
 
 /// Reads a run to its end. `Err` with the lane's message when it failed.
-pub async fn collect(mut out: mpsc::Receiver<Out>) -> Result<Collected, String> {
+/// Why a generation gathered by [`collect`] did not end: the lane's
+/// failure, or (`own`) one of the request's own making.
+#[derive(Debug)]
+pub struct Failure {
+    pub message: String,
+    pub own: bool,
+}
+
+impl Failure {
+    /// The route's error: a 400 for the request's own fault, else a 503.
+    pub fn api(self, family: super::Family) -> super::ApiError {
+        let kind = if self.own {
+            super::Kind::Invalid
+        } else {
+            super::Kind::Unavailable
+        };
+        super::ApiError::new(family, kind, self.message)
+    }
+}
+
+pub async fn collect(mut out: mpsc::Receiver<Out>) -> Result<Collected, Failure> {
     let mut c = Collected::default();
     while let Some(o) = out.recv().await {
         match o {
@@ -388,10 +420,19 @@ pub async fn collect(mut out: mpsc::Receiver<Out>) -> Result<Collected, String> 
                 c.generated = generated;
                 return Ok(c);
             }
-            Out::Failed(message) => return Err(message),
+            Out::Failed(message) => {
+                return Err(Failure {
+                    message,
+                    own: false,
+                })
+            }
+            Out::Refused(message) => return Err(Failure { message, own: true }),
         }
     }
-    Err("the generation ended without a reason".into())
+    Err(Failure {
+        message: "the generation ended without a reason".into(),
+        own: false,
+    })
 }
 
 #[cfg(test)]

@@ -386,6 +386,7 @@ pub(crate) fn drive_error(family: Family, e: DriveError) -> ApiError {
             ApiError::new(family, Kind::Unavailable, e.to_string())
         }
         DriveError::Failed(message) => ApiError::new(family, Kind::Unavailable, message),
+        DriveError::Own(message) => ApiError::invalid(family, message),
     }
 }
 

@@ -17,7 +17,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use super::chat::{Call, Msg};
-use super::drive::{End, Out};
+use super::drive::{self, End, Out};
 use super::error::{ApiError, Family, Kind};
 use super::gguf::Identity;
 use super::images::Resolved;
@@ -747,7 +747,7 @@ async fn run(
             access.log(200);
             Ok(ok_with_warm(warm).json(v))
         }
-        Err(m) => Err(logged(&access, ApiError::new(F, Kind::Unavailable, m))),
+        Err(f) => Err(logged(&access, f.api(F))),
     }
 }
 
@@ -758,7 +758,7 @@ async fn whole(
     mut clock: Clock,
     warm: u64,
     access: &mut Access,
-) -> Result<Value, String> {
+) -> Result<Value, drive::Failure> {
     let (mut text, mut thinking, mut calls) = (String::new(), String::new(), Vec::new());
     while let Some(o) = out.recv().await {
         clock.first.get_or_insert_with(Instant::now);
@@ -780,10 +780,19 @@ async fn whole(
                 );
                 return Ok(v);
             }
-            Out::Failed(m) => return Err(m),
+            Out::Failed(message) => {
+                return Err(drive::Failure {
+                    message,
+                    own: false,
+                })
+            }
+            Out::Refused(message) => return Err(drive::Failure { message, own: true }),
         }
     }
-    Err("the generation ended without a reason".into())
+    Err(drive::Failure {
+        message: "the generation ended without a reason".into(),
+        own: false,
+    })
 }
 
 fn merge(v: &mut Value, more: Value) {
@@ -831,7 +840,7 @@ async fn stream(
                 access.log(200);
                 return;
             }
-            Out::Failed(message) => {
+            Out::Failed(message) | Out::Refused(message) => {
                 let _ = tx.send(ndjson(&json!({"error": message}))).await;
                 access.log(503);
                 return;

@@ -715,7 +715,7 @@ async fn reply(
     for (i, rx) in runs.into_iter().enumerate() {
         let c = drive::collect(rx)
             .await
-            .map_err(|m| logged(&access, ApiError::new(F, Kind::Unavailable, m)))?;
+            .map_err(|f| logged(&access, f.api(F)))?;
         generated += u64::from(c.generated);
         out.push(route.choice(i, &c, logprobs_asked));
     }
@@ -821,7 +821,7 @@ async fn stream_chat(
                 }
                 continue;
             }
-            Out::Failed(message) => {
+            Out::Failed(message) | Out::Refused(message) => {
                 failed = Some(message);
                 break;
             }
@@ -1065,7 +1065,7 @@ async fn stream_completion(
                 };
                 (String::new(), Value::String(r.into()))
             }
-            Out::Failed(message) => {
+            Out::Failed(message) | Out::Refused(message) => {
                 let e = ApiError::new(F, Kind::Unavailable, message);
                 let _ = tx.send(data(&e.body())).await;
                 access.log(503);

@@ -1429,7 +1429,7 @@ impl Source {
                     };
                     Step::Ended(Ending::of(finish))
                 }
-                Some(Out::Failed(message)) => Step::Ended(Ending {
+                Some(Out::Failed(message) | Out::Refused(message)) => Step::Ended(Ending {
                     status: "failed",
                     error: Some(message),
                     ..Ending::default()
