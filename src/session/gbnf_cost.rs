@@ -20,8 +20,10 @@
 
 use std::collections::HashMap;
 
-/// The most grammar elements once repetitions are written out.
-pub const MAX_ELEMENTS: usize = 200_000;
+/// The most grammar elements once repetitions are written out (256
+/// properties of `maxLength: 1000`, the schema caps' most, are about a
+/// million; 48 strings of that took llama.cpp 0.05 s to the first token).
+pub const MAX_ELEMENTS: usize = 2_000_000;
 /// The most steps of llama.cpp's left-recursion walk (about 10 ms there).
 pub const MAX_WALK: u64 = 2_000_000;
 /// The deepest nesting of rules (groups in groups, rules whose leftmost
@@ -31,6 +33,11 @@ pub const MAX_NESTING: usize = 1_000;
 /// The most parse stacks llama.cpp builds at once (before the first token,
 /// or after a character).
 pub const MAX_STACKS: usize = 20_000;
+/// The most ways a repetition of an item that can match nothing can stand
+/// after a character (`([a-z]{0,30}){0,30}`: any of 30 x 30 places at
+/// once; llama.cpp checks every vocabulary token against each). 100 took
+/// 35 ms a token on SmolLM2's 49,152 tokens, 200 about 1 s, 900 29 s.
+pub const MAX_AMBIGUITY: u64 = 128;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Sym {
@@ -46,6 +53,9 @@ struct Grammar {
     rules: Vec<Vec<Alt>>,
     names: HashMap<String, usize>,
     elements: usize,
+    /// Each repetition's outermost optional rule: (the item repeated, its
+    /// optional copies).
+    chains: HashMap<usize, (Alt, u64)>,
 }
 
 impl Grammar {
@@ -88,7 +98,8 @@ pub fn check(gbnf: &str) -> Result<(), String> {
         return Ok(());
     };
     walk_cost(&g.rules)?;
-    fanout_cost(&g.rules, root)
+    fanout_cost(&g.rules, root)?;
+    ambiguity_cost(&g)
 }
 
 /// Parses as llama.cpp's `llama_grammar_parser` does; None on a syntax it
@@ -98,6 +109,7 @@ fn parse(src: &str) -> Result<Option<Grammar>, String> {
         rules: Vec::new(),
         names: HashMap::new(),
         elements: 0,
+        chains: HashMap::new(),
     };
     let b = src.as_bytes();
     let mut p = Parser { b, i: 0, depth: 0 };
@@ -409,7 +421,119 @@ fn repeat(
         let rule = g.synthetic(vec![alt, Vec::new()])?;
         prev = Some(rule);
     }
+    if let Some(top) = prev {
+        g.chains.insert(top, (item, optional));
+    }
     seq.extend(prev.map(Sym::Ref));
+    Ok(())
+}
+
+/// How many ways the grammar can stand at once after a character because
+/// a repetition's item can match nothing: each copy may hold the next
+/// character, so every (copy, place within it) is live, and nested ones
+/// multiply. Per rule (memoised; a repetition read from its item, not its
+/// nested optional rules): whether it can match nothing, how many places it
+/// has, and that count of ways.
+fn ambiguity_cost(g: &Grammar) -> Result<(), String> {
+    #[derive(Clone, Copy)]
+    struct Of {
+        empty: bool,
+        places: u64,
+        ways: u64,
+    }
+    const CAP: u64 = 1 << 40;
+    struct Eval<'a> {
+        g: &'a Grammar,
+        memo: Vec<Option<Of>>,
+        in_progress: Vec<bool>,
+    }
+    impl Eval<'_> {
+        fn seq(&mut self, alt: &[Sym], depth: usize) -> Result<Of, String> {
+            let mut of = Of {
+                empty: true,
+                places: 0,
+                ways: 1,
+            };
+            for sym in alt {
+                let s = match *sym {
+                    Sym::Term => Of {
+                        empty: false,
+                        places: 1,
+                        ways: 1,
+                    },
+                    Sym::Ref(j) => self.rule(j, depth + 1)?,
+                };
+                of.empty &= s.empty;
+                of.places = of.places.saturating_add(s.places).min(CAP);
+                of.ways = of.ways.saturating_mul(s.ways).min(CAP);
+            }
+            Ok(of)
+        }
+
+        fn rule(&mut self, r: usize, depth: usize) -> Result<Of, String> {
+            if let Some(of) = self.memo[r] {
+                return Ok(of);
+            }
+            if self.in_progress[r] {
+                // A recursive rule (a value holding values): counted once.
+                return Ok(Of {
+                    empty: false,
+                    places: 1,
+                    ways: 1,
+                });
+            }
+            if depth >= MAX_NESTING {
+                return Err(too_deep());
+            }
+            self.in_progress[r] = true;
+            let g = self.g;
+            let of = if let Some((item, copies)) = g.chains.get(&r) {
+                let i = self.seq(item, depth)?;
+                let own = if i.empty {
+                    copies.saturating_mul(i.places.max(1))
+                } else {
+                    1
+                };
+                Of {
+                    empty: true,
+                    places: copies.saturating_mul(i.places).min(CAP),
+                    ways: own.saturating_mul(i.ways).min(CAP),
+                }
+            } else {
+                let mut of = Of {
+                    empty: false,
+                    places: 0,
+                    ways: 1,
+                };
+                for alt in &g.rules[r] {
+                    let a = self.seq(alt, depth)?;
+                    of.empty |= a.empty;
+                    of.places = of.places.saturating_add(a.places).min(CAP);
+                    of.ways = of.ways.max(a.ways);
+                }
+                of
+            };
+            self.in_progress[r] = false;
+            self.memo[r] = Some(of);
+            Ok(of)
+        }
+    }
+    let mut e = Eval {
+        g,
+        memo: vec![None; g.rules.len()],
+        in_progress: vec![false; g.rules.len()],
+    };
+    for r in 0..g.rules.len() {
+        let of = e.rule(r, 0)?;
+        if of.ways > MAX_AMBIGUITY {
+            return Err(format!(
+                "the grammar repeats an item that can match nothing, {} ways at once after a \
+                 character (in a pattern, a repetition of something optional, such as \
+                 ([a-z]{{0,30}}){{0,30}}), over the limit of {MAX_AMBIGUITY}",
+                of.ways
+            ));
+        }
+    }
     Ok(())
 }
 
@@ -664,8 +788,33 @@ space ::= | " " | "\n"{1,2} [ \t]{0,20}
     }
 
     #[test]
+    fn repetitions_of_what_can_match_nothing_are_refused_past_the_ways() {
+        // The converter's form of `^([a-z ]{0,30}){0,30}$` and friends.
+        let g = |body: &str| format!("root ::= \"\\\"\" ({body}) \"\\\"\"\n");
+        for refused in [
+            "([a-z ]{0,30}){0,30}",
+            "(([a-z ]{0,10}){0,10}){0,10}",
+            "([a-z ]* \",\"?){0,100}",
+        ] {
+            let e = check(&g(refused)).unwrap_err();
+            assert!(e.contains("can match nothing"), "{refused}: {e}");
+        }
+        for ok in [
+            "([a-z ]{0,10}){0,10}",
+            "[a-z ]{0,1000} [0-9]{0,1000}",
+            "(\",\" [a-z]+){0,1000}",
+        ] {
+            assert_eq!(check(&g(ok)), Ok(()), "{ok}");
+        }
+    }
+
+    #[test]
     fn written_out_repetitions_are_capped() {
-        let e = check(&format!("root ::= {}\n", "[a]{1000} ".repeat(250))).unwrap_err();
+        assert_eq!(
+            check(&format!("root ::= {}\n", "[a]{0,1000} ".repeat(250))),
+            Ok(())
+        );
+        let e = check(&format!("root ::= {}\n", "[a]{1000} ".repeat(2500))).unwrap_err();
         assert!(e.contains("elements"), "{e}");
         // A repeated group is one rule referred to: a million matches, few
         // elements.

@@ -50,8 +50,10 @@ pub fn anchor_patterns(schema: &mut Value) -> bool {
                 match (key.as_str(), v) {
                     ("const" | "enum" | "default" | "examples", _) => {}
                     ("pattern", Value::String(p)) => {
-                        if let Some(anchored) = anchored(p) {
-                            *p = anchored;
+                        let safe = json_safe(p);
+                        let new = anchored(&safe).unwrap_or(safe);
+                        if new != *p {
+                            *p = new;
                             changed = true;
                         }
                     }
@@ -65,6 +67,46 @@ pub fn anchor_patterns(schema: &mut Value) -> bool {
             .fold(false, |changed, v| anchor_patterns(v) | changed),
         _ => false,
     }
+}
+
+/// `pattern` with what it lets be any character kept to characters a
+/// JSON string holds as themselves: llama.cpp's converter applies a
+/// pattern to the string as written, so `.` or `[^@]` let the model write
+/// a bare `"` (ending the string early) or a lone `\`. `.` outside a class
+/// becomes [`ANY_CHAR`], and a negated class excludes those characters too.
+/// A character the pattern names itself (`\\`, `"` in a class) is left as
+/// it is.
+fn json_safe(pattern: &str) -> String {
+    const EXCLUDED: &str = r#""\\\x7F\x00-\x1F"#;
+    let mut out = String::with_capacity(pattern.len());
+    let mut chars = pattern.chars().peekable();
+    let mut in_class = false;
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => {
+                out.push(c);
+                if let Some(next) = chars.next() {
+                    out.push(next);
+                }
+            }
+            '[' if !in_class => {
+                in_class = true;
+                out.push(c);
+                if chars.peek() == Some(&'^') {
+                    chars.next();
+                    out.push('^');
+                    out.push_str(EXCLUDED);
+                }
+            }
+            ']' if in_class => {
+                in_class = false;
+                out.push(c);
+            }
+            '.' if !in_class => out.push_str(ANY_CHAR),
+            _ => out.push(c),
+        }
+    }
+    out
 }
 
 /// `pattern` anchored at both ends, if it is not.
@@ -290,6 +332,14 @@ mod tests {
         assert_eq!(v["properties"]["f"]["enum"], json!([{"pattern": "y"}]));
         let mut plain = json!({"type": "string", "pattern": "^[0-9]{5}$"});
         assert!(!anchor_patterns(&mut plain));
+        // What a pattern lets be any character is kept off `"`, `\\` and
+        // control characters, which would end or break the JSON string.
+        let mut v = json!({"pattern": "^She.*[^@]+\\.x[.]$"});
+        assert!(anchor_patterns(&mut v));
+        assert_eq!(
+            v["pattern"],
+            format!("^She{ANY_CHAR}*[^\"\\\\\\x7F\\x00-\\x1F@]+\\.x[.]$")
+        );
         // One character: `^` alone and `$` alone.
         let mut v = json!({"pattern": "^"});
         assert!(anchor_patterns(&mut v));

@@ -42,6 +42,9 @@ const REPETITION_KEYS: [&str; 6] = [
     "maxProperties",
 ];
 
+/// Keys whose values are data, not schemas.
+const DATA_KEYS: [&str; 4] = ["const", "enum", "default", "examples"];
+
 /// Lower and upper bounds of one value: a schema whose lower bound is above
 /// its upper one allows nothing.
 const BOUND_PAIRS: [(&str, &str); 4] = [
@@ -90,7 +93,7 @@ pub fn check_tools(tools: &[String]) -> Option<String> {
 /// as much as a tool).
 pub fn check_schema(value: &Value) -> Option<String> {
     let mut count = Count::default();
-    if let Some(why) = walk(value, 1, &mut count) {
+    if let Some(why) = walk(value, 1, &mut count, false) {
         return Some(why);
     }
     let bytes = value.to_string().len();
@@ -104,7 +107,9 @@ struct Count {
     properties: usize,
 }
 
-fn walk(value: &Value, depth: usize, count: &mut Count) -> Option<String> {
+/// `data`: inside a value that is data, not a schema (`const`, `enum`,
+/// `default`, `examples`): counted, but its keys bound nothing.
+fn walk(value: &Value, depth: usize, count: &mut Count, data: bool) -> Option<String> {
     count.nodes += 1;
     if count.nodes > MAX_SCHEMA_NODES {
         return Some(format!(
@@ -136,8 +141,8 @@ fn walk(value: &Value, depth: usize, count: &mut Count) -> Option<String> {
                     return Some(format!("more than {MAX_PROPERTIES} properties, the limit"));
                 }
             }
-            for key in REPETITION_KEYS {
-                if let Some(n) = map.get(key).and_then(Value::as_f64) {
+            for key in REPETITION_KEYS.iter().filter(|_| !data) {
+                if let Some(n) = map.get(*key).and_then(Value::as_f64) {
                     if n > MAX_REPETITION as f64 {
                         return Some(format!(
                             "\"{key}\": {n} is over the limit of {MAX_REPETITION} for a repetition bound"
@@ -145,10 +150,10 @@ fn walk(value: &Value, depth: usize, count: &mut Count) -> Option<String> {
                     }
                 }
             }
-            for (low, high) in BOUND_PAIRS {
+            for (low, high) in BOUND_PAIRS.iter().filter(|_| !data) {
                 let (Some(a), Some(b)) = (
-                    map.get(low).and_then(Value::as_f64),
-                    map.get(high).and_then(Value::as_f64),
+                    map.get(*low).and_then(Value::as_f64),
+                    map.get(*high).and_then(Value::as_f64),
                 ) else {
                     continue;
                 };
@@ -160,7 +165,7 @@ fn walk(value: &Value, depth: usize, count: &mut Count) -> Option<String> {
                     ));
                 }
             }
-            if let Some(Value::String(p)) = map.get("pattern") {
+            if let Some(Value::String(p)) = map.get("pattern").filter(|_| !data) {
                 if p.len() > MAX_PATTERN_BYTES {
                     return Some(format!(
                         "a \"pattern\" of {} bytes, over the limit of {MAX_PATTERN_BYTES} bytes",
@@ -173,9 +178,12 @@ fn walk(value: &Value, depth: usize, count: &mut Count) -> Option<String> {
                     ));
                 }
             }
-            map.values().find_map(|v| walk(v, depth + 1, count))
+            map.iter().find_map(|(k, v)| {
+                let data = data || DATA_KEYS.contains(&k.as_str());
+                walk(v, depth + 1, count, data)
+            })
         }
-        Value::Array(items) => items.iter().find_map(|v| walk(v, depth + 1, count)),
+        Value::Array(items) => items.iter().find_map(|v| walk(v, depth + 1, count, data)),
         _ => None,
     }
 }
@@ -259,6 +267,12 @@ mod tests {
             check_schema(&json!({"properties": {"n": {"minimum": 5, "maximum": 1}}})).unwrap();
         assert!(why.contains("\"minimum\": 5"), "{why}");
         assert_eq!(check_schema(&json!({"minItems": 2, "maxItems": 2})), None);
+        // Data, not a schema: its keys bound nothing.
+        assert_eq!(
+            check_schema(&json!({"default": {"minimum": 10, "maximum": 0},
+                "examples": [{"minLength": 3000}], "const": {"minItems": 3, "maxItems": 1}})),
+            None
+        );
         assert_eq!(
             check_schema(&json!({"properties": {"minimum": {"type": "number"}, "maximum": {}}})),
             None
