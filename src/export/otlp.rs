@@ -146,8 +146,12 @@ impl Messages {
             if let (true, Some(a), Some(b)) =
                 (joinable, last["content"].as_str(), part["content"].as_str())
             {
+                // Redacted again joined: a secret split across two events
+                // (chunks of a reply, two appends) is whole only here.
                 let joined = format!("{a}{b}");
-                last["content"] = Value::String(joined);
+                let (out, n) = redact(&joined);
+                self.redactions += n;
+                last["content"] = Value::String(out.into_owned());
                 return;
             }
         }
@@ -288,6 +292,9 @@ pub fn request(export: &SessionExport, opts: &ExportOptions) -> (Value, usize) {
     let mut context_tokens = 0u64;
     let mut done = 0usize; // events folded into `context_tokens` / `input`
     let mut input = Messages::default();
+    // Secrets replaced in the input as last written (the input after the
+    // last generation is written nowhere).
+    let mut input_written = 0;
     let advance = |to: usize,
                    params: &mut Option<Params>,
                    input: &mut Messages,
@@ -367,6 +374,7 @@ pub fn request(export: &SessionExport, opts: &ExportOptions) -> (Value, usize) {
         }
         if opts.include_content {
             attrs.push(kv("gen_ai.input.messages", s(input.to_json(None))));
+            input_written = input.redactions;
             let mut output = Messages::default();
             for e in outputs {
                 output.add(e);
@@ -393,14 +401,7 @@ pub fn request(export: &SessionExport, opts: &ExportOptions) -> (Value, usize) {
         }
         spans.push(span);
     }
-    advance(
-        events.len(),
-        &mut params,
-        &mut input,
-        &mut context_tokens,
-        &mut done,
-    );
-    redactions += input.redactions;
+    redactions += input_written;
     let body = json!({
         "resourceSpans": [{
             "resource": {"attributes": [
@@ -610,6 +611,43 @@ mod tests {
             attr(a, "gen_ai.input.messages").is_none(),
             "no content without the flag"
         );
+    }
+
+    /// A secret split across two events (two appends, two chunks of a
+    /// reply) is whole only once they are joined: it is redacted there.
+    /// Content after the last generation is written nowhere, and its
+    /// secrets are not counted.
+    #[test]
+    fn a_secret_split_across_events_is_redacted_and_only_what_is_written_counted() {
+        let opts = ExportOptions {
+            include_content: true,
+            model: None,
+        };
+        let mut x = session();
+        let appended = |id, text: &str| {
+            ev(
+                id,
+                Record::Appended {
+                    span: vec![1; 3],
+                    text: text.into(),
+                },
+            )
+        };
+        x.events = vec![
+            x.events[0].clone(),
+            appended(1, "use ghp_abcdefghijklmnopqr"),
+            appended(2, "stuvwxyz0123456789 please"),
+            ev(3, Record::GenerationPrompt { span: vec![2; 3] }),
+            ev(4, gen_("AKIAIOSFOD", Finish::Open, 4)),
+            ev(5, gen_("NN7EXAMPLE ok", Finish::EndOfTurn, 2)),
+            appended(6, "never exported AKIAIOSFODNN7EXAMPLE"),
+        ];
+        x.inherited_from = vec![None; x.events.len()];
+        let (body, n) = request(&x, &opts);
+        let text = body.to_string();
+        assert!(!text.contains("stuvwxyz0123456789"), "{text}");
+        assert!(!text.contains("NN7EXAMPLE"), "{text}");
+        assert_eq!(n, 2, "{text}");
     }
 
     #[test]
