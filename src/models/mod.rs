@@ -198,17 +198,38 @@ fn is_mmproj(f: &str) -> bool {
 /// looks like one (`Q4_K_M`, `UD-Q4_K_XL`, `F16`, `IQ2_XXS`, `BF16`...).
 pub fn quant_of(file: &str) -> Option<String> {
     let base = file.rsplit('/').next().unwrap_or(file);
-    let stem = &base[..base.len().saturating_sub(5)];
-    let (stem, _) = split_stem(stem);
-    let last = stem.rsplit(['-', '.']).next()?;
-    let up = last.to_ascii_uppercase();
-    let quantish = up.starts_with('Q')
+    quant_of_name(base).or_else(|| {
+        // A folder named for the quant holds its files (`Q8_0/model-00001-
+        // of-00002.gguf`), as `matches_quant` takes them.
+        file.rsplit('/').skip(1).find_map(|folder| {
+            let up = folder.to_ascii_uppercase();
+            let (ud, q) = match up.strip_prefix("UD-") {
+                Some(q) => (true, q),
+                None => (false, up.as_str()),
+            };
+            quantish(q).then(|| if ud { format!("UD-{q}") } else { q.to_owned() })
+        })
+    })
+}
+
+/// Whether `up` (upper case) reads as a quant's name.
+fn quantish(up: &str) -> bool {
+    (up.starts_with('Q')
         || up.starts_with("IQ")
         || up == "F16"
         || up == "BF16"
         || up == "F32"
-        || up.starts_with("TQ");
-    if !quantish || !up.chars().any(|c| c.is_ascii_digit()) {
+        || up.starts_with("TQ"))
+        && up.chars().any(|c| c.is_ascii_digit())
+}
+
+/// [`quant_of`] from a file's own name.
+fn quant_of_name(base: &str) -> Option<String> {
+    let stem = &base[..base.len().saturating_sub(5)];
+    let (stem, _) = split_stem(stem);
+    let last = stem.rsplit(['-', '.']).next()?;
+    let up = last.to_ascii_uppercase();
+    if !quantish(&up) {
         return None;
     }
     // Unsloth's dynamic quants: UD-Q4_K_XL.
@@ -486,6 +507,16 @@ mod tests {
             quant_of("Big-Q8_0-00001-of-00003.gguf").as_deref(),
             Some("Q8_0")
         );
+        // A folder named for the quant, the file's own name plain.
+        assert_eq!(
+            quant_of("Q8_0/model-00001-of-00002.gguf").as_deref(),
+            Some("Q8_0")
+        );
+        assert_eq!(
+            quant_of("UD-Q4_K_XL/model-00001-of-00002.gguf").as_deref(),
+            Some("UD-Q4_K_XL")
+        );
+        assert_eq!(quant_of("docs/model.gguf"), None);
     }
 
     #[test]
