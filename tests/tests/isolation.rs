@@ -46,16 +46,28 @@ fn last_finish(replies: &[Response]) -> Result<Finish, String> {
     }
 }
 
-/// Item 1: a 5,000-property schema (about 60 KB) is refused at AppendSystem,
-/// fast and naming the limit, while another client's generation goes on.
-#[test]
-fn a_huge_tool_schema_is_refused_fast_and_others_generate() {
+/// A daemon, a client, a session generating 48 tokens on a connection of
+/// its own (its thread), and a second session, idle.
+fn beside_a_generation() -> (
+    TestDaemon,
+    Client,
+    std::thread::JoinHandle<Vec<Response>>,
+    u64,
+) {
     let d = TestDaemon::start();
     let mut c = d.client();
     let a = d.create(&mut c);
     user(&mut c, a, "Count from one to a hundred.");
     let gen = generate_in_thread(&d, a, 48);
     let b = d.create(&mut c);
+    (d, c, gen, b)
+}
+
+/// Item 1: a 5,000-property schema (about 60 KB) is refused at AppendSystem,
+/// fast and naming the limit, while another client's generation goes on.
+#[test]
+fn a_huge_tool_schema_is_refused_fast_and_others_generate() {
+    let (_d, mut c, gen, b) = beside_a_generation();
     let props: Vec<String> = (0..5000)
         .map(|i| format!(r#""p{i}":{{"type":"string"}}"#))
         .collect();
@@ -103,12 +115,7 @@ fn a_huge_tool_schema_is_refused_fast_and_others_generate() {
 /// an ordinary schema generates under it.
 #[test]
 fn output_schemas_that_would_stall_the_grammar_are_refused_and_others_generate() {
-    let d = TestDaemon::start();
-    let mut c = d.client();
-    let a = d.create(&mut c);
-    user(&mut c, a, "Count from one to a hundred.");
-    let gen = generate_in_thread(&d, a, 48);
-    let b = d.create(&mut c);
+    let (_d, mut c, gen, b) = beside_a_generation();
     user(&mut c, b, "Give me a word.");
     let mut defs = serde_json::Map::new();
     for i in 0..30 {

@@ -1065,13 +1065,7 @@ fn a_cancelled_turn_is_parked_and_resumes_warm_after_a_restart() {
     let mut d = park_daemon();
     d.spawn_and_wait();
     let mut c = d.client();
-    let s = created(
-        &mut c,
-        Request::Create {
-            parent: None,
-            params: params(1),
-        },
-    );
+    let s = d.create(&mut c);
     say(&mut c, s, &long_message(9));
     let socket = d.socket.clone();
     let gen = std::thread::spawn(move || {
@@ -1120,13 +1114,7 @@ fn a_cancelled_turn_is_parked_and_resumes_warm_after_a_restart() {
     let mut uncut = park_daemon();
     uncut.spawn_and_wait();
     let mut c = uncut.client();
-    let u = created(
-        &mut c,
-        Request::Create {
-            parent: None,
-            params: params(1),
-        },
-    );
+    let u = uncut.create(&mut c);
     say(&mut c, u, &long_message(9));
     let (_, whole, _) = generate(&mut c, u, N);
     uncut.stop();
