@@ -54,6 +54,17 @@ pub enum RefError {
         count: usize,
         files: String,
     },
+    #[error(
+        "{reference}: {first} is part of a model split in {of} files, and {have} of them are \
+         there (missing: {missing})"
+    )]
+    IncompleteSplit {
+        reference: String,
+        first: String,
+        of: u32,
+        have: usize,
+        missing: String,
+    },
 }
 
 /// A name of the hub: letters, digits, `-`, `_`, `.`; not `.` or `..`.
@@ -348,6 +359,7 @@ pub fn choose(reference: &str, listing: &[String], pick: &Pick) -> Result<Chosen
     }
     let mut model = sets.into_iter().next().unwrap_or_default();
     model.sort();
+    let model = whole_split(reference, listing, model)?;
     let mut projectors: Vec<&String> = listing.iter().filter(|f| is_mmproj(f)).collect();
     // F16 projectors first (the common one), then by name.
     projectors.sort_by_key(|f| (!f.to_ascii_lowercase().contains("f16"), f.to_string()));
@@ -355,6 +367,49 @@ pub fn choose(reference: &str, listing: &[String], pick: &Pick) -> Result<Chosen
         model,
         mmproj: projectors.first().map(|s| s.to_string()),
     })
+}
+
+/// `model` (one file, or parts of one split set) with every part of its set:
+/// a split model is fetched whole, so a part named alone brings the others,
+/// and a set with a part missing (a cache holding part 1 of 2) is refused
+/// rather than handed to llama.cpp.
+fn whole_split(
+    reference: &str,
+    listing: &[String],
+    model: Vec<String>,
+) -> Result<Vec<String>, RefError> {
+    let Some(first) = model.first() else {
+        return Ok(model);
+    };
+    let end = first.len().saturating_sub(5);
+    let (stem, split) = split_stem(&first[..end]);
+    // "-NNNNN-of-NNNNN": the count is the last five digits.
+    let of = first[..end]
+        .get(end.saturating_sub(5)..)
+        .and_then(|n| n.parse::<u32>().ok());
+    let (true, Some(of)) = (split, of) else {
+        return Ok(model);
+    };
+    let name = |k: u32| format!("{stem}-{k:05}-of-{of:05}{}", &first[end..]);
+    let mut parts = Vec::new();
+    let mut missing = Vec::new();
+    for k in 1..=of {
+        let want = name(k);
+        match listing.iter().find(|f| f.eq_ignore_ascii_case(&want)) {
+            Some(f) => parts.push(f.clone()),
+            None => missing.push(want),
+        }
+    }
+    if !missing.is_empty() {
+        return Err(RefError::IncompleteSplit {
+            reference: reference.to_owned(),
+            first: first.clone(),
+            of,
+            have: parts.len(),
+            missing: missing.join(", "),
+        });
+    }
+    Ok(parts)
 }
 
 /// Files grouped by model: split parts of one set together.
@@ -506,6 +561,17 @@ mod tests {
         assert_eq!(
             quant_of("Big-Q8_0-00001-of-00003.gguf").as_deref(),
             Some("Q8_0")
+        );
+        // A split set is taken whole: a part named alone brings the others,
+        // and a set missing a part is refused (a cache holding part 1 of 2).
+        let c = choose("r", &l, &Pick::File("Big-Q8_0-00002-of-00003.gguf".into())).unwrap();
+        assert_eq!(c.model.len(), 3);
+        let partial = listing(&["Q8_0/model-00001-of-00002.gguf"]);
+        let e = choose("r", &partial, &Pick::Quant("Q8_0".into())).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("1 of them are there (missing: Q8_0/model-00002-of-00002.gguf)"),
+            "{e}"
         );
         // A folder named for the quant, the file's own name plain.
         assert_eq!(
