@@ -769,6 +769,14 @@ struct WriterConfig {
 /// Sessions whose artifact the budget deleted, not told to the daemon yet.
 type Deleted = std::sync::Arc<std::sync::Mutex<Vec<u64>>>;
 
+/// Adds `session` to what the daemon is told its index no longer has.
+fn tell_deleted(deleted: &Deleted, session: u64) {
+    let mut d = deleted.lock().unwrap_or_else(|e| e.into_inner());
+    if !d.contains(&session) {
+        d.push(session);
+    }
+}
+
 fn writer(
     rx: std::sync::mpsc::Receiver<Job>,
     w: WriterConfig,
@@ -880,10 +888,7 @@ fn writer(
         // of the session on its way tells its own outcome).
         if mine && !matches!(result, Ok(Some(_))) {
             c.remove(&session);
-            let mut d = deleted.lock().unwrap_or_else(|e| e.into_inner());
-            if !d.contains(&session) {
-                d.push(session);
-            }
+            tell_deleted(&deleted, session);
         }
         drop(c);
         queued.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
@@ -893,10 +898,7 @@ fn writer(
             // index forgets the artifact (told with the next decode).
             if let Some(session) = owner_of(&p) {
                 lock(&chains).remove(&session);
-                let mut d = deleted.lock().unwrap_or_else(|e| e.into_inner());
-                if !d.contains(&session) {
-                    d.push(session);
-                }
+                tell_deleted(&deleted, session);
             }
         }
     }
@@ -969,10 +971,7 @@ impl Parker {
     /// A park of `session` that was not handed to the writer: the daemon,
     /// which counted on it, forgets the artifact (told with the deleted).
     pub fn not_sealed(&self, session: u64) {
-        let mut d = self.deleted.lock().unwrap_or_else(|e| e.into_inner());
-        if !d.contains(&session) {
-            d.push(session);
-        }
+        tell_deleted(&self.deleted, session);
     }
 
     /// Sessions whose artifact the park budget deleted, or whose park was

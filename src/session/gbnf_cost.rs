@@ -78,10 +78,7 @@ impl Grammar {
     fn count(&mut self, alts: &[Alt]) -> Result<(), String> {
         self.elements += alts.iter().map(|a| a.len() + 1).sum::<usize>();
         if self.elements > MAX_ELEMENTS {
-            return Err(format!(
-                "the grammar has more than {MAX_ELEMENTS} elements once its repetitions are \
-                 written out, the limit"
-            ));
+            return Err(too_many_elements());
         }
         Ok(())
     }
@@ -139,6 +136,19 @@ struct Parser<'a> {
     b: &'a [u8],
     i: usize,
     depth: usize,
+}
+
+fn too_many_elements() -> String {
+    format!(
+        "the grammar has more than {MAX_ELEMENTS} elements once its repetitions are written \
+         out, the limit"
+    )
+}
+
+fn left_recursive() -> String {
+    "the grammar is left-recursive: a rule can start with itself (a $ref that refers back to \
+     itself before any text)"
+        .to_owned()
 }
 
 fn too_deep() -> String {
@@ -384,10 +394,7 @@ fn repeat(
     let item: Alt = seq[last..].to_vec();
     let copies = usize::try_from(min).unwrap_or(usize::MAX);
     if copies.saturating_mul(item.len()) > MAX_ELEMENTS {
-        return Err(format!(
-            "the grammar has more than {MAX_ELEMENTS} elements once its repetitions are \
-             written out, the limit"
-        ));
+        return Err(too_many_elements());
     }
     if min == 0 {
         seq.truncate(last);
@@ -405,10 +412,7 @@ fn repeat(
         return Ok(());
     }
     if optional.saturating_mul(item.len() as u64 + 2) > MAX_ELEMENTS as u64 {
-        return Err(format!(
-            "the grammar has more than {MAX_ELEMENTS} elements once its repetitions are \
-             written out, the limit"
-        ));
+        return Err(too_many_elements());
     }
     let mut prev: Option<usize> = None;
     for _ in 0..optional {
@@ -602,13 +606,7 @@ fn walk_cost(rules: &[Vec<Alt>]) -> Result<(), String> {
         match w.visit(r) {
             // llama.cpp stops at the first left recursion and refuses the
             // grammar; said here in words.
-            Some(true) => {
-                return Err(
-                    "the grammar is left-recursive: a rule can start with itself (a $ref that \
-                     refers back to itself before any text)"
-                        .to_owned(),
-                )
-            }
+            Some(true) => return Err(left_recursive()),
             Some(false) => {}
             None if w.too_deep => return Err(too_deep()),
             None => {
@@ -653,11 +651,7 @@ fn fanout_cost(rules: &[Vec<Alt>], root: usize) -> Result<(), String> {
             return Ok(v);
         }
         if in_progress[r] {
-            return Err(
-                "the grammar is left-recursive: a rule can start with itself (a $ref that \
-                 refers back to itself before any text)"
-                    .to_owned(),
-            );
+            return Err(left_recursive());
         }
         if depth >= MAX_NESTING {
             return Err(too_deep());
