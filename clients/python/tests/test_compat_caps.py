@@ -142,3 +142,45 @@ def test_chat_caps_come_before_the_images_and_the_render(daemon):
         status, _, body = raw(daemon, "POST", "/v1/chat/completions", dict(base, **extra), AUTH)
         err = json.loads(body)["error"]
         assert status == 400 and err["param"] == param and said in err["message"], err
+
+
+def peak_rss_mib(pid):
+    with open("/proc/%d/status" % pid) as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM for %d" % pid)
+
+
+@pytest.mark.parametrize("path,family", [("/v1/chat/completions", "openai"),
+                                         ("/v1/messages", "anthropic"),
+                                         ("/api/chat", "ollama")])
+def test_a_body_of_millions_of_values_is_a_413_before_it_is_parsed(daemon, path, family):
+    """A 16 MiB body is within the byte cap, but as eight million JSON
+    values it took about 700 MB to parse into a tree; it is refused by its
+    count of values first (src/http/compat/values.rs), in the route's own
+    error shape, and the daemon's peak memory stays near its size."""
+    pid = daemon.proc.pid
+    with open("/proc/%d/clear_refs" % pid, "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+    before = peak_rss_mib(pid)
+    body = b'{"model": "default", "max_tokens": 4, "messages": [], "junk": ['
+    body += b"0," * (((16 << 20) - len(body) - 8) // 2) + b"0]}"
+    status, _, raw_body = raw(daemon, "POST", path, body, AUTH)
+    assert status == 413, (status, raw_body[:300])
+    reply = json.loads(raw_body)
+    if family == "openai":
+        message = reply["error"]["message"]
+        assert reply["error"]["type"] == "invalid_request_error", reply
+    elif family == "anthropic":
+        assert reply["error"]["type"] == "request_too_large", reply
+        message = reply["error"]["message"]
+    else:
+        message = reply["error"]
+    assert "more than 1048576 JSON values" in message, message
+    grown = peak_rss_mib(pid) - before
+    assert grown < 150, "the daemon's peak memory grew %d MiB for a 16 MiB body" % grown
+    # The same keys with a small junk list are served as before.
+    small = b'{"model": "default", "max_tokens": 1, "stream": false, "messages": [{"role": "user", "content": "hi"}], "junk": [0, 0]}'
+    status, _, raw_body = raw(daemon, "POST", path, small, AUTH)
+    assert status == 200, (status, raw_body[:300])

@@ -14,6 +14,8 @@
 //!   `/api/tags` and `/api/show`).
 //! - [`error`]: `ApiError`, each family's error shape and status.
 //! - [`locks`]: async locks by key (one per conversation, for its changes).
+//! - [`values`]: a body's count of JSON values, walked before it is parsed
+//!   (sans-IO).
 //!
 //! Who may call: `auth::Route::Api` (the token or `--api-key`, by
 //! `Authorization: Bearer` or `x-api-key`; a listed Origin or none).
@@ -31,6 +33,7 @@ pub mod openai;
 pub mod response_ids;
 pub mod responses;
 pub mod resume;
+pub mod values;
 
 use std::time::Instant;
 
@@ -174,8 +177,19 @@ fn web_error(family: Family, e: WebError) -> ApiError {
     }
 }
 
-/// The body as `T`; serde's message names the field at fault.
+/// The body as `T`; serde's message names the field at fault. A body of
+/// more than [`values::MAX_VALUES`] JSON values is a 413 before it is parsed.
 pub(crate) fn parse<T: DeserializeOwned>(family: Family, body: &Bytes) -> Result<T, ApiError> {
+    if !values::within(body, values::MAX_VALUES) {
+        return Err(ApiError::new(
+            family,
+            Kind::TooLarge,
+            format!(
+                "the body holds more than {} JSON values",
+                values::MAX_VALUES
+            ),
+        ));
+    }
     let value: Value = serde_json::from_slice(body)
         .map_err(|e| ApiError::invalid(family, format!("the body is not JSON: {e}")))?;
     if !value.is_object() {
