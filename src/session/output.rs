@@ -19,7 +19,9 @@
 //! - Text that could be the start of a marker (a proper prefix of a marker recognised on the
 //!   current channel, at the end of what has been decoded) is held back until a later piece
 //!   settles it; [`OutputDecoder::finish`] flushes it as text. A UTF-8 character split across
-//!   pieces is held back until complete; `finish` flushes an incomplete tail lossily (U+FFFD).
+//!   pieces is held back until complete; `finish` flushes an incomplete tail lossily (U+FFFD)
+//!   when the turn ends, and leaves it out at a cut (max_tokens, a cancel): its tokens end in a
+//!   segment before it, and the turn's continuation, replaying them, completes the character.
 //! - **Tokens.** Every pushed token appears in the `tokens` of exactly one `Text` segment, in push
 //!   order: the segment holding its last byte (a token ending inside a UTF-8 character ends where
 //!   the character ends). So a token is attributed to the channel where it ends, and a marker's
@@ -214,15 +216,20 @@ impl OutputDecoder {
     }
 
     /// End of generation: flush everything held back (a marker prefix as text, an incomplete
-    /// UTF-8 character lossily). When the turn ends (`turn_ends`), an unclosed tool-call block
+    /// UTF-8 character lossily when the turn ends, not at all at a cut). When the turn ends (`turn_ends`), an unclosed tool-call block
     /// becomes a `ParseFailure`; at a cut it stays open for [`OutputDecoder::resume`]. An
     /// unclosed thinking block is simply ended; [`OutputDecoder::channel`] still says 1 after it.
     pub fn finish(&mut self, turn_ends: bool) -> Vec<Segment> {
         if !self.raw.is_empty() {
-            let text = String::from_utf8_lossy(&self.raw).into_owned();
+            if turn_ends {
+                let text = String::from_utf8_lossy(&self.raw).into_owned();
+                self.buf.push_str(&text);
+                self.decoded += text.len();
+            }
+            // At a cut the bytes of a character not yet complete are no
+            // text: the continuation, replaying this turn's tokens, completes
+            // the character. The tokens waiting on it end before it.
             self.raw.clear();
-            self.buf.push_str(&text);
-            self.decoded += text.len();
             for (_, e) in self.pending.iter_mut().filter(|(_, e)| e.is_none()) {
                 *e = Some(self.decoded);
             }
@@ -1006,6 +1013,16 @@ mod tests {
     }
 
     #[test]
+    fn a_cut_inside_a_character_leaves_it_out() {
+        let mut d = OutputDecoder::new(Markers::qwen(), false);
+        let mut segs = d.push(0, b"ok");
+        segs.extend(d.push(1, &"😀".as_bytes()[..2]));
+        segs.extend(d.finish(false));
+        // No U+FFFD; token 1 still appears, in a segment before the character.
+        check(&segs, "ok", 2);
+    }
+
+    #[test]
     fn empty_pieces_still_get_a_segment() {
         let segs = run(&["a", "", "b", ""]);
         check(&segs, "ab", 4);
@@ -1179,11 +1196,9 @@ mod tests {
                 (0..pieces.len() as u32).collect::<Vec<_>>(),
                 "cut after {cut}"
             );
-            // The text, but for a character cut in half: the first part
-            // committed it as U+FFFD, the rest commits it whole.
-            if cut != 13 {
-                assert_eq!(all_text(&out), all_text(&whole), "cut after {cut}");
-            }
+            // The text, also for a character cut in half (cut 13): the
+            // first part leaves it out, the rest commits it whole.
+            assert_eq!(all_text(&out), all_text(&whole), "cut after {cut}");
             // Channels too, unless the cut fell inside a marker: the first part then committed
             // the marker's start as text of the channel it was on.
             if ![1, 4, 8, 9, 13, 15].contains(&cut) {
