@@ -44,6 +44,27 @@ def test_chat_not_streamed_and_streamed_agree(daemon):
     assert usage.prompt_tokens == r.usage.prompt_tokens and usage.completion_tokens == r.usage.completion_tokens
 
 
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Name a colour."}]}),
+    ("/v1/completions", {"prompt": "Colours: red,"}),
+])
+def test_include_usage_puts_a_null_usage_on_every_chunk_but_the_last(daemon, path, body):
+    """OpenAI's reference for stream_options.include_usage: "All other chunks
+    will also include a usage field, but with a null value." Without it no
+    chunk has the key."""
+    def chunks(**extra):
+        b = dict(body, model="default", max_tokens=6, stream=True, **extra)
+        status, _, raw_body = raw(daemon, "POST", path, b, {"Authorization": "Bearer " + KEY})
+        assert status == 200, raw_body[:300]
+        lines = [ln[6:] for ln in raw_body.decode().split("\n") if ln.startswith("data: ")]
+        assert lines[-1] == "[DONE]"
+        return [json.loads(ln) for ln in lines[:-1]]
+    got = chunks(stream_options={"include_usage": True})
+    assert len(got) >= 3 and all("usage" in c and c["usage"] is None for c in got[:-1]), got
+    assert got[-1]["choices"] == [] and got[-1]["usage"]["completion_tokens"] > 0, got[-1]
+    assert all("usage" not in c for c in chunks()), "usage without include_usage"
+
+
 def test_second_turn_of_a_resent_conversation_is_served_from_the_cache(daemon):
     c = oai(daemon)
     history = [{"role": "system", "content": "You are brief. " + words(120, seed=3)},

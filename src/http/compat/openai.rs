@@ -698,6 +698,7 @@ async fn reply(
         created: now_secs(),
         model: state.m().model.id.clone(),
         object: route.object(stream),
+        null_usage: include_usage,
     };
     if stream {
         let (tx, rx) = mpsc::channel(64);
@@ -738,18 +739,25 @@ struct ChunkHead {
     created: u64,
     model: String,
     object: &'static str,
+    /// `stream_options.include_usage`: every chunk but the last carries
+    /// `"usage": null`, as OpenAI's reference says.
+    null_usage: bool,
 }
 
 impl ChunkHead {
     fn chunk(&self, choices: Value) -> Value {
-        json!({
+        let mut c = json!({
             "id": self.id,
             "object": self.object,
             "created": self.created,
             "model": self.model,
             "system_fingerprint": "superfluid",
             "choices": choices,
-        })
+        });
+        if self.null_usage {
+            c["usage"] = Value::Null;
+        }
+        c
     }
 }
 
