@@ -60,6 +60,9 @@ def test_reasoning_content(daemon):
     # The template opens a thinking block: what the model writes first is reasoning.
     assert getattr(m, "reasoning_content", None), m
     assert "<think>" not in m.reasoning_content
+    # usage counts the reasoning's tokens (it said 0): here the whole reply.
+    assert not m.content and r.usage.completion_tokens == 12, r
+    assert r.usage.completion_tokens_details.reasoning_tokens == 12, r.usage
 
 
 def test_anthropic_streams_a_tool_use_block(daemon):

@@ -309,3 +309,32 @@ def test_a_refused_tool_choice_writes_nothing_to_a_conversation(daemon):
     assert e.value.body["param"] == "tool_choice" and "declares no tools" in e.value.body["message"]
     assert os.path.getsize(wal) == size
     assert c.responses.retrieve(r.id).instructions is None
+
+
+def test_usage_counts_reasoning_and_the_echo_keeps_strict_and_truncation(daemon):
+    """A response whose output is all reasoning says so in
+    output_tokens_details.reasoning_tokens (it said 0), live, streamed and
+    read back; a tool's `strict` and the request's `truncation` come back
+    as sent (they came back false and "disabled")."""
+    c = oai(daemon)
+    strict_weather = dict(WEATHER, strict=True)
+    r = c.responses.create(model="default", input="Explain in detail why the sky is blue.",
+                           max_output_tokens=12, temperature=0, tools=[strict_weather, TIME],
+                           truncation="auto")
+    assert [o.type for o in r.output] == ["reasoning"] and r.status == "incomplete", r
+    assert r.usage.output_tokens == 12, r.usage
+    assert r.usage.output_tokens_details.reasoning_tokens == 12, r.usage
+    assert [t.strict for t in r.tools] == [True, False] and r.truncation == "auto", (r.tools, r.truncation)
+    back = c.responses.retrieve(r.id)
+    assert back.usage.output_tokens_details.reasoning_tokens == 12, back.usage
+    # A stream cut by max_output_tokens ends with response.incomplete (the
+    # SDK's get_final_response raises on it): read its usage from the event.
+    with c.responses.create(model="default", input="Explain in detail why grass is green.", max_output_tokens=12,
+                            temperature=0, store=False, stream=True) as events:
+        last = [e for e in events][-1]
+    assert last.type == "response.incomplete", last.type
+    assert last.response.usage.output_tokens_details.reasoning_tokens == 12, last.response.usage
+    status, _, body = raw(daemon, "POST", "/v1/responses", {
+        "model": "default", "input": "hi", "max_output_tokens": 4, "truncation": "middle"},
+        {"Authorization": "Bearer " + KEY})
+    assert status == 400 and json.loads(body)["error"]["param"] == "truncation", body[:300]

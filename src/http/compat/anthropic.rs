@@ -684,7 +684,7 @@ async fn stream_message(
                 ));
                 index += 1;
             }
-            Out::Ended { end, generated } => {
+            Out::Ended { end, generated, .. } => {
                 close(&mut index, &mut open, &mut events);
                 let (reason, sequence) = stop_reason(&end, calls);
                 let mut u = usage(prompt, warm, created, u64::from(generated));

@@ -71,6 +71,8 @@ pub enum Out {
     Ended {
         end: End,
         generated: u32,
+        /// Of `generated`, the tokens of reasoning (its markup included).
+        reasoning: u32,
     },
     Failed(String),
     /// The worker refused the generation's own item (its grammar does not
@@ -179,6 +181,7 @@ pub async fn start(shared: &Shared, spec: Spec) -> Result<Run, DriveError> {
         tx,
         logprobs: std::collections::VecDeque::new(),
         generated: 0,
+        reasoning: 0,
         text_started: !trim_leading,
     };
     actix_rt::spawn(pump.run(events));
@@ -215,6 +218,8 @@ struct Pump {
     /// yet in a segment, oldest first (None: not asked for).
     logprobs: std::collections::VecDeque<Option<Logprob>>,
     generated: u32,
+    /// Of `generated`, the tokens the decoder put in reasoning.
+    reasoning: u32,
     /// Leading whitespace of the text channel (after a thinking block) is
     /// dropped until the first other character.
     text_started: bool,
@@ -241,6 +246,7 @@ impl Pump {
                         Ok(Some(stop)) => Out::Ended {
                             end: End::Stop(stop),
                             generated: self.generated,
+                            reasoning: self.reasoning,
                         },
                         // The client went away: dropping `events` cancels.
                         Err(()) => return,
@@ -280,6 +286,7 @@ impl Pump {
                     Out::Ended {
                         end,
                         generated: self.generated,
+                        reasoning: self.reasoning,
                     }
                 }
                 GenEvent::Failed {
@@ -308,6 +315,9 @@ impl Pump {
                 channel, tokens, ..
             } = &s
             {
+                if *channel == Channel::Reasoning {
+                    self.reasoning += tokens.len() as u32;
+                }
                 // The reply's leading whitespace is dropped (`send_text`),
                 // and its tokens' log-probabilities with it.
                 let dropped = !self.text_started && text_of(&s).trim_start().is_empty();
@@ -381,6 +391,8 @@ pub struct Collected {
     pub logprobs: Vec<Logprob>,
     pub end: Option<End>,
     pub generated: u32,
+    /// Of `generated`, the tokens of reasoning.
+    pub reasoning_tokens: u32,
 }
 
 /// Reads a run to its end. `Err` with the lane's message when it failed.
@@ -415,9 +427,14 @@ pub async fn collect(mut out: mpsc::Receiver<Out>) -> Result<Collected, Failure>
             Out::Text { text, .. } => c.text.push_str(&text),
             Out::Call { name, arguments } => c.calls.push((name, arguments)),
             Out::Logprob(lp) => c.logprobs.push(lp),
-            Out::Ended { end, generated } => {
+            Out::Ended {
+                end,
+                generated,
+                reasoning,
+            } => {
                 c.end = Some(end);
                 c.generated = generated;
+                c.reasoning_tokens = reasoning;
                 return Ok(c);
             }
             Out::Failed(message) => {

@@ -770,7 +770,7 @@ async fn whole(
             Out::Text { text: t, .. } => text.push_str(&t),
             Out::Call { name, arguments } => calls.push((name, arguments)),
             Out::Logprob(_) => {}
-            Out::Ended { end, generated } => {
+            Out::Ended { end, generated, .. } => {
                 access.generated = u64::from(generated);
                 let mut v = head.object(&text, &thinking, &calls, true);
                 v["done_reason"] = json!(done_reason(&end));
@@ -828,7 +828,7 @@ async fn stream(
                 head.object("", "", &[(name, arguments)], false)
             }
             Out::Call { .. } | Out::Logprob(_) => continue,
-            Out::Ended { end, generated } => {
+            Out::Ended { end, generated, .. } => {
                 access.generated = u64::from(generated);
                 let mut v = head.object("", "", &[], true);
                 v["done_reason"] = json!(done_reason(&end));

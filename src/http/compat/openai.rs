@@ -533,12 +533,15 @@ fn finish_reason(c: &Collected) -> &'static str {
     }
 }
 
-fn usage(prompt: usize, warm: u64, generated: u64) -> Value {
+/// `reasoning` is of `generated`: the tokens of reasoning (its markup
+/// included), which OpenAI's `completion_tokens_details` names.
+fn usage(prompt: usize, warm: u64, generated: u64, reasoning: u64) -> Value {
     json!({
         "prompt_tokens": prompt,
         "completion_tokens": generated,
         "total_tokens": prompt as u64 + generated,
         "prompt_tokens_details": {"cached_tokens": warm},
+        "completion_tokens_details": {"reasoning_tokens": reasoning},
     })
 }
 
@@ -713,11 +716,13 @@ async fn reply(
     let logprobs_asked = p.extras.as_ref().is_some_and(|e| e.logprobs.is_some());
     let mut out = Vec::new();
     let mut generated = 0u64;
+    let mut reasoning = 0u64;
     for (i, rx) in runs.into_iter().enumerate() {
         let c = drive::collect(rx)
             .await
             .map_err(|f| logged(&access, f.api(F)))?;
         generated += u64::from(c.generated);
+        reasoning += u64::from(c.reasoning_tokens);
         out.push(route.choice(i, &c, logprobs_asked));
     }
     access.generated = generated;
@@ -728,7 +733,7 @@ async fn reply(
         "created": head.created,
         "model": head.model,
         "choices": out,
-        "usage": usage(access.prompt, warm, generated),
+        "usage": usage(access.prompt, warm, generated, reasoning),
         "system_fingerprint": "superfluid",
     })))
 }
@@ -791,6 +796,7 @@ async fn stream_chat(
         }));
     let mut calls = vec![0usize; n];
     let mut generated = 0u64;
+    let mut reasoning = 0u64;
     let mut failed = None;
     while let Some((i, o)) = merged.next().await {
         let delta = match o {
@@ -811,8 +817,13 @@ async fn stream_chat(
                 calls[i] += 1;
                 json!({"tool_calls": [tool_call_json(calls[i] - 1, &name, &arguments)]})
             }
-            Out::Ended { end, generated: g } => {
+            Out::Ended {
+                end,
+                generated: g,
+                reasoning: r,
+            } => {
                 generated += u64::from(g);
+                reasoning += u64::from(r);
                 let reason = if calls[i] > 0 {
                     "tool_calls"
                 } else if end == End::MaxTokens {
@@ -850,7 +861,7 @@ async fn stream_chat(
     }
     if include_usage {
         let mut u = head.chunk(json!([]));
-        u["usage"] = usage(access.prompt, access.cached, generated);
+        u["usage"] = usage(access.prompt, access.cached, generated, reasoning);
         let _ = tx.send(data(&u)).await;
     }
     let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
@@ -1047,6 +1058,7 @@ async fn stream_completion(
             .boxed()
         }));
     let mut generated = 0u64;
+    let mut reasoning = 0u64;
     while let Some((i, o)) = merged.next().await {
         let (text, reason) = match o {
             Out::Text { text, .. } => (text, Value::Null),
@@ -1064,8 +1076,13 @@ async fn stream_completion(
                 }
                 continue;
             }
-            Out::Ended { end, generated: g } => {
+            Out::Ended {
+                end,
+                generated: g,
+                reasoning: r,
+            } => {
                 generated += u64::from(g);
+                reasoning += u64::from(r);
                 let r = if end == End::MaxTokens {
                     "length"
                 } else {
@@ -1090,7 +1107,7 @@ async fn stream_completion(
     access.generated = generated;
     if include_usage {
         let mut u = head.chunk(json!([]));
-        u["usage"] = usage(access.prompt, access.cached, generated);
+        u["usage"] = usage(access.prompt, access.cached, generated, reasoning);
         let _ = tx.send(data(&u)).await;
     }
     let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;

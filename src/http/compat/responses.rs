@@ -74,6 +74,9 @@ pub struct CreateRequest {
     pub metadata: Option<Value>,
     /// `text.format`: text, json_object or json_schema.
     pub text: Option<Value>,
+    /// `disabled` (the default) or `auto`; echoed. Neither drops input: an
+    /// input over the context is a 400 either way (docs/responses.md).
+    pub truncation: Option<String>,
 }
 
 /// One input item, whichever shape it came in.
@@ -971,6 +974,26 @@ pub struct Ending {
     pub input_tokens: u64,
     pub cached_tokens: u64,
     pub output_tokens: u64,
+    /// The output tokens of reasoning (its markup included).
+    pub reasoning_tokens: u64,
+}
+
+/// A running response's token counts: its input, output, and the output's
+/// reasoning.
+#[derive(Debug, Clone, Copy, Default)]
+struct Totals {
+    input: u64,
+    output: u64,
+    reasoning: u64,
+}
+
+impl Totals {
+    /// Puts the counts on `ending`.
+    fn onto(self, ending: &mut Ending) {
+        ending.input_tokens = self.input;
+        ending.output_tokens = self.output;
+        ending.reasoning_tokens = self.reasoning;
+    }
 }
 
 impl Ending {
@@ -1008,6 +1031,9 @@ pub struct Head {
     pub metadata: Value,
     /// `text.format` as the response echoes it.
     pub text_format: Value,
+    /// `truncation` as the request gave it (a stored response read back:
+    /// `disabled`).
+    pub truncation: &'static str,
 }
 
 enum Open {
@@ -1241,7 +1267,7 @@ impl Emitter {
                     "input_tokens": e.input_tokens,
                     "input_tokens_details": {"cached_tokens": e.cached_tokens},
                     "output_tokens": e.output_tokens,
-                    "output_tokens_details": {"reasoning_tokens": 0},
+                    "output_tokens_details": {"reasoning_tokens": e.reasoning_tokens},
                     "total_tokens": e.input_tokens + e.output_tokens,
                 }),
             ),
@@ -1267,11 +1293,24 @@ impl Emitter {
             "tool_choice": h.tool_choice,
             "tools": h.tools,
             "top_p": h.top_p,
-            "truncation": "disabled",
+            "truncation": h.truncation,
             "usage": usage,
             "metadata": h.metadata,
         })
     }
+}
+
+/// A request's function tool as its response echoes it: `strict` as the
+/// request gave it (`chat` is its chat form).
+fn echoed_tool(given: &Value, chat: &Value) -> Value {
+    let mut t = response_tool(chat);
+    let strict = given
+        .get("strict")
+        .or_else(|| given.get("function").and_then(|f| f.get("strict")));
+    if let Some(strict) = strict.filter(|v| v.is_boolean()) {
+        t["strict"] = strict.clone();
+    }
+    t
 }
 
 /// A Responses function tool as the response echoes it.
@@ -1357,13 +1396,13 @@ impl Source {
     /// events go into the log, where a retrieve or a resumed stream
     /// (`starting_after`) reads them, and `/cancel` stops it. A stateless
     /// one is cancelled by dropping its source.
-    async fn run_on(mut self, totals: &mut (u64, u64)) {
+    async fn run_on(mut self, totals: &mut Totals) {
         if let Source::Session(..) = self {
             while !matches!(self.next(totals).await, Step::Ended(_)) {}
         }
     }
 
-    async fn next(&mut self, totals: &mut (u64, u64)) -> Step {
+    async fn next(&mut self, totals: &mut Totals) -> Step {
         match self {
             Source::Session(rx, decode) => match rx.recv().await {
                 Some(Response::Delta { event }) => {
@@ -1371,10 +1410,16 @@ impl Source {
                     // (as a retrieve and the chat route count it); the
                     // rest is output.
                     let n = event.body.span().len() as u64;
-                    if matches!(event.body, Record::GenerationPrompt { .. }) {
-                        totals.0 += n;
-                    } else {
-                        totals.1 += n;
+                    match event.body {
+                        Record::GenerationPrompt { .. } => totals.input += n,
+                        Record::Generated {
+                            channel: Channel::Reasoning,
+                            ..
+                        } => {
+                            totals.output += n;
+                            totals.reasoning += n;
+                        }
+                        _ => totals.output += n,
                     }
                     match decode.piece(&event) {
                         Some(p) => Step::Piece(p),
@@ -1420,8 +1465,13 @@ impl Source {
                     arguments,
                 }),
                 Some(Out::Logprob(_)) => Step::Skip,
-                Some(Out::Ended { end, generated }) => {
-                    totals.1 = u64::from(generated);
+                Some(Out::Ended {
+                    end,
+                    generated,
+                    reasoning,
+                }) => {
+                    totals.output = u64::from(generated);
+                    totals.reasoning = u64::from(reasoning);
                     let finish = match end {
                         End::MaxTokens => Finish::MaxTokens,
                         End::Cancelled => Finish::Cancelled,
@@ -1493,7 +1543,10 @@ pub async fn create(
             ..
         } = running;
         let mut em = Emitter::new(head);
-        let mut totals = (input_tokens, 0);
+        let mut totals = Totals {
+            input: input_tokens,
+            ..Totals::default()
+        };
         loop {
             match source.next(&mut totals).await {
                 Step::Piece(p) => {
@@ -1501,10 +1554,9 @@ pub async fn create(
                 }
                 Step::Skip => {}
                 Step::Ended(mut ending) => {
-                    ending.input_tokens = totals.0;
-                    ending.output_tokens = totals.1;
+                    totals.onto(&mut ending);
                     ending.cached_tokens = ending.cached_tokens.max(warm);
-                    access.generated = totals.1;
+                    access.generated = totals.output;
                     access.cached = ending.cached_tokens;
                     let failed = ending.status == "failed";
                     em.finish(ending);
@@ -1547,7 +1599,10 @@ fn stream(running: Running, mut access: Access) -> HttpResponse {
                 true
             }
         };
-        let mut totals = (input_tokens, 0);
+        let mut totals = Totals {
+            input: input_tokens,
+            ..Totals::default()
+        };
         if !send(em.start()).await {
             access.log(499);
             source.run_on(&mut totals).await;
@@ -1564,10 +1619,9 @@ fn stream(running: Running, mut access: Access) -> HttpResponse {
                 }
                 Step::Skip => {}
                 Step::Ended(mut ending) => {
-                    ending.input_tokens = totals.0;
-                    ending.output_tokens = totals.1;
+                    totals.onto(&mut ending);
                     ending.cached_tokens = ending.cached_tokens.max(warm);
-                    access.generated = totals.1;
+                    access.generated = totals.output;
                     access.cached = ending.cached_tokens;
                     let status = if ending.status == "failed" { 503 } else { 200 };
                     send(em.finish(ending)).await;
@@ -1616,6 +1670,17 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
     }
     let chat_tools: Vec<Value> = tools.iter().map(chat_tool).collect::<Result<_, _>>()?;
     let choice = r.tool_choice.as_ref().map(chat_choice).transpose()?;
+    let truncation = match r.truncation.as_deref() {
+        None | Some("disabled") => "disabled",
+        Some("auto") => "auto",
+        Some(other) => {
+            return Err(ApiError::invalid(
+                F,
+                format!("truncation must be \"auto\" or \"disabled\", not {other:?}"),
+            )
+            .with_param("truncation"))
+        }
+    };
     let (format_echo, schema) = text_format(r.text.as_ref())?;
     if let Some(schema) = &schema {
         // Refused here, before any session is touched, when it has no grammar
@@ -1664,7 +1729,11 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
         created_at: now_secs(),
         model: state.m().model.id.clone(),
         instructions: r.instructions.clone(),
-        tools: chat_tools.iter().map(response_tool).collect(),
+        tools: tools
+            .iter()
+            .zip(&chat_tools)
+            .map(|(t, c)| echoed_tool(t, c))
+            .collect(),
         tool_choice: choice.as_ref().map_or(json!("auto"), response_choice),
         temperature: p.temperature,
         top_p: p.top_p,
@@ -1674,6 +1743,7 @@ async fn prepare(state: &WebState, r: &CreateRequest) -> Result<Running, ApiErro
         store,
         metadata: r.metadata.clone().unwrap_or_else(|| json!({})),
         text_format: format_echo,
+        truncation,
     };
     if !store {
         if conversation.is_some() {
@@ -2344,6 +2414,7 @@ pub(crate) async fn open_stored(r: &Resolved, id: &str) -> Result<StoredResponse
         store: true,
         metadata: json!({}),
         text_format,
+        truncation: "disabled",
     };
     let in_flight = info.generating && st.end as usize == events.len();
     Ok(StoredResponse {
@@ -2366,6 +2437,7 @@ pub(crate) struct Replay {
     called: bool,
     input_tokens: u64,
     output_tokens: u64,
+    reasoning_tokens: u64,
 }
 
 impl Replay {
@@ -2382,6 +2454,7 @@ impl Replay {
                 .map(|e| e.body.span().len() as u64)
                 .sum(),
             output_tokens: 0,
+            reasoning_tokens: 0,
         }
     }
 
@@ -2393,6 +2466,14 @@ impl Replay {
     /// The stream's events for one output event of the response.
     pub fn take(&mut self, e: &Event) -> Vec<Value> {
         self.output_tokens += e.body.span().len() as u64;
+        if let Record::Generated {
+            channel: Channel::Reasoning,
+            span,
+            ..
+        } = &e.body
+        {
+            self.reasoning_tokens += span.len() as u64;
+        }
         match &e.body {
             Record::Generated { finish, .. } => self.finish = *finish,
             Record::ToolUse { .. } => self.called = true,
@@ -2424,6 +2505,7 @@ impl Replay {
         self.em.finish(Ending {
             input_tokens: self.input_tokens,
             output_tokens: self.output_tokens,
+            reasoning_tokens: self.reasoning_tokens,
             ..Ending::of(finish)
         })
     }
@@ -2631,6 +2713,7 @@ mod tests {
             store: true,
             metadata: json!({}),
             text_format: json!({"type": "text"}),
+            truncation: "disabled",
         }
     }
 
