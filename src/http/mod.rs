@@ -236,6 +236,7 @@ pub fn start(
             .configure(routes::configure)
             .configure(page::configure)
             .configure(compat::configure)
+            .default_service(web::to(compat::no_route))
     })
     .on_connect(|conn, data| {
         if let Some(fd) = ConnFd::of(conn) {

@@ -194,6 +194,12 @@ def test_conversation_five_turns_survives_restart(daemon):
     c.conversations.items.create(conv.id, items=[{"type": "message", "role": "user", "content": "Added."}])
     listed = c.conversations.items.list(conv.id, order="asc", limit=100).data
     assert listed[-1].content[0].text == "Added."
+    # Each listed item is retrieved by its id (the route was missing: a bare 404).
+    for item in (listed[0], listed[-1]):
+        got = c.conversations.items.retrieve(item.id, conversation_id=conv.id)
+        assert got.model_dump() == item.model_dump()
+    with pytest.raises(openai.NotFoundError):
+        c.conversations.items.retrieve("msg_nope", conversation_id=conv.id)
     c.conversations.items.delete(listed[-1].id, conversation_id=conv.id)
     dropped = c.conversations.items.list(conv.id, order="asc", limit=100).data
     assert [i.content[0].text for i in dropped] == [i.content[0].text for i in items]
@@ -838,3 +844,22 @@ def test_other_instructions_on_a_chain_are_the_ones_the_model_sees(daemon):
                               max_output_tokens=8, temperature=0)
     assert c.responses.retrieve(kept.id).instructions == "You are terse."
     assert kept.usage.input_tokens_details.cached_tokens > 0
+
+
+def test_a_path_no_route_serves_is_a_404_in_each_apis_shape(daemon):
+    """Under /v1/ and /api/ a path (or method) no route serves answers 404 in
+    the API's own error shape, after the credential check (it was an empty
+    404 the SDKs showed as a bare "Error code: 404")."""
+    auth = {"Authorization": "Bearer " + KEY}
+    with pytest.raises(openai.NotFoundError) as e:
+        oai(daemon).get("/no-such-route", cast_to=object)
+    assert "no route serves GET /v1/no-such-route" in str(e.value)
+    status, _, body = raw(daemon, "GET", "/v1/chat/completions", None, auth)
+    assert status == 404 and json.loads(body)["error"]["type"] == "invalid_request_error", body
+    status, _, body = raw(daemon, "POST", "/v1/messages/nope", {}, auth)
+    reply = json.loads(body)
+    assert status == 404 and reply["type"] == "error" and reply["error"]["type"] == "not_found_error", reply
+    status, _, body = raw(daemon, "GET", "/api/nope", None, auth)
+    assert status == 404 and "no route serves" in json.loads(body)["error"], body
+    status, _, body = raw(daemon, "GET", "/v1/nope", None, {})
+    assert status == 401, (status, body)

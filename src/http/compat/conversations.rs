@@ -510,6 +510,25 @@ pub async fn list_items(
     Ok(HttpResponse::Ok().json(page(items, &query)?))
 }
 
+/// `GET /v1/conversations/{id}/items/{item_id}`: one item, as the listing
+/// shows it.
+pub async fn retrieve_item(
+    req: HttpRequest,
+    path: web::Path<(String, String)>,
+    state: web::Data<WebState>,
+) -> Result<HttpResponse, ApiError> {
+    authorize(&state, F, &req)?;
+    let (id, item_id) = path.into_inner();
+    let (s, _, _) = load(&state, &id).await?;
+    let events = read(&state, s).await?;
+    let (item, _, _) = all_items(&state, s, &events)
+        .await?
+        .into_iter()
+        .find(|(v, _, _)| v["id"].as_str() == Some(item_id.as_str()))
+        .ok_or_else(|| not_found("item", &item_id))?;
+    Ok(HttpResponse::Ok().json(item))
+}
+
 #[derive(Debug, Deserialize)]
 pub struct ItemsBody {
     pub items: Value,

@@ -143,8 +143,38 @@ fn responses_routes(cfg: &mut web::ServiceConfig) {
         .route("/v1/conversations/{id}/items", web::post().to(c::add_items))
         .route(
             "/v1/conversations/{id}/items/{item_id}",
+            web::get().to(c::retrieve_item),
+        )
+        .route(
+            "/v1/conversations/{id}/items/{item_id}",
             web::delete().to(c::delete_item),
         );
+}
+
+/// A path under `/v1/` or `/api/` that no route serves (or a method its
+/// route does not take): after the credential check, a 404 in the API's
+/// own error shape naming the method and path (the SDKs show its message).
+/// Other paths: an empty 404, as before.
+pub async fn no_route(req: HttpRequest, state: web::Data<WebState>) -> HttpResponse {
+    let path = req.path();
+    let family = if path.starts_with("/v1/messages") {
+        Family::Anthropic
+    } else if path.starts_with("/v1/") {
+        Family::OpenAi
+    } else if path.starts_with("/api/") {
+        Family::Ollama
+    } else {
+        return HttpResponse::NotFound().finish();
+    };
+    let e = match authorize(&state, family, &req) {
+        Err(e) => e,
+        Ok(()) => ApiError::new(
+            family,
+            Kind::NotFound,
+            format!("no route serves {} {path}", req.method()),
+        ),
+    };
+    actix_web::ResponseError::error_response(&e)
 }
 
 /// Authorizes a request of the compatible routes and reads its JSON body.
