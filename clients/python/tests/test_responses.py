@@ -863,3 +863,22 @@ def test_a_path_no_route_serves_is_a_404_in_each_apis_shape(daemon):
     assert status == 404 and "no route serves" in json.loads(body)["error"], body
     status, _, body = raw(daemon, "GET", "/v1/nope", None, {})
     assert status == 401, (status, body)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_access_log_counts_the_responses_input_as_usage_does(daemon, stream):
+    """The access line's prompt= is the response's usage.input_tokens (it
+    left out the assistant header a stored response's turn opens with, and
+    could read below cached=)."""
+    from compat import access_lines
+    c = oai(daemon)
+    if stream:
+        with c.responses.create(model="default", input="Name a lake.", max_output_tokens=6,
+                                temperature=0, stream=True) as events:
+            usage = [e for e in events][-1].response.usage
+    else:
+        usage = c.responses.create(model="default", input="Name a lake.", max_output_tokens=6,
+                                   temperature=0).usage
+    line = [ln for ln in access_lines(daemon) if "POST /v1/responses" in ln][-1]
+    assert "prompt={} ".format(usage.input_tokens) in line, (line, usage)
+    assert "cached={} ".format(usage.input_tokens_details.cached_tokens) in line, (line, usage)

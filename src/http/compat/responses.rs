@@ -1556,6 +1556,8 @@ pub async fn create(
                 Step::Ended(mut ending) => {
                     totals.onto(&mut ending);
                     ending.cached_tokens = ending.cached_tokens.max(warm);
+                    // The assistant header the turn opened with is input too.
+                    access.prompt = totals.input as usize;
                     access.generated = totals.output;
                     access.cached = ending.cached_tokens;
                     let failed = ending.status == "failed";
@@ -1621,6 +1623,8 @@ fn stream(running: Running, mut access: Access) -> HttpResponse {
                 Step::Ended(mut ending) => {
                     totals.onto(&mut ending);
                     ending.cached_tokens = ending.cached_tokens.max(warm);
+                    // The assistant header the turn opened with is input too.
+                    access.prompt = totals.input as usize;
                     access.generated = totals.output;
                     access.cached = ending.cached_tokens;
                     let status = if ending.status == "failed" { 503 } else { 200 };
