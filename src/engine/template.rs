@@ -15,6 +15,10 @@ pub use crate::session::ChatMessage;
 /// A compiled chat template.
 pub struct ChatTemplate {
     env: Environment<'static>,
+    /// The template reads `tools`. When it does not (SmolLM2's, many
+    /// base models'), [`ChatTemplate::render`] declares them itself in the
+    /// system message, Hermes-style, so the model sees what it may call.
+    declares_tools: bool,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -45,17 +49,38 @@ impl ChatTemplate {
         env.add_global("eos_token", eos_token.to_owned());
         env.add_template_owned(TEMPLATE_NAME, source.to_owned())
             .map_err(|e| EngineError::TemplateSyntax(describe(&e)))?;
-        Ok(Self { env })
+        let declares_tools = env
+            .get_template(TEMPLATE_NAME)
+            .map_err(|e| EngineError::TemplateSyntax(describe(&e)))?
+            .undeclared_variables(false)
+            .contains("tools");
+        Ok(Self {
+            env,
+            declares_tools,
+        })
+    }
+
+    /// Whether the template declares tools itself (it reads `tools`).
+    pub fn declares_tools(&self) -> bool {
+        self.declares_tools
     }
 
     /// Render `messages` (and `tools`, passed to the template only when non-empty, as
-    /// transformers does) to the model's prompt text.
+    /// transformers does) to the model's prompt text. A template that does not read `tools`
+    /// gets them declared in the system message instead ([`tool_block`]).
     pub fn render(
         &self,
         messages: &[ChatMessage],
         tools: &[Json],
         add_generation_prompt: bool,
     ) -> Result<String, EngineError> {
+        let declared;
+        let messages = if tools.is_empty() || self.declares_tools {
+            messages
+        } else {
+            declared = with_tool_block(messages, tools);
+            &declared[..]
+        };
         let msgs = messages
             .iter()
             .map(|m| Ok(json!({"role": m.role.name(), "content": m.content})))
@@ -76,6 +101,42 @@ impl ChatTemplate {
         tmpl.render(Value::from(Serde(Json::Object(ctx))))
             .map_err(|e| EngineError::TemplateRender(describe(&e)))
     }
+}
+
+/// The tools declared in words a model tuned on Hermes-style calls knows, and
+/// in the call form the output decoder parses (`<tool_call>` blocks): each
+/// tool's JSON on a line of its own.
+pub fn tool_block(tools: &[Json]) -> String {
+    let mut s = String::from(
+        "# Tools\n\nYou may call the functions described below, one JSON schema a line:\n<tools>",
+    );
+    for t in tools {
+        s.push('\n');
+        s.push_str(&t.to_string());
+    }
+    s.push_str(
+        "\n</tools>\n\nTo call one, write its name and arguments as a JSON object between \
+         <tool_call> and </tool_call>:\n<tool_call>\n{\"name\": \"the function's name\", \
+         \"arguments\": {\"parameter\": \"value\"}}\n</tool_call>",
+    );
+    s
+}
+
+/// `messages` with [`tool_block`] at the end of the opening system message
+/// (after a blank line), or as a system message of its own before them.
+fn with_tool_block(messages: &[ChatMessage], tools: &[Json]) -> Vec<ChatMessage> {
+    let block = tool_block(tools);
+    let mut out = messages.to_vec();
+    match out.first_mut() {
+        Some(first) if first.role == crate::wire::Role::System => {
+            if !first.content.is_empty() {
+                first.content.push_str("\n\n");
+            }
+            first.content.push_str(&block);
+        }
+        _ => out.insert(0, ChatMessage::new(crate::wire::Role::System, block)),
+    }
+    out
 }
 
 /// A minijinja error with its chain of causes and location.
@@ -346,6 +407,49 @@ mod tests {
             out,
             "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nweather in Paris?<|im_end|>\n"
         );
+    }
+
+    #[test]
+    fn a_template_without_tools_gets_them_declared_in_the_system_message() {
+        const CHATML: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}";
+        let t = ChatTemplate::new(CHATML, "", "<|im_end|>").unwrap();
+        assert!(!t.declares_tools());
+        assert!(ChatTemplate::new(CHATML_TOOLS, "", "")
+            .unwrap()
+            .declares_tools());
+        let tool = normalize_tool(r#"{"name":"get_time","parameters":{"type":"object"}}"#).unwrap();
+        let block = tool_block(std::slice::from_ref(&tool));
+        assert!(
+            block.contains(&format!("<tools>\n{tool}\n</tools>")),
+            "{block}"
+        );
+        assert!(
+            block.contains("<tool_call>") && block.contains("</tool_call>"),
+            "{block}"
+        );
+        let user = ChatMessage::new(Role::User, "time?");
+        // After the system text, or as a system message of its own.
+        let out = t
+            .render(
+                &[ChatMessage::new(Role::System, "Be brief."), user.clone()],
+                &[tool.clone()],
+                false,
+            )
+            .unwrap();
+        assert_eq!(
+            out,
+            format!("<|im_start|>system\nBe brief.\n\n{block}<|im_end|>\n<|im_start|>user\ntime?<|im_end|>\n")
+        );
+        let out = t
+            .render(std::slice::from_ref(&user), &[tool], false)
+            .unwrap();
+        assert_eq!(
+            out,
+            format!("<|im_start|>system\n{block}<|im_end|>\n<|im_start|>user\ntime?<|im_end|>\n")
+        );
+        // No tools: the messages as they are.
+        let out = t.render(&[user], &[], false).unwrap();
+        assert_eq!(out, "<|im_start|>user\ntime?<|im_end|>\n");
     }
 
     #[test]

@@ -74,14 +74,15 @@ impl Markers {
     }
 
     /// The markers a chat template implies: the thinking block if the template mentions
-    /// `<think>`; tool calls if it mentions `<tool_call>`, and also whenever it declares tools
-    /// (mentions `tools`), since the Hermes-style `<tool_call>` block is what we parse then.
+    /// `<think>`; the Hermes-style `<tool_call>` block always, as it is what we parse for every
+    /// template: one that declares tools itself, and one that does not (the tools are then
+    /// declared for it in that form: `engine::template::tool_block`).
     pub fn from_template(template_source: &str) -> Markers {
         let think = template_source.contains(THINK.0).then(|| owned(THINK));
-        let tool_call = (template_source.contains(TOOL_CALL_MARKERS.0)
-            || template_source.contains("tools"))
-        .then(|| owned(TOOL_CALL_MARKERS));
-        Markers { think, tool_call }
+        Markers {
+            think,
+            tool_call: Some(owned(TOOL_CALL_MARKERS)),
+        }
     }
 
     /// These markers for a generation forced to call a tool: the forced-call
@@ -1079,10 +1080,14 @@ mod tests {
 
     #[test]
     fn markers_from_template() {
-        assert_eq!(Markers::from_template("{{ messages }}"), Markers::none());
+        // Tool calls are parsed for every template: one that does not
+        // declare tools gets them declared for it in the Hermes form.
+        let hermes = Some(("<tool_call>".into(), "</tool_call>".into()));
+        let m = Markers::from_template("{{ messages }}");
+        assert_eq!((&m.think, &m.tool_call), (&None, &hermes));
         let m = Markers::from_template("{{ '<think>\\n' }}");
         assert_eq!(m.think, Some(("<think>".into(), "</think>".into())));
-        assert_eq!(m.tool_call, None);
+        assert_eq!(m.tool_call, hermes);
         let m = Markers::from_template("{% if tools %}{% endif %}");
         assert_eq!(m.think, None);
         assert_eq!(

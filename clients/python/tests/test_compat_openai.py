@@ -65,6 +65,30 @@ def test_include_usage_puts_a_null_usage_on_every_chunk_but_the_last(daemon, pat
     assert all("usage" not in c for c in chunks()), "usage without include_usage"
 
 
+def test_tools_are_declared_for_a_template_that_has_no_place_for_them(daemon):
+    """SmolLM2-Instruct's template does not read `tools`: the daemon declares
+    them in the system message itself, Hermes-style (they were dropped, so
+    the model never saw them and a forced call picked a tool blindly)."""
+    c = oai(daemon)
+    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Get the weather for a city",
+                                               "parameters": city}},
+             {"type": "function", "function": {"name": "get_time", "description": "Get the time in a city",
+                                               "parameters": city}}]
+    ask = "What's the weather in Paris?"
+    plain = chat(c, ask, max_tokens=1).usage.prompt_tokens
+    declared = chat(c, ask, max_tokens=1, tools=tools).usage.prompt_tokens
+    assert declared > plain + 60, (plain, declared)
+    # tool_choice none leaves them out, as documented.
+    assert chat(c, ask, max_tokens=1, tools=tools, tool_choice="none").usage.prompt_tokens == plain
+    r = chat(c, ask, max_tokens=64, tools=tools, tool_choice="required")
+    calls = r.choices[0].message.tool_calls
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in calls] == [
+        ("get_weather", {"city": "Paris"})], calls
+    status, _, body = raw(daemon, "POST", "/api/show", {"model": "default"}, {"Authorization": "Bearer " + KEY})
+    assert "tools" in json.loads(body)["capabilities"], body[:300]
+
+
 def test_second_turn_of_a_resent_conversation_is_served_from_the_cache(daemon):
     c = oai(daemon)
     history = [{"role": "system", "content": "You are brief. " + words(120, seed=3)},
