@@ -432,7 +432,7 @@ mod tests {
         let out = t
             .render(
                 &[ChatMessage::new(Role::System, "Be brief."), user.clone()],
-                &[tool.clone()],
+                std::slice::from_ref(&tool),
                 false,
             )
             .unwrap();
