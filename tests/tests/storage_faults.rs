@@ -1063,3 +1063,63 @@ fn daemon_refuses_corruption_then_starts_after_salvage() {
     assert_eq!(texts, ["kept"]);
     d.stop();
 }
+
+/// A log cut from outside below what `wal.acked` says was acknowledged (the
+/// last group gone whole, at a boundary the log alone cannot tell from a
+/// shorter log) is refused, naming both lengths and the salvage command: it
+/// had started without a word, the acknowledged message gone and its event
+/// id handed out again to the next append.
+#[test]
+fn daemon_refuses_a_log_cut_below_its_acknowledged_end() {
+    let mut d = TestDaemon::start();
+    let mut c = d.client();
+    let s = d.create(&mut c);
+    for text in ["kept", "acknowledged"] {
+        crate::util::commit(
+            &mut c,
+            Request::AppendMessage {
+                session: s,
+                role: Role::User.into(),
+                text: text.into(),
+            },
+        );
+    }
+    drop(c);
+    d.stop();
+    let bytes = d.wal_bytes();
+    let records = crate::util::wal_records(&bytes);
+    let &(start, _) = records
+        .iter()
+        .find(|(a, b)| bytes[*a..*b].windows(12).any(|w| w == b"acknowledged"))
+        .unwrap();
+    fs::write(d.wal_path(), &bytes[..start]).unwrap();
+    let failed = d.start_expect_exit(&[]);
+    assert!(!failed.status.success());
+    let said = format!(
+        "the file ends at byte {start}, before the {} bytes wal.acked says were acknowledged",
+        bytes.len()
+    );
+    assert!(failed.stderr.contains(&said), "{}", failed.stderr);
+    let cmd = format!(
+        "superfluid salvage --sessions {} --truncate-at {start}",
+        d.sessions.display()
+    );
+    assert!(failed.stderr.contains(&cmd), "{}", failed.stderr);
+    let (ok, stdout, stderr) = salvage_cmd(
+        &d.sessions,
+        &["--yes", "--truncate-at", &start.to_string()],
+        "",
+    );
+    assert!(ok, "{stdout}{stderr}");
+    d.spawn_and_wait();
+    let texts: Vec<String> = d
+        .read_all(s)
+        .into_iter()
+        .filter_map(|e| match e.body {
+            superfluid::wire::Record::Message { text, .. } => Some(text),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(texts, ["kept"]);
+    d.stop();
+}

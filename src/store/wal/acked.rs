@@ -20,8 +20,9 @@
 //! `dev` and `ino` name the log file it describes: a log moved aside,
 //! replaced or restored from a copy is another file, and the hint is
 //! ignored. A fresh log and `superfluid salvage` (which cuts a log below
-//! what was acknowledged) remove it; an end past the file's length, a bad
-//! checksum or a short file are ignored too.
+//! what was acknowledged) remove it; a bad checksum or a short hint file
+//! are ignored too. An end past the log's length is acknowledged bytes
+//! gone: recovery refuses to start, as for a damaged record.
 
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -63,13 +64,14 @@ fn decode(b: &[u8]) -> Option<(u64, u64, u64)> {
     (crc32c::crc32c(&b[..32]) == crc).then(|| (word(8), word(16), word(24)))
 }
 
-/// The acknowledged end the hint in `dir` gives for `log` (of `log_len`
-/// bytes), when it names this file and lies within it.
-pub fn read(dir: &Path, log: &File, log_len: u64) -> Option<u64> {
+/// The acknowledged end the hint in `dir` gives for `log`, when it names
+/// this file. An end past the file's length means acknowledged bytes are
+/// missing (the file was cut from outside): recovery refuses that.
+pub fn read(dir: &Path, log: &File) -> Option<u64> {
     let bytes = std::fs::read(dir.join(ACKED_FILE)).ok()?;
     let (end, dev, ino) = decode(&bytes)?;
     let meta = log.metadata().ok()?;
-    (meta.dev() == dev && meta.ino() == ino && end <= log_len).then_some(end)
+    (meta.dev() == dev && meta.ino() == ino).then_some(end)
 }
 
 /// Removes the hint (a fresh log, a salvaged one). Missing is fine.
@@ -134,20 +136,21 @@ mod tests {
         let log = File::create(dir.path().join("wal.log")).unwrap();
         log.set_len(100).unwrap();
         let mut h = AckedHint::open(dir.path(), &log).unwrap();
-        assert_eq!(read(dir.path(), &log, 100), None, "nothing written yet");
+        assert_eq!(read(dir.path(), &log), None, "nothing written yet");
         h.record(80).unwrap();
-        assert_eq!(read(dir.path(), &log, 100), Some(80));
-        // Past the file's length: not this file's (a salvaged log).
-        assert_eq!(read(dir.path(), &log, 79), None);
+        assert_eq!(read(dir.path(), &log), Some(80));
+        // Past the file's length it is still read: recovery refuses that.
+        log.set_len(79).unwrap();
+        assert_eq!(read(dir.path(), &log), Some(80));
         // Another file (a log moved aside and replaced).
         let other = File::create(dir.path().join("other.log")).unwrap();
-        assert_eq!(read(dir.path(), &other, 100), None);
+        assert_eq!(read(dir.path(), &other), None);
         // A damaged hint.
         let path = dir.path().join(ACKED_FILE);
         let mut bytes = std::fs::read(&path).unwrap();
         bytes[9] ^= 1;
         std::fs::write(&path, &bytes).unwrap();
-        assert_eq!(read(dir.path(), &log, 100), None);
+        assert_eq!(read(dir.path(), &log), None);
         remove(dir.path()).unwrap();
         remove(dir.path()).unwrap();
         assert!(!path.exists());

@@ -107,6 +107,11 @@ pub enum FormatError {
     MarkerInV1,
     #[error("a record runs past the end of the file ({0} bytes left)")]
     PastEnd(u64),
+    #[error(
+        "the file ends at byte {len}, before the {acked} bytes wal.acked says were \
+         acknowledged to clients: it was cut after they were told"
+    )]
+    Shortened { len: u64, acked: u64 },
 }
 
 /// Checks a file header (magic, version, flags); returns the version.

@@ -532,8 +532,25 @@ pub fn open(
         libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_SEQUENTIAL);
     }
 
-    let acked = super::acked::read(dir, &file, file_len);
+    let acked = super::acked::read(dir, &file);
+    // Acknowledged bytes past the end of the file were cut from outside (a
+    // writer never shortens a synced log): every group left is judged as
+    // acknowledged, and the start is refused below, naming where a salvage
+    // may cut.
+    let shortened = acked.filter(|&end| end > file_len);
+    let acked = acked.map(|end| end.min(file_len));
     let (end_kind, records, end) = scan(&file, &path, file_len, version, acked, on_record)?;
+    if let Some(acked) = shortened {
+        return Err(corrupt(
+            &path,
+            file_len,
+            end,
+            FormatError::Shortened {
+                len: file_len,
+                acked,
+            },
+        ));
+    }
     recovery.records = records;
     recovery.valid_bytes = end;
     match end_kind {
@@ -649,7 +666,11 @@ mod tests {
         let full = wal_bytes(d.path());
         let last = *durables.last().unwrap();
         assert_eq!(last.end + MARKER_LEN as u64, full.len() as u64);
-        // Every cut inside the last group (its record or its marker).
+        // Every cut inside the last group (its record or its marker), as a
+        // power cut leaves it: before the writer recorded that group's end
+        // (with the end recorded, a shorter log is refused:
+        // a_log_shorter_than_its_acknowledged_end_is_refused).
+        super::super::acked::remove(d.path()).unwrap();
         for cut in last.offset..full.len() as u64 {
             fs::write(d.path().join(WAL_FILE), &full[..cut as usize]).unwrap();
             let (f, r, got) = open_collect(d.path(), OpenMode::Durable).unwrap();
@@ -880,6 +901,51 @@ mod tests {
         ));
     }
 
+    /// A log cut from outside below what `wal.acked` says was acknowledged
+    /// (its last group gone whole, or cut inside) lost events clients were
+    /// told had committed: the start is refused (it replayed the rest and
+    /// handed the lost ids out again), and a salvage at the cut it names
+    /// starts it.
+    #[test]
+    fn a_log_shorter_than_its_acknowledged_end_is_refused() {
+        for inside in [0u64, 5] {
+            let d = tempfile::tempdir().unwrap();
+            let durables = write_all(d.path(), &payloads(3));
+            let last = durables[2];
+            let bytes = wal_bytes(d.path());
+            let cut = last.offset + inside;
+            let f = OpenOptions::new()
+                .write(true)
+                .open(d.path().join(WAL_FILE))
+                .unwrap();
+            f.set_len(cut).unwrap();
+            drop(f);
+            match open_collect(d.path(), OpenMode::Durable) {
+                Err(StoreError::Corrupt {
+                    offset,
+                    cut: at,
+                    reason: FormatError::Shortened { len, acked },
+                    ..
+                }) if inside == 0 => {
+                    assert_eq!((offset, at, len), (cut, cut, cut));
+                    assert_eq!(acked, bytes.len() as u64);
+                }
+                // Cut inside the last group: that group is judged
+                // acknowledged, so its damage is named first.
+                Err(StoreError::Corrupt { cut: at, .. }) if inside > 0 => {
+                    assert_eq!(at, last.offset)
+                }
+                other => panic!("cut at {cut}: {other:?}"),
+            }
+            crate::store::salvage::plan(d.path(), last.offset)
+                .unwrap()
+                .apply()
+                .unwrap();
+            let (_, _, got) = open_collect(d.path(), OpenMode::Durable).unwrap();
+            assert_eq!(got.len(), 2, "salvaged at {cut}");
+        }
+    }
+
     /// The spec: a complete record that fails its checksum refuses the
     /// start. In the last group that cannot be told from a torn write by
     /// the log alone (pages land in any order before the fdatasync
@@ -915,9 +981,8 @@ mod tests {
             .end;
         std::thread::sleep(super::super::acked::ACKED_IDLE * 5);
         let log = File::open(d.path().join(WAL_FILE)).unwrap();
-        let len = log.metadata().unwrap().len();
         assert_eq!(
-            super::super::acked::read(d.path(), &log, len),
+            super::super::acked::read(d.path(), &log),
             Some(end + MARKER_LEN as u64)
         );
         w.shutdown();
