@@ -693,6 +693,12 @@ async fn run(
         max_loaded: config.max_loaded_models.max(1),
         limit: config.memory_limit_mb.map(|mb| mb.saturating_mul(1 << 20)),
     });
+    // The web token and the files beside it first: a start that cannot
+    // write them fails before any Boot is committed or "serving" printed.
+    let web_prepared = match &web_listener {
+        Some(l) => Some(crate::http::prepare(l, &config.sessions)?),
+        None => None,
+    };
     let mut served = Vec::new();
     let mut infos = Vec::new();
     for (slot, m) in models.into_iter().enumerate() {
@@ -728,8 +734,8 @@ async fn run(
         });
     }
     let served = Served::new(served);
-    let web = match web_listener {
-        Some(l) => {
+    let web = match web_listener.zip(web_prepared) {
+        Some((l, prepared)) => {
             let web_config = config.web.clone().unwrap_or_else(|| WebConfig {
                 addr: l
                     .local_addr()
@@ -739,7 +745,7 @@ async fn run(
                 max_connections: config.max_connections,
             });
             let ids = served.ids();
-            let web = crate::http::start(l, &web_config, &config.sessions, served.clone(), infos)?;
+            let web = crate::http::start(l, prepared, &web_config, served.clone(), infos)?;
             let key = if web_config.api_key.is_some() {
                 format!("--api-key, or the token in {}", web.token_path.display())
             } else {

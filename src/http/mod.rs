@@ -186,15 +186,20 @@ pub struct Web {
     pub handle: actix_web::dev::ServerHandle,
 }
 
-/// Mints and writes the token, and starts serving on `listener`. Runs
-/// inside the actix system.
-pub fn start(
-    listener: TcpListener,
-    config: &WebConfig,
-    sessions: &Path,
-    served: Served,
-    infos: Vec<compat::ModelInfo>,
-) -> Result<Web, StartError> {
+/// What the web listener needs from the sessions directory, written and
+/// read before anything starts (no `Boot` is committed and nothing says
+/// "serving" when one of them fails): the token, minted and written, the
+/// address file, and the response-id key.
+pub struct Prepared {
+    addr: SocketAddr,
+    token: String,
+    token_path: PathBuf,
+    ids: compat::response_ids::ResponseIds,
+}
+
+/// Mints and writes the token and the address file for `listener`, and
+/// opens the response-id key.
+pub fn prepare(listener: &TcpListener, sessions: &Path) -> Result<Prepared, StartError> {
     let addr = listener.local_addr().map_err(StartError::Server)?;
     let token = token::mint().map_err(StartError::Random)?;
     let token_path = token::write(sessions, &token).map_err(|source| StartError::Token {
@@ -205,8 +210,31 @@ pub fn start(
         path: sessions.join(token::ADDR_FILE),
         source,
     })?;
-    let page_url = page::url(addr, &token);
     let ids = compat::response_ids::ResponseIds::open(sessions)?;
+    Ok(Prepared {
+        addr,
+        token,
+        token_path,
+        ids,
+    })
+}
+
+/// Starts serving on `listener` with what [`prepare`] made. Runs inside
+/// the actix system.
+pub fn start(
+    listener: TcpListener,
+    prepared: Prepared,
+    config: &WebConfig,
+    served: Served,
+    infos: Vec<compat::ModelInfo>,
+) -> Result<Web, StartError> {
+    let Prepared {
+        addr,
+        token,
+        token_path,
+        ids,
+    } = prepared;
+    let page_url = page::url(addr, &token);
     let models = served
         .all()
         .iter()

@@ -855,6 +855,26 @@ fn a_file_at_the_socket_path_is_never_replaced() {
     assert_eq!(std::fs::read(&d.socket).unwrap(), b"the user's notes");
 }
 
+/// A start that cannot write the web token (a full disk; here a directory
+/// in its place) fails before it commits a `Boot` or says "serving", with
+/// the reason and no panic: it printed "serving", committed a Boot (an
+/// epoch used up at each try) and panicked in actix's teardown ("there is
+/// no reactor running") before the reason.
+#[test]
+fn a_start_that_cannot_write_the_web_token_fails_before_it_boots() {
+    let mut d = TestDaemon::new();
+    std::fs::create_dir_all(d.sessions.join("web-token")).unwrap();
+    let failed = d.start_expect_exit(&["--web".into(), "127.0.0.1:0".into()]);
+    assert!(!failed.status.success());
+    assert!(
+        failed.stderr.contains("cannot write the web token") && !failed.stderr.contains("panicked"),
+        "{}",
+        failed.stderr
+    );
+    let boots = crate::util::wal_records(&d.wal_bytes()).len();
+    assert_eq!(boots, 0, "a failed start committed {boots} records");
+}
+
 #[test]
 fn stop_leaves_a_socket_another_process_bound_since() {
     let mut d = TestDaemon::start();
