@@ -11,7 +11,7 @@ use actix::prelude::*;
 use tokio::sync::mpsc;
 
 use super::prepared::Answers;
-use super::{commit_event, schema_cache, BusyGuard, SessionActor};
+use super::{commit_event, schema_cache, BusyGuard, SessionActor, STREAM_REPLY_CAPACITY};
 use crate::actors::now_ms;
 use crate::actors::scheduler::{AdmitGen, CancelGen, GenUpdate};
 use crate::scheduler::{Admit, GenEvent, GenId};
@@ -54,6 +54,10 @@ pub(crate) struct Asks {
     pub started: Option<tokio::sync::oneshot::Sender<u64>>,
 }
 
+/// Free places in a generating client's reply queue kept for committed
+/// events: provisional text is dropped rather than queued into them.
+const PROVISIONAL_RESERVE: usize = STREAM_REPLY_CAPACITY / 2;
+
 impl SessionActor {
     /// Asks the scheduler to stop the generation; false when none runs.
     pub(super) fn cancel(&mut self) -> bool {
@@ -79,10 +83,13 @@ impl SessionActor {
         }
     }
 
-    /// Provisional text for the generating client: dropped when its queue
-    /// is full (the commits carry the same text), a gone client cancels.
+    /// Provisional text for the generating client: dropped once its queue
+    /// is half full (the commits carry the same text, and keep the other
+    /// half: provisional frames a slow reader left queued never push out a
+    /// committed `Delta`), a gone client cancels.
     fn tell_provisional(&mut self, channel: Channel, text: String) {
         let gone = match &self.generation {
+            Some(g) if g.reply.capacity() <= PROVISIONAL_RESERVE => g.reply.is_closed(),
             Some(g) => matches!(
                 g.reply.try_send(Response::SubProvisional {
                     sub: 0,
