@@ -17,6 +17,12 @@ pub enum WebError {
     TooLarge { max: usize },
     #[error("cannot read the request body: {0}")]
     Body(String),
+    /// The body did not arrive whole within the deadline.
+    #[error("the request body did not arrive within {secs} s")]
+    BodyTimeout { secs: u64 },
+    /// As many WebSockets are open as the listener keeps for them.
+    #[error("{max} WebSocket connections are open, the most this listener keeps for them (half of --max-connections); close one")]
+    TooManySockets { max: usize },
     #[error("not a WebSocket handshake: {0}")]
     Handshake(String),
     /// `?model=` names no served model.
@@ -34,6 +40,8 @@ impl ResponseError for WebError {
             WebError::Denied(_) => StatusCode::FORBIDDEN,
             WebError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             WebError::Body(_) | WebError::Handshake(_) => StatusCode::BAD_REQUEST,
+            WebError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
+            WebError::TooManySockets { .. } => StatusCode::SERVICE_UNAVAILABLE,
             WebError::NoModel(_) => StatusCode::NOT_FOUND,
             WebError::Throttled { .. } => StatusCode::TOO_MANY_REQUESTS,
         }

@@ -256,6 +256,8 @@ pub fn start(
         models: Arc::new(models),
         current: 0,
         ids: Arc::new(ids),
+        sockets: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
+        max_sockets: (config.max_connections / 2).max(1),
     });
     let server = HttpServer::new(move || {
         App::new()

@@ -2,9 +2,11 @@
 //! handler authorizes (`auth`), then forwards to the registry the way the
 //! socket does; statuses other than 200 come only from `WebError`.
 
+use std::collections::VecDeque;
 use std::convert::Infallible;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use actix::Addr;
 use actix_web::http::header;
@@ -55,6 +57,11 @@ pub struct WebState {
     /// Tags the response ids the compatible routes issue
     /// (`compat::response_ids`).
     pub ids: Arc<super::compat::response_ids::ResponseIds>,
+    /// The /web/ws connections open, and the most kept for them (half of
+    /// `--max-connections`, so WebSockets never take every slot from the
+    /// HTTP routes).
+    pub sockets: Arc<AtomicUsize>,
+    pub max_sockets: usize,
 }
 
 impl WebState {
@@ -104,8 +111,14 @@ pub(super) fn check(state: &WebState, route: Route, req: &HttpRequest) -> Result
     Ok(authorize(&state.policy, route, &presented)?)
 }
 
+/// How long a request's body may take to arrive whole, once its head came
+/// (within actix's 5 s for the head): a client that stops sending mid-body
+/// would hold its connection's slot for good.
+pub const BODY_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Reads the body, refusing one over the cap before reading it when it says
-/// its length, and as soon as it passes the cap when it does not.
+/// its length, and as soon as it passes the cap when it does not; a 408
+/// when it has not arrived within [`BODY_TIMEOUT`].
 pub(super) async fn read_body(req: &HttpRequest, payload: web::Payload) -> Result<Bytes, WebError> {
     read_body_capped(req, payload, MAX_BODY_BYTES).await
 }
@@ -125,15 +138,22 @@ pub(super) async fn read_body_capped(
     if declared.is_some_and(|n| n > max as u64) {
         return Err(too_large);
     }
-    let mut body = BytesMut::new();
-    while let Some(chunk) = payload.next().await {
-        let chunk = chunk.map_err(|e| WebError::Body(e.to_string()))?;
-        if body.len() + chunk.len() > max {
-            return Err(too_large);
+    let read = async {
+        let mut body = BytesMut::new();
+        while let Some(chunk) = payload.next().await {
+            let chunk = chunk.map_err(|e| WebError::Body(e.to_string()))?;
+            if body.len() + chunk.len() > max {
+                return Err(too_large);
+            }
+            body.extend_from_slice(&chunk);
         }
-        body.extend_from_slice(&chunk);
-    }
-    Ok(body.freeze())
+        Ok(body.freeze())
+    };
+    tokio::time::timeout(BODY_TIMEOUT, read)
+        .await
+        .unwrap_or(Err(WebError::BodyTimeout {
+            secs: BODY_TIMEOUT.as_secs(),
+        }))
 }
 
 /// 200 with `{"ok": true, "lane": "loading" | "ready" | "respawning" |
@@ -368,6 +388,10 @@ async fn ws(
         )));
     }
     let model = model_of(&state, &req)?.current;
+    let open =
+        SocketCount::take(&state.sockets, state.max_sockets).ok_or(WebError::TooManySockets {
+            max: state.max_sockets,
+        })?;
     let (response, session, messages) = actix_ws::handle_with_protocols(&req, payload, &[PROTOCOL])
         .map_err(|e| WebError::Handshake(e.to_string()))?;
     let socket = req
@@ -379,8 +403,109 @@ async fn ws(
         session,
         messages,
         socket,
+        open,
     ));
     Ok(response)
+}
+
+/// One open /web/ws connection, counted while it lives.
+struct SocketCount(Arc<AtomicUsize>);
+
+impl SocketCount {
+    /// Counts one more, unless `max` are open.
+    fn take(open: &Arc<AtomicUsize>, max: usize) -> Option<SocketCount> {
+        open.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+            (n < max).then_some(n + 1)
+        })
+        .ok()
+        .map(|_| SocketCount(open.clone()))
+    }
+}
+
+impl Drop for SocketCount {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// A /web/ws connection with nothing from its client for this long gets a
+/// Ping; one that answers nothing (no Pong, no frame) for [`WS_IDLE_LIMIT`]
+/// is closed: it holds a connection slot.
+pub const WS_PING_EVERY: Duration = Duration::from_secs(20);
+pub const WS_IDLE_LIMIT: Duration = Duration::from_secs(60);
+
+/// Reads a /web/ws connection's frames until its client closes, leaves, goes
+/// silent past [`WS_IDLE_LIMIT`] or breaks the protocol, handing requests to
+/// `incoming` in order. Requests waiting for the request loop are held here
+/// (at most [`MAX_BODY_BYTES`] of them, past which reading waits), so a
+/// Close or a Ping behind them is still seen at once.
+async fn read_ws(
+    mut messages: impl Stream<Item = Result<actix_ws::AggregatedMessage, actix_ws::ProtocolError>>
+        + Unpin,
+    mut session: actix_ws::Session,
+    incoming: mpsc::Sender<WsIn>,
+    closed_with: Arc<Mutex<Option<actix_ws::CloseReason>>>,
+) {
+    use actix_ws::AggregatedMessage as M;
+    let mut pending: VecDeque<WsIn> = VecDeque::new();
+    let mut pending_bytes = 0usize;
+    // False once the stream cannot go on (a broken frame): what is pending
+    // is still handed over, the `Fatal` last.
+    let mut reading = true;
+    let mut heard = Instant::now();
+    let mut tick = tokio::time::interval(WS_PING_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        let front_bytes = |p: &VecDeque<WsIn>| match p.front() {
+            Some(WsIn::Text(t)) => t.len(),
+            _ => 0,
+        };
+        tokio::select! {
+            permit = incoming.reserve(), if !pending.is_empty() => {
+                let Ok(permit) = permit else { return };
+                pending_bytes -= front_bytes(&pending);
+                if let Some(item) = pending.pop_front() {
+                    permit.send(item);
+                }
+            }
+            message = messages.next(), if reading && pending_bytes < MAX_BODY_BYTES => {
+                heard = Instant::now();
+                let item = match message {
+                    None => return,
+                    Some(Ok(M::Text(text))) => WsIn::Text(text.to_string()),
+                    Some(Ok(M::Binary(_))) => WsIn::Refused("send requests as JSON text frames"),
+                    Some(Ok(M::Ping(bytes))) => {
+                        let _ = session.pong(&bytes).await;
+                        continue;
+                    }
+                    Some(Ok(M::Pong(_))) => continue,
+                    Some(Ok(M::Close(reason))) => {
+                        *closed_with.lock().unwrap_or_else(|e| e.into_inner()) = reason;
+                        return;
+                    }
+                    Some(Err(e)) => {
+                        // Past the frame cap, or not WebSocket: the stream cannot go on.
+                        reading = false;
+                        WsIn::Fatal(format!("closing the connection: {e}"))
+                    }
+                };
+                if let WsIn::Text(t) = &item {
+                    pending_bytes += t.len();
+                }
+                pending.push_back(item);
+            }
+            _ = tick.tick(), if reading => {
+                if heard.elapsed() >= WS_IDLE_LIMIT {
+                    log::info!("/web/ws: nothing from the client for {} s; closing", WS_IDLE_LIMIT.as_secs());
+                    return;
+                }
+                if heard.elapsed() >= WS_PING_EVERY && session.ping(b"").await.is_err() {
+                    return;
+                }
+            }
+            else => return,
+        }
+    }
 }
 
 /// What the reading task of a /web/ws connection hands its request loop.
@@ -395,11 +520,12 @@ enum WsIn {
 async fn ws_connection(
     listener: Listener,
     model: usize,
-    mut session: actix_ws::Session,
+    session: actix_ws::Session,
     messages: actix_ws::MessageStream,
     socket: Option<super::ConnSocket>,
+    open: SocketCount,
 ) {
-    let mut messages = messages
+    let messages = messages
         .max_frame_size(MAX_BODY_BYTES)
         .aggregate_continuations()
         .max_continuation_size(MAX_BODY_BYTES);
@@ -437,36 +563,14 @@ async fn ws_connection(
         }
     });
     // Messages are read on a task of their own, so a client that leaves is
-    // seen even while a request runs (`gone`).
-    use actix_ws::AggregatedMessage as M;
+    // seen even while a request runs (`gone`): it reads on (control frames,
+    // and requests into `pending`, up to one body's worth of bytes) while
+    // the request loop is busy, pings an idle client and closes a silent one.
     let (incoming, mut requests) = mpsc::channel::<WsIn>(1);
     actix_rt::spawn(async move {
-        while let Some(message) = messages.next().await {
-            let item = match message {
-                Ok(M::Text(text)) => WsIn::Text(text.to_string()),
-                Ok(M::Binary(_)) => WsIn::Refused("send requests as JSON text frames"),
-                Ok(M::Ping(bytes)) => {
-                    let _ = session.pong(&bytes).await;
-                    continue;
-                }
-                Ok(M::Pong(_)) => continue,
-                Ok(M::Close(reason)) => {
-                    *closed_with.lock().unwrap_or_else(|e| e.into_inner()) = reason;
-                    break;
-                }
-                Err(e) => {
-                    // Past the frame cap, or not WebSocket: the stream cannot go on.
-                    let _ = incoming
-                        .send(WsIn::Fatal(format!("closing the connection: {e}")))
-                        .await;
-                    break;
-                }
-            };
-            if incoming.send(item).await.is_err() {
-                return;
-            }
-        }
+        read_ws(messages, session, incoming, closed_with).await;
         let _ = gone_tx.send(true);
+        drop(open);
     });
     while let Some(item) = requests.recv().await {
         let done = match item {

@@ -3,7 +3,7 @@
 //! written by hand over `TcpStream` (HTTP/1.1, `Connection: close`), so the
 //! tests see and send exact bytes; the WebSocket client is tungstenite's.
 
-use std::io::Read;
+use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::os::unix::fs::PermissionsExt;
 use std::time::{Duration, Instant};
@@ -1122,4 +1122,167 @@ fn web_ws_close_cancels_its_generation_and_echoes_the_close() {
     });
     assert_eq!(finish, Some(Finish::Cancelled), "{tokens} tokens");
     assert!(tokens < 400, "{tokens}");
+}
+
+/// Waits until `session` generates no more; its generated tokens and last
+/// finish code.
+fn generation_end(web: &Web, session: u64) -> (usize, Option<Finish>) {
+    let until = Instant::now() + Duration::from_secs(60);
+    loop {
+        let Response::Inspection { inspection } = web.rpc_typed(&Request::Inspect { session })
+        else {
+            panic!("Inspect")
+        };
+        if !inspection.generating {
+            break;
+        }
+        assert!(Instant::now() < until, "still generating after 60 s");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let Response::Events { events } = web.rpc_typed(&Request::Read { session, cursor: 0 }) else {
+        panic!("Read")
+    };
+    events.iter().fold((0, None), |(n, f), e| match &e.body {
+        Record::Generated { span, finish, .. } => (n + span.len(), Some(*finish)),
+        _ => (n, f),
+    })
+}
+
+/// A Ping and a Close behind requests queued after a running `Generate`
+/// are seen at once: the Pong comes back while it runs, and the Close
+/// cancels it. The reader handed requests over one at a time and waited
+/// for the loop with two queued: the Pong came after the generation (5 s
+/// in the audit), and it ran to its max_tokens after the client had left.
+#[test]
+fn web_ws_sees_a_ping_and_a_close_behind_queued_requests() {
+    let (_d, web) = web_daemon(&[]);
+    let session = asked(&web, STORY);
+    let mut ws = web.ws();
+    ws.send(&Request::Generate {
+        session,
+        max_tokens: 400,
+    });
+    while !matches!(
+        ws.recv(),
+        Response::Delta { event } if matches!(event.body, Record::Generated { .. })
+    ) {}
+    for _ in 0..3 {
+        ws.send(&Request::Tree);
+    }
+    let pinged = Instant::now();
+    ws.ws
+        .send(tungstenite::Message::Ping(b"p".to_vec().into()))
+        .unwrap();
+    let pong = loop {
+        match ws.ws.read().unwrap() {
+            tungstenite::Message::Pong(_) => break pinged.elapsed(),
+            _ => continue,
+        }
+    };
+    let (tokens_then, _) = {
+        let Response::Events { events } = web.rpc_typed(&Request::Read { session, cursor: 0 })
+        else {
+            panic!("Read")
+        };
+        let n: usize = events
+            .iter()
+            .map(|e| match &e.body {
+                Record::Generated { span, .. } => span.len(),
+                _ => 0,
+            })
+            .sum();
+        (n, ())
+    };
+    assert!(
+        tokens_then < 400,
+        "the Pong ({pong:?}) came after the generation ended"
+    );
+    ws.ws.close(None).unwrap();
+    let (tokens, finish) = generation_end(&web, session);
+    assert_eq!(finish, Some(Finish::Cancelled), "{tokens} tokens");
+    assert!(tokens < 400, "{tokens}");
+}
+
+/// WebSockets take at most half of --max-connections: with 4, a third
+/// WebSocket is refused with 503 while the HTTP routes still answer at
+/// once (256 idle WebSockets held every slot and every route hung).
+#[test]
+fn web_sockets_take_at_most_half_the_connection_slots() {
+    let (_d, web) = web_daemon(&["--max-connections", "4"]);
+    let auth = web.auth();
+    let headers = [("Origin", ORIGIN), ("Authorization", auth.as_str())];
+    let kept: Vec<Ws> = (0..2).map(|_| web.ws()).collect();
+    match Ws::connect(web.port, &headers) {
+        Err(status) => assert_eq!(status, 503),
+        Ok(_) => panic!("a third WebSocket was let in with --max-connections 4"),
+    }
+    let t = Instant::now();
+    let r = request(
+        web.port,
+        "GET",
+        "/web/health",
+        &[("Authorization", auth.as_str())],
+        b"",
+    );
+    assert_eq!(r.status, 200);
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    // One closed, a new one is let in.
+    drop(kept);
+    std::thread::sleep(Duration::from_millis(300));
+    let mut ws = web.ws();
+    assert!(matches!(ws.call(&Request::Tree), Response::Tree { .. }));
+}
+
+/// A body that stops arriving is answered 408 within the body deadline
+/// (10 s) and its connection closed: it held its slot for good.
+#[test]
+fn web_a_body_that_stops_arriving_is_a_408() {
+    let (_d, web) = web_daemon(&[]);
+    let mut s = connect(web.port);
+    let auth = web.auth();
+    let t = Instant::now();
+    s.write_all(
+        format!(
+            "POST /web/rpc HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nAuthorization: {auth}\r\n\
+             X-Superfluid-CSRF: {}\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{{",
+            web.port, web.token
+        )
+        .as_bytes(),
+    )
+    .unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let (status, _, _) = read_head(&mut s);
+    let waited = t.elapsed();
+    assert_eq!(status, 408);
+    assert!(
+        waited >= Duration::from_secs(9) && waited < Duration::from_secs(20),
+        "{waited:?}"
+    );
+}
+
+/// A path or method no route serves answers 404 with the transport's JSON
+/// error (docs/web.md: every non-200 status has one); it had an empty body.
+#[test]
+fn web_a_path_no_route_serves_is_a_json_404() {
+    let (_d, web) = web_daemon(&[]);
+    let auth = web.auth();
+    for (method, path) in [
+        ("GET", "/web/rpc"),
+        ("GET", "/web/nope"),
+        ("PUT", "/web/stream"),
+    ] {
+        let r = request(
+            web.port,
+            method,
+            path,
+            &[("Authorization", auth.as_str())],
+            b"",
+        );
+        assert_eq!(r.status, 404, "{method} {path}");
+        let said = r.json()["Err"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        assert_eq!(said, format!("no route serves {method} {path}"));
+    }
 }

@@ -154,7 +154,7 @@ fn responses_routes(cfg: &mut web::ServiceConfig) {
 /// A path under `/v1/` or `/api/` that no route serves (or a method its
 /// route does not take): after the credential check, a 404 in the API's
 /// own error shape naming the method and path (the SDKs show its message).
-/// Other paths: an empty 404, as before.
+/// Any other path: a 404 with the browser transport's `{"Err": {message}}`.
 pub async fn no_route(req: HttpRequest, state: web::Data<WebState>) -> HttpResponse {
     let path = req.path();
     let family = if path.starts_with("/v1/messages") {
@@ -164,7 +164,10 @@ pub async fn no_route(req: HttpRequest, state: web::Data<WebState>) -> HttpRespo
     } else if path.starts_with("/api/") {
         Family::Ollama
     } else {
-        return HttpResponse::NotFound().finish();
+        return HttpResponse::NotFound().json(Response::err(format!(
+            "no route serves {} {path}",
+            req.method()
+        )));
     };
     let e = match authorize(&state, family, &req) {
         Err(e) => e,
