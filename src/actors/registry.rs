@@ -60,6 +60,8 @@ pub struct Subscribe {
     pub cursor: u64,
     pub provisional: bool,
     pub out: tokio::sync::mpsc::Sender<Response>,
+    /// The connection's turn to queue a large backlog event.
+    pub large: std::sync::Arc<tokio::sync::Mutex<()>>,
 }
 
 /// Which session made each of a session's events (`SessionBook::owners`):
@@ -402,7 +404,14 @@ impl Handler<Subscribe> for Registry {
     type Result = Result<(u64, Addr<SubscriptionActor>), SessionError>;
 
     fn handle(&mut self, m: Subscribe, _: &mut Context<Self>) -> Self::Result {
-        subscription::start(&self.shared, m.session, m.cursor, m.provisional, m.out)
+        subscription::start(
+            &self.shared,
+            m.session,
+            m.cursor,
+            m.provisional,
+            m.out,
+            m.large,
+        )
     }
 }
 

@@ -11,13 +11,23 @@
 //! `SubEnded`). A lagged client resubscribes from the id after the last event
 //! it saw.
 
+use std::sync::Arc;
+
 use actix::prelude::*;
 use tokio::sync::mpsc;
 
 use super::bus::{BusItem, EndReason, Subscriber};
 use super::Shared;
 use crate::session::SessionError;
-use crate::wire::{Event, EventId, Response, SessionId};
+use crate::wire::{EventId, Response, SessionId};
+
+/// A backlog event larger than this (its postcard size) waits for its
+/// connection's turn, and the turn is held until the connection's queue has
+/// drained: however many subscriptions a client opens and does not read, at
+/// most one large event is queued for it at a time (each subscription's copy
+/// of a long session, queued towards a client that did not read, took a
+/// 1 MB session's ten silent subscribers to 1.3 GB).
+pub const LARGE_EVENT_BYTES: usize = 64 << 10;
 
 /// Start delivering: sent by the connection once it has queued
 /// `Subscribed { sub }`, so that reply comes before the first `SubEvent`.
@@ -39,9 +49,16 @@ pub struct SubscriptionActor {
     /// were sent already (from the backlog).
     next: EventId,
     out: mpsc::Sender<Response>,
-    /// Until `Begin`: the events from the cursor, read when the subscriber
-    /// registered.
-    backlog: Vec<Event>,
+    /// The book the backlog is read from, one event at a time as the client
+    /// takes them (a copy of a whole long session per subscription, held
+    /// while a client did not read, multiplied a session's size).
+    shared: Shared,
+    session: SessionId,
+    /// The session's length when the subscriber registered: the backlog is
+    /// `next..backlog_end`, the bus carries what comes after.
+    backlog_end: EventId,
+    /// The connection's turn to queue a large event (see [`LARGE_EVENT_BYTES`]).
+    large: Arc<tokio::sync::Mutex<()>>,
     /// Until `Begin`: the bus registration (then it is the actor's stream).
     subscriber: Option<Subscriber>,
     ended: bool,
@@ -56,18 +73,29 @@ pub fn start(
     cursor: EventId,
     provisional: bool,
     out: mpsc::Sender<Response>,
+    large: Arc<tokio::sync::Mutex<()>>,
 ) -> Result<(u64, Addr<SubscriptionActor>), SessionError> {
-    let (backlog, subscriber) = {
+    let (backlog_end, subscriber) = {
         let book = shared.read();
-        let backlog = book.read(session, cursor)?;
-        (backlog, shared.bus.subscribe(session, provisional))
+        let len = book.live_len(session)?;
+        if cursor > len {
+            return Err(SessionError::CursorPastEnd {
+                session,
+                cursor,
+                len,
+            });
+        }
+        (len, shared.bus.subscribe(session, provisional))
     };
     let sub = subscriber.sub;
     let addr = SubscriptionActor {
         sub,
         next: cursor,
         out,
-        backlog,
+        shared: shared.clone(),
+        session,
+        backlog_end,
+        large,
         subscriber: Some(subscriber),
         ended: false,
     }
@@ -127,17 +155,43 @@ impl Handler<Begin> for SubscriptionActor {
             return;
         };
         // One future for the whole backlog: it is sent in order before any
-        // live event is looked at (`ctx.wait` holds the stream back).
-        let backlog = std::mem::take(&mut self.backlog);
-        if let Some(last) = backlog.last() {
-            self.next = last.event_id + 1;
-        }
-        let (out, sub) = (self.out.clone(), self.sub);
+        // live event is looked at (`ctx.wait` holds the stream back). Each
+        // event is read from the book when the client's queue has room for
+        // it; committed events never change, so reading them late reads the
+        // same. A session purged meanwhile ends the backlog there (the bus
+        // then says `purged`).
+        let (from, end) = (self.next, self.backlog_end);
+        self.next = self.next.max(end);
+        let (out, sub, shared, session, large) = (
+            self.out.clone(),
+            self.sub,
+            self.shared.clone(),
+            self.session,
+            self.large.clone(),
+        );
         ctx.wait(
             async move {
-                for event in backlog {
+                for id in from..end {
+                    let read = shared.read().read_range(session, id, id + 1);
+                    let Some(event) = read.ok().and_then(|mut v| v.pop()) else {
+                        break;
+                    };
+                    let large_one = postcard::experimental::serialized_size(&event)
+                        .map_or(true, |n| n > LARGE_EVENT_BYTES);
+                    let turn = if large_one {
+                        Some(large.lock().await)
+                    } else {
+                        None
+                    };
                     if out.send(Response::SubEvent { sub, event }).await.is_err() {
                         return false;
+                    }
+                    if turn.is_some() {
+                        // Holds the turn until the queue is drained: the
+                        // event was written to the client.
+                        if out.reserve_many(out.max_capacity()).await.is_err() {
+                            return false;
+                        }
                     }
                 }
                 true

@@ -70,6 +70,10 @@ pub struct Connection {
     listener_bucket: Arc<Mutex<TokenBucket>>,
     /// Turns true when the transport saw the client leave.
     gone: watch::Receiver<bool>,
+    /// Taken by a subscription's backlog while it queues a large event
+    /// (`subscription::LARGE_EVENT_BYTES`), until this queue drains: at
+    /// most one such event waits in it at a time.
+    large: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl Connection {
@@ -89,6 +93,7 @@ impl Connection {
             bucket: TokenBucket::per_connection(Instant::now()),
             listener_bucket: listener.completes.clone(),
             gone,
+            large: Arc::new(tokio::sync::Mutex::new(())),
         };
         (conn, rx)
     }
@@ -172,6 +177,7 @@ impl Connection {
                         cursor,
                         provisional,
                         out: self.out.clone(),
+                        large: self.large.clone(),
                     })
                     .await
                     .map_err(|e| format!("the daemon is shutting down: {e}"))

@@ -611,3 +611,59 @@ fn a_half_closed_client_gets_its_replies_then_eof() {
     assert!(s.read_to_end(&mut rest).is_ok(), "EOF, not a timeout");
     assert!(rest.is_empty());
 }
+
+fn rss_mib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap();
+    kb / 1024
+}
+
+/// Subscribers that never read, on connections that subscribe to a session
+/// holding a 2 MB message over and over, hold about one copy of it per
+/// connection: a subscription reads its backlog from the book as its client
+/// takes it, and a large event waits until the connection's queue drained.
+/// Each subscription held a copy of the whole session (4 connections of 24
+/// such subscriptions grew the daemon by about 200 MB; the audit took one to
+/// 1.6 GB with a 1 MB message). Another client is served meanwhile.
+#[test]
+fn silent_subscribers_of_a_large_session_hold_one_copy_per_connection() {
+    let d = TestDaemon::start();
+    let mut c = d.client();
+    let s = d.create(&mut c);
+    user(&mut c, s, &"log line with some words\n".repeat(80_000));
+    user(&mut c, s, "and a short one");
+    std::thread::sleep(Duration::from_millis(300));
+    let before = rss_mib(d.pid());
+    let silent: Vec<Raw> = (0..4)
+        .map(|_| {
+            let mut r = Raw::connect(&d.socket);
+            for _ in 0..24 {
+                r.send_request(&Request::Subscribe {
+                    session: s,
+                    cursor: 0,
+                    provisional: false,
+                });
+            }
+            r
+        })
+        .collect();
+    std::thread::sleep(Duration::from_secs(3));
+    let grown = rss_mib(d.pid()).saturating_sub(before);
+    assert!(
+        matches!(
+            c.call(&Request::Inspect { session: s }).unwrap(),
+            Response::Inspection { .. }
+        ),
+        "another client was not served"
+    );
+    assert!(
+        grown < 60,
+        "4 silent connections grew the daemon by {grown} MiB"
+    );
+    drop(silent);
+}

@@ -360,6 +360,12 @@ impl SessionBook {
         Ok(self.get(s)?.len)
     }
 
+    /// [`len`](Self::len) of a session that is not purged (what `Read`
+    /// refuses, `Subscribe` refuses).
+    pub fn live_len(&self, s: SessionId) -> Result<u64, SessionError> {
+        Ok(self.live(s)?.len)
+    }
+
     fn event(&self, s: SessionId, ts: u64, event_id: EventId, body: Record) -> Event {
         let _ = s;
         Event {

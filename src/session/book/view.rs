@@ -150,6 +150,22 @@ impl SessionBook {
         None
     }
 
+    /// The session's events `from..to` (`to` at most its length).
+    pub fn read_range(
+        &self,
+        s: SessionId,
+        from: EventId,
+        to: EventId,
+    ) -> Result<Vec<Event>, SessionError> {
+        let sess = self.live(s)?;
+        let to = to.min(sess.len);
+        let mut out = Vec::with_capacity(to.saturating_sub(from) as usize);
+        if from < to {
+            self.collect(s, from, to, &mut out);
+        }
+        Ok(out)
+    }
+
     /// `Read`: the session's events from `cursor` on.
     pub fn read(&self, s: SessionId, cursor: EventId) -> Result<Vec<Event>, SessionError> {
         let sess = self.live(s)?;
