@@ -484,8 +484,16 @@ async fn read_ws(
                         return;
                     }
                     Some(Err(e)) => {
-                        // Past the frame cap, or not WebSocket: the stream cannot go on.
+                        // Past the frame cap, or not WebSocket: the stream
+                        // cannot go on. The Close says which (RFC 6455
+                        // 7.4.1: 1009 too big, 1002 a protocol error).
                         reading = false;
+                        let code = match e {
+                            actix_ws::ProtocolError::Overflow => actix_ws::CloseCode::Size,
+                            _ => actix_ws::CloseCode::Protocol,
+                        };
+                        *closed_with.lock().unwrap_or_else(|e| e.into_inner()) =
+                            Some(code.into());
                         WsIn::Fatal(format!("closing the connection: {e}"))
                     }
                 };

@@ -1286,3 +1286,36 @@ fn web_a_path_no_route_serves_is_a_json_404() {
         assert_eq!(said, format!("no route serves {method} {path}"));
     }
 }
+
+/// A frame that breaks the protocol (a continuation with nothing to
+/// continue) gets an `Err` frame, then a Close saying 1002 (RFC 6455 7.4.1);
+/// it said 1000, a normal closure.
+#[test]
+fn web_ws_a_protocol_error_is_closed_with_1002() {
+    use tungstenite::protocol::frame::coding::{CloseCode, Data, OpCode};
+    use tungstenite::protocol::frame::Frame;
+    let (_d, web) = web_daemon(&[]);
+    let mut ws = web.ws();
+    ws.ws
+        .send(tungstenite::Message::Frame(Frame::message(
+            b"stray".to_vec(),
+            OpCode::Data(Data::Continue),
+            true,
+        )))
+        .unwrap();
+    let mut said = None;
+    let code = loop {
+        match ws.ws.read() {
+            Ok(tungstenite::Message::Text(t)) => said = Some(t.to_string()),
+            Ok(tungstenite::Message::Close(frame)) => break frame.map(|f| f.code),
+            Ok(_) => continue,
+            Err(e) => panic!("no Close from the server: {e}"),
+        }
+    };
+    assert!(
+        said.as_deref()
+            .is_some_and(|t| t.contains("closing the connection")),
+        "{said:?}"
+    );
+    assert_eq!(code, Some(CloseCode::Protocol));
+}

@@ -414,6 +414,55 @@ def test_archived_sessions_hide_behind_the_toggle(page, sf):
     assert "archived" in page.node(s.id).inner_text()
 
 
+def subscribers(sf):
+    line = [ln for ln in sf.metrics().splitlines() if ln.startswith("superfluid_subscribers ")][0]
+    return int(float(line.split()[1]))
+
+
+def test_quick_switches_between_sessions_keep_one_subscription(page, sf):
+    """Opening B before A's Subscribe was answered leaked A's subscription
+    (40 quick switches left 26; at 64 the page could open no session)."""
+    a, b = talked(sf, max_tokens=4), talked(sf, "Name a colour.", max_tokens=4)
+    for s in (a, b):
+        for i in range(40):
+            s.user("filler {}".format(i))
+    p = page.page
+    page.node(b.id).wait_for()
+    p.evaluate("""async ([a, b]) => {
+        const q = (i) => document.querySelector(`#tree [data-session="${i}"]`);
+        for (let k = 0; k < 30; k++) {
+            q(a).click();
+            await new Promise((r) => setTimeout(r, 5));
+            q(b).click();
+            await new Promise((r) => setTimeout(r, 30));
+        }
+    }""", [a.id, b.id])
+    p.wait_for_selector("#session-title:has-text('#{}')".format(b.id))
+    deadline = __import__("time").monotonic() + 10
+    while subscribers(sf) != 1 and __import__("time").monotonic() < deadline:
+        __import__("time").sleep(0.2)
+    assert subscribers(sf) == 1
+
+
+def test_an_archived_fork_is_labelled_with_its_fork_point_and_own_words(page, sf):
+    """Tree leaves archived sessions out: the page labelled an archived fork
+    "fork at event null" and named it with its parent's first words."""
+    s = talked(sf, "Parent words here.", max_tokens=4)
+    f = s.fork(at=2)
+    f.user("Child words here.")
+    sf.call("SetMeta", {"session": f.id, "archived": True, "title": None,
+                        "expected_version": f.inspect()["version"]})
+    p = page.page
+    page.node(s.id).wait_for()
+    p.check("#show-archived")
+    node = page.node(f.id)
+    node.wait_for()
+    p.wait_for_function("id => !document.querySelector(`#tree [data-session=\"${id}\"]`).innerText.includes('Parent')",
+                        arg=f.id, timeout=10_000)
+    text = node.inner_text()
+    assert "fork at event 2" in text and "null" not in text and "Child words" in text, text
+
+
 def test_restart_reconnects_and_shows_the_same_tree(browser, daemon, sf):
     s = talked(sf, max_tokens=4)
     f = s.fork()

@@ -96,6 +96,7 @@ ROUTES = [
     ("GET", "/v1/conversations/{id}/items", "openai", None),
     ("POST", "/v1/conversations/{id}/items", "openai",
      lambda i: {"items": [{"type": "message", "role": "user", "content": "added without a key"}]}),
+    ("GET", "/v1/conversations/{id}/items/{item_id}", "openai", None),
     ("DELETE", "/v1/conversations/{id}/items/{item_id}", "openai", None),
 ]
 
@@ -150,7 +151,7 @@ def test_the_table_covers_every_registered_route():
     missing, extra = set(found) - set(table), set(table) - set(found)
     assert not missing, "registered routes without a row: {}".format(sorted(missing))
     assert not extra, "rows for routes not registered: {}".format(sorted(extra))
-    assert len(table) == 40
+    assert len(table) == 41
 
 
 def send(daemon, method, path, body, headers, host=None):

@@ -392,7 +392,13 @@ async function learn(id, info) {
   }
   for (const e of events) {
     const [kind, f] = kindOf(e.body);
-    if (kind === "Forked" || kind === "Rebased") info.kind = info.kind || kind;
+    if (kind === "Forked" || kind === "Rebased") {
+      info.kind = info.kind || kind;
+      // Read from 0 (Tree leaves archived sessions out, and a rerooted one
+      // has no parent there): the words before the branch are the parent's.
+      info.branchedAt = f.fork_at;
+      info.label = null;
+    }
     if (kind === "Rebased") info.edits = f.edits;
     if (info.label === null && kind === "Message" && f.role === 1) info.label = short(f.text, 48);
     info.cursor = e.event_id + 1;
@@ -401,7 +407,7 @@ async function learn(id, info) {
 }
 
 function edgeLabel(info) {
-  const at = info.forkAt;
+  const at = info.forkAt ?? info.branchedAt;
   if (info.kind === "Rebased") return el("span", { class: "edge edge-rebase" }, `edit at event ${at}`);
   if (info.kind === "Forked") return el("span", { class: "edge edge-fork" }, `fork at event ${at}`);
   return el("span", { class: "edge" }, "created under");
@@ -438,7 +444,7 @@ function renderTree() {
     return children.map((info) => {
       const s = info.summary;
       const kids = branch(s.session, depth + 1);
-      const title = s.title || info.label || (s.parent === null ? "(no messages yet)" : `branch of ${nameOf(s.parent)}`);
+      const title = short(s.title, 80) || info.label || (s.parent === null ? "(no messages yet)" : `branch of ${nameOf(s.parent)}`);
       const node = el(
         "button",
         {
@@ -471,7 +477,13 @@ function renderTree() {
 
 // ---- 7. session -----------------------------------------------------------------
 
+/** Counts select() calls: a Subscribe answered after a later select() is
+ *  nobody's, and is ended at once (quick switches leaked one each, until
+ *  the connection's 64 were taken). */
+let selectSeq = 0;
+
 async function select(id, { keepEvents = false } = {}) {
+  const seq = ++selectSeq;
   const changed = state.selected !== id;
   if (state.sub !== null && state.conn) {
     const sub = state.sub;
@@ -493,10 +505,17 @@ async function select(id, { keepEvents = false } = {}) {
   renderTree();
   if (!state.conn) return;
   const cursor = state.events.length ? state.events[state.events.length - 1].event_id + 1 : 0;
+  const conn = state.conn;
   try {
-    state.sub = await state.conn.subscribe(id, cursor, (reply) => onSub(id, reply));
+    const sub = await conn.subscribe(id, cursor, (reply) => onSub(id, reply));
+    if (seq !== selectSeq) {
+      conn.subs.delete(sub);
+      conn.call({ Unsubscribe: { sub } }).catch(() => {});
+      return;
+    }
+    state.sub = sub;
   } catch (e) {
-    toast(`session #${id}: ${e.message}`);
+    if (seq === selectSeq) toast(`session #${id}: ${e.message}`);
   }
   inspect();
   if (changed) $("message").focus();
@@ -574,7 +593,7 @@ async function inspect() {
 function renderHead() {
   const info = state.sessions.get(state.selected);
   const i = state.inspection && state.inspection.session === state.selected ? state.inspection : null;
-  const title = i?.title || info?.summary.title || info?.label || "untitled";
+  const title = short(i?.title || info?.summary.title, 120) || info?.label || "untitled";
   $("session-title").replaceChildren(el("span", { class: "node-id" }, `#${state.selected}`), " ", title);
   const generating = state.generating.has(state.selected) || !!i?.generating;
   $("cancel").hidden = !generating;
@@ -845,6 +864,16 @@ function renderItem(it, live) {
   }
 }
 
+/** A long text in an item's signature: its length and ends. Committed
+ *  text never changes, and a live turn's grows, so this tells them apart
+ *  without writing out a long message at every update (a 1 MB message
+ *  cost about 350 ms a token while a turn streamed). */
+function sigText(_key, value) {
+  return typeof value === "string" && value.length > 256
+    ? `${value.length}:${value.slice(0, 64)}:${value.slice(-64)}`
+    : value;
+}
+
 function renderEvents() {
   const list = $("events");
   const nearBottom = list.scrollHeight - list.scrollTop - list.clientHeight < 80;
@@ -872,7 +901,7 @@ function renderEvents() {
     if (it.type === "shared") shared = false;
     const live = it.key === liveKey;
     const s = it.type === "turn" ? stats(it) : null;
-    const sig = JSON.stringify([it, live && state.provisional, s]);
+    const sig = JSON.stringify([it, live && state.provisional, s], sigText);
     const old = state.items.get(it.key);
     const node = old && old.sig === sig ? old.node : renderItem(it, live);
     node.classList.toggle("inherited", shared);
