@@ -15,10 +15,14 @@ pub use crate::session::ChatMessage;
 /// A compiled chat template.
 pub struct ChatTemplate {
     env: Environment<'static>,
-    /// The template reads `tools`. When it does not (SmolLM2's, many
-    /// base models'), [`ChatTemplate::render`] declares them itself in the
-    /// system message, Hermes-style, so the model sees what it may call.
+    /// The template writes out the tools it is given. When it does not
+    /// (SmolLM2's, many base models'), [`ChatTemplate::render`] declares
+    /// them itself, Hermes-style, so the model sees what it may call.
     declares_tools: bool,
+    /// The template takes a system message (Gemma's and older Mistral's
+    /// raise on one): where [`tool_block`] goes, in a system message or at
+    /// the start of the first message.
+    takes_system: bool,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -49,18 +53,29 @@ impl ChatTemplate {
         env.add_global("eos_token", eos_token.to_owned());
         env.add_template_owned(TEMPLATE_NAME, source.to_owned())
             .map_err(|e| EngineError::TemplateSyntax(describe(&e)))?;
-        let declares_tools = env
-            .get_template(TEMPLATE_NAME)
-            .map_err(|e| EngineError::TemplateSyntax(describe(&e)))?
-            .undeclared_variables(false)
-            .contains("tools");
-        Ok(Self {
+        let mut t = Self {
             env,
-            declares_tools,
-        })
+            declares_tools: true,
+            takes_system: true,
+        };
+        // Asked of the template itself, by rendering: a probe tool's name in
+        // the text means it writes tools out (reading `tools` is not enough:
+        // `{% set tools = tools or [] %}` reads it, and some read it only to
+        // refuse it).
+        let user = [ChatMessage::new(crate::wire::Role::User, "x")];
+        let probe = json!({"type": "function", "function": {"name": PROBE_TOOL, "parameters": {"type": "object"}}});
+        t.declares_tools = t
+            .render_as_given(&user, std::slice::from_ref(&probe), false)
+            .is_ok_and(|text| text.contains(PROBE_TOOL));
+        let with_system = [
+            ChatMessage::new(crate::wire::Role::System, "s"),
+            user[0].clone(),
+        ];
+        t.takes_system = t.render_as_given(&with_system, &[], false).is_ok();
+        Ok(t)
     }
 
-    /// Whether the template declares tools itself (it reads `tools`).
+    /// Whether the template writes out the tools it is given.
     pub fn declares_tools(&self) -> bool {
         self.declares_tools
     }
@@ -74,13 +89,21 @@ impl ChatTemplate {
         tools: &[Json],
         add_generation_prompt: bool,
     ) -> Result<String, EngineError> {
-        let declared;
-        let messages = if tools.is_empty() || self.declares_tools {
-            messages
-        } else {
-            declared = with_tool_block(messages, tools);
-            &declared[..]
-        };
+        if tools.is_empty() || self.declares_tools {
+            return self.render_as_given(messages, tools, add_generation_prompt);
+        }
+        let declared = with_tool_block(messages, tools, self.takes_system);
+        self.render_as_given(&declared, &[], add_generation_prompt)
+    }
+
+    /// [`render`](Self::render) with `tools` passed to the template as they
+    /// are.
+    fn render_as_given(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[Json],
+        add_generation_prompt: bool,
+    ) -> Result<String, EngineError> {
         let msgs = messages
             .iter()
             .map(|m| Ok(json!({"role": m.role.name(), "content": m.content})))
@@ -122,9 +145,19 @@ pub fn tool_block(tools: &[Json]) -> String {
     s
 }
 
+/// The name of the tool [`ChatTemplate::new`] renders to learn whether a
+/// template writes tools out.
+const PROBE_TOOL: &str = "superfluid_probe_tool_5e3b";
+
 /// `messages` with [`tool_block`] at the end of the opening system message
-/// (after a blank line), or as a system message of its own before them.
-fn with_tool_block(messages: &[ChatMessage], tools: &[Json]) -> Vec<ChatMessage> {
+/// (after a blank line), or as a system message of its own before them; on a
+/// template that takes no system message (`takes_system` false), at the
+/// start of the first message, a blank line before its text.
+fn with_tool_block(
+    messages: &[ChatMessage],
+    tools: &[Json],
+    takes_system: bool,
+) -> Vec<ChatMessage> {
     let block = tool_block(tools);
     let mut out = messages.to_vec();
     match out.first_mut() {
@@ -133,6 +166,9 @@ fn with_tool_block(messages: &[ChatMessage], tools: &[Json]) -> Vec<ChatMessage>
                 first.content.push_str("\n\n");
             }
             first.content.push_str(&block);
+        }
+        Some(first) if !takes_system => {
+            first.content = format!("{block}\n\n{}", first.content);
         }
         _ => out.insert(0, ChatMessage::new(crate::wire::Role::System, block)),
     }
@@ -450,6 +486,41 @@ mod tests {
         // No tools: the messages as they are.
         let out = t.render(&[user], &[], false).unwrap();
         assert_eq!(out, "<|im_start|>user\ntime?<|im_end|>\n");
+    }
+
+    #[test]
+    fn whether_a_template_writes_tools_out_is_asked_of_the_template() {
+        // Reads `tools` through a `set` (minijinja's list of undeclared
+        // variables misses it): it writes them out itself.
+        const SET_TOOLS: &str =
+            "{% set tools = tools or [] %}{% for t in tools %}[{{ t.function.name }}]{% endfor %}\
+            {% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}";
+        let t = ChatTemplate::new(SET_TOOLS, "", "").unwrap();
+        assert!(t.declares_tools());
+        let tool = normalize_tool(r#"{"name":"get_time"}"#).unwrap();
+        let out = t
+            .render(
+                &[ChatMessage::new(Role::User, "hi")],
+                std::slice::from_ref(&tool),
+                false,
+            )
+            .unwrap();
+        assert_eq!(
+            out, "[get_time]user: hi\n",
+            "declared once, by the template"
+        );
+        // Refuses a system message (Gemma's way): the block opens the first
+        // message instead.
+        const NO_SYSTEM: &str = "{% for m in messages %}{% if m.role == 'system' %}\
+            {{ raise_exception('System role not supported') }}{% endif %}\
+            <{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}";
+        let t = ChatTemplate::new(NO_SYSTEM, "", "").unwrap();
+        assert!(!t.declares_tools());
+        let block = tool_block(std::slice::from_ref(&tool));
+        let out = t
+            .render(&[ChatMessage::new(Role::User, "hi")], &[tool], false)
+            .unwrap();
+        assert_eq!(out, format!("<user>{block}\n\nhi</user>"));
     }
 
     #[test]

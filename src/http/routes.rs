@@ -437,14 +437,18 @@ pub const WS_IDLE_LIMIT: Duration = Duration::from_secs(60);
 /// Reads a /web/ws connection's frames until its client closes, leaves, goes
 /// silent past [`WS_IDLE_LIMIT`] or breaks the protocol, handing requests to
 /// `incoming` in order. Requests waiting for the request loop are held here
-/// (at most [`MAX_BODY_BYTES`] of them, past which reading waits), so a
-/// Close or a Ping behind them is still seen at once.
+/// (at most [`WS_READ_AHEAD`] of them and [`MAX_BODY_BYTES`], past which
+/// reading waits), so a Close or a Ping behind them is still seen at once:
+/// at a Close the client is `gone`, which ends the connection as a hang-up
+/// ends a socket's (a running `Generate` is cancelled and the loop stops);
+/// what is held is handed over only while the loop still takes it.
 async fn read_ws(
     mut messages: impl Stream<Item = Result<actix_ws::AggregatedMessage, actix_ws::ProtocolError>>
         + Unpin,
     mut session: actix_ws::Session,
     incoming: mpsc::Sender<WsIn>,
     closed_with: Arc<Mutex<Option<actix_ws::CloseReason>>>,
+    gone: &watch::Sender<bool>,
 ) {
     use actix_ws::AggregatedMessage as M;
     let mut pending: VecDeque<WsIn> = VecDeque::new();
@@ -456,10 +460,7 @@ async fn read_ws(
     let mut tick = tokio::time::interval(WS_PING_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        let front_bytes = |p: &VecDeque<WsIn>| match p.front() {
-            Some(WsIn::Text(t)) => t.len(),
-            _ => 0,
-        };
+        let front_bytes = |p: &VecDeque<WsIn>| p.front().map_or(0, WsIn::weight);
         tokio::select! {
             permit = incoming.reserve(), if !pending.is_empty() => {
                 let Ok(permit) = permit else { return };
@@ -468,7 +469,10 @@ async fn read_ws(
                     permit.send(item);
                 }
             }
-            message = messages.next(), if reading && pending_bytes < MAX_BODY_BYTES => {
+            message = messages.next(), if reading
+                && pending_bytes < MAX_BODY_BYTES
+                && pending.len() < WS_READ_AHEAD =>
+            {
                 heard = Instant::now();
                 let item = match message {
                     None => return,
@@ -481,6 +485,12 @@ async fn read_ws(
                     Some(Ok(M::Pong(_))) => continue,
                     Some(Ok(M::Close(reason))) => {
                         *closed_with.lock().unwrap_or_else(|e| e.into_inner()) = reason;
+                        let _ = gone.send(true);
+                        for item in pending {
+                            if incoming.send(item).await.is_err() {
+                                return;
+                            }
+                        }
                         return;
                     }
                     Some(Err(e)) => {
@@ -497,12 +507,15 @@ async fn read_ws(
                         WsIn::Fatal(format!("closing the connection: {e}"))
                     }
                 };
-                if let WsIn::Text(t) = &item {
-                    pending_bytes += t.len();
-                }
+                pending_bytes += item.weight();
                 pending.push_back(item);
             }
             _ = tick.tick(), if reading => {
+                if pending_bytes >= MAX_BODY_BYTES || pending.len() >= WS_READ_AHEAD {
+                    // Not reading (the loop is behind): silence is ours.
+                    heard = Instant::now();
+                    continue;
+                }
                 if heard.elapsed() >= WS_IDLE_LIMIT {
                     log::info!("/web/ws: nothing from the client for {} s; closing", WS_IDLE_LIMIT.as_secs());
                     return;
@@ -512,6 +525,22 @@ async fn read_ws(
                 }
             }
             else => return,
+        }
+    }
+}
+
+/// Requests a /web/ws reader holds for its busy request loop, at most (and
+/// at most [`MAX_BODY_BYTES`] of them, each counted with [`WsIn::weight`]).
+const WS_READ_AHEAD: usize = 1024;
+
+impl WsIn {
+    /// What holding it costs: its text and a frame's bookkeeping, so that
+    /// many empty frames count too.
+    fn weight(&self) -> usize {
+        64 + match self {
+            WsIn::Text(t) => t.len(),
+            WsIn::Refused(_) => 0,
+            WsIn::Fatal(m) => m.len(),
         }
     }
 }
@@ -576,7 +605,7 @@ async fn ws_connection(
     // the request loop is busy, pings an idle client and closes a silent one.
     let (incoming, mut requests) = mpsc::channel::<WsIn>(1);
     actix_rt::spawn(async move {
-        read_ws(messages, session, incoming, closed_with).await;
+        read_ws(messages, session, incoming, closed_with, &gone_tx).await;
         let _ = gone_tx.send(true);
         drop(open);
     });

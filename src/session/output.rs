@@ -74,15 +74,28 @@ impl Markers {
     }
 
     /// The markers a chat template implies: the thinking block if the template mentions
-    /// `<think>`; the Hermes-style `<tool_call>` block always, as it is what we parse for every
-    /// template: one that declares tools itself, and one that does not (the tools are then
-    /// declared for it in that form: `engine::template::tool_block`).
+    /// `<think>`; tool calls if it mentions `<tool_call>`, and also whenever it declares tools
+    /// (mentions `tools`), since the Hermes-style `<tool_call>` block is what we parse then.
+    /// A template that does neither gets tool calls once tools are declared
+    /// ([`Markers::with_tools`]).
     pub fn from_template(template_source: &str) -> Markers {
         let think = template_source.contains(THINK.0).then(|| owned(THINK));
-        Markers {
-            think,
-            tool_call: Some(owned(TOOL_CALL_MARKERS)),
+        let tool_call = (template_source.contains(TOOL_CALL_MARKERS.0)
+            || template_source.contains("tools"))
+        .then(|| owned(TOOL_CALL_MARKERS));
+        Markers { think, tool_call }
+    }
+
+    /// These markers where `declared` tools are: a template that does not
+    /// declare tools gets them declared in the Hermes form
+    /// (`engine::template::tool_block`), so its `<tool_call>` blocks are
+    /// parsed; with no tools, a template's plain text stays text.
+    pub fn with_tools(mut self, declared: bool) -> Markers {
+        if declared {
+            self.tool_call
+                .get_or_insert_with(|| owned(TOOL_CALL_MARKERS));
         }
+        self
     }
 
     /// These markers for a generation forced to call a tool: the forced-call
@@ -1080,14 +1093,16 @@ mod tests {
 
     #[test]
     fn markers_from_template() {
-        // Tool calls are parsed for every template: one that does not
-        // declare tools gets them declared for it in the Hermes form.
+        assert_eq!(Markers::from_template("{{ messages }}"), Markers::none());
+        // A template that does not declare tools gets them declared for it
+        // in the Hermes form once there are tools, and parsed.
         let hermes = Some(("<tool_call>".into(), "</tool_call>".into()));
-        let m = Markers::from_template("{{ messages }}");
-        assert_eq!((&m.think, &m.tool_call), (&None, &hermes));
+        let plain = Markers::from_template("{{ messages }}");
+        assert_eq!(plain.clone().with_tools(false).tool_call, None);
+        assert_eq!(plain.with_tools(true).tool_call, hermes);
         let m = Markers::from_template("{{ '<think>\\n' }}");
         assert_eq!(m.think, Some(("<think>".into(), "</think>".into())));
-        assert_eq!(m.tool_call, hermes);
+        assert_eq!(m.tool_call, None);
         let m = Markers::from_template("{% if tools %}{% endif %}");
         assert_eq!(m.think, None);
         assert_eq!(

@@ -612,7 +612,7 @@ fn a_half_closed_client_gets_its_replies_then_eof() {
     assert!(rest.is_empty());
 }
 
-fn rss_mib(pid: u32) -> u64 {
+pub(crate) fn rss_mib(pid: u32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     let kb: u64 = status
         .lines()

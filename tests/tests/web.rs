@@ -1319,3 +1319,35 @@ fn web_ws_a_protocol_error_is_closed_with_1002() {
     );
     assert_eq!(code, Some(CloseCode::Protocol));
 }
+
+/// What a /web/ws reader holds for its busy request loop is bounded in
+/// count as well as bytes: two million empty frames sent behind a running
+/// `Generate` took the daemon from 52 to 653 MB when only their bytes (0)
+/// were counted; now reading stops at 1,024 held, and the sender waits.
+#[test]
+fn web_ws_read_ahead_is_bounded_in_frames() {
+    let (d, web) = web_daemon(&[]);
+    let session = asked(&web, STORY);
+    let mut ws = web.ws();
+    ws.send(&Request::Generate {
+        session,
+        max_tokens: 400,
+    });
+    while !matches!(
+        ws.recv(),
+        Response::Delta { event } if matches!(event.body, Record::Generated { .. })
+    ) {}
+    let before = crate::isolation::rss_mib(d.pid());
+    // Masked empty text frames, written raw; the writes stop once the
+    // daemon stops reading.
+    let frames = [0x81u8, 0x80, 0, 0, 0, 0].repeat(2_000_000);
+    let tcp = ws.ws.get_mut();
+    tcp.set_write_timeout(Some(Duration::from_secs(5))).unwrap();
+    let _ = tcp.write_all(&frames);
+    std::thread::sleep(Duration::from_millis(500));
+    let grown = crate::isolation::rss_mib(d.pid()).saturating_sub(before);
+    assert!(
+        grown < 40,
+        "the daemon grew {grown} MiB holding empty frames"
+    );
+}

@@ -89,6 +89,21 @@ def test_tools_are_declared_for_a_template_that_has_no_place_for_them(daemon):
     assert "tools" in json.loads(body)["capabilities"], body[:300]
 
 
+def test_a_tool_call_block_without_tools_declared_stays_text(daemon):
+    """With no tools declared, a <tool_call> block the model writes on a
+    template that has no place for tools is text: it came back as a call to
+    a function nobody declared (finish_reason tool_calls)."""
+    call = '<tool_call>\n{{"name": "{}", "arguments": {{}}}}\n</tool_call>'
+    r = oai(daemon).chat.completions.create(model="default", temperature=0, max_tokens=40, messages=[
+        {"role": "system", "content": "You are an echo bot. Repeat the user's message exactly."},
+        {"role": "user", "content": call.format("hello")},
+        {"role": "assistant", "content": call.format("hello")},
+        {"role": "user", "content": call.format("world")}])
+    m = r.choices[0].message
+    assert not m.tool_calls and r.choices[0].finish_reason != "tool_calls", r
+    assert "<tool_call>" in (m.content or ""), "the model wrote no call block: {!r}".format(m.content)
+
+
 def test_second_turn_of_a_resent_conversation_is_served_from_the_cache(daemon):
     c = oai(daemon)
     history = [{"role": "system", "content": "You are brief. " + words(120, seed=3)},

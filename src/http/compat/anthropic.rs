@@ -330,6 +330,8 @@ struct Rendered {
     pin: Option<(usize, u64)>,
     forced: Option<Vec<(String, Value)>>,
     none: bool,
+    /// Tools were declared on the prompt.
+    tools: bool,
     /// The reply continues a final assistant message: its leading
     /// whitespace is part of the text (" a giant" after "painted by").
     prefill: bool,
@@ -402,6 +404,7 @@ async fn render(
         pin,
         forced,
         none,
+        tools: !tools.is_empty(),
         prefill: super::chat::ends_with_prefill(&conv.msgs),
     })
 }
@@ -480,7 +483,8 @@ pub async fn messages(
             &images,
         )
         .await?;
-        let (mut markers, in_reasoning) = markers(&state, rendered.prompt.header());
+        let (markers, in_reasoning) = markers(&state, rendered.prompt.header());
+        let mut markers = markers.with_tools(rendered.tools);
         if rendered.none {
             markers.tool_call = None;
         }

@@ -583,7 +583,8 @@ async fn prepare_chat(
         .collect::<Result<_, _>>()?;
     let forced = forced_tools(choice, &sigs)?;
     let (prompt, media) = render_prompt(state, F, &msgs, &tools).await?;
-    let (mut markers, in_reasoning) = markers(state, prompt.header());
+    let (markers, in_reasoning) = markers(state, prompt.header());
+    let mut markers = markers.with_tools(!tools.is_empty());
     if none {
         markers.tool_call = None;
     }
@@ -1039,10 +1040,8 @@ fn model_field(model: Option<String>, name: Option<String>) -> Result<String, Ap
 /// What the template lets the model do, as Ollama's `capabilities`.
 fn capabilities(state: &WebState) -> Vec<&'static str> {
     let m = Markers::from_template(&state.m().shared.render.template_source());
-    let mut c = vec!["completion"];
-    if m.tool_call.is_some() {
-        c.push("tools");
-    }
+    // Tools: the template declares them, or the daemon does for it.
+    let mut c = vec!["completion", "tools"];
     if m.think.is_some() {
         c.push("thinking");
     }

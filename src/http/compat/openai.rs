@@ -277,7 +277,8 @@ pub(crate) async fn prepare_chat(
         })
         .collect::<Result<_, _>>()?;
     let (prompt, media) = render_prompt(state, F, &msgs, &tools).await?;
-    let (mut markers, in_reasoning) = markers(state, prompt.header());
+    let (markers, in_reasoning) = markers(state, prompt.header());
+    let mut markers = markers.with_tools(!tools.is_empty());
     let prompt = prompt.tokens;
     if none {
         markers.tool_call = None;

@@ -393,7 +393,9 @@ async function learn(id, info) {
   for (const e of events) {
     const [kind, f] = kindOf(e.body);
     if (kind === "Forked" || kind === "Rebased") {
-      info.kind = info.kind || kind;
+      // The last branch record read is the session's own (read from 0, a
+      // fork of a fork shows its parent's first); a root stays "Created".
+      if (info.kind !== "Created") info.kind = kind;
       // Read from 0 (Tree leaves archived sessions out, and a rerooted one
       // has no parent there): the words before the branch are the parent's.
       info.branchedAt = f.fork_at;

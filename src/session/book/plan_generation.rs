@@ -85,7 +85,8 @@ impl SessionBook {
         let sess = self.writable(s)?;
         let events = self.all_events(s);
         let forced_tools = forced_tools_of(&events);
-        let mut markers = Markers::from_template(&render.template_source());
+        let mut markers = Markers::from_template(&render.template_source())
+            .with_tools(!declared_tools(&events).is_empty());
         if forced_tools.is_some() {
             markers = markers.forcing_a_call();
         }

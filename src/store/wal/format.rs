@@ -109,7 +109,8 @@ pub enum FormatError {
     PastEnd(u64),
     #[error(
         "the file ends at byte {len}, before the {acked} bytes wal.acked says were \
-         acknowledged to clients: it was cut after they were told"
+         acknowledged to clients: it was cut after they were told (if you restored an older \
+         copy of wal.log on purpose, remove wal.acked beside it instead)"
     )]
     Shortened { len: u64, acked: u64 },
 }
