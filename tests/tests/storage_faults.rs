@@ -1010,26 +1010,60 @@ fn real_power_cut_under_the_daemon_keeps_every_ack() {
     }
 }
 
-/// Item 11 end to end: the daemon refuses a log with a damaged record and
-/// names the offset and the salvage command; `superfluid salvage --yes` cuts
-/// there; the daemon starts and has everything before the damage.
-#[test]
-fn daemon_refuses_corruption_then_starts_after_salvage() {
+/// A daemon, stopped, whose one session holds user messages `texts`.
+fn stopped_with_messages(texts: &[&str]) -> (TestDaemon, superfluid::wire::SessionId) {
     let mut d = TestDaemon::start();
     let mut c = d.client();
     let s = d.create(&mut c);
-    for text in ["kept", "damaged", "after"] {
+    for text in texts {
         crate::util::commit(
             &mut c,
             Request::AppendMessage {
                 session: s,
                 role: Role::User.into(),
-                text: text.into(),
+                text: text.to_string(),
             },
         );
     }
     drop(c);
     d.stop();
+    (d, s)
+}
+
+/// The refusal names `superfluid salvage ... --truncate-at start`; runs it
+/// and starts the daemon.
+fn salvage_named_then_start(d: &mut TestDaemon, stderr: &str, start: usize) {
+    let cmd = format!(
+        "superfluid salvage --sessions {} --truncate-at {start}",
+        d.sessions.display()
+    );
+    assert!(stderr.contains(&cmd), "{stderr}");
+    let (ok, stdout, stderr) = salvage_cmd(
+        &d.sessions,
+        &["--yes", "--truncate-at", &start.to_string()],
+        "",
+    );
+    assert!(ok, "{stdout}{stderr}");
+    d.spawn_and_wait();
+}
+
+/// The texts of session `s`'s messages.
+fn message_texts(d: &TestDaemon, s: superfluid::wire::SessionId) -> Vec<String> {
+    d.read_all(s)
+        .into_iter()
+        .filter_map(|e| match e.body {
+            superfluid::wire::Record::Message { text, .. } => Some(text),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Item 11 end to end: the daemon refuses a log with a damaged record and
+/// names the offset and the salvage command; `superfluid salvage --yes` cuts
+/// there; the daemon starts and has everything before the damage.
+#[test]
+fn daemon_refuses_corruption_then_starts_after_salvage() {
+    let (mut d, s) = stopped_with_messages(&["kept", "damaged", "after"]);
     let mut bytes = d.wal_bytes();
     let records = crate::util::wal_records(&bytes);
     let &(start, end) = records
@@ -1040,27 +1074,8 @@ fn daemon_refuses_corruption_then_starts_after_salvage() {
     fs::write(d.wal_path(), &bytes).unwrap();
     let failed = d.start_expect_exit(&[]);
     assert!(!failed.status.success());
-    let cmd = format!(
-        "superfluid salvage --sessions {} --truncate-at {start}",
-        d.sessions.display()
-    );
-    assert!(failed.stderr.contains(&cmd), "{}", failed.stderr);
-    let (ok, stdout, stderr) = salvage_cmd(
-        &d.sessions,
-        &["--yes", "--truncate-at", &start.to_string()],
-        "",
-    );
-    assert!(ok, "{stdout}{stderr}");
-    d.spawn_and_wait();
-    let texts: Vec<String> = d
-        .read_all(s)
-        .into_iter()
-        .filter_map(|e| match e.body {
-            superfluid::wire::Record::Message { text, .. } => Some(text),
-            _ => None,
-        })
-        .collect();
-    assert_eq!(texts, ["kept"]);
+    salvage_named_then_start(&mut d, &failed.stderr, start);
+    assert_eq!(message_texts(&d, s), ["kept"]);
     d.stop();
 }
 
@@ -1071,21 +1086,7 @@ fn daemon_refuses_corruption_then_starts_after_salvage() {
 /// id handed out again to the next append.
 #[test]
 fn daemon_refuses_a_log_cut_below_its_acknowledged_end() {
-    let mut d = TestDaemon::start();
-    let mut c = d.client();
-    let s = d.create(&mut c);
-    for text in ["kept", "acknowledged"] {
-        crate::util::commit(
-            &mut c,
-            Request::AppendMessage {
-                session: s,
-                role: Role::User.into(),
-                text: text.into(),
-            },
-        );
-    }
-    drop(c);
-    d.stop();
+    let (mut d, s) = stopped_with_messages(&["kept", "acknowledged"]);
     let bytes = d.wal_bytes();
     let records = crate::util::wal_records(&bytes);
     let &(start, _) = records
@@ -1100,26 +1101,7 @@ fn daemon_refuses_a_log_cut_below_its_acknowledged_end() {
         bytes.len()
     );
     assert!(failed.stderr.contains(&said), "{}", failed.stderr);
-    let cmd = format!(
-        "superfluid salvage --sessions {} --truncate-at {start}",
-        d.sessions.display()
-    );
-    assert!(failed.stderr.contains(&cmd), "{}", failed.stderr);
-    let (ok, stdout, stderr) = salvage_cmd(
-        &d.sessions,
-        &["--yes", "--truncate-at", &start.to_string()],
-        "",
-    );
-    assert!(ok, "{stdout}{stderr}");
-    d.spawn_and_wait();
-    let texts: Vec<String> = d
-        .read_all(s)
-        .into_iter()
-        .filter_map(|e| match e.body {
-            superfluid::wire::Record::Message { text, .. } => Some(text),
-            _ => None,
-        })
-        .collect();
-    assert_eq!(texts, ["kept"]);
+    salvage_named_then_start(&mut d, &failed.stderr, start);
+    assert_eq!(message_texts(&d, s), ["kept"]);
     d.stop();
 }

@@ -1074,16 +1074,7 @@ fn web_ws_close_cancels_its_generation_and_echoes_the_close() {
     use tungstenite::protocol::frame::coding::CloseCode;
     use tungstenite::protocol::CloseFrame;
     let (_d, web) = web_daemon(&[]);
-    let session = asked(&web, STORY);
-    let mut ws = web.ws();
-    ws.send(&Request::Generate {
-        session,
-        max_tokens: 400,
-    });
-    while !matches!(
-        ws.recv(),
-        Response::Delta { event } if matches!(event.body, Record::Generated { .. })
-    ) {}
+    let (mut ws, session) = generating(&web);
     ws.ws
         .close(Some(CloseFrame {
             code: CloseCode::Library(4000),
@@ -1098,30 +1089,25 @@ fn web_ws_close_cancels_its_generation_and_echoes_the_close() {
         }
     };
     assert_eq!(echoed.map(|f| f.code), Some(CloseCode::Library(4000)));
-    let until = Instant::now() + Duration::from_secs(60);
-    loop {
-        let Response::Inspection { inspection } = web.rpc_typed(&Request::Inspect { session })
-        else {
-            panic!("Inspect")
-        };
-        if !inspection.generating {
-            break;
-        }
-        assert!(
-            Instant::now() < until,
-            "still generating 60 s after the close"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let Response::Events { events } = web.rpc_typed(&Request::Read { session, cursor: 0 }) else {
-        panic!("Read")
-    };
-    let (tokens, finish) = events.iter().fold((0, None), |(n, f), e| match &e.body {
-        Record::Generated { span, finish, .. } => (n + span.len(), Some(*finish)),
-        _ => (n, f),
-    });
+    let (tokens, finish) = generation_end(&web, session);
     assert_eq!(finish, Some(Finish::Cancelled), "{tokens} tokens");
     assert!(tokens < 400, "{tokens}");
+}
+
+/// A WebSocket on which a `Generate` of 400 tokens of a new session runs,
+/// its first tokens committed; and the session.
+fn generating(web: &Web) -> (Ws, u64) {
+    let session = asked(web, STORY);
+    let mut ws = web.ws();
+    ws.send(&Request::Generate {
+        session,
+        max_tokens: 400,
+    });
+    while !matches!(
+        ws.recv(),
+        Response::Delta { event } if matches!(event.body, Record::Generated { .. })
+    ) {}
+    (ws, session)
 }
 
 /// Waits until `session` generates no more; its generated tokens and last
@@ -1139,6 +1125,11 @@ fn generation_end(web: &Web, session: u64) -> (usize, Option<Finish>) {
         assert!(Instant::now() < until, "still generating after 60 s");
         std::thread::sleep(Duration::from_millis(20));
     }
+    generated(web, session)
+}
+
+/// `session`'s generated tokens so far, and its last finish code.
+fn generated(web: &Web, session: u64) -> (usize, Option<Finish>) {
     let Response::Events { events } = web.rpc_typed(&Request::Read { session, cursor: 0 }) else {
         panic!("Read")
     };
@@ -1156,16 +1147,7 @@ fn generation_end(web: &Web, session: u64) -> (usize, Option<Finish>) {
 #[test]
 fn web_ws_sees_a_ping_and_a_close_behind_queued_requests() {
     let (_d, web) = web_daemon(&[]);
-    let session = asked(&web, STORY);
-    let mut ws = web.ws();
-    ws.send(&Request::Generate {
-        session,
-        max_tokens: 400,
-    });
-    while !matches!(
-        ws.recv(),
-        Response::Delta { event } if matches!(event.body, Record::Generated { .. })
-    ) {}
+    let (mut ws, session) = generating(&web);
     for _ in 0..3 {
         ws.send(&Request::Tree);
     }
@@ -1179,20 +1161,7 @@ fn web_ws_sees_a_ping_and_a_close_behind_queued_requests() {
             _ => continue,
         }
     };
-    let (tokens_then, _) = {
-        let Response::Events { events } = web.rpc_typed(&Request::Read { session, cursor: 0 })
-        else {
-            panic!("Read")
-        };
-        let n: usize = events
-            .iter()
-            .map(|e| match &e.body {
-                Record::Generated { span, .. } => span.len(),
-                _ => 0,
-            })
-            .sum();
-        (n, ())
-    };
+    let (tokens_then, _) = generated(&web, session);
     assert!(
         tokens_then < 400,
         "the Pong ({pong:?}) came after the generation ended"
@@ -1327,16 +1296,7 @@ fn web_ws_a_protocol_error_is_closed_with_1002() {
 #[test]
 fn web_ws_read_ahead_is_bounded_in_frames() {
     let (d, web) = web_daemon(&[]);
-    let session = asked(&web, STORY);
-    let mut ws = web.ws();
-    ws.send(&Request::Generate {
-        session,
-        max_tokens: 400,
-    });
-    while !matches!(
-        ws.recv(),
-        Response::Delta { event } if matches!(event.body, Record::Generated { .. })
-    ) {}
+    let (mut ws, _) = generating(&web);
     let before = crate::isolation::rss_mib(d.pid());
     // Masked empty text frames, written raw; the writes stop once the
     // daemon stops reading.

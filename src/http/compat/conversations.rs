@@ -521,12 +521,23 @@ pub async fn retrieve_item(
     let (id, item_id) = path.into_inner();
     let (s, _, _) = load(&state, &id).await?;
     let events = read(&state, s).await?;
-    let (item, _, _) = all_items(&state, s, &events)
+    let (item, _, _) = find_item(&state, s, &events, &item_id).await?;
+    Ok(HttpResponse::Ok().json(item))
+}
+
+/// The item `item_id` of session `s` (of `events`), with where its events
+/// start and end; 404 when none has that id.
+async fn find_item(
+    state: &WebState,
+    s: SessionId,
+    events: &[Event],
+    item_id: &str,
+) -> Result<(Value, u64, u64), ApiError> {
+    all_items(state, s, events)
         .await?
         .into_iter()
-        .find(|(v, _, _)| v["id"].as_str() == Some(item_id.as_str()))
-        .ok_or_else(|| not_found("item", &item_id))?;
-    Ok(HttpResponse::Ok().json(item))
+        .find(|(v, _, _)| v["id"].as_str() == Some(item_id))
+        .ok_or_else(|| not_found("item", item_id))
 }
 
 #[derive(Debug, Deserialize)]
@@ -602,11 +613,7 @@ async fn drop_item(
         rec,
     } = lock(&state, &id).await?;
     let events = read(&state, s).await?;
-    let (_, from, to) = all_items(&state, s, &events)
-        .await?
-        .into_iter()
-        .find(|(v, _, _)| v["id"].as_str() == Some(item_id.as_str()))
-        .ok_or_else(|| not_found("item", &item_id))?;
+    let (_, from, to) = find_item(&state, s, &events, &item_id).await?;
     if from == 0 {
         return Err(ApiError::new(
             F,
