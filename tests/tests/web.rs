@@ -1311,3 +1311,39 @@ fn web_ws_read_ahead_is_bounded_in_frames() {
         "the daemon grew {grown} MiB holding empty frames"
     );
 }
+
+/// A WebSocket client that sends nothing, not even a Pong to the Pings the
+/// daemon sends after 20 s of silence, is closed at 60 s, and its slot
+/// freed: such connections held the listener's slots for good.
+#[test]
+fn web_ws_a_silent_client_is_pinged_then_closed() {
+    let (_d, web) = web_daemon(&["--max-connections", "2"]);
+    let mut ws = web.ws();
+    std::thread::sleep(Duration::from_secs(65));
+    ws.ws
+        .get_mut()
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let mut pings = 0;
+    let closed = loop {
+        match ws.ws.read() {
+            Ok(tungstenite::Message::Ping(_)) => pings += 1,
+            Ok(tungstenite::Message::Close(_)) => break true,
+            Ok(_) => continue,
+            Err(tungstenite::Error::Io(e))
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                break false
+            }
+            Err(_) => break true,
+        }
+    };
+    assert!(pings >= 1, "no Ping in 65 s of silence");
+    assert!(closed, "a silent WebSocket is still open after 65 s");
+    // Its slot is free again (one WebSocket with --max-connections 2).
+    let mut again = web.ws();
+    assert!(matches!(again.call(&Request::Tree), Response::Tree { .. }));
+}
