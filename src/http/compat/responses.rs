@@ -2439,9 +2439,7 @@ pub(crate) struct Replay {
     decode: Decode,
     finish: Finish,
     called: bool,
-    input_tokens: u64,
-    output_tokens: u64,
-    reasoning_tokens: u64,
+    totals: Totals,
 }
 
 impl Replay {
@@ -2452,13 +2450,14 @@ impl Replay {
             decode: Decode::new(sr.session, &markers),
             finish: Finish::Open,
             called: false,
-            // The history and the assistant header: the prompt.
-            input_tokens: sr.events[..=sr.st.prompt]
-                .iter()
-                .map(|e| e.body.span().len() as u64)
-                .sum(),
-            output_tokens: 0,
-            reasoning_tokens: 0,
+            totals: Totals {
+                // The history and the assistant header: the prompt.
+                input: sr.events[..=sr.st.prompt]
+                    .iter()
+                    .map(|e| e.body.span().len() as u64)
+                    .sum(),
+                ..Totals::default()
+            },
         }
     }
 
@@ -2469,14 +2468,14 @@ impl Replay {
 
     /// The stream's events for one output event of the response.
     pub fn take(&mut self, e: &Event) -> Vec<Value> {
-        self.output_tokens += e.body.span().len() as u64;
+        self.totals.output += e.body.span().len() as u64;
         if let Record::Generated {
             channel: Channel::Reasoning,
             span,
             ..
         } = &e.body
         {
-            self.reasoning_tokens += span.len() as u64;
+            self.totals.reasoning += span.len() as u64;
         }
         match &e.body {
             Record::Generated { finish, .. } => self.finish = *finish,
@@ -2506,12 +2505,9 @@ impl Replay {
                 Finish::Cancelled
             };
         }
-        self.em.finish(Ending {
-            input_tokens: self.input_tokens,
-            output_tokens: self.output_tokens,
-            reasoning_tokens: self.reasoning_tokens,
-            ..Ending::of(finish)
-        })
+        let mut ending = Ending::of(finish);
+        self.totals.onto(&mut ending);
+        self.em.finish(ending)
     }
 }
 
