@@ -25,6 +25,11 @@ it are not a multiple of 64, and the shared opening's tile is computed for
 every query tile of every sequence: the unified layout computes about 1.5x
 the pairs. Two more rows show what decoding one prompt per call, and also
 placing each sequence's cells at a multiple of 64, would leave.
+
+The last column counts the work of superfluid's kernel (ggml-patch/), which
+computes in each such pair only the rows that see any of its cells and the
+cells, in steps of 16, that any row sees: in pairs' worth of scores (rows x
+cells / 4,096). llama-server runs ggml's kernel, every pair whole.
 """
 
 import argparse
@@ -52,16 +57,41 @@ def computed(rows, cells):
     return n
 
 
+CELL_STEP = 16
+
+
+def trimmed(rows, cells):
+    """The scores superfluid's kernel computes for the same pairs, in pairs'
+    worth: per pair, the span of rows that see any cell times the span of
+    cells (rounded out to steps of 16) any row sees."""
+    n = 0
+    for q in range(0, len(rows), TILE):
+        tile = rows[q:q + TILE]
+        for c in range(0, padded(len(cells)), TILE):
+            block = cells[c:c + TILE]
+            seen = [(i, j) for i, (s, p) in enumerate(tile)
+                    for j, (seqs, cp) in enumerate(block) if s in seqs and cp <= p]
+            if not seen:
+                continue
+            r = max(i for i, _ in seen) - min(i for i, _ in seen) + 1
+            c0 = min(j for _, j in seen) // CELL_STEP * CELL_STEP
+            c1 = -(-(max(j for _, j in seen) + 1) // CELL_STEP) * CELL_STEP
+            n += r * (c1 - c0) / (TILE * TILE)
+    return n
+
+
 def unified(steps, aligned=False):
+    """(pairs ggml computes, superfluid's kernel's work in pairs' worth)."""
     cells = [({1, 2, 3, 4}, p) for p in range(SHARED)]
-    total = 0
+    total, trim = 0, 0.0
     for rows in steps:
         if aligned:
             while len(cells) % TILE:
                 cells.append((set(), -1))
         cells.extend(({s}, p) for s, p in rows)
         total += computed(rows, cells)
-    return total
+        trim += trimmed(rows, cells)
+    return total, trim
 
 
 def main():
@@ -82,11 +112,13 @@ def main():
     for s in (1, 2, 3, 4):
         own = [(s, p) for p in range(PROMPT)]
         streams += computed(own, [({s}, p) for _, p in own])
-    rows.append(("llama-server (a stream per slot)", streams))
-    print("| layout | computed tile pairs per head and layer | against llama-server |")
-    print("|---|---:|---:|")
-    for name, n in rows:
-        print(f"| {name} | {n} | {n / streams:.2f} |")
+    rows.append(("llama-server (a stream per slot)", (streams, None)))
+    print("| layout | computed tile pairs per head and layer | against llama-server "
+          "| superfluid's kernel, pairs' worth | against llama-server |")
+    print("|---|---:|---:|---:|---:|")
+    for name, (n, trim) in rows:
+        t = f"{trim:.1f} | {trim / streams:.2f}" if trim is not None else "| "
+        print(f"| {name} | {n} | {n / streams:.2f} | {t} |")
 
 
 if __name__ == "__main__":

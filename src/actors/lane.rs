@@ -1688,6 +1688,7 @@ mod tests {
             decode_us: 1,
             refused: vec![],
             unparked: vec![],
+            attention: Default::default(),
         });
         assert_eq!(ms(r.next_delay()), RESPAWN_DELAY_MS);
     }

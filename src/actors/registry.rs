@@ -378,6 +378,21 @@ fn counters(stats: crate::scheduler::Stats) -> String {
         "Time the worker spent in llama.cpp's decode calls.",
         stats.decode_us as f64 / 1e6,
     );
+    metric(
+        &mut out,
+        "superfluid_attention_tile_scores_total",
+        "counter",
+        "Attention scores (query rows x KV cells) in the prefill tile pairs not wholly masked, \
+         as llama.cpp's tiled kernel computes them.",
+        stats.attention_full,
+    );
+    metric(
+        &mut out,
+        "superfluid_attention_scores_computed_total",
+        "counter",
+        "Of those, the scores superfluid's trimmed kernel computed (SUPERFLUID_FA_TRIM=0: all).",
+        stats.attention_computed,
+    );
     out
 }
 

@@ -16,11 +16,13 @@
 //!   the sequence table and request checks (`exec/seqs.rs`), grammar state (`exec/grammar.rs`);
 //! - [`worker`]: `superfluid worker`, frames on stdin/stdout around a [`exec::WorkerEngine`];
 //! - [`rpc`]: a model's layers on ggml RPC servers on other hosts (`serve --rpc`);
-//! - [`hugepages`]: the weights and KV buffers advised onto 2 MiB pages once loaded.
+//! - [`hugepages`]: the weights and KV buffers advised onto 2 MiB pages once loaded;
+//! - [`attention`]: superfluid's trimmed tiled flash attention in llama.cpp (`ggml-patch/`).
 //!
 //! Token ids are [`crate::wire::Token`]s, `< n_vocab` once validated by [`vocab::Vocab`] (in the
 //! daemon) or [`exec::seqs::SeqTable`] (in the worker).
 
+pub mod attention;
 pub mod backend;
 pub mod exec;
 pub mod hugepages;

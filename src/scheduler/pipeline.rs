@@ -15,7 +15,7 @@
 use std::collections::VecDeque;
 
 use super::{GenEvent, SchedulerState, Step, StepError};
-use crate::wire::worker::{Drawn, Refused, WorkerRequest, WorkerResponse};
+use crate::wire::worker::{AttentionWork, Drawn, Refused, WorkerRequest, WorkerResponse};
 
 /// The most steps in flight at once (one running, one queued behind it).
 pub const PIPELINE_DEPTH: usize = 2;
@@ -36,6 +36,8 @@ pub struct StepOutput {
     pub refused: Vec<Refused>,
     /// Sessions whose park artifact the budget deleted.
     pub unparked: Vec<u64>,
+    /// The tiled attention's work the reply reported.
+    pub attention: AttentionWork,
 }
 
 /// A step's outcome.
@@ -66,8 +68,10 @@ impl StepOutput {
                     decode_us,
                     refused,
                     unparked,
+                    attention,
                 } => {
                     decoded = true;
+                    out.attention = attention;
                     out.drawn = drawn;
                     out.refused = refused;
                     out.unparked = unparked;
@@ -237,6 +241,7 @@ impl Pipeline {
             let mut refused = Vec::new();
             let result = result.map(|out| {
                 state.note_decode(out.tokens, out.decode_us);
+                state.note_attention(out.attention);
                 state.note_spilled(&out.spilled);
                 state.forget_parked(&out.unparked);
                 refused = out.refused;
@@ -269,6 +274,7 @@ mod tests {
             decode_us: 1,
             refused: vec![],
             unparked: vec![],
+            attention: Default::default(),
         }
     }
 

@@ -17,6 +17,12 @@ impl SchedulerState {
         }
     }
 
+    /// The tiled attention's work a step's reply reported.
+    pub fn note_attention(&mut self, work: crate::wire::worker::AttentionWork) {
+        self.stats.attention_full += work.full;
+        self.stats.attention_computed += work.computed;
+    }
+
     /// What the worker reported of a step: tokens decoded (prompt and
     /// drawn) and the time its llama.cpp decode calls took.
     pub fn note_decode(&mut self, tokens: u64, decode_us: u64) {

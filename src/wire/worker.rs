@@ -106,6 +106,31 @@ pub struct NextItem {
 /// The most steps one [`NextItem`] may ask for.
 pub const MAX_NEXT_STEPS: u32 = 64;
 
+/// Attention scores (query rows x KV cells) in the tile pairs llama.cpp's
+/// tiled CPU flash attention did not skip as wholly masked: `full` as ggml
+/// computes each pair, `computed` as superfluid's trimmed kernel did
+/// (ggml-patch/; equal with `SUPERFLUID_FA_TRIM=0`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AttentionWork {
+    pub full: u64,
+    pub computed: u64,
+}
+
+impl AttentionWork {
+    /// The work done since `earlier` (both counters only grow).
+    pub fn since(self, earlier: AttentionWork) -> AttentionWork {
+        AttentionWork {
+            full: self.full.saturating_sub(earlier.full),
+            computed: self.computed.saturating_sub(earlier.computed),
+        }
+    }
+
+    pub fn add(&mut self, other: AttentionWork) {
+        self.full += other.full;
+        self.computed += other.computed;
+    }
+}
+
 /// One drawn token.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Drawn {
@@ -231,6 +256,9 @@ pub enum WorkerResponse {
         /// last `Decoded` (`--park-budget-mb`): the scheduler forgets them.
         #[serde(default)]
         unparked: Vec<u64>,
+        /// The tiled attention's work since the last `Decoded`.
+        #[serde(default)]
+        attention: AttentionWork,
     },
     Done,
     Err {
@@ -381,6 +409,7 @@ mod check_tests {
             decode_us: 1,
             refused: vec![],
             unparked: vec![],
+            attention: AttentionWork::default(),
         }
     }
 
@@ -400,6 +429,7 @@ mod check_tests {
                 message: "no".into(),
             }],
             unparked: vec![],
+            attention: AttentionWork::default(),
         };
         assert!(c.verify(&refused(2, vec![drawn(0, 5)]), 10).is_ok());
         assert!(c

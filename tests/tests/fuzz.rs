@@ -356,6 +356,10 @@ fn regenerate_corpus() {
                 message: "the grammar does not parse".into(),
             }],
             unparked: vec![],
+            attention: superfluid::wire::worker::AttentionWork {
+                full: 4096,
+                computed: 1024,
+            },
         },
         WorkerResponse::Done,
         WorkerResponse::Err {

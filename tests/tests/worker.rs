@@ -10,7 +10,8 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use superfluid::engine::vocab::Vocab;
 use superfluid::wire::worker::{
-    DecodeItem, DrawExtras, Drawn, NextItem, Sample, WorkerConfig, WorkerRequest, WorkerResponse,
+    AttentionWork, DecodeItem, DrawExtras, Drawn, NextItem, Sample, WorkerConfig, WorkerRequest,
+    WorkerResponse,
 };
 use superfluid::wire::{
     from_postcard, read_frame_blocking, to_postcard, write_frame_blocking, Params, SampleExtras,
@@ -52,8 +53,14 @@ struct Worker {
 
 impl Worker {
     fn spawn() -> Worker {
+        Worker::spawn_env(&[])
+    }
+
+    /// A worker with more environment variables.
+    fn spawn_env(env: &[(&str, &str)]) -> Worker {
         let stderr = tempfile::NamedTempFile::new().expect("stderr file");
         let mut child = Command::new(bin())
+            .envs(env.iter().copied())
             .arg("worker")
             .arg("--model")
             .arg(model_path())
@@ -792,4 +799,113 @@ fn logprobs_come_with_each_draw_when_asked() {
     assert!(generate_x(&mut w, 0, &p, 2, &SampleExtras::default(), 0)
         .iter()
         .all(|d| d.logprob.is_none()));
+}
+
+/// What a worker draws, and the tiled attention's work, laying prompts out as the unified cache
+/// does under concurrent requests: a shared opening (one set of cells, `KvCopy`) that every
+/// prompt's query tiles see, one prompt prefilled alone, then three in one step, whose query
+/// tiles straddle two prompts and whose cells start mid-tile; then decode steps of all four.
+/// Greedy, with the log-probabilities of every draw and its 5 most likely alternatives.
+fn concurrent_layout(env: &[(&str, &str)]) -> (Vec<Drawn>, AttentionWork) {
+    let mut w = Worker::spawn_env(env);
+    let mut work = AttentionWork::default();
+    let mut decode =
+        |w: &mut Worker, items: Vec<DecodeItem>| match w.call(&WorkerRequest::Decode { items }) {
+            WorkerResponse::Decoded {
+                drawn, attention, ..
+            } => {
+                work.add(attention);
+                drawn
+            }
+            other => panic!("{other:?}"),
+        };
+    let extras = SampleExtras {
+        logprobs: Some(5),
+        ..SampleExtras::default()
+    };
+    let greedy_at =
+        |draw_pos: u32| Some(sample_x(GREEDY, draw_pos.into(), draw_pos.into(), &extras));
+    let opening = vocab().tokenize("<|im_start|>system\nYou are a careful, brief helper.", true);
+    let o = opening.len() as u32;
+    decode(&mut w, vec![item(0, 0, opening, None)]);
+    for seq in 1..4 {
+        w.done(WorkerRequest::KvCopy {
+            src: 0,
+            dst: seq,
+            len: o,
+        });
+    }
+    let prompts: Vec<Vec<u32>> = (0..4)
+        .map(|k| {
+            let lines: String = (0..5 + 2 * k)
+                .map(|i| format!("Line {i} of part {k} says the tide is low. "))
+                .collect();
+            vocab().tokenize(&lines, false)
+        })
+        .collect();
+    let mut pos: Vec<u32> = prompts.iter().map(|p| o + p.len() as u32).collect();
+    let mut drawn = decode(
+        &mut w,
+        vec![item(0, o, prompts[0].clone(), greedy_at(pos[0]))],
+    );
+    drawn.extend(decode(
+        &mut w,
+        (1..4)
+            .map(|k| {
+                item(
+                    k,
+                    o,
+                    prompts[k as usize].clone(),
+                    greedy_at(pos[k as usize]),
+                )
+            })
+            .collect(),
+    ));
+    for _ in 0..4 {
+        let last: Vec<u32> = (0..4)
+            .map(|k| drawn.iter().rev().find(|d| d.seq == k).unwrap().token)
+            .collect();
+        let items = (0..4)
+            .map(|k| {
+                let at = pos[k as usize];
+                pos[k as usize] += 1;
+                item(k, at, vec![last[k as usize]], greedy_at(at + 1))
+            })
+            .collect();
+        drawn.extend(decode(&mut w, items));
+    }
+    (drawn, work)
+}
+
+/// superfluid's tiled attention (ggml-patch/) computes, in each tile pair a mask leaves partly
+/// open, only the rows and cells it leaves; what it leaves out weighs exactly 0, so a worker
+/// draws the same tokens with the same log-probabilities, to the bit, as with ggml's kernel
+/// (`SUPERFLUID_FA_TRIM=0`), while computing a fraction of the scores.
+#[test]
+fn the_trimmed_tiled_attention_draws_what_ggml_does_computing_less() {
+    let (trimmed, trimmed_work) = concurrent_layout(&[]);
+    let (whole, whole_work) = concurrent_layout(&[("SUPERFLUID_FA_TRIM", "0")]);
+    assert_eq!(trimmed.len(), 4 + 16, "{trimmed:?}");
+    assert!(trimmed
+        .iter()
+        .all(|d| d.logprob.as_ref().is_some_and(|l| l.top.len() == 5)));
+    assert_eq!(
+        trimmed, whole,
+        "the same draws and log-probabilities, to the bit"
+    );
+    assert!(
+        whole_work.full > 0,
+        "the prefills ran the tiled kernel: {whole_work:?}"
+    );
+    assert_eq!(whole_work.computed, whole_work.full, "{whole_work:?}");
+    assert_eq!(
+        trimmed_work.full, whole_work.full,
+        "the same tile pairs were not skipped"
+    );
+    assert!(
+        trimmed_work.computed * 10 < trimmed_work.full * 7,
+        "the trim computed {} of {} scores",
+        trimmed_work.computed,
+        trimmed_work.full
+    );
 }

@@ -155,6 +155,9 @@ pub struct WorkerEngine {
     /// export them alone, and a restore imports each segment into it before
     /// copying it on. None at llama.cpp's most sequences (256).
     scratch: Option<u32>,
+    /// The tiled attention's counters at the last `Decoded` reply: each
+    /// reply carries the work since.
+    attention_seen: std::cell::Cell<crate::wire::worker::AttentionWork>,
 }
 
 impl std::fmt::Debug for WorkerEngine {
@@ -287,13 +290,19 @@ impl WorkerEngine {
             threads,
         };
         log::info!(
-            "engine ready: {} ({} tokens), n_ctx {} n_seq {} n_batch {} threads {}",
+            "engine ready: {} ({} tokens), n_ctx {} n_seq {} n_batch {} threads {}, \
+             tiled attention {}",
             path.display(),
             n_vocab,
             effective.n_ctx,
             n_seq,
             step,
-            threads
+            threads,
+            if super::attention::trims() {
+                "trimmed to the unmasked rows and cells"
+            } else {
+                "computed whole (SUPERFLUID_FA_TRIM=0)"
+            }
         );
         Ok(WorkerEngine {
             grammars: Grammars::new(n_seq),
@@ -312,6 +321,7 @@ impl WorkerEngine {
             park: None,
             kv_type,
             scratch: (n_seq < MAX_SEQ).then_some(n_seq),
+            attention_seen: std::cell::Cell::new(super::attention::work()),
         })
     }
 
@@ -407,6 +417,10 @@ impl WorkerEngine {
                 .as_ref()
                 .map(|p| p.take_deleted())
                 .unwrap_or_default(),
+            attention: {
+                let now = super::attention::work();
+                now.since(self.attention_seen.replace(now))
+            },
         }
     }
 
