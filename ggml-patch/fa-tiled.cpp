@@ -43,6 +43,61 @@ static void superfluid_fa_count(int rows, int cells) {
     sf_fa_computed.fetch_add((uint64_t) rows * cells, std::memory_order_relaxed);
 }
 
+// Bit i set when cell i of a mask row (n <= 64 cells) is not masked: its f16
+// bits are not -inf's (0xFC00).
+static inline uint64_t sf_open_cells(const ggml_fp16_t * m, int n) {
+#if defined(__AVX512BW__)
+    if (n == 64) {
+        const __m512i inf = _mm512_set1_epi16((short) 0xFC00);
+        const uint64_t lo = _mm512_cmpneq_epi16_mask(_mm512_loadu_si512((const void *) m), inf);
+        const uint64_t hi = _mm512_cmpneq_epi16_mask(_mm512_loadu_si512((const void *) (m + 32)), inf);
+        return lo | (hi << 32);
+    }
+#elif defined(__AVX2__)
+    if (n == 64) {
+        const __m256i inf = _mm256_set1_epi16((short) 0xFC00);
+        uint64_t masked = 0;
+        for (int half = 0; half < 2; half++) {
+            const __m256i a = _mm256_cmpeq_epi16(_mm256_loadu_si256((const __m256i *) (m + 32 * half)), inf);
+            const __m256i b = _mm256_cmpeq_epi16(_mm256_loadu_si256((const __m256i *) (m + 32 * half + 16)), inf);
+            // packs interleaves the 128-bit lanes: put the 8-byte groups back in cell order.
+            const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi16(a, b), 0xD8);
+            masked |= (uint64_t) (uint32_t) _mm256_movemask_epi8(packed) << (32 * half);
+        }
+        return ~masked;
+    }
+#endif
+    uint64_t open = 0;
+    for (int i = 0; i < n; i++) {
+        open |= (uint64_t) (m[i] != 0xFC00) << i;
+    }
+    return open;
+}
+
+static inline int sf_first_bit(uint64_t bits) {
+#if defined(__GNUC__) || defined(__clang__)
+    return __builtin_ctzll(bits);
+#else
+    int i = 0;
+    while (!((bits >> i) & 1)) {
+        i++;
+    }
+    return i;
+#endif
+}
+
+static inline int sf_last_bit(uint64_t bits) {
+#if defined(__GNUC__) || defined(__clang__)
+    return 63 - __builtin_clzll(bits);
+#else
+    int i = 63;
+    while (!((bits >> i) & 1)) {
+        i--;
+    }
+    return i;
+#endif
+}
+
 // Whether the tiled kernel trims (1) or computes every pair whole (0); its
 // presence in the binary is what tells a build that has this change.
 extern "C" int superfluid_ggml_fa_trim(void) {
@@ -204,30 +259,22 @@ static void ggml_compute_forward_flash_attn_ext_tiled(
 
             // superfluid: the rows [r0, r1) and cells [c0, c1) of the tile
             // that any unmasked score touches; the tile is skipped when there
-            // are none. Untrimmed (no mask, or SUPERFLUID_FA_TRIM=0): every
-            // row and cell, as ggml computes them.
+            // are none. Which cells a row sees is read from the mask's f16
+            // bits (-inf is 0xFC00 and nothing else, and slope > 0 keeps it
+            // -inf), and only the part computed is converted. Untrimmed (no
+            // mask, or SUPERFLUID_FA_TRIM=0): every row and cell, as ggml
+            // computes them.
             int r0 = 0, r1 = Q_TILE_SZ, c0 = 0, c1 = KV_TILE_SZ;
             if (mask) {
                 int lo_r = Q_TILE_SZ, hi_r = 0, lo_c = KV_TILE_SZ, hi_c = 0;
                 for (int tq = 0; tq < tile_rows; tq++) {
                     const ggml_fp16_t * mp_row = (const ggml_fp16_t *)((const char *) mask->data + (iq1 + tq)*mask->nb[1] + (iq2%mask->ne[2])*mask->nb[2] + (iq3%mask->ne[3])*mask->nb[3]);
-                    int first = kv_tile, last = -1;
-                    for (int tk = 0; tk < kv_tile; tk++) {
-                        mask32[tq * KV_TILE_SZ + tk] = slope * GGML_CPU_FP16_TO_FP32(mp_row[ic + tk]);
-                        if (mask32[tq * KV_TILE_SZ + tk] != -INFINITY) {
-                            first = std::min(first, tk);
-                            last = tk;
-                        }
-                    }
-                    // Pad remaining mask entries with -inf
-                    for (int tk = kv_tile; tk < KV_TILE_SZ; tk++) {
-                        mask32[tq * KV_TILE_SZ + tk] = -INFINITY;
-                    }
-                    if (last >= 0) {
+                    const uint64_t open = sf_open_cells(mp_row + ic, kv_tile);
+                    if (open != 0) {
                         lo_r = std::min(lo_r, tq);
                         hi_r = tq + 1;
-                        lo_c = std::min(lo_c, first);
-                        hi_c = std::max(hi_c, last + 1);
+                        lo_c = std::min(lo_c, sf_first_bit(open));
+                        hi_c = std::max(hi_c, sf_last_bit(open) + 1);
                     }
                 }
 
@@ -239,6 +286,14 @@ static void ggml_compute_forward_flash_attn_ext_tiled(
                     r1 = hi_r;
                     c0 = lo_c / SF_FA_CELL_STEP * SF_FA_CELL_STEP;
                     c1 = std::min((int) KV_TILE_SZ, (hi_c + SF_FA_CELL_STEP - 1) / SF_FA_CELL_STEP * SF_FA_CELL_STEP);
+                }
+                // The mask of the rows and cells computed, as floats; -inf
+                // past the end of the cache.
+                for (int tq = r0; tq < std::min(r1, tile_rows); tq++) {
+                    const ggml_fp16_t * mp_row = (const ggml_fp16_t *)((const char *) mask->data + (iq1 + tq)*mask->nb[1] + (iq2%mask->ne[2])*mask->nb[2] + (iq3%mask->ne[3])*mask->nb[3]);
+                    for (int tk = c0; tk < c1; tk++) {
+                        mask32[tq * KV_TILE_SZ + tk] = tk < kv_tile ? slope * GGML_CPU_FP16_TO_FP32(mp_row[ic + tk]) : -INFINITY;
+                    }
                 }
             }
             const int nr = r1 - r0;                        // rows computed

@@ -19,7 +19,7 @@
 # and a reconfigure keeps the cached -D values). A llama.cpp whose ops.cpp no
 # longer has the function stops the build here, by name.
 
-set(SUPERFLUID_GGML_PATCH "fa-trim-1")
+set(SUPERFLUID_GGML_PATCH "fa-trim-2")
 
 if(SUPERFLUID_GGML_PATCH_QUEUED)
     return()
