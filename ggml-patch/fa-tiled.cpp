@@ -11,7 +11,10 @@
 // per pair, only the rows that see any cell of it and the cells (in steps of
 // 16) that any row sees. Exact: what it leaves out are scores the mask sets to
 // -inf, whose weight is exactly 0; the softmax sums run over the same
-// 16-float blocks in the same order, so the result is bit for bit ggml's.
+// 16-float blocks in the same order, so the result is bit for bit ggml's
+// (where the cache's K and V are finite: ggml multiplies a masked inf by its
+// zero weight into NaN, which a skipped cell never becomes; llama.cpp zeroes
+// the cache, so only an f16 overflow would put one there).
 // SUPERFLUID_FA_TRIM=0 in the environment computes every pair whole again.
 
 #include <atomic>
@@ -26,6 +29,10 @@
 // A multiple of every fixed SIMD width ggml_vec_soft_max_f32 sums in (4, 8, 16).
 #define SF_FA_CELL_STEP 16
 #endif
+
+// A row's open cells are one 64-bit word, and the cell step divides the tile.
+static_assert(ggml_fa_tile_config::KV <= 64 && ggml_fa_tile_config::KV % SF_FA_CELL_STEP == 0,
+              "superfluid's tiled attention assumes KV tiles of at most 64 cells, in whole steps");
 
 static std::atomic<uint64_t> sf_fa_full{0};
 static std::atomic<uint64_t> sf_fa_computed{0};

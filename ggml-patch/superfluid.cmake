@@ -19,12 +19,18 @@
 # and a reconfigure keeps the cached -D values). A llama.cpp whose ops.cpp no
 # longer has the function stops the build here, by name.
 
-set(SUPERFLUID_GGML_PATCH "fa-trim-2")
+set(SUPERFLUID_GGML_PATCH "fa-trim-3")
 
 if(SUPERFLUID_GGML_PATCH_QUEUED)
     return()
 endif()
 set(SUPERFLUID_GGML_PATCH_QUEUED ON)
+
+if(CMAKE_VERSION VERSION_LESS 3.19)
+    message(FATAL_ERROR
+        "superfluid: CMake ${CMAKE_VERSION} is too old for ggml-patch/superfluid.cmake "
+        "(cmake_language(DEFER) needs 3.19 or newer)")
+endif()
 
 set(SUPERFLUID_GGML_PATCH_DIR "${CMAKE_CURRENT_LIST_DIR}")
 # An edit to the replacement reconfigures a build that runs again (this file

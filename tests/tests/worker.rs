@@ -60,6 +60,7 @@ impl Worker {
     fn spawn_env(env: &[(&str, &str)]) -> Worker {
         let stderr = tempfile::NamedTempFile::new().expect("stderr file");
         let mut child = Command::new(bin())
+            .env_remove("SUPERFLUID_FA_TRIM")
             .envs(env.iter().copied())
             .arg("worker")
             .arg("--model")
