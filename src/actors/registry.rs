@@ -384,14 +384,14 @@ fn counters(stats: crate::scheduler::Stats) -> String {
         "counter",
         "Attention scores (query rows x KV cells) in the prefill tile pairs not wholly masked, \
          as llama.cpp's tiled kernel computes them.",
-        stats.attention_full,
+        stats.attention.full,
     );
     metric(
         &mut out,
         "superfluid_attention_scores_computed_total",
         "counter",
         "Of those, the scores superfluid's trimmed kernel computed (SUPERFLUID_FA_TRIM=0: all).",
-        stats.attention_computed,
+        stats.attention.computed,
     );
     out
 }

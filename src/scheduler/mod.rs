@@ -379,8 +379,7 @@ pub struct Stats {
     pub decode_us: u64,
     /// Attention scores in the prefill tile pairs not wholly masked, as
     /// ggml computes them and as the trimmed kernel did (ggml-patch/).
-    pub attention_full: u64,
-    pub attention_computed: u64,
+    pub attention: crate::wire::worker::AttentionWork,
     /// KV cells in use: tokens resident across sequences, as the scheduler
     /// models them (filled in by `stats`, not counted).
     pub kv_cells_used: u64,

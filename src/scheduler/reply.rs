@@ -19,8 +19,7 @@ impl SchedulerState {
 
     /// The tiled attention's work a step's reply reported.
     pub fn note_attention(&mut self, work: crate::wire::worker::AttentionWork) {
-        self.stats.attention_full += work.full;
-        self.stats.attention_computed += work.computed;
+        self.stats.attention.add(work);
     }
 
     /// What the worker reported of a step: tokens decoded (prompt and

@@ -203,6 +203,44 @@ fn generations_by_finish_kv_cells_and_wal_health() {
     documented(&text);
 }
 
+/// The tiled attention's work reaches `Metrics`: a prompt of more than 64
+/// tokens is prefilled by llama.cpp's tiled kernel, whose causal diagonal
+/// pairs superfluid's kernel computes in part (ggml-patch/).
+#[test]
+fn the_tiled_attention_work_is_counted() {
+    let d = TestDaemon::start();
+    let mut c = d.client();
+    let before = samples(&metrics(&d));
+    assert_eq!(
+        value(&before, "superfluid_attention_tile_scores_total"),
+        0.0
+    );
+    let s = created(
+        &mut c,
+        Request::Create {
+            parent: None,
+            params: params(3),
+        },
+    );
+    let text: String = (0..12)
+        .map(|i| format!("Line {i} of the log says the tide is low and the lamp is lit. "))
+        .collect();
+    commit(
+        &mut c,
+        Request::AppendMessage {
+            session: s,
+            role: Role::User.into(),
+            text,
+        },
+    );
+    crate::util::generate_text(&mut c, s, 1).unwrap();
+    let after = samples(&metrics(&d));
+    let full = value(&after, "superfluid_attention_tile_scores_total");
+    let computed = value(&after, "superfluid_attention_scores_computed_total");
+    assert!(full >= 64.0 * 64.0, "{after:?}");
+    assert!(computed > 0.0 && computed < full, "{computed} of {full}");
+}
+
 /// `promtool check metrics` (Debian's `prometheus` package; scripts/setup.sh
 /// installs it) accepts the text, lint included.
 fn promtool_accepts(text: &str) {
